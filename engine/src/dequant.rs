@@ -1,0 +1,1 @@
+//! The engine's fast dequantization path (filled in by the dequant work).

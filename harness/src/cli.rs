@@ -1,0 +1,90 @@
+//! clap argument structs for every subcommand. Validation into a plan happens in `commands`.
+
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "llmdiff",
+    version,
+    about = "Differential debugging for LLM deployments: run a tensor-parallel engine beside a slow, obviously-correct reference, tap every layer, and say where and why they part.",
+    after_help = "Exit codes: 0 agree/pass/healthy, 1 divergence/gate failed/unhealthy, 2 bad input or usage.\nEvery command takes --json: results on stdout, logs on stderr."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Show a GGUF file's metadata, tensor table and parsed model config.
+    Inspect(InspectArgs),
+    /// Write a deterministic random-weight GGUF model (llama or deepseek2) from a preset or dims.
+    Synth(SynthArgs),
+    /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
+    Demo(DemoArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// The GGUF file.
+    pub model: PathBuf,
+    /// Print the result as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Show every metadata array item instead of a summary.
+    #[arg(long)]
+    pub full: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// A named preset (see --list-presets).
+    #[arg(long, conflicts_with = "arch")]
+    pub preset: Option<String>,
+    /// Build from explicit dims instead of a preset.
+    #[arg(long, value_parser = ["llama", "deepseek2"])]
+    pub arch: Option<String>,
+    /// Weight type for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K).
+    /// Defaults to the preset's own types.
+    #[arg(long)]
+    pub quant: Option<String>,
+    /// RNG seed; the same seed gives the same bytes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output GGUF path.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
+    /// List the presets and exit.
+    #[arg(long)]
+    pub list_presets: bool,
+    #[command(flatten)]
+    pub dims: DimArgs,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Explicit dims for `synth --arch`, or overrides of a preset's.
+#[derive(Args, Debug, Default, Clone)]
+pub struct DimArgs {
+    #[arg(long)]
+    pub n_layers: Option<usize>,
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    #[arg(long)]
+    pub n_heads: Option<usize>,
+    #[arg(long)]
+    pub n_kv_heads: Option<usize>,
+    #[arg(long)]
+    pub ffn_dim: Option<usize>,
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    #[arg(long)]
+    pub n_experts: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    #[arg(long)]
+    pub json: bool,
+}

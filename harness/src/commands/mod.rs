@@ -1,0 +1,16 @@
+//! One module per subcommand; `run` dispatches.
+
+use crate::cli::{Cli, Command};
+use std::process::ExitCode;
+
+pub mod demo;
+pub mod inspect;
+pub mod synth;
+
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.command {
+        Command::Inspect(a) => inspect::run(&a),
+        Command::Synth(a) => synth::run(&a),
+        Command::Demo(a) => demo::run(&a),
+    }
+}

@@ -1,0 +1,70 @@
+//! Shared helpers for commands: opening models with one-line errors, and JSON forms of the
+//! references crate's types (which stays free of serde).
+
+use anyhow::Context;
+use references::config::{Gating, ModelConfig};
+use references::{GgufFile, MetaValue};
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// Opens a GGUF file; the error names the file and byte offset.
+pub fn open_model(path: &Path) -> anyhow::Result<GgufFile> {
+    if !path.exists() {
+        anyhow::bail!("{}: no such file", path.display());
+    }
+    GgufFile::open(path).with_context(|| "cannot read the model".to_string())
+}
+
+/// A metadata value as JSON. Arrays longer than `summarize_over` become
+/// `{"array": elem_type, "len": N, "head": [...]}`.
+pub fn meta_json(v: &MetaValue, summarize_over: usize) -> Value {
+    match v {
+        MetaValue::U8(x) => json!(x),
+        MetaValue::I8(x) => json!(x),
+        MetaValue::U16(x) => json!(x),
+        MetaValue::I16(x) => json!(x),
+        MetaValue::U32(x) => json!(x),
+        MetaValue::I32(x) => json!(x),
+        MetaValue::F32(x) => json!(x),
+        MetaValue::Bool(x) => json!(x),
+        MetaValue::String(s) => json!(s),
+        MetaValue::U64(x) => json!(x),
+        MetaValue::I64(x) => json!(x),
+        MetaValue::F64(x) => json!(x),
+        MetaValue::Array { elem_type, items } => {
+            if items.len() > summarize_over {
+                let head: Vec<Value> = items
+                    .iter()
+                    .take(8)
+                    .map(|i| meta_json(i, summarize_over))
+                    .collect();
+                json!({"array_type": elem_type, "len": items.len(), "head": head})
+            } else {
+                Value::Array(items.iter().map(|i| meta_json(i, summarize_over)).collect())
+            }
+        }
+    }
+}
+
+pub fn config_json(c: &ModelConfig) -> Value {
+    let mla = c.mla.as_ref().map(|m| {
+        json!({"q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope": m.qk_nope,
+               "qk_rope": m.qk_rope, "v_head_dim": m.v_head_dim})
+    });
+    let moe = c.moe.as_ref().map(|m| {
+        json!({"n_experts": m.n_experts, "n_used": m.n_used, "n_shared": m.n_shared, "expert_ffn": m.expert_ffn,
+               "n_dense_lead": m.n_dense_lead, "weights_scale": m.weights_scale, "weights_norm": m.weights_norm,
+               "gating": match m.gating { Gating::Softmax => "softmax", Gating::Sigmoid => "sigmoid" },
+               "n_groups": m.n_groups, "n_groups_used": m.n_groups_used})
+    });
+    let yarn = c.yarn.as_ref().map(|y| {
+        json!({"factor": y.factor, "original_context": y.original_context, "log_multiplier": y.log_multiplier})
+    });
+    json!({
+        "arch": c.arch.name(), "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads,
+        "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim, "vocab": c.vocab,
+        "rms_eps": c.rms_eps, "rope_base": c.rope_base, "rope_dim": c.rope_dim,
+        "context_length": c.context_length, "tied_embeddings": c.tied_embeddings,
+        "mla": mla, "moe": moe, "yarn": yarn,
+    })
+}

@@ -1,0 +1,213 @@
+//! The ggml tensor element types that llmdiff knows: ids, names and block geometry.
+
+use std::fmt;
+
+/// A ggml tensor type. Only the types llmdiff can dequantize are variants; other ids are
+/// reported by [`GgmlType::from_id`] as errors carrying the id and, where known, its ggml name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    BF16,
+}
+
+/// Elements per super-block of the k-quants.
+pub const QK_K: usize = 256;
+
+impl GgmlType {
+    /// Every supported type, in id order.
+    pub const ALL: [GgmlType; 13] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::BF16,
+    ];
+
+    /// The type for a GGUF type id, or `Err(name)` naming an id llmdiff does not support.
+    pub fn from_id(id: u32) -> Result<GgmlType, String> {
+        Ok(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
+            8 => GgmlType::Q8_0,
+            10 => GgmlType::Q2K,
+            11 => GgmlType::Q3K,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
+            30 => GgmlType::BF16,
+            other => return Err(unsupported_type_name(other).to_string()),
+        })
+    }
+
+    /// The GGUF type id.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// ggml's name, as gguf-py and llama.cpp print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q2K => "Q2_K",
+            GgmlType::Q3K => "Q3_K",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
+            GgmlType::Q6K => "Q6_K",
+            GgmlType::BF16 => "BF16",
+        }
+    }
+
+    /// Parses a name as printed by [`GgmlType::name`], case-insensitively.
+    pub fn from_name(name: &str) -> Option<GgmlType> {
+        GgmlType::ALL.into_iter().find(|t| {
+            t.name().eq_ignore_ascii_case(name)
+                || t.name().replace('_', "").eq_ignore_ascii_case(name)
+        })
+    }
+
+    /// Elements per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+                32
+            }
+            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q2K => 84,
+            GgmlType::Q3K => 110,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
+        }
+    }
+
+    /// Bytes needed for `n_elems` elements, or `None` when `n_elems` is not a whole number of
+    /// blocks or the size overflows.
+    pub fn bytes_for(self, n_elems: u64) -> Option<u64> {
+        let be = self.block_elems() as u64;
+        if n_elems % be != 0 {
+            return None;
+        }
+        (n_elems / be).checked_mul(self.block_bytes() as u64)
+    }
+
+    /// True for the block-quantized types (everything but F32, F16 and BF16).
+    pub fn is_quantized(self) -> bool {
+        self.block_elems() > 1
+    }
+}
+
+impl fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// ggml's name for a type id llmdiff does not support (for error messages).
+fn unsupported_type_name(id: u32) -> String {
+    let name = match id {
+        4 => "Q4_2 (removed)",
+        5 => "Q4_3 (removed)",
+        9 => "Q8_1",
+        15 => "Q8_K",
+        16 => "IQ2_XXS",
+        17 => "IQ2_XS",
+        18 => "IQ3_XXS",
+        19 => "IQ1_S",
+        20 => "IQ4_NL",
+        21 => "IQ3_S",
+        22 => "IQ2_S",
+        23 => "IQ4_XS",
+        24 => "I8",
+        25 => "I16",
+        26 => "I32",
+        27 => "I64",
+        28 => "F64",
+        29 => "IQ1_M",
+        31..=33 => "Q4_0_4_4/4_8/8_8 (removed)",
+        34 => "TQ1_0",
+        35 => "TQ2_0",
+        39 => "MXFP4",
+        _ => "unknown",
+    };
+    format!("type id {id} ({name})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_names_parse() {
+        for t in GgmlType::ALL {
+            assert_eq!(GgmlType::from_id(t.id()), Ok(t));
+            assert_eq!(GgmlType::from_name(t.name()), Some(t));
+        }
+        assert_eq!(GgmlType::from_name("q4k"), Some(GgmlType::Q4K));
+        assert!(GgmlType::from_id(15).unwrap_err().contains("Q8_K"));
+        assert!(GgmlType::from_id(999).unwrap_err().contains("999"));
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(GgmlType::Q4_1.bytes_for(64), Some(40));
+        assert_eq!(GgmlType::Q4K.bytes_for(100), None);
+        assert_eq!(GgmlType::F32.bytes_for(u64::MAX), None);
+    }
+}

@@ -1,0 +1,19 @@
+//! `references`: the obviously-correct side of llmdiff.
+//!
+//! It reads and writes GGUF files ([`gguf`]), derives model hyper-parameters from their metadata
+//! ([`config`]), defines the one tap-key type and the tap protocol ([`tap`]), and holds the scalar
+//! reference dequantizers and round-to-nearest quantizers ([`dequant`], [`quant`]).
+//! It depends on nothing else in the workspace.
+
+pub mod config;
+pub mod dequant;
+pub mod ggml_type;
+pub mod gguf;
+pub mod quant;
+pub mod tap;
+pub mod writer;
+
+pub use config::{ConfigError, ModelConfig};
+pub use ggml_type::GgmlType;
+pub use gguf::{GgufError, GgufFile, MetaValue, TensorInfo};
+pub use tap::{Site, Tap, TapKey};

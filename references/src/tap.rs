@@ -1,0 +1,403 @@
+//! The tap protocol: the one key type that names every probe point ([`TapKey`]), its printed
+//! form, and the two-phase [`Tap`] trait (`wants`, then `record`) that both the engine and the
+//! reference call, as ggml's eval callback does.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The canary a custom op's output buffer is filled with before the op runs: a quiet NaN whose
+/// payload spells `0x1DF0D` ("llmdiff"-ish), so an unwritten element is recognisable bit for bit.
+pub const CANARY_BITS: u32 = 0x7FC1_DF0D;
+
+/// The canary as an f32 (a NaN).
+pub fn canary() -> f32 {
+    f32::from_bits(CANARY_BITS)
+}
+
+/// True when `x` carries the canary's exact bits.
+pub fn is_canary(x: f32) -> bool {
+    x.to_bits() == CANARY_BITS
+}
+
+/// Which weight a weight tap shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WeightKind {
+    Q,
+    K,
+    V,
+    O,
+    QA,
+    QB,
+    KvA,
+    KvB,
+    Gate,
+    Up,
+    Down,
+    Router,
+}
+
+impl WeightKind {
+    pub const ALL: [WeightKind; 12] = [
+        WeightKind::Q,
+        WeightKind::K,
+        WeightKind::V,
+        WeightKind::O,
+        WeightKind::QA,
+        WeightKind::QB,
+        WeightKind::KvA,
+        WeightKind::KvB,
+        WeightKind::Gate,
+        WeightKind::Up,
+        WeightKind::Down,
+        WeightKind::Router,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightKind::Q => "q",
+            WeightKind::K => "k",
+            WeightKind::V => "v",
+            WeightKind::O => "o",
+            WeightKind::QA => "q_a",
+            WeightKind::QB => "q_b",
+            WeightKind::KvA => "kv_a",
+            WeightKind::KvB => "kv_b",
+            WeightKind::Gate => "gate",
+            WeightKind::Up => "up",
+            WeightKind::Down => "down",
+            WeightKind::Router => "router",
+        }
+    }
+}
+
+/// A probe site. The declaration order is the execution order within a layer; `Embed` comes
+/// before every layer, `OutputNorm` and `Logits` after the last.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Site {
+    Embed,
+    /// A weight shard as the loader built it (`blk.3.w.kv_b@r1`). Weight taps precede activations.
+    Weight(WeightKind),
+    AttnNorm,
+    QA,
+    Q,
+    KvLatent,
+    KPe,
+    K,
+    V,
+    AttnOut,
+    AttnProj,
+    ResidAttn,
+    FfnNorm,
+    MoeLogits,
+    MoeTopk,
+    FfnGate,
+    FfnUp,
+    FfnOut,
+    ResidOut,
+    OutputNorm,
+    Logits,
+}
+
+impl Site {
+    /// Every activation site (weights excluded), in execution order.
+    pub const ACTIVATIONS: [Site; 20] = [
+        Site::Embed,
+        Site::AttnNorm,
+        Site::QA,
+        Site::Q,
+        Site::KvLatent,
+        Site::KPe,
+        Site::K,
+        Site::V,
+        Site::AttnOut,
+        Site::AttnProj,
+        Site::ResidAttn,
+        Site::FfnNorm,
+        Site::MoeLogits,
+        Site::MoeTopk,
+        Site::FfnGate,
+        Site::FfnUp,
+        Site::FfnOut,
+        Site::ResidOut,
+        Site::OutputNorm,
+        Site::Logits,
+    ];
+
+    /// The printed name (without layer or rank).
+    pub fn name(self) -> String {
+        match self {
+            Site::Weight(w) => format!("w.{}", w.name()),
+            other => other.activation_name().to_string(),
+        }
+    }
+
+    fn activation_name(self) -> &'static str {
+        match self {
+            Site::Embed => "embed",
+            Site::Weight(_) => "w",
+            Site::AttnNorm => "attn_norm",
+            Site::QA => "q_a",
+            Site::Q => "q",
+            Site::KvLatent => "kv_latent",
+            Site::KPe => "k_pe",
+            Site::K => "k",
+            Site::V => "v",
+            Site::AttnOut => "attn_out",
+            Site::AttnProj => "attn_proj",
+            Site::ResidAttn => "resid_attn",
+            Site::FfnNorm => "ffn_norm",
+            Site::MoeLogits => "moe_logits",
+            Site::MoeTopk => "moe_topk",
+            Site::FfnGate => "ffn_gate",
+            Site::FfnUp => "ffn_up",
+            Site::FfnOut => "ffn_out",
+            Site::ResidOut => "resid_out",
+            Site::OutputNorm => "output_norm",
+            Site::Logits => "logits",
+        }
+    }
+
+    /// True for the sites outside any layer.
+    pub fn is_global(self) -> bool {
+        matches!(self, Site::Embed | Site::OutputNorm | Site::Logits)
+    }
+
+    /// True for custom ops that write a caller-allocated output buffer (canary-checked).
+    pub fn is_custom_op_output(self) -> bool {
+        matches!(self, Site::AttnOut | Site::FfnOut)
+    }
+
+    pub fn parse(s: &str) -> Option<Site> {
+        if let Some(w) = s.strip_prefix("w.") {
+            return WeightKind::ALL
+                .into_iter()
+                .find(|k| k.name() == w)
+                .map(Site::Weight);
+        }
+        Site::ACTIVATIONS
+            .into_iter()
+            .find(|site| site.activation_name() == s)
+    }
+}
+
+/// The one tap-key type: layer, site and rank. Printed `embed`, `blk.3.attn_out`,
+/// `blk.3.attn_out@r1`, `blk.3.w.kv_b@r1`, `output_norm` or `logits`.
+///
+/// Keys order by execution: embed, then layer by layer (weights, then activations in site
+/// order, the rank-local form before the reduced one), then output_norm and logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TapKey {
+    pub layer: Option<u32>,
+    pub site: Site,
+    pub rank: Option<u32>,
+}
+
+impl TapKey {
+    pub fn global(site: Site) -> TapKey {
+        TapKey {
+            layer: None,
+            site,
+            rank: None,
+        }
+    }
+    pub fn layer(layer: usize, site: Site) -> TapKey {
+        TapKey {
+            layer: Some(layer as u32),
+            site,
+            rank: None,
+        }
+    }
+    pub fn ranked(layer: usize, site: Site, rank: usize) -> TapKey {
+        TapKey {
+            layer: Some(layer as u32),
+            site,
+            rank: Some(rank as u32),
+        }
+    }
+    /// The same key without its rank (the reference's full tensor for a rank-local tap).
+    pub fn unranked(self) -> TapKey {
+        TapKey { rank: None, ..self }
+    }
+
+    fn order_key(&self) -> (u8, u32, Site, u32) {
+        let phase = match (self.site, self.layer) {
+            (Site::Embed, _) => 0,
+            (_, Some(_)) => 1,
+            _ => 2,
+        };
+        (
+            phase,
+            self.layer.unwrap_or(0),
+            self.site,
+            self.rank.map_or(u32::MAX, |r| r),
+        )
+    }
+}
+
+impl PartialOrd for TapKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for TapKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.order_key().cmp(&other.order_key())
+    }
+}
+
+impl fmt::Display for TapKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(l) = self.layer {
+            write!(f, "blk.{l}.")?;
+        }
+        write!(f, "{}", self.site.name())?;
+        if let Some(r) = self.rank {
+            write!(f, "@r{r}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for TapKey {
+    type Err = String;
+    fn from_str(s: &str) -> Result<TapKey, String> {
+        let bad = || {
+            format!("bad tap key {s:?} (expected e.g. embed, blk.3.attn_out, blk.3.attn_out@r1)")
+        };
+        let (body, rank) = match s.split_once("@r") {
+            Some((b, r)) => (b, Some(r.parse::<u32>().map_err(|_| bad())?)),
+            None => (s, None),
+        };
+        let (layer, site) = match body.strip_prefix("blk.") {
+            Some(rest) => {
+                let (l, site) = rest.split_once('.').ok_or_else(bad)?;
+                (Some(l.parse::<u32>().map_err(|_| bad())?), site)
+            }
+            None => (None, body),
+        };
+        let site = Site::parse(site).ok_or_else(bad)?;
+        if layer.is_none() != site.is_global() {
+            return Err(bad());
+        }
+        Ok(TapKey { layer, site, rank })
+    }
+}
+
+/// A probe callback. `wants` is asked first; `record` runs only for wanted keys and must copy
+/// `data` (row-major, `shape = [rows, cols]`), since the caller may overwrite it afterwards.
+pub trait Tap: Send {
+    fn wants(&self, key: &TapKey) -> bool;
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]);
+}
+
+/// A tap that wants nothing.
+pub struct NoTap;
+impl Tap for NoTap {
+    fn wants(&self, _: &TapKey) -> bool {
+        false
+    }
+    fn record(&mut self, _: &TapKey, _: &[f32], _: [usize; 2]) {}
+}
+
+/// A recorded tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recorded {
+    pub key: TapKey,
+    pub shape: [usize; 2],
+    pub data: Vec<f32>,
+}
+
+/// A tap that keeps copies of everything its filter accepts, in arrival order.
+pub struct CollectTap<F: Fn(&TapKey) -> bool + Send> {
+    pub filter: F,
+    pub recorded: Vec<Recorded>,
+}
+
+impl<F: Fn(&TapKey) -> bool + Send> CollectTap<F> {
+    pub fn new(filter: F) -> Self {
+        CollectTap {
+            filter,
+            recorded: Vec::new(),
+        }
+    }
+    pub fn get(&self, key: &TapKey) -> Option<&Recorded> {
+        self.recorded.iter().find(|r| r.key == *key)
+    }
+}
+
+impl<F: Fn(&TapKey) -> bool + Send> Tap for CollectTap<F> {
+    fn wants(&self, key: &TapKey) -> bool {
+        (self.filter)(key)
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        self.recorded.push(Recorded {
+            key: *key,
+            shape,
+            data: data.to_vec(),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn printed_forms_round_trip() {
+        for s in [
+            "embed",
+            "blk.3.attn_out",
+            "blk.3.attn_out@r1",
+            "blk.3.w.kv_b@r1",
+            "output_norm",
+            "logits",
+            "blk.0.moe_topk",
+        ] {
+            let k: TapKey = s.parse().unwrap();
+            assert_eq!(k.to_string(), s);
+        }
+        assert!("blk.x.q".parse::<TapKey>().is_err());
+        assert!("blk.1.logits".parse::<TapKey>().is_err());
+        assert!("attn_out".parse::<TapKey>().is_err());
+        assert!("blk.1.nope".parse::<TapKey>().is_err());
+    }
+
+    #[test]
+    fn execution_order() {
+        let keys: Vec<TapKey> = [
+            "logits",
+            "blk.1.q",
+            "blk.0.resid_out",
+            "blk.0.attn_out",
+            "blk.0.attn_out@r1",
+            "blk.0.w.q@r0",
+            "output_norm",
+            "embed",
+        ]
+        .iter()
+        .map(|s| s.parse().unwrap())
+        .collect();
+        let mut sorted = keys.clone();
+        sorted.sort();
+        let printed: Vec<String> = sorted.iter().map(|k| k.to_string()).collect();
+        assert_eq!(
+            printed,
+            [
+                "embed",
+                "blk.0.w.q@r0",
+                "blk.0.attn_out@r1",
+                "blk.0.attn_out",
+                "blk.0.resid_out",
+                "blk.1.q",
+                "output_norm",
+                "logits"
+            ]
+        );
+    }
+
+    #[test]
+    fn canary_is_a_recognisable_nan() {
+        assert!(canary().is_nan());
+        assert!(is_canary(canary()));
+        assert!(!is_canary(f32::NAN));
+    }
+}

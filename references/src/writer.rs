@@ -1,0 +1,203 @@
+//! GGUF v3 writer. It streams: the header and tensor directory go first, then each tensor's
+//! bytes in directory order, so a model larger than memory can be written one tensor at a time.
+//! A file it writes, read back and written again, is byte-identical.
+
+use crate::ggml_type::GgmlType;
+use crate::gguf::{align_up, value_type, GgufFile, MetaValue, DEFAULT_ALIGNMENT};
+use std::io::{self, Write};
+
+/// What the directory says of one tensor before its bytes are written.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub ty: GgmlType,
+    /// ne[0] first (the contiguous axis).
+    pub ne: Vec<u64>,
+}
+
+impl TensorSpec {
+    pub fn new(name: impl Into<String>, ty: GgmlType, ne: &[u64]) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            ty,
+            ne: ne.to_vec(),
+        }
+    }
+    pub fn n_bytes(&self) -> u64 {
+        let n: u64 = self.ne.iter().product();
+        self.ty.bytes_for(n).unwrap_or_else(|| {
+            panic!(
+                "{}: {:?} is not whole {} blocks",
+                self.name, self.ne, self.ty
+            )
+        })
+    }
+}
+
+/// A GGUF file being written: construct with the metadata and directory, then call
+/// [`GgufWriter::write_tensor`] once per tensor in order, then [`GgufWriter::finish`].
+pub struct GgufWriter<W: Write> {
+    w: W,
+    specs: Vec<TensorSpec>,
+    n_written: usize,
+    pos: u64,
+    alignment: u64,
+}
+
+impl<W: Write> GgufWriter<W> {
+    pub fn new(
+        mut w: W,
+        metadata: &[(String, MetaValue)],
+        specs: Vec<TensorSpec>,
+    ) -> io::Result<Self> {
+        let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
+            Some((_, MetaValue::U32(a))) => *a as u64,
+            _ => DEFAULT_ALIGNMENT,
+        };
+        let mut head = Vec::new();
+        head.extend_from_slice(b"GGUF");
+        head.extend_from_slice(&3u32.to_le_bytes());
+        head.extend_from_slice(&(specs.len() as u64).to_le_bytes());
+        head.extend_from_slice(&(metadata.len() as u64).to_le_bytes());
+        for (k, v) in metadata {
+            put_str(&mut head, k);
+            head.extend_from_slice(&v.type_id().to_le_bytes());
+            put_value(&mut head, v);
+        }
+        let mut offset = 0u64;
+        for s in &specs {
+            put_str(&mut head, &s.name);
+            head.extend_from_slice(&(s.ne.len() as u32).to_le_bytes());
+            for d in &s.ne {
+                head.extend_from_slice(&d.to_le_bytes());
+            }
+            head.extend_from_slice(&s.ty.id().to_le_bytes());
+            head.extend_from_slice(&offset.to_le_bytes());
+            offset = align_up(offset + s.n_bytes(), alignment);
+        }
+        let pad = align_up(head.len() as u64, alignment) as usize - head.len();
+        head.resize(head.len() + pad, 0);
+        w.write_all(&head)?;
+        Ok(GgufWriter {
+            w,
+            specs,
+            n_written: 0,
+            pos: 0,
+            alignment,
+        })
+    }
+
+    /// Writes the next tensor's bytes, then pads to the alignment.
+    pub fn write_tensor(&mut self, data: &[u8]) -> io::Result<()> {
+        let spec = self
+            .specs
+            .get(self.n_written)
+            .ok_or_else(|| io::Error::other("more tensors written than the directory lists"))?;
+        if data.len() as u64 != spec.n_bytes() {
+            return Err(io::Error::other(format!(
+                "tensor {}: {} bytes given, {} expected",
+                spec.name,
+                data.len(),
+                spec.n_bytes()
+            )));
+        }
+        self.w.write_all(data)?;
+        let end = self.pos + data.len() as u64;
+        let padded = align_up(end, self.alignment);
+        self.w.write_all(&vec![0u8; (padded - end) as usize])?;
+        self.pos = padded;
+        self.n_written += 1;
+        Ok(())
+    }
+
+    pub fn finish(mut self) -> io::Result<W> {
+        if self.n_written != self.specs.len() {
+            return Err(io::Error::other(format!(
+                "{} of {} tensors written",
+                self.n_written,
+                self.specs.len()
+            )));
+        }
+        self.w.flush()?;
+        Ok(self.w)
+    }
+}
+
+/// Rewrites an open file: same metadata, directory and bytes, in llmdiff's canonical layout.
+pub fn rewrite<W: Write>(src: &GgufFile, w: W) -> io::Result<W> {
+    let specs = src
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
+        .collect();
+    let mut gw = GgufWriter::new(w, src.metadata(), specs)?;
+    for t in src.tensors() {
+        gw.write_tensor(src.tensor_data(t))?;
+    }
+    gw.finish()
+}
+
+fn put_str(b: &mut Vec<u8>, s: &str) {
+    b.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    b.extend_from_slice(s.as_bytes());
+}
+
+fn put_value(b: &mut Vec<u8>, v: &MetaValue) {
+    match v {
+        MetaValue::U8(x) => b.push(*x),
+        MetaValue::I8(x) => b.push(*x as u8),
+        MetaValue::U16(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::I16(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::U32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::I32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::F32(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::Bool(x) => b.push(*x as u8),
+        MetaValue::String(s) => put_str(b, s),
+        MetaValue::U64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::I64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::F64(x) => b.extend_from_slice(&x.to_le_bytes()),
+        MetaValue::Array { elem_type, items } => {
+            debug_assert!(items.iter().all(|i| i.type_id() == *elem_type));
+            b.extend_from_slice(&elem_type.to_le_bytes());
+            b.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            // Nested arrays carry their own element type and count, written by the recursion.
+            for it in items {
+                put_value(b, it);
+            }
+        }
+    }
+}
+
+/// Shorthands for building metadata.
+pub fn meta_str(k: &str, v: &str) -> (String, MetaValue) {
+    (k.to_string(), MetaValue::String(v.to_string()))
+}
+pub fn meta_u32(k: &str, v: u32) -> (String, MetaValue) {
+    (k.to_string(), MetaValue::U32(v))
+}
+pub fn meta_f32(k: &str, v: f32) -> (String, MetaValue) {
+    (k.to_string(), MetaValue::F32(v))
+}
+pub fn meta_bool(k: &str, v: bool) -> (String, MetaValue) {
+    (k.to_string(), MetaValue::Bool(v))
+}
+pub fn meta_str_array(k: &str, v: &[String]) -> (String, MetaValue) {
+    let items = v.iter().map(|s| MetaValue::String(s.clone())).collect();
+    (
+        k.to_string(),
+        MetaValue::Array {
+            elem_type: value_type::STRING,
+            items,
+        },
+    )
+}
+pub fn meta_i32_array(k: &str, v: &[i32]) -> (String, MetaValue) {
+    let items = v.iter().map(|&x| MetaValue::I32(x)).collect();
+    (
+        k.to_string(),
+        MetaValue::Array {
+            elem_type: value_type::I32,
+            items,
+        },
+    )
+}
