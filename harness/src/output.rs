@@ -33,11 +33,7 @@ pub fn meta_json(v: &MetaValue, summarize_over: usize) -> Value {
         MetaValue::F64(x) => json!(x),
         MetaValue::Array { elem_type, items } => {
             if items.len() > summarize_over {
-                let head: Vec<Value> = items
-                    .iter()
-                    .take(8)
-                    .map(|i| meta_json(i, summarize_over))
-                    .collect();
+                let head: Vec<Value> = items.iter().take(8).map(|i| meta_json(i, summarize_over)).collect();
                 json!({"array_type": elem_type, "len": items.len(), "head": head})
             } else {
                 Value::Array(items.iter().map(|i| meta_json(i, summarize_over)).collect())
@@ -57,9 +53,9 @@ pub fn config_json(c: &ModelConfig) -> Value {
                "gating": match m.gating { Gating::Softmax => "softmax", Gating::Sigmoid => "sigmoid" },
                "n_groups": m.n_groups, "n_groups_used": m.n_groups_used})
     });
-    let yarn = c.yarn.as_ref().map(|y| {
-        json!({"factor": y.factor, "original_context": y.original_context, "log_multiplier": y.log_multiplier})
-    });
+    let yarn = c.yarn.as_ref().map(
+        |y| json!({"factor": y.factor, "original_context": y.original_context, "log_multiplier": y.log_multiplier}),
+    );
     json!({
         "arch": c.arch.name(), "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads,
         "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim, "vocab": c.vocab,

@@ -123,8 +123,7 @@ impl Meta<'_> {
         }
     }
     fn usize(&self, k: &str) -> Result<usize, ConfigError> {
-        self.usize_opt(k)?
-            .ok_or_else(|| ConfigError::Missing(self.key(k)))
+        self.usize_opt(k)?.ok_or_else(|| ConfigError::Missing(self.key(k)))
     }
     fn f32_or(&self, k: &str, default: f32) -> Result<f32, ConfigError> {
         match self.opt(k) {
@@ -197,11 +196,7 @@ impl ModelConfig {
         let tied_embeddings = h.tensor("output.weight").is_none();
 
         let (mla, moe, rope_dim) = match arch {
-            Arch::Llama => (
-                None,
-                None,
-                m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim),
-            ),
+            Arch::Llama => (None, None, m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim)),
             Arch::Deepseek2 => {
                 let qk_rope = m.usize("rope.dimension_count")?;
                 let qk_head = match m.usize_opt("attention.key_length_mla")? {
@@ -215,9 +210,7 @@ impl ModelConfig {
                 if qk_rope > qk_head || qk_rope % 2 != 0 {
                     return Err(ConfigError::Bad {
                         key: m.key("rope.dimension_count"),
-                        msg: format!(
-                            "rope dim {qk_rope} must be even and at most the key length {qk_head}"
-                        ),
+                        msg: format!("rope dim {qk_rope} must be even and at most the key length {qk_head}"),
                     });
                 }
                 let q_lora_rank = m.usize_opt("attention.q_lora_rank")?.filter(|&r| r > 0);
@@ -243,15 +236,8 @@ impl ModelConfig {
                     };
                     let n_used = m.usize("expert_used_count")?;
                     let n_groups = m.usize_opt("expert_group_count")?.unwrap_or(1).max(1);
-                    let n_groups_used = m
-                        .usize_opt("expert_group_used_count")?
-                        .unwrap_or(n_groups)
-                        .max(1);
-                    if n_used == 0
-                        || n_used > n_experts
-                        || n_experts % n_groups != 0
-                        || n_groups_used > n_groups
-                    {
+                    let n_groups_used = m.usize_opt("expert_group_used_count")?.unwrap_or(n_groups).max(1);
+                    if n_used == 0 || n_used > n_experts || n_experts % n_groups != 0 || n_groups_used > n_groups {
                         return Err(ConfigError::Bad {
                             key: m.key("expert_used_count"),
                             msg: format!("{n_used} of {n_experts} experts in {n_groups_used}/{n_groups} groups is not a valid routing"),
@@ -264,10 +250,7 @@ impl ModelConfig {
                         expert_ffn: m.usize("expert_feed_forward_length")?,
                         n_dense_lead: m.usize_opt("leading_dense_block_count")?.unwrap_or(0),
                         weights_scale: m.f32_or("expert_weights_scale", 1.0)?,
-                        weights_norm: matches!(
-                            m.opt("expert_weights_norm"),
-                            Some(MetaValue::Bool(true))
-                        ),
+                        weights_norm: matches!(m.opt("expert_weights_norm"), Some(MetaValue::Bool(true))),
                         gating,
                         n_groups,
                         n_groups_used,
@@ -316,8 +299,6 @@ impl ModelConfig {
 
     /// True when layer `layer_idx` routes through experts.
     pub fn is_moe_layer(&self, layer_idx: usize) -> bool {
-        self.moe
-            .as_ref()
-            .is_some_and(|m| layer_idx >= m.n_dense_lead)
+        self.moe.as_ref().is_some_and(|m| layer_idx >= m.n_dense_lead)
     }
 }

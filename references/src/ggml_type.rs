@@ -102,19 +102,16 @@ impl GgmlType {
 
     /// Parses a name as printed by [`GgmlType::name`], case-insensitively.
     pub fn from_name(name: &str) -> Option<GgmlType> {
-        GgmlType::ALL.into_iter().find(|t| {
-            t.name().eq_ignore_ascii_case(name)
-                || t.name().replace('_', "").eq_ignore_ascii_case(name)
-        })
+        GgmlType::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(name) || t.name().replace('_', "").eq_ignore_ascii_case(name))
     }
 
     /// Elements per block.
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-                32
-            }
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }

