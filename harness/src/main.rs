@@ -5,6 +5,12 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`llmdiff inspect x.gguf | head`), as Unix tools do.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = harness::cli::Cli::parse();
     match harness::commands::run(cli) {
         Ok(code) => code,

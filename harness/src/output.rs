@@ -64,3 +64,19 @@ pub fn config_json(c: &ModelConfig) -> Value {
         "mla": mla, "moe": moe, "yarn": yarn,
     })
 }
+
+/// A progress bar on stderr, hidden when `show` is false or stderr is not a terminal.
+pub fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !show || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:40}] {bytes}/{total_bytes} {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(what.to_string());
+    bar
+}

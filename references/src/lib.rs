@@ -10,6 +10,7 @@ pub mod dequant;
 pub mod ggml_type;
 pub mod gguf;
 pub mod quant;
+pub mod synth;
 pub mod tap;
 pub mod writer;
 

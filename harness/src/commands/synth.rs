@@ -1,6 +1,149 @@
-//! `llmdiff synth`: deterministic random-weight GGUF models.
-use crate::cli::SynthArgs;
+//! `llmdiff synth`: deterministic random-weight GGUF models from a preset or explicit dims.
+
+use crate::cli::{DimArgs, SynthArgs};
+use crate::output::{config_json, progress_bar};
+use anyhow::{bail, Context};
+use references::synth::{preset, write_model, SynthSpec, PRESETS};
+use references::GgmlType;
+use serde_json::json;
+use std::io::BufWriter;
+use std::path::Path;
 use std::process::ExitCode;
-pub fn run(_a: &SynthArgs) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("synth: not built yet")
+
+pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
+    if a.list_presets {
+        for (name, about) in PRESETS {
+            println!("{name:<18} {about}");
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let spec = plan(a)?;
+    let Some(out) = &a.output else {
+        bail!("synth needs -o OUT.gguf")
+    };
+    let bytes = write_spec(&spec, a.seed, out, !a.json)?;
+    if a.json {
+        let doc = json!({"output": out.display().to_string(), "preset": spec.name, "weight_type": spec.weight_type.name(),
+                         "seed": a.seed, "tensor_bytes": bytes, "config": config_json(&spec.config)});
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        eprintln!(
+            "wrote {} ({}, {}, seed {}, {:.1} MiB of tensors)",
+            out.display(),
+            spec.name,
+            spec.weight_type,
+            a.seed,
+            bytes as f64 / (1 << 20) as f64
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes `spec` to `out` through a temp file in the same directory, renamed at the end, so a
+/// failure never leaves a half-written model behind.
+pub fn write_spec(spec: &SynthSpec, seed: u64, out: &Path, show_progress: bool) -> anyhow::Result<u64> {
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot write in {}", dir.display()))?;
+    let bar = progress_bar(show_progress, "synth");
+    let bytes = write_model(
+        spec,
+        seed,
+        BufWriter::with_capacity(1 << 20, tmp.as_file()),
+        |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+    )
+    .with_context(|| format!("writing {}", out.display()))?;
+    bar.finish_and_clear();
+    tmp.persist(out)
+        .with_context(|| format!("cannot create {}", out.display()))?;
+    Ok(bytes)
+}
+
+/// Turns the arguments into a validated spec before any work starts.
+pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
+    let base = match (&a.preset, &a.arch) {
+        (Some(p), _) => preset(p).with_context(|| {
+            let names: Vec<&str> = PRESETS.iter().map(|(n, _)| *n).collect();
+            format!("unknown preset {p:?} (presets: {})", names.join(", "))
+        })?,
+        (None, Some(arch)) => {
+            let mut s = preset(if arch == "llama" {
+                "llama-tiny"
+            } else {
+                "deepseek-v3-mini"
+            })
+            .expect("base preset");
+            s.name = format!("custom-{arch}");
+            s
+        }
+        (None, None) => bail!("synth needs --preset NAME or --arch llama|deepseek2 (see --list-presets)"),
+    };
+    let mut spec = apply_dims(base, &a.dims)?;
+    if let Some(q) = &a.quant {
+        let ty = GgmlType::from_name(q).with_context(|| {
+            let names: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+            format!("unknown quant type {q:?} (types: {})", names.join(", "))
+        })?;
+        spec.weight_type = ty;
+        spec.embd_type = ty;
+    }
+    Ok(spec)
+}
+
+fn apply_dims(mut s: SynthSpec, d: &DimArgs) -> anyhow::Result<SynthSpec> {
+    let c = &mut s.config;
+    if let Some(v) = d.n_layers {
+        c.n_layers = v;
+    }
+    if let Some(v) = d.d_model {
+        c.d_model = v;
+    }
+    if let Some(v) = d.n_heads {
+        c.n_heads = v;
+    }
+    if let Some(v) = d.n_kv_heads {
+        c.n_kv_heads = v;
+    }
+    if let Some(v) = d.ffn_dim {
+        c.ffn_dim = v;
+    }
+    if let Some(v) = d.vocab {
+        c.vocab = v;
+    }
+    if let (Some(v), Some(moe)) = (d.n_experts, c.moe.as_mut()) {
+        moe.n_experts = v;
+        moe.n_groups = moe.n_groups.min(v).max(1);
+        moe.n_groups_used = moe.n_groups_used.min(moe.n_groups);
+        moe.n_used = moe.n_used.min(v);
+    }
+    if c.n_layers == 0 || c.d_model == 0 || c.n_heads == 0 || c.n_kv_heads == 0 || c.ffn_dim == 0 {
+        bail!("dims must be positive");
+    }
+    if c.d_model % 32 != 0 || c.ffn_dim % 32 != 0 {
+        bail!("--d-model and --ffn-dim must be multiples of 32 (the quant block size)");
+    }
+    if c.vocab < 259 {
+        bail!("--vocab must be at least 259 (3 control tokens + 256 byte tokens)");
+    }
+    if c.mla.is_none() {
+        if c.d_model % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 {
+            bail!("--n-heads must divide --d-model, and --n-kv-heads must divide --n-heads");
+        }
+        c.head_dim = c.d_model / c.n_heads;
+        c.rope_dim = c.head_dim;
+    } else {
+        c.n_kv_heads = 1;
+        c.head_dim = c.d_model / c.n_heads.max(1);
+    }
+    if let Some(moe) = &c.moe {
+        if moe.n_experts % moe.n_groups != 0 || moe.n_dense_lead > c.n_layers {
+            bail!("{} experts do not split into {} groups", moe.n_experts, moe.n_groups);
+        }
+    }
+    Ok(s)
 }

@@ -1,0 +1,541 @@
+//! Deterministic random-weight GGUF models (`llmdiff synth`), for llama and deepseek2 in the
+//! llama.cpp tensor layout (deepseek2 with the attn_k_b/attn_v_b split), in any supported type.
+//!
+//! Every tensor's values come from its own RNG stream, seeded by (seed, tensor name, chunk), so
+//! the bytes do not depend on thread count or tensor order. Weights are scaled to keep activations
+//! near unit variance and the logits peaked (std ≈ 4), so outputs are not flat.
+
+use crate::config::{Arch, Gating, MlaConfig, ModelConfig, MoeConfig};
+use crate::ggml_type::GgmlType;
+use crate::gguf::{value_type, MetaValue};
+use crate::quant::{quantize, QuantError};
+use crate::writer::{meta_bool, meta_f32, meta_str, meta_str_array, meta_u32, GgufWriter, TensorSpec};
+use rayon::prelude::*;
+use std::io::{self, Write};
+
+/// A model to synthesize: its config and the weight types.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthSpec {
+    pub name: String,
+    pub config: ModelConfig,
+    /// Type of the 2-D (and expert) weights.
+    pub weight_type: GgmlType,
+    /// Type of token_embd.
+    pub embd_type: GgmlType,
+}
+
+/// Preset names, with one line each for `--list-presets`.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("llama-tiny", "llama, 2 layers, d 256, 8/4 heads, vocab 512, Q8_0 (about 1.5 MB)"),
+    ("smollm2-135m", "SmolLM2-135M's exact shapes and types: 30 layers, d 576, 9/3 heads, vocab 49152, Q4_1 + Q8_0 embd"),
+    ("deepseek-v3-mini", "deepseek2 MLA + MoE: 3 layers (1 dense), 8 heads, 8 experts in 4 groups, shared expert, sigmoid"),
+    ("glm5-mini", "the seed story's shape: 64 heads, qk_nope 192, rope 64, v 256, kv_lora 512 (kv_b [28672, 512]), 2 layers, 4 experts"),
+];
+
+fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: usize, vocab: usize) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        n_layers,
+        d_model: d,
+        n_heads: heads,
+        n_kv_heads: kv,
+        head_dim: d / heads,
+        ffn_dim: ffn,
+        vocab,
+        rms_eps: 1e-5,
+        rope_base: if name == "smollm2-135m" { 100000.0 } else { 10000.0 },
+        rope_dim: d / heads,
+        context_length: 8192,
+        tied_embeddings: name == "smollm2-135m",
+        mla: None,
+        moe: None,
+        yarn: None,
+    }
+}
+
+/// The spec for a preset name.
+pub fn preset(name: &str) -> Option<SynthSpec> {
+    let (config, weight_type, embd_type) = match name {
+        "llama-tiny" => (llama(name, 2, 256, 8, 4, 512, 512), GgmlType::Q8_0, GgmlType::Q8_0),
+        "smollm2-135m" => (llama(name, 30, 576, 9, 3, 1536, 49152), GgmlType::Q4_1, GgmlType::Q8_0),
+        "deepseek-v3-mini" => (
+            deepseek2(
+                3,
+                256,
+                8,
+                512,
+                512,
+                MlaConfig {
+                    q_lora_rank: Some(256),
+                    kv_lora_rank: 256,
+                    qk_nope: 32,
+                    qk_rope: 16,
+                    v_head_dim: 32,
+                },
+                MoeConfig {
+                    n_experts: 8,
+                    n_used: 2,
+                    n_shared: 1,
+                    expert_ffn: 128,
+                    n_dense_lead: 1,
+                    weights_scale: 2.5,
+                    weights_norm: true,
+                    gating: Gating::Sigmoid,
+                    n_groups: 4,
+                    n_groups_used: 2,
+                },
+            ),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        "glm5-mini" => (
+            deepseek2(
+                2,
+                512,
+                64,
+                1024,
+                512,
+                MlaConfig {
+                    q_lora_rank: Some(256),
+                    kv_lora_rank: 512,
+                    qk_nope: 192,
+                    qk_rope: 64,
+                    v_head_dim: 256,
+                },
+                MoeConfig {
+                    n_experts: 4,
+                    n_used: 2,
+                    n_shared: 1,
+                    expert_ffn: 256,
+                    n_dense_lead: 1,
+                    weights_scale: 2.5,
+                    weights_norm: true,
+                    gating: Gating::Sigmoid,
+                    n_groups: 2,
+                    n_groups_used: 1,
+                },
+            ),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        _ => return None,
+    };
+    Some(SynthSpec {
+        name: name.to_string(),
+        config,
+        weight_type,
+        embd_type,
+    })
+}
+
+/// A deepseek2 config in the llama.cpp MLA layout (head_count_kv = 1).
+pub fn deepseek2(
+    n_layers: usize,
+    d: usize,
+    heads: usize,
+    ffn: usize,
+    vocab: usize,
+    mla: MlaConfig,
+    moe: MoeConfig,
+) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Deepseek2,
+        n_layers,
+        d_model: d,
+        n_heads: heads,
+        n_kv_heads: 1,
+        head_dim: d / heads,
+        ffn_dim: ffn,
+        vocab,
+        rms_eps: 1e-6,
+        rope_base: 10000.0,
+        rope_dim: mla.qk_rope,
+        context_length: 4096,
+        tied_embeddings: false,
+        mla: Some(mla),
+        moe: Some(moe),
+        yarn: None,
+    }
+}
+
+/// How a tensor's values are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Init {
+    /// N(0, (gain²/fan_in)), fan_in = ne[0].
+    Linear(f32),
+    /// 1 + 0.1·N(0,1) (norm weights).
+    Norm,
+    /// N(0, std²).
+    Normal(f32),
+}
+
+struct Planned {
+    spec: TensorSpec,
+    init: Init,
+}
+
+fn pick_type(want: GgmlType, ne0: u64) -> GgmlType {
+    // K-quants need rows of 256 and the 32-blocks rows of 32: fall back as llama.cpp's quantizer does.
+    [want, GgmlType::Q8_0, GgmlType::F16]
+        .into_iter()
+        .find(|t| ne0 % t.block_elems() as u64 == 0)
+        .unwrap()
+}
+
+fn plan(spec: &SynthSpec) -> Vec<Planned> {
+    let c = &spec.config;
+    let (d, vocab) = (c.d_model as u64, c.vocab as u64);
+    let mut out = Vec::new();
+    let mut push = |name: String, ty: GgmlType, ne: &[u64], init: Init| {
+        let ty = if ty == GgmlType::F32 { ty } else { pick_type(ty, ne[0]) };
+        out.push(Planned {
+            spec: TensorSpec::new(name, ty, ne),
+            init,
+        });
+    };
+    let w = spec.weight_type;
+    push(
+        "token_embd.weight".into(),
+        spec.embd_type,
+        &[d, vocab],
+        Init::Normal(1.0),
+    );
+    for l in 0..c.n_layers {
+        let b = |s: &str| format!("blk.{l}.{s}.weight");
+        push(b("attn_norm"), GgmlType::F32, &[d], Init::Norm);
+        match &c.mla {
+            None => {
+                let (h, kv, hd) = (c.n_heads as u64, c.n_kv_heads as u64, c.head_dim as u64);
+                push(b("attn_q"), w, &[d, h * hd], Init::Linear(1.0));
+                push(b("attn_k"), w, &[d, kv * hd], Init::Linear(1.0));
+                push(b("attn_v"), w, &[d, kv * hd], Init::Linear(1.0));
+                push(b("attn_output"), w, &[h * hd, d], Init::Linear(1.0));
+            }
+            Some(m) => {
+                let h = c.n_heads as u64;
+                let (nope, rope, v, kvl) = (
+                    m.qk_nope as u64,
+                    m.qk_rope as u64,
+                    m.v_head_dim as u64,
+                    m.kv_lora_rank as u64,
+                );
+                match m.q_lora_rank {
+                    Some(ql) => {
+                        push(b("attn_q_a"), w, &[d, ql as u64], Init::Linear(1.0));
+                        push(b("attn_q_a_norm"), GgmlType::F32, &[ql as u64], Init::Norm);
+                        push(b("attn_q_b"), w, &[ql as u64, h * (nope + rope)], Init::Linear(1.0));
+                    }
+                    None => push(b("attn_q"), w, &[d, h * (nope + rope)], Init::Linear(1.0)),
+                }
+                push(b("attn_kv_a_mqa"), w, &[d, kvl + rope], Init::Linear(1.0));
+                push(b("attn_kv_a_norm"), GgmlType::F32, &[kvl], Init::Norm);
+                // k_b is stored transposed per head: torch [H, kv_lora, nope] -> ne [nope, kv_lora, H].
+                // Its fan-in in the forward pass is kv_lora, not ne[0].
+                push(
+                    b("attn_k_b"),
+                    w,
+                    &[nope, kvl, h],
+                    Init::Normal(1.0 / (kvl as f32).sqrt()),
+                );
+                push(b("attn_v_b"), w, &[kvl, v, h], Init::Linear(1.0));
+                push(b("attn_output"), w, &[h * v, d], Init::Linear(1.0));
+            }
+        }
+        push(b("ffn_norm"), GgmlType::F32, &[d], Init::Norm);
+        match &c.moe {
+            Some(m) if c.is_moe_layer(l) => {
+                let (n, eff) = (m.n_experts as u64, m.expert_ffn as u64);
+                push(b("ffn_gate_inp"), GgmlType::F32, &[d, n], Init::Linear(1.0));
+                if m.gating == Gating::Sigmoid {
+                    push(
+                        format!("blk.{l}.exp_probs_b.bias"),
+                        GgmlType::F32,
+                        &[n],
+                        Init::Normal(0.05),
+                    );
+                }
+                push(b("ffn_gate_exps"), w, &[d, eff, n], Init::Linear(1.0));
+                push(b("ffn_up_exps"), w, &[d, eff, n], Init::Linear(1.0));
+                push(b("ffn_down_exps"), w, &[eff, d, n], Init::Linear(1.0));
+                if m.n_shared > 0 {
+                    let sh = eff * m.n_shared as u64;
+                    push(b("ffn_gate_shexp"), w, &[d, sh], Init::Linear(1.0));
+                    push(b("ffn_up_shexp"), w, &[d, sh], Init::Linear(1.0));
+                    push(b("ffn_down_shexp"), w, &[sh, d], Init::Linear(1.0));
+                }
+            }
+            _ => {
+                let f = c.ffn_dim as u64;
+                push(b("ffn_gate"), w, &[d, f], Init::Linear(1.0));
+                push(b("ffn_up"), w, &[d, f], Init::Linear(1.0));
+                push(b("ffn_down"), w, &[f, d], Init::Linear(1.0));
+            }
+        }
+    }
+    push("output_norm.weight".into(), GgmlType::F32, &[d], Init::Norm);
+    if !c.tied_embeddings {
+        push("output.weight".into(), w, &[d, vocab], Init::Linear(4.0));
+    }
+    out
+}
+
+/// GGUF metadata for a spec, in llama.cpp's key names, with a byte-level BPE vocabulary.
+pub fn metadata(spec: &SynthSpec) -> Vec<(String, MetaValue)> {
+    let c = &spec.config;
+    let a = c.arch.name();
+    let k = |s: &str| format!("{a}.{s}");
+    let mut m = vec![
+        meta_str("general.architecture", a),
+        meta_str("general.name", &format!("llmdiff-synth {}", spec.name)),
+        meta_u32("general.alignment", 32),
+        meta_u32(&k("block_count"), c.n_layers as u32),
+        meta_u32(&k("context_length"), c.context_length as u32),
+        meta_u32(&k("embedding_length"), c.d_model as u32),
+        meta_u32(&k("feed_forward_length"), c.ffn_dim as u32),
+        meta_u32(&k("attention.head_count"), c.n_heads as u32),
+        meta_u32(&k("attention.head_count_kv"), c.n_kv_heads as u32),
+        meta_f32(&k("rope.freq_base"), c.rope_base),
+        meta_f32(&k("attention.layer_norm_rms_epsilon"), c.rms_eps),
+        meta_u32(&k("vocab_size"), c.vocab as u32),
+        meta_u32(&k("rope.dimension_count"), c.rope_dim as u32),
+    ];
+    if let Some(mla) = &c.mla {
+        m.push(meta_u32(
+            &k("attention.q_lora_rank"),
+            mla.q_lora_rank.unwrap_or(0) as u32,
+        ));
+        m.push(meta_u32(&k("attention.kv_lora_rank"), mla.kv_lora_rank as u32));
+        m.push(meta_u32(
+            &k("attention.key_length"),
+            (mla.kv_lora_rank + mla.qk_rope) as u32,
+        ));
+        m.push(meta_u32(&k("attention.value_length"), mla.kv_lora_rank as u32));
+        m.push(meta_u32(
+            &k("attention.key_length_mla"),
+            (mla.qk_nope + mla.qk_rope) as u32,
+        ));
+        m.push(meta_u32(&k("attention.value_length_mla"), mla.v_head_dim as u32));
+    }
+    if let Some(moe) = &c.moe {
+        m.push(meta_u32(&k("leading_dense_block_count"), moe.n_dense_lead as u32));
+        m.push(meta_u32(&k("expert_feed_forward_length"), moe.expert_ffn as u32));
+        m.push(meta_u32(&k("expert_count"), moe.n_experts as u32));
+        m.push(meta_u32(&k("expert_used_count"), moe.n_used as u32));
+        m.push(meta_u32(&k("expert_shared_count"), moe.n_shared as u32));
+        m.push(meta_f32(&k("expert_weights_scale"), moe.weights_scale));
+        m.push(meta_bool(&k("expert_weights_norm"), moe.weights_norm));
+        m.push(meta_u32(
+            &k("expert_gating_func"),
+            if moe.gating == Gating::Sigmoid { 2 } else { 1 },
+        ));
+        m.push(meta_u32(&k("expert_group_count"), moe.n_groups as u32));
+        m.push(meta_u32(&k("expert_group_used_count"), moe.n_groups_used as u32));
+    }
+    let (tokens, types) = synth_vocab(c.vocab);
+    m.push(meta_str("tokenizer.ggml.model", "gpt2"));
+    m.push(meta_str("tokenizer.ggml.pre", "default"));
+    m.push(meta_str_array("tokenizer.ggml.tokens", &tokens));
+    let types = types.into_iter().map(MetaValue::I32).collect();
+    m.push((
+        "tokenizer.ggml.token_type".into(),
+        MetaValue::Array {
+            elem_type: value_type::I32,
+            items: types,
+        },
+    ));
+    m.push((
+        "tokenizer.ggml.merges".into(),
+        MetaValue::Array {
+            elem_type: value_type::STRING,
+            items: vec![],
+        },
+    ));
+    m.push(meta_u32("tokenizer.ggml.bos_token_id", 1));
+    m.push(meta_u32("tokenizer.ggml.eos_token_id", 2));
+    m.push(meta_bool("tokenizer.ggml.add_bos_token", false));
+    m
+}
+
+/// A byte-level vocabulary: 3 control tokens, the 256 GPT-2 byte symbols, then filler tokens.
+fn synth_vocab(vocab: usize) -> (Vec<String>, Vec<i32>) {
+    let mut tokens: Vec<String> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        .map(String::from)
+        .to_vec();
+    let mut types = vec![3, 3, 3];
+    for b in 0..=255u8 {
+        tokens.push(gpt2_byte_char(b).to_string());
+        types.push(1);
+    }
+    for i in tokens.len()..vocab {
+        tokens.push(format!("<synth_{i}>"));
+        types.push(4);
+    }
+    tokens.truncate(vocab);
+    types.truncate(vocab);
+    (tokens, types)
+}
+
+/// GPT-2's `bytes_to_unicode`: printable bytes map to themselves, the rest to U+0100 onwards.
+pub fn gpt2_byte_char(b: u8) -> char {
+    let printable = |x: u8| (b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || (0xAE..=0xFF).contains(&x);
+    if printable(b) {
+        return b as char;
+    }
+    let n = (0..b).filter(|&x| !printable(x)).count() as u32;
+    char::from_u32(256 + n).expect("valid scalar")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Quant(#[from] QuantError),
+    #[error("vocab {0} is too small: the synthetic vocabulary needs at least 259 tokens")]
+    VocabTooSmall(usize),
+}
+
+/// Writes the model to `w`, one tensor at a time, calling `progress(done, total)` in tensor-data
+/// bytes after each. Returns the number of bytes of tensor data.
+pub fn write_model<W: Write>(
+    spec: &SynthSpec,
+    seed: u64,
+    w: W,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<u64, SynthError> {
+    if spec.config.vocab < 259 {
+        return Err(SynthError::VocabTooSmall(spec.config.vocab));
+    }
+    let planned = plan(spec);
+    let specs = planned.iter().map(|p| p.spec.clone()).collect();
+    let total: u64 = planned.iter().map(|p| p.spec.n_bytes()).sum();
+    let mut gw = GgufWriter::new(w, &metadata(spec), specs)?;
+    let mut done = 0;
+    for p in &planned {
+        let data = tensor_bytes(p, seed)?;
+        done += data.len() as u64;
+        gw.write_tensor(&data)?;
+        progress(done, total);
+    }
+    gw.finish()?;
+    Ok(total)
+}
+
+/// Elements per RNG chunk (a multiple of every block size).
+const CHUNK: usize = 1 << 16;
+
+fn tensor_bytes(p: &Planned, seed: u64) -> Result<Vec<u8>, QuantError> {
+    let n: usize = p.spec.ne.iter().product::<u64>() as usize;
+    let fan_in = p.spec.ne[0] as f32;
+    let base = seed ^ fnv1a(p.spec.name.as_bytes());
+    let chunks: Vec<Result<Vec<u8>, QuantError>> = (0..n.div_ceil(CHUNK))
+        .into_par_iter()
+        .map(|ci| {
+            let len = CHUNK.min(n - ci * CHUNK);
+            let mut rng = Rng::new(base.wrapping_add((ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+            let vals: Vec<f32> = (0..len)
+                .map(|_| {
+                    let z = rng.normal();
+                    match p.init {
+                        Init::Linear(gain) => z * gain / fan_in.sqrt(),
+                        Init::Norm => 1.0 + 0.1 * z,
+                        Init::Normal(s) => z * s,
+                    }
+                })
+                .collect();
+            quantize(p.spec.ty, &vals)
+        })
+        .collect();
+    let mut out = Vec::with_capacity(p.spec.n_bytes() as usize);
+    for c in chunks {
+        out.extend_from_slice(&c?);
+    }
+    Ok(out)
+}
+
+fn fnv1a(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// xoshiro256** seeded by splitmix64, with Box–Muller normals.
+struct Rng {
+    s: [u64; 4],
+    spare: Option<f32>,
+}
+
+impl Rng {
+    fn new(mut seed: u64) -> Rng {
+        let mut next = || {
+            seed = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = seed;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Rng {
+            s: [next(), next(), next(), next()],
+            spare: None,
+        }
+    }
+    fn next_u64(&mut self) -> u64 {
+        let r = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = self.s[1] << 17;
+        self.s[2] ^= self.s[0];
+        self.s[3] ^= self.s[1];
+        self.s[1] ^= self.s[2];
+        self.s[0] ^= self.s[3];
+        self.s[2] ^= t;
+        self.s[3] = self.s[3].rotate_left(45);
+        r
+    }
+    /// Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f32 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let (u1, u2) = (self.uniform(), self.uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = 2.0 * std::f64::consts::PI * u2;
+        self.spare = Some((r * t.sin()) as f32);
+        (r * t.cos()) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_bytes_are_a_bijection() {
+        let chars: std::collections::HashSet<char> = (0..=255u8).map(gpt2_byte_char).collect();
+        assert_eq!(chars.len(), 256);
+        assert_eq!(gpt2_byte_char(b' '), 'Ġ');
+        assert_eq!(gpt2_byte_char(b'\n'), 'Ċ');
+        assert_eq!(gpt2_byte_char(b'a'), 'a');
+    }
+
+    #[test]
+    fn normals_have_unit_variance() {
+        let mut r = Rng::new(7);
+        let xs: Vec<f64> = (0..100_000).map(|_| r.normal() as f64).collect();
+        let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+        let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
+        assert!(mean.abs() < 0.02, "{mean}");
+        assert!((var - 1.0).abs() < 0.02, "{var}");
+    }
+
+    #[test]
+    fn glm5_mini_has_the_seed_story_kv_b() {
+        let s = preset("glm5-mini").unwrap();
+        let m = s.config.mla.as_ref().unwrap();
+        assert_eq!(
+            (s.config.n_heads * (m.qk_nope + m.v_head_dim), m.kv_lora_rank),
+            (28672, 512)
+        );
+    }
+}
