@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod dequant;
+pub mod forward;
 pub mod ggml_type;
 pub mod gguf;
 pub mod quant;

@@ -71,29 +71,56 @@ impl WeightKind {
 
 /// A probe site. The declaration order is the execution order within a layer; `Embed` comes
 /// before every layer, `OutputNorm` and `Logits` after the last.
+///
+/// Every activation tap is row-major `[n_tokens, width]`; the widths below use H heads,
+/// KV kv-heads, hd head dim, d model dim, f FFN dim, and for MLA nope/rope/v/kv_lora/q_lora.
+/// A rank-local form (`@rN`) holds rank N's columns of the same tensor (see [`rank_columns`]),
+/// except at `AttnProj` and `FfnOut`, where `@rN` is rank N's partial sum before the all-reduce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Site {
+    /// Token embeddings `[n, d]`.
     Embed,
-    /// A weight shard as the loader built it (`blk.3.w.kv_b@r1`). Weight taps precede activations.
+    /// A weight as the loader built it, torch layout `[out, in]` (`blk.3.w.kv_b@r1` is rank 1's
+    /// shard). kv_b is the reassembled `[H·(nope+v), kv_lora]`. Weight taps precede activations.
     Weight(WeightKind),
+    /// RMSNorm(x)·w before attention `[n, d]`.
     AttnNorm,
+    /// MLA: q_a projection output before its norm `[n, q_lora]`.
     QA,
+    /// Queries after RoPE: llama `[n, H·hd]`; MLA `[n, H·(nope+rope)]`, per head `[q_nope | q_pe]`.
     Q,
+    /// MLA: the latent after kv_a_norm `[n, kv_lora]`.
     KvLatent,
+    /// MLA: the shared rope key after RoPE `[n, rope]`.
     KPe,
+    /// Keys: llama after RoPE `[n, KV·hd]`; MLA k_nope from kv_b `[n, H·nope]`.
     K,
+    /// Values: llama `[n, KV·hd]`; MLA from kv_b `[n, H·v]`.
     V,
+    /// The attention custom op's output buffer, before o_proj: `[n, H·hd]` (MLA `[n, H·v]`).
     AttnOut,
+    /// o_proj output after the all-reduce `[n, d]`.
     AttnProj,
+    /// x + attn_proj `[n, d]`.
     ResidAttn,
+    /// RMSNorm before the FFN `[n, d]`.
     FfnNorm,
+    /// MoE router logits x·Wgᵀ before the gating function `[n, n_experts]`.
     MoeLogits,
+    /// Chosen expert ids, ascending, as f32 `[n, n_used]`.
     MoeTopk,
+    /// Dense FFN gate projection before SiLU `[n, f]` (not tapped in MoE layers).
     FfnGate,
+    /// Dense FFN up projection `[n, f]` (not tapped in MoE layers).
     FfnUp,
+    /// FFN output after the all-reduce `[n, d]`: down(silu(gate)·up), or the MoE mix (routed +
+    /// shared experts), which is a custom op writing a caller-allocated buffer.
     FfnOut,
+    /// resid_attn + ffn_out `[n, d]`.
     ResidOut,
+    /// Final RMSNorm `[n, d]`.
     OutputNorm,
+    /// Logits `[n, vocab]` (after the vocab-parallel gather).
     Logits,
 }
 
@@ -289,6 +316,61 @@ impl Tap for NoTap {
         false
     }
     fn record(&mut self, _: &TapKey, _: &[f32], _: [usize; 2]) {}
+}
+
+/// The columns of a full `[n, width]` activation (or the rows of a `[out, in]` weight, for
+/// column-parallel weights) that rank `rank` of `tp` holds, as `start..end`; `None` where the
+/// rank-local form is not a slice (partial sums, replicated tensors) or `tp` does not divide the
+/// heads. Sharding follows vLLM: q/k/v/attn_out and MLA heads by whole heads, FFN gate/up by
+/// columns, and `w.o`/`w.down` by input columns (row-parallel, which `weight_in_columns` gives).
+pub fn rank_columns(
+    site: Site,
+    c: &crate::config::ModelConfig,
+    tp: usize,
+    rank: usize,
+) -> Option<std::ops::Range<usize>> {
+    let split = |width: usize, parts: usize| -> Option<std::ops::Range<usize>> {
+        if parts == 0 || width % parts != 0 || rank >= tp {
+            return None;
+        }
+        let w = width / parts;
+        Some(rank * w..(rank + 1) * w)
+    };
+    let heads_per_rank = |n_heads: usize| (n_heads % tp == 0).then_some(tp);
+    match (&c.mla, site) {
+        (None, Site::Q | Site::AttnOut | Site::Weight(WeightKind::Q)) => {
+            split(c.n_heads * c.head_dim, heads_per_rank(c.n_heads)?)
+        }
+        (None, Site::K | Site::V | Site::Weight(WeightKind::K) | Site::Weight(WeightKind::V)) => {
+            split(c.n_kv_heads * c.head_dim, heads_per_rank(c.n_kv_heads)?)
+        }
+        (Some(m), Site::Q | Site::Weight(WeightKind::QB)) => {
+            split(c.n_heads * (m.qk_nope + m.qk_rope), heads_per_rank(c.n_heads)?)
+        }
+        (Some(m), Site::K) => split(c.n_heads * m.qk_nope, heads_per_rank(c.n_heads)?),
+        (Some(m), Site::V | Site::AttnOut) => split(c.n_heads * m.v_head_dim, heads_per_rank(c.n_heads)?),
+        (Some(m), Site::Weight(WeightKind::KvB)) => {
+            split(c.n_heads * (m.qk_nope + m.v_head_dim), heads_per_rank(c.n_heads)?)
+        }
+        (_, Site::FfnGate | Site::FfnUp | Site::Weight(WeightKind::Gate) | Site::Weight(WeightKind::Up)) => {
+            split(c.ffn_dim, tp)
+        }
+        _ => None,
+    }
+}
+
+/// For row-parallel weights (`w.o`, `w.down`), the input columns rank `rank` holds.
+pub fn weight_in_columns(
+    kind: WeightKind,
+    c: &crate::config::ModelConfig,
+    tp: usize,
+    rank: usize,
+) -> Option<std::ops::Range<usize>> {
+    match kind {
+        WeightKind::O => rank_columns(Site::AttnOut, c, tp, rank),
+        WeightKind::Down => rank_columns(Site::FfnUp, c, tp, rank),
+        _ => None,
+    }
 }
 
 /// A recorded tensor.
