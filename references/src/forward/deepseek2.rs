@@ -6,7 +6,13 @@ use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Refer
 use crate::config::{Gating, MoeConfig};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
-pub(super) fn layer(r: &Reference, l: usize, x: Vec<f32>, n: usize, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+pub(super) fn layer(
+    r: &Reference,
+    l: usize,
+    x: Vec<f32>,
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
     let c = &r.config;
     let d = c.d_model;
     let name = |s: &str| format!("blk.{l}.{s}.weight");
@@ -29,7 +35,11 @@ pub(super) fn layer(r: &Reference, l: usize, x: Vec<f32>, n: usize, tap: &mut dy
             let gate = r.matrix(&name("ffn_gate"), f, d)?;
             let up = r.matrix(&name("ffn_up"), f, d)?;
             let down = r.matrix(&name("ffn_down"), d, f)?;
-            for (kind, w) in [(WeightKind::Gate, &gate), (WeightKind::Up, &up), (WeightKind::Down, &down)] {
+            for (kind, w) in [
+                (WeightKind::Gate, &gate),
+                (WeightKind::Up, &up),
+                (WeightKind::Down, &down),
+            ] {
                 emit_weight(tap, l, kind, w);
             }
             let (g, u, out) = swiglu_ffn(&h, n, &gate, &up, &down);
@@ -63,7 +73,11 @@ pub fn reassemble_kv_b(k_b: &[f32], v_b: &[f32], n_heads: usize, nope: usize, v:
             data[dst..dst + kv_lora].copy_from_slice(&v_b[src..src + kv_lora]);
         }
     }
-    Mat { rows: n_heads * rows_per_head, cols: kv_lora, data }
+    Mat {
+        rows: n_heads * rows_per_head,
+        cols: kv_lora,
+        data,
+    }
 }
 
 /// Multi-head latent attention; returns the attention output `[n, H·v]` (before o_proj).
@@ -186,7 +200,9 @@ pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Routing {
             .collect();
         group_scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         for &(_, g) in &group_scores[moe.n_groups_used..] {
-            choice[g * per_group..(g + 1) * per_group].iter_mut().for_each(|v| *v = f64::NEG_INFINITY);
+            choice[g * per_group..(g + 1) * per_group]
+                .iter_mut()
+                .for_each(|v| *v = f64::NEG_INFINITY);
         }
     }
     let mut order: Vec<usize> = (0..n_exp).collect();
@@ -208,14 +224,32 @@ fn expert(r: &Reference, l: usize, e: usize, d: usize, eff: usize) -> Result<[Ma
         let t = r.tensor(&format!("blk.{l}.{s}.weight"))?;
         let want = [cols as u64, rows as u64, t.ne.get(2).copied().unwrap_or(0)];
         if t.ne.len() != 3 || t.ne[..2] != want[..2] || (want[2] as usize) <= e {
-            return Err(ForwardError::BadTensor { name: t.name.clone(), msg: format!("dims {:?}, expert {e}", t.ne) });
+            return Err(ForwardError::BadTensor {
+                name: t.name.clone(),
+                msg: format!("dims {:?}, expert {e}", t.ne),
+            });
         }
-        Ok(Mat { rows, cols, data: r.rows(t, e * rows, rows)? })
+        Ok(Mat {
+            rows,
+            cols,
+            data: r.rows(t, e * rows, rows)?,
+        })
     };
-    Ok([slice("ffn_gate_exps", eff, d)?, slice("ffn_up_exps", eff, d)?, slice("ffn_down_exps", d, eff)?])
+    Ok([
+        slice("ffn_gate_exps", eff, d)?,
+        slice("ffn_up_exps", eff, d)?,
+        slice("ffn_down_exps", d, eff)?,
+    ])
 }
 
-fn moe_ffn(r: &Reference, l: usize, moe: &MoeConfig, h: &[f32], n: usize, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+fn moe_ffn(
+    r: &Reference,
+    l: usize,
+    moe: &MoeConfig,
+    h: &[f32],
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
     let d = r.config.d_model;
     let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
     let router = r.matrix(&format!("blk.{l}.ffn_gate_inp.weight"), n_exp, d)?;
@@ -228,7 +262,10 @@ fn moe_ffn(r: &Reference, l: usize, moe: &MoeConfig, h: &[f32], n: usize, tap: &
         None => None,
     };
     let routes: Vec<Routing> = logits.chunks(n_exp).map(|z| route(z, moe, bias.as_deref())).collect();
-    let topk: Vec<f32> = routes.iter().flat_map(|rt| rt.experts.iter().map(|&e| e as f32)).collect();
+    let topk: Vec<f32> = routes
+        .iter()
+        .flat_map(|rt| rt.experts.iter().map(|&e| e as f32))
+        .collect();
     emit(tap, TapKey::layer(l, Site::MoeTopk), &topk, n);
 
     let mut out = vec![0f64; n * d];
@@ -242,7 +279,10 @@ fn moe_ffn(r: &Reference, l: usize, moe: &MoeConfig, h: &[f32], n: usize, tap: &
             continue;
         }
         let [gate, up, down] = expert(r, l, e, d, eff)?;
-        let xs: Vec<f32> = users.iter().flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied()).collect();
+        let xs: Vec<f32> = users
+            .iter()
+            .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
+            .collect();
         let (_, _, y) = swiglu_ffn(&xs, users.len(), &gate, &up, &down);
         for (i, &(t, w)) in users.iter().enumerate() {
             for j in 0..d {
@@ -318,6 +358,9 @@ mod tests {
         let bias = [0.0, 0.0, 5.0, 5.0, 0.0, 0.0, 0.0, 0.0];
         let rt = route(&logits, &moe(4, 1), Some(&bias));
         assert_eq!(rt.experts, vec![2, 3]);
-        assert!((rt.weights[0] - 1.0).abs() < 1e-12, "equal unbiased scores split the scale");
+        assert!(
+            (rt.weights[0] - 1.0).abs() < 1e-12,
+            "equal unbiased scores split the scale"
+        );
     }
 }

@@ -3,7 +3,13 @@
 use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Reference};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
-pub(super) fn layer(r: &Reference, l: usize, x: Vec<f32>, n: usize, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+pub(super) fn layer(
+    r: &Reference,
+    l: usize,
+    x: Vec<f32>,
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
     let c = &r.config;
     let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
     let name = |s: &str| format!("blk.{l}.{s}.weight");
@@ -13,7 +19,12 @@ pub(super) fn layer(r: &Reference, l: usize, x: Vec<f32>, n: usize, tap: &mut dy
     let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
     let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
     let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
-    for (kind, w) in [(WeightKind::Q, &wq), (WeightKind::K, &wk), (WeightKind::V, &wv), (WeightKind::O, &wo)] {
+    for (kind, w) in [
+        (WeightKind::Q, &wq),
+        (WeightKind::K, &wk),
+        (WeightKind::V, &wv),
+        (WeightKind::O, &wo),
+    ] {
         emit_weight(tap, l, kind, w);
     }
 
@@ -44,7 +55,11 @@ pub(super) fn layer(r: &Reference, l: usize, x: Vec<f32>, n: usize, tap: &mut dy
     let gate = r.matrix(&name("ffn_gate"), f, d)?;
     let up = r.matrix(&name("ffn_up"), f, d)?;
     let down = r.matrix(&name("ffn_down"), d, f)?;
-    for (kind, w) in [(WeightKind::Gate, &gate), (WeightKind::Up, &up), (WeightKind::Down, &down)] {
+    for (kind, w) in [
+        (WeightKind::Gate, &gate),
+        (WeightKind::Up, &up),
+        (WeightKind::Down, &down),
+    ] {
         emit_weight(tap, l, kind, w);
     }
     let h = ops::rms_norm(&x, d, &r.vector(&name("ffn_norm"), d)?, c.rms_eps);

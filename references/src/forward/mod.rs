@@ -43,7 +43,10 @@ pub struct Reference<'a> {
 
 impl<'a> Reference<'a> {
     pub fn new(file: &'a GgufFile) -> Result<Self, ForwardError> {
-        Ok(Reference { file, config: ModelConfig::from_header(&file.header)? })
+        Ok(Reference {
+            file,
+            config: ModelConfig::from_header(&file.header)?,
+        })
     }
 
     /// Runs `tokens` (one sequence, positions 0..n) and returns logits `[n, vocab]` row-major.
@@ -54,7 +57,11 @@ impl<'a> Reference<'a> {
         let c = &self.config;
         for (pos, &id) in tokens.iter().enumerate() {
             if id as usize >= c.vocab {
-                return Err(ForwardError::TokenOutOfRange { id, pos, vocab: c.vocab });
+                return Err(ForwardError::TokenOutOfRange {
+                    id,
+                    pos,
+                    vocab: c.vocab,
+                });
             }
         }
         let n = tokens.len();
@@ -74,11 +81,16 @@ impl<'a> Reference<'a> {
     }
 
     pub(crate) fn tensor(&self, name: &str) -> Result<&TensorInfo, ForwardError> {
-        self.file.tensor(name).ok_or_else(|| ForwardError::MissingTensor(name.to_string()))
+        self.file
+            .tensor(name)
+            .ok_or_else(|| ForwardError::MissingTensor(name.to_string()))
     }
 
     fn bad(name: &str, msg: String) -> ForwardError {
-        ForwardError::BadTensor { name: name.to_string(), msg }
+        ForwardError::BadTensor {
+            name: name.to_string(),
+            msg,
+        }
     }
 
     /// Dequantizes a whole tensor, checking its dims against `want` (ne order).
@@ -93,7 +105,11 @@ impl<'a> Reference<'a> {
 
     /// A 2-D weight stored ne = {cols, rows}: torch `[rows, cols]`.
     pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Mat, ForwardError> {
-        Ok(Mat { rows, cols, data: self.load(name, &[cols, rows])? })
+        Ok(Mat {
+            rows,
+            cols,
+            data: self.load(name, &[cols, rows])?,
+        })
     }
 
     pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
@@ -115,7 +131,10 @@ impl<'a> Reference<'a> {
         let c = &self.config;
         let t = self.tensor("token_embd.weight")?;
         if t.ne.len() != 2 || t.ne[0] as usize != c.d_model || (t.ne[1] as usize) < c.vocab {
-            return Err(Self::bad(&t.name, format!("dims {:?}, expected [{}, {}]", t.ne, c.d_model, c.vocab)));
+            return Err(Self::bad(
+                &t.name,
+                format!("dims {:?}, expected [{}, {}]", t.ne, c.d_model, c.vocab),
+            ));
         }
         let mut x = Vec::with_capacity(tokens.len() * c.d_model);
         for &id in tokens {
@@ -128,10 +147,17 @@ impl<'a> Reference<'a> {
     /// the vocab matrix is never held whole.
     fn logits(&self, h: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
-        let name = if c.tied_embeddings { "token_embd.weight" } else { "output.weight" };
+        let name = if c.tied_embeddings {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
         let t = self.tensor(name)?;
         if t.ne.len() != 2 || t.ne[0] as usize != c.d_model || (t.ne[1] as usize) < c.vocab {
-            return Err(Self::bad(name, format!("dims {:?}, expected [{}, {}]", t.ne, c.d_model, c.vocab)));
+            return Err(Self::bad(
+                name,
+                format!("dims {:?}, expected [{}, {}]", t.ne, c.d_model, c.vocab),
+            ));
         }
         const CHUNK_ROWS: usize = 8192;
         let mut logits = vec![0f32; n * c.vocab];

@@ -14,13 +14,16 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
     // Output transposed ([m, n]) so each task owns whole rows; transposed back at the end.
     let mut out_t = vec![0f32; m * n];
     const ROWS_PER_TASK: usize = 16;
-    out_t.par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(task_idx, chunk)| {
-        let row0 = task_idx * ROWS_PER_TASK;
-        for (i, out_row) in chunk.chunks_mut(n).enumerate() {
-            let w_row = &w[(row0 + i) * k..(row0 + i + 1) * k];
-            dot_rows(&x64, k, w_row, out_row);
-        }
-    });
+    out_t
+        .par_chunks_mut(ROWS_PER_TASK * n)
+        .enumerate()
+        .for_each(|(task_idx, chunk)| {
+            let row0 = task_idx * ROWS_PER_TASK;
+            for (i, out_row) in chunk.chunks_mut(n).enumerate() {
+                let w_row = &w[(row0 + i) * k..(row0 + i + 1) * k];
+                dot_rows(&x64, k, w_row, out_row);
+            }
+        });
     let mut out = vec![0f32; n * m];
     for r in 0..m {
         for t in 0..n {
@@ -116,7 +119,10 @@ pub fn silu(x: f64) -> f64 {
 
 /// silu(gate) · up, elementwise.
 pub fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter().zip(up).map(|(&g, &u)| (silu(g as f64) * u as f64) as f32).collect()
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| (silu(g as f64) * u as f64) as f32)
+        .collect()
 }
 
 pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
