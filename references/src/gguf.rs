@@ -296,9 +296,11 @@ impl GgufHeader {
             }
             match offset.checked_add(n_bytes) {
                 Some(end) if end <= data_len => {}
-                _ => return Err(bad(format!(
+                _ => {
+                    return Err(bad(format!(
                     "data [{offset}, +{n_bytes}) runs past the data section ({data_len} bytes from byte {data_offset})"
-                ))),
+                )))
+                }
             }
             tensors.push(TensorInfo {
                 name,

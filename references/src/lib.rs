@@ -11,6 +11,7 @@ pub mod ggml_type;
 pub mod gguf;
 pub mod quant;
 pub mod tap;
+pub mod tokenizer;
 pub mod writer;
 
 pub use config::{ConfigError, ModelConfig};
