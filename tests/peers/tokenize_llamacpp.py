@@ -2,7 +2,7 @@
 """Tokenizer expectations from llama.cpp (through llama-cpp-python) for the SmolLM2 GGUF.
 
 Tokenizes every prompt below with `llm.tokenize(text.encode(), add_bos=False, special=True)`
-and writes golden/tokenizer-smollm2.json, which tests/tests/tokenizer_smollm2.rs checks our
+(and again with `special=False`, as `tokens_nospecial`) and writes golden/tokenizer-smollm2.json, which tests/tests/tokenizer_smollm2.rs checks our
 tokenizer against id for id.
 
     pip install llama-cpp-python   # a source build, about 10+ minutes on 2 cores
@@ -96,17 +96,20 @@ def main():
     cases = []
     for p in PROMPTS:
         ids = llm.tokenize(p.encode("utf-8"), add_bos=False, special=True)
-        cases.append({"prompt": p, "tokens": [int(t) for t in ids]})
+        plain = llm.tokenize(p.encode("utf-8"), add_bos=False, special=False)
+        cases.append({"prompt": p, "tokens": [int(t) for t in ids], "tokens_nospecial": [int(t) for t in plain]})
     out = {
         "model": os.path.basename(model),
         "peer": f"llama-cpp-python {llama_cpp.__version__}",
-        "call": "tokenize(text.encode(), add_bos=False, special=True)",
+        "call": "tokenize(text.encode(), add_bos=False, special=True); tokens_nospecial: special=False",
         "cases": cases,
     }
     path = os.path.join(ROOT, "golden", "tokenizer-smollm2.json")
+    # One case a line, so a diff of the golden file shows which prompts changed.
+    head = {k: v for k, v in out.items() if k != "cases"}
+    lines = [json.dumps(c, ensure_ascii=False) for c in cases]
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(out, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+        f.write(json.dumps(head, ensure_ascii=False)[:-1] + ', "cases": [\n ' + ",\n ".join(lines) + "\n]}\n")
     print(f"wrote {len(cases)} cases to {path}")
 
 

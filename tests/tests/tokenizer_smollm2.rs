@@ -11,7 +11,22 @@ fn smollm2() -> Tokenizer {
     Tokenizer::from_gguf(&f.header).expect("tokenizer from SmolLM2 metadata")
 }
 
-fn golden_cases() -> (String, Vec<(String, Vec<u32>)>) {
+/// One golden prompt: llama.cpp's ids with special parsing on and off.
+struct Case {
+    prompt: String,
+    special: Vec<u32>,
+    plain: Vec<u32>,
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("token array")
+        .iter()
+        .map(|t| u32::try_from(t.as_u64().expect("token id")).expect("u32 id"))
+        .collect()
+}
+
+fn golden_cases() -> (String, Vec<Case>) {
     let path = fixtures::golden("tokenizer-smollm2.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let v: serde_json::Value = serde_json::from_str(&text).expect("golden JSON");
@@ -20,15 +35,10 @@ fn golden_cases() -> (String, Vec<(String, Vec<u32>)>) {
         .as_array()
         .expect("cases")
         .iter()
-        .map(|c| {
-            let prompt = c["prompt"].as_str().expect("prompt").to_string();
-            let ids = c["tokens"]
-                .as_array()
-                .expect("tokens")
-                .iter()
-                .map(|t| t.as_u64().expect("token id") as u32)
-                .collect();
-            (prompt, ids)
+        .map(|c| Case {
+            prompt: c["prompt"].as_str().expect("prompt").to_string(),
+            special: ids(&c["tokens"]),
+            plain: ids(&c["tokens_nospecial"]),
         })
         .collect();
     (peer, cases)
@@ -57,20 +67,28 @@ fn smollm2_matches_llama_cpp() {
     assert!(cases.len() >= 50, "golden file has only {} cases", cases.len());
     let mut n_same = 0;
     let mut diffs = Vec::new();
-    for (prompt, want) in &cases {
-        let got = tk.encode(prompt, true).expect("encode");
-        if &got == want {
-            n_same += 1;
-        } else {
-            diffs.push(format!("{prompt:?}\n  ours:      {got:?}\n  llama.cpp: {want:?}"));
+    for c in &cases {
+        for (parse_special, want) in [(true, &c.special), (false, &c.plain)] {
+            let got = tk.encode(&c.prompt, parse_special).expect("encode");
+            if &got == want {
+                n_same += 1;
+            } else {
+                diffs.push(format!(
+                    "{:?} (special={parse_special})\n  ours:      {got:?}\n  llama.cpp: {want:?}",
+                    c.prompt
+                ));
+            }
         }
     }
-    eprintln!("tokenizer conformance vs {peer}: {n_same}/{} identical", cases.len());
+    let n = 2 * cases.len();
+    eprintln!(
+        "tokenizer conformance vs {peer}: {n_same}/{n} identical ({} prompts, special on and off)",
+        cases.len()
+    );
     assert!(
         diffs.is_empty(),
-        "{} of {} prompts differ:\n{}",
+        "{} of {n} encodings differ:\n{}",
         diffs.len(),
-        cases.len(),
         diffs.join("\n")
     );
 }
@@ -79,10 +97,19 @@ fn smollm2_matches_llama_cpp() {
 fn smollm2_decode_round_trips() {
     let tk = smollm2();
     let (_, cases) = golden_cases();
-    for (prompt, ids) in &cases {
-        assert_eq!(&tk.decode(ids).expect("decode"), prompt, "decode of llama.cpp's ids");
-        let ours = tk.encode(prompt, true).expect("encode");
-        assert_eq!(&tk.decode(&ours).expect("decode"), prompt);
+    for c in &cases {
+        assert_eq!(
+            tk.decode(&c.special).expect("decode"),
+            c.prompt,
+            "decode of llama.cpp's ids"
+        );
+        assert_eq!(
+            tk.decode(&c.plain).expect("decode"),
+            c.prompt,
+            "decode of llama.cpp's ids"
+        );
+        let ours = tk.encode(&c.prompt, true).expect("encode");
+        assert_eq!(tk.decode(&ours).expect("decode"), c.prompt);
     }
 }
 
