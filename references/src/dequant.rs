@@ -88,7 +88,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
 /// Dequantizes a whole buffer of type `ty`: `src.len() / block_bytes * block_elems` elements.
 /// `src.len()` must be a whole number of blocks.
 pub fn dequantize_to_vec(ty: GgmlType, src: &[u8]) -> Result<Vec<f32>, DequantError> {
-    if src.len() % ty.block_bytes() != 0 {
+    if !src.len().is_multiple_of(ty.block_bytes()) {
         return Err(DequantError::PartialSourceBlock {
             ty,
             got: src.len(),

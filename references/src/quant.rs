@@ -28,7 +28,7 @@ pub enum QuantError {
 /// Quantizes `src` (a whole number of blocks) to `ty`.
 pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     let be = ty.block_elems();
-    if src.len() % be != 0 {
+    if !src.len().is_multiple_of(be) {
         return Err(QuantError::PartialBlock {
             ty,
             n_elems: src.len(),
