@@ -1,15 +1,22 @@
 //! Single-thread dequantization throughput per type, reference (`references::dequant`) against the
-//! engine's fast path (`engine::dequant`), on ~4M elements (4 Mi). Criterion reports elements/s.
+//! engine's fast path (`engine::dequant`), on 4 Mi elements (`$LLMDIFF_BENCH_ELEMS` overrides). Criterion reports elements/s.
 //! Compare with gguf-py: `tests/peers/bench_gguf_py.py`.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use references::GgmlType;
 use std::time::Duration;
 
-const N_ELEMS: usize = 1 << 22;
+/// 4 Mi elements, or `$LLMDIFF_BENCH_ELEMS` (rounded down to whole k-quant blocks).
+fn n_elems() -> usize {
+    let n = std::env::var("LLMDIFF_BENCH_ELEMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1usize << 22);
+    (n / 256).max(1) * 256
+}
 
 /// Random blocks with sane f16 scales at the d/m offsets (no inf/NaN/subnormal slow paths).
-fn make_src(ty: GgmlType) -> Vec<u8> {
+fn make_src(ty: GgmlType, n_elems: usize) -> Vec<u8> {
     let mut state = 0x5EED_u64 ^ ty.id() as u64;
     let mut next = move || {
         state = state
@@ -17,7 +24,7 @@ fn make_src(ty: GgmlType) -> Vec<u8> {
             .wrapping_add(1442695040888963407);
         (state >> 33) as u32
     };
-    let n_bytes = ty.bytes_for(N_ELEMS as u64).expect("whole blocks") as usize;
+    let n_bytes = ty.bytes_for(n_elems as u64).expect("whole blocks") as usize;
     let mut src: Vec<u8> = (0..n_bytes).map(|_| next() as u8).collect();
     let halves: &[usize] = match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
@@ -48,11 +55,12 @@ fn make_src(ty: GgmlType) -> Vec<u8> {
 }
 
 fn bench(c: &mut Criterion) {
-    let mut dst = vec![0.0f32; N_ELEMS];
+    let n = n_elems();
+    let mut dst = vec![0.0f32; n];
     for ty in GgmlType::ALL {
-        let src = make_src(ty);
+        let src = make_src(ty, n);
         let mut g = c.benchmark_group(format!("dequant/{}", ty.name()));
-        g.throughput(Throughput::Elements(N_ELEMS as u64));
+        g.throughput(Throughput::Elements(n as u64));
         g.bench_function("reference", |b| {
             b.iter(|| references::dequant::dequantize(ty, black_box(&src), black_box(&mut dst)).unwrap())
         });
