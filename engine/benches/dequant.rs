@@ -1,8 +1,10 @@
 //! Single-thread dequantization throughput per type, reference (`references::dequant`) against the
-//! engine's fast path (`engine::dequant`), on 4 Mi elements (`$LLMDIFF_BENCH_ELEMS` overrides). Criterion reports elements/s.
-//! Compare with gguf-py: `tests/peers/bench_gguf_py.py`.
+//! engine's fast path (`engine::dequant`), on 4 Mi elements (`$LLMDIFF_BENCH_ELEMS` overrides).
+//! Criterion reports elements/s (from mean times); a best-of-30 table follows it, the robust figure
+//! on a shared machine. `cargo bench -p engine --bench dequant -- NONE` prints only the table.
+//! Compare with gguf-py: `tests/peers/bench_gguf_py.py` (also best-of-N).
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{black_box, criterion_group, Criterion, Throughput};
 use references::GgmlType;
 use std::time::Duration;
 
@@ -79,4 +81,44 @@ criterion_group! {
         .measurement_time(Duration::from_secs(2));
     targets = bench
 }
-criterion_main!(benches);
+
+/// Best-of-N wall time per call, printed as a table after criterion's (mean-based) report. On a
+/// shared, loaded machine the minimum is the robust figure; tests/peers/bench_gguf_py.py reports
+/// gguf-py's minimum the same way.
+fn best_of_table() {
+    let n = n_elems();
+    let mut dst = vec![0.0f32; n];
+    let reps = 30;
+    println!("\nbest of {reps}, {n} elements, single thread:");
+    println!(
+        "{:5} {:>12} {:>12} {:>8}",
+        "type", "ref Gelem/s", "fast Gelem/s", "fast/ref"
+    );
+    for ty in GgmlType::ALL {
+        let src = make_src(ty, n);
+        let mut best = |f: &mut dyn FnMut(&[u8], &mut [f32])| {
+            (0..reps)
+                .map(|_| {
+                    let t = std::time::Instant::now();
+                    f(black_box(&src), black_box(&mut dst));
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
+        let r = best(&mut |s, d| references::dequant::dequantize(ty, s, d).unwrap());
+        let e = best(&mut |s, d| engine::dequant::dequantize(ty, s, d).unwrap());
+        println!(
+            "{:5} {:>12.3} {:>12.3} {:>8.1}",
+            ty.name(),
+            n as f64 / r / 1e9,
+            n as f64 / e / 1e9,
+            r / e
+        );
+    }
+}
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    best_of_table();
+}

@@ -396,6 +396,17 @@ fn blocks<const BB: usize, const BE: usize>(src: &[u8], dst: &mut [f32], kernel:
 
 #[inline(always)]
 fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    #[cfg(target_endian = "little")]
+    if ty == GgmlType::F32 {
+        // Little-endian f32s are their own storage format: one memcpy (which picks streaming
+        // stores for big buffers).
+        let n = dst.len().min(src.len() / 4);
+        // SAFETY: `src` has at least 4n readable bytes and `dst` n writable f32s (4n bytes); they
+        // cannot overlap (one is borrowed shared, the other exclusively); every bit pattern is a
+        // valid f32.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr() as *mut u8, 4 * n) };
+        return;
+    }
     match ty {
         GgmlType::F32 => blocks::<64, 16>(src, dst, f32_x16),
         GgmlType::F16 => blocks::<32, 16>(src, dst, f16_x16),
