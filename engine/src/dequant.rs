@@ -788,6 +788,30 @@ mod tests {
     }
 
     #[test]
+    fn fast_path_is_bit_exact_against_gguf_py_vectors() {
+        // golden/dequant/<TYPE>.bin (tests/peers/gen_dequant_vectors.py): "LDQV", version, type id,
+        // n_blocks, the blocks, then gguf-py's f32 bits.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/dequant");
+        let mut n_checked = 0;
+        for ty in GgmlType::ALL {
+            let bytes = std::fs::read(dir.join(format!("{}.bin", ty.name()))).expect("golden vectors");
+            let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+            assert_eq!((&bytes[..4], word(8)), (&b"LDQV"[..], ty.id()));
+            let n_blocks = word(12) as usize;
+            let src = &bytes[16..16 + n_blocks * ty.block_bytes()];
+            let want: Vec<f32> = bytes[16 + src.len()..]
+                .chunks_exact(4)
+                .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect();
+            let mut got = vec![0.0; n_blocks * ty.block_elems()];
+            dequantize(ty, src, &mut got).unwrap();
+            assert_same_bits(ty, &got, &want);
+            n_checked += got.len();
+        }
+        assert!(n_checked > 100_000);
+    }
+
+    #[test]
     fn every_f16_bit_pattern_converts_like_the_reference() {
         let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
         let want = oracle::dequantize_to_vec(GgmlType::F16, &src).unwrap();
