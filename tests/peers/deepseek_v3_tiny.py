@@ -76,12 +76,15 @@ def build_model(vocab):
 
 
 def convert(convert_script, hf_dir, out_path):
+    src = os.path.dirname(os.path.abspath(convert_script))
+    # The converter imports its sibling package `conversion` and llama.cpp's own gguf-py.
+    sys.path[:0] = [src, os.path.join(src, "gguf-py")]
     spec = importlib.util.spec_from_file_location("convert_hf_to_gguf", convert_script)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["convert_hf_to_gguf"] = mod
     spec.loader.exec_module(mod)
     # Our tokenizer is new to the converter's hash list: it is a plain GPT-2 byte-level BPE.
-    mod.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+    sys.modules["conversion.base"].TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
     sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outtype", "f32", "--outfile", out_path]
     mod.main()
 
