@@ -375,6 +375,22 @@ impl GgufFile {
         &self.map[start..start + t.n_bytes as usize]
     }
 
+    /// Tells the kernel the pages of `t` may be dropped from this process (they stay in the page
+    /// cache and are re-read on the next access). Streaming forward passes call this after each
+    /// layer, so resident memory stays about one layer, not the whole file.
+    pub fn release(&self, t: &TensorInfo) {
+        const PAGE: u64 = 4096;
+        let start = (self.header.data_offset + t.offset).div_ceil(PAGE) * PAGE;
+        let end = (self.header.data_offset + t.offset + t.n_bytes) / PAGE * PAGE;
+        if end > start {
+            // SAFETY: the map is a private read-only file mapping; MADV_DONTNEED only drops this
+            // process's copies of the pages, which read back identically from the file.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start as usize, (end - start) as usize)
+            };
+        }
+    }
+
     /// The whole mapped file.
     pub fn bytes(&self) -> &[u8] {
         &self.map

@@ -33,10 +33,14 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
     out
 }
 
-/// `out[t] = x64[t] · w_row` for every token t, dispatching to an AVX2 build where available.
+/// `out[t] = x64[t] · w_row` for every token t, dispatching to a wider build where available.
 fn dot_rows(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { dot_rows_avx512(x64, k, w_row, out) };
+        }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
             return unsafe { dot_rows_avx2(x64, k, w_row, out) };
@@ -46,16 +50,53 @@ fn dot_rows(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_rows_avx512(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
+    dot_rows_portable(x64, k, w_row, out)
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn dot_rows_avx2(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
     dot_rows_portable(x64, k, w_row, out)
 }
 
+/// Four tokens at a time share each widened weight chunk; every token's sum keeps the 8-lane
+/// order of [`dot64`], so the result is the same as one `dot64` per token.
 #[inline(always)]
 fn dot_rows_portable(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
-    for (t, o) in out.iter_mut().enumerate() {
-        *o = dot64(&x64[t * k..(t + 1) * k], w_row) as f32;
+    let n = out.len();
+    let k8 = k - k % 8;
+    let mut t = 0;
+    while t + 4 <= n {
+        let xs: [&[f64]; 4] = std::array::from_fn(|u| &x64[(t + u) * k..(t + u + 1) * k]);
+        let mut lanes = [[0f64; 8]; 4];
+        let chunks = w_row[..k8].chunks_exact(8).zip(xs[0].chunks_exact(8));
+        let chunks = chunks.zip(xs[1].chunks_exact(8)).zip(xs[2].chunks_exact(8)).zip(xs[3].chunks_exact(8));
+        for ((((w, x0), x1), x2), x3) in chunks {
+            let w: [f64; 8] = std::array::from_fn(|j| w[j] as f64);
+            for (acc, x) in lanes.iter_mut().zip([x0, x1, x2, x3]) {
+                for j in 0..8 {
+                    acc[j] += x[j] * w[j];
+                }
+            }
+        }
+        for (u, (acc, x)) in lanes.iter_mut().zip(&xs).enumerate() {
+            for (j, idx) in (k8..k).enumerate() {
+                acc[j] += x[idx] * w_row[idx] as f64;
+            }
+            out[t + u] = reduce_lanes(acc) as f32;
+        }
+        t += 4;
     }
+    for (u, o) in out.iter_mut().enumerate().skip(t) {
+        *o = dot64(&x64[u * k..(u + 1) * k], w_row) as f32;
+    }
+}
+
+#[inline(always)]
+fn reduce_lanes(l: &[f64; 8]) -> f64 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
 /// Σ a·b in f64 with the fixed 8-lane order described in the module doc.
@@ -72,7 +113,7 @@ pub fn dot64(a: &[f64], b: &[f32]) -> f64 {
     for (i, (&xa, &xb)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
         lanes[i] += xa * xb as f64;
     }
-    ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
+    reduce_lanes(&lanes)
 }
 
 /// RMSNorm of each row of `x [n, d]`, times `w [d]`: x · w / sqrt(mean(x²) + eps).
@@ -185,6 +226,20 @@ mod tests {
             for r in 0..m {
                 let naive: f64 = (0..k).map(|i| x[t * k + i] as f64 * w[r * k + i] as f64).sum();
                 assert!((y[t * m + r] as f64 - naive).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn four_token_kernel_equals_single_dots() {
+        let (n, k, m) = (7, 37, 3);
+        let x: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
+        let w: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.277).cos()).collect();
+        let y = matmul_t(&x, n, k, &w, m);
+        for t in 0..n {
+            let xt: Vec<f64> = x[t * k..(t + 1) * k].iter().map(|&v| v as f64).collect();
+            for r in 0..m {
+                assert_eq!(y[t * m + r], dot64(&xt, &w[r * k..(r + 1) * k]) as f32);
             }
         }
     }
