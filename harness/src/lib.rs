@@ -2,6 +2,10 @@
 //! classify, entropy/KLD, gate and golden files. Only this crate does CLI and result file I/O.
 
 pub mod cli;
+pub mod capture;
 pub mod commands;
+pub mod compare;
+pub mod diagnose;
+pub mod diff;
 pub mod logprobs;
 pub mod output;

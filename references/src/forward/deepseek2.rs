@@ -146,7 +146,18 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
     emit(tap, key(Site::K), &k_nope, n);
     emit(tap, key(Site::V), &v, n);
 
-    // Full per-head keys [k_nope | k_pe] so the score is q_nope·k_nope + q_pe·k_pe.
+    let attn = mla_attention(c, &q, &k_nope, &k_pe, &v, n);
+    emit(tap, key(Site::AttnOut), &attn, n);
+    Ok(attn)
+}
+
+/// MLA attention from roped `q [n, H·(nope+rope)]`, `k_nope [n, H·nope]`, the shared roped
+/// `k_pe [n, rope]` and `v [n, H·v]`: score = (q_nope·k_nope + q_pe·k_pe)·scale.
+pub(crate) fn mla_attention(c: &crate::config::ModelConfig, q: &[f32], k_nope: &[f32], k_pe: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+    let m = c.mla.as_ref().expect("deepseek2 has MLA");
+    let (nh, nope, rope, dv) = (c.n_heads, m.qk_nope, m.qk_rope, m.v_head_dim);
+    let dq = nope + rope;
+    // Full per-head keys [k_nope | k_pe] so one dot gives q_nope·k_nope + q_pe·k_pe.
     let mut k = Vec::with_capacity(n * nh * dq);
     for t in 0..n {
         for head in 0..nh {
@@ -160,9 +171,7 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
         let mscale = 1.0 + y.log_multiplier as f64 * (y.factor as f64).ln();
         scale *= mscale * mscale;
     }
-    let attn = ops::causal_attention(&q, &k, &v, n, nh, nh, dq, dv, scale);
-    emit(tap, key(Site::AttnOut), &attn, n);
-    Ok(attn)
+    ops::causal_attention(q, &k, v, n, nh, nh, dq, dv, scale)
 }
 
 /// The routed experts chosen for one token and their mixing weights.

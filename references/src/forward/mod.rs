@@ -8,6 +8,7 @@
 mod deepseek2;
 mod llama;
 pub mod ops;
+pub mod replay;
 
 use crate::config::{Arch, ModelConfig};
 use crate::dequant::dequantize_to_vec;

@@ -1,0 +1,150 @@
+//! Lockstep capture: the engine and the reference run in their own threads and send each tap
+//! they record over a bounded channel; the comparator joins them on the key as they arrive.
+//! The side that is ahead blocks once it is more than a layer ahead, so memory stays about two
+//! layers of taps, whatever the model size.
+
+use references::tap::{Site, Tap, TapKey};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One recorded tensor.
+#[derive(Clone, Debug)]
+pub struct Captured {
+    pub key: TapKey,
+    pub shape: [usize; 2],
+    pub data: Vec<f32>,
+}
+
+/// Which side sent a tap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Engine,
+    Reference,
+}
+
+/// A tap that forwards copies over a channel until told to stop.
+pub struct ChannelTap {
+    tx: SyncSender<Captured>,
+    stop: Arc<AtomicBool>,
+    filter: fn(&TapKey) -> bool,
+}
+
+impl Tap for ChannelTap {
+    fn wants(&self, key: &TapKey) -> bool {
+        !self.stop.load(Ordering::Relaxed) && (self.filter)(key)
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        // A closed channel means the comparator stopped early: drop the tap.
+        let _ = self.tx.send(Captured { key: *key, shape, data: data.to_vec() });
+    }
+}
+
+/// Everything the engine emits.
+pub fn engine_filter(_: &TapKey) -> bool {
+    true
+}
+
+/// The reference emits full tensors only.
+pub fn reference_filter(key: &TapKey) -> bool {
+    key.rank.is_none()
+}
+
+/// Progress of a side in execution order: embed < layer 0 < layer 1 < ... < output.
+pub fn progress(key: &TapKey) -> u64 {
+    match (key.site, key.layer) {
+        (Site::Embed, _) => 0,
+        (_, Some(l)) => 1 + l as u64,
+        _ => u64::MAX,
+    }
+}
+
+/// What a side returned and how long it ran.
+pub struct SideResult<T> {
+    pub result: T,
+    pub seconds: f64,
+}
+
+/// Runs `engine` and `reference` concurrently, calling `on_tap` for every tap in arrival order
+/// (reference taps arrive in execution order). `on_tap` returns false to stop capturing.
+pub fn lockstep<E, R, TE, TR>(
+    engine: E,
+    reference: R,
+    mut on_tap: impl FnMut(Side, Captured) -> bool,
+) -> (SideResult<TE>, SideResult<TR>)
+where
+    E: FnOnce(&mut dyn Tap) -> TE + Send,
+    R: FnOnce(&mut dyn Tap) -> TR + Send,
+    TE: Send,
+    TR: Send,
+{
+    const CAPACITY: usize = 16;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (etx, erx) = sync_channel(CAPACITY);
+    let (rtx, rrx) = sync_channel(CAPACITY);
+    let mut etap = ChannelTap { tx: etx, stop: stop.clone(), filter: engine_filter };
+    let mut rtap = ChannelTap { tx: rtx, stop: stop.clone(), filter: reference_filter };
+    std::thread::scope(|s| {
+        let eh = s.spawn(move || {
+            let t0 = Instant::now();
+            let result = engine(&mut etap);
+            drop(etap);
+            SideResult { result, seconds: t0.elapsed().as_secs_f64() }
+        });
+        let rh = s.spawn(move || {
+            let t0 = Instant::now();
+            let result = reference(&mut rtap);
+            drop(rtap);
+            SideResult { result, seconds: t0.elapsed().as_secs_f64() }
+        });
+        drain(&erx, &rrx, &stop, &mut on_tap);
+        drop((erx, rrx));
+        (eh.join().expect("engine thread panicked"), rh.join().expect("reference thread panicked"))
+    })
+}
+
+fn drain(
+    erx: &Receiver<Captured>,
+    rrx: &Receiver<Captured>,
+    stop: &AtomicBool,
+    on_tap: &mut impl FnMut(Side, Captured) -> bool,
+) {
+    let (mut e_done, mut r_done) = (false, false);
+    let (mut e_at, mut r_at) = (0u64, 0u64);
+    let tick = Duration::from_millis(2);
+    while !(e_done && r_done) {
+        // Read the side that is behind; when level, poll both.
+        let order: &[Side] = if !r_done && (e_done || e_at > r_at.saturating_add(1)) {
+            &[Side::Reference]
+        } else if !e_done && (r_done || r_at > e_at.saturating_add(1)) {
+            &[Side::Engine]
+        } else {
+            &[Side::Reference, Side::Engine]
+        };
+        for &side in order {
+            let (rx, done, at) = match side {
+                Side::Engine => (erx, &mut e_done, &mut e_at),
+                Side::Reference => (rrx, &mut r_done, &mut r_at),
+            };
+            if *done {
+                continue;
+            }
+            let got = if order.len() == 1 { rx.recv().map_err(|_| RecvTimeoutError::Disconnected) } else { rx.recv_timeout(tick) };
+            match got {
+                Ok(c) => {
+                    *at = (*at).max(progress(&c.key));
+                    if !on_tap(side, c) {
+                        stop.store(true, Ordering::Relaxed);
+                        // Keep draining so the producers never block, but stop calling back.
+                        while erx.recv().is_ok() {}
+                        while rrx.recv().is_ok() {}
+                        return;
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => *done = true,
+            }
+        }
+    }
+}

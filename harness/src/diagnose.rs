@@ -1,0 +1,361 @@
+//! Classification of the first divergence into DESIGN.md's fault classes, each with a sentence
+//! of evidence an engineer can act on. Checks run from the most specific evidence to the least;
+//! the first that holds decides, and `unknown` is said rather than a confident guess.
+
+use crate::compare::{cosine, metrics};
+use crate::diff::{engine_full, reference_slice, Store};
+use references::config::ModelConfig;
+use references::tap::{is_canary, rank_columns, Site, TapKey, WeightKind};
+use reports::{Diagnosis, TapRow};
+
+/// What the diagnosis can look at: both configs and the taps of the divergent layer and the one
+/// before it.
+pub struct DiagContext<'a> {
+    pub config: &'a ModelConfig,
+    pub engine_config: &'a ModelConfig,
+    pub tp: usize,
+    pub eng: &'a Store,
+    pub refs: &'a Store,
+    pub rows: &'a [TapRow],
+    pub n_tokens: usize,
+}
+
+impl DiagContext<'_> {
+    /// The threshold a tap was held to (from its row), or the f32 default.
+    pub fn threshold_hint(&self, key: &TapKey) -> f64 {
+        let s = key.to_string();
+        self.rows.iter().find(|r| r.tap == s).map_or(1e-3, |r| r.threshold)
+    }
+}
+
+fn found(class: &str, confidence: &str, explanation: String) -> Diagnosis {
+    Diagnosis { class: class.to_string(), explanation, confidence: confidence.to_string() }
+}
+
+fn ranges(ids: &[usize]) -> String {
+    match (ids.first(), ids.last()) {
+        (Some(a), Some(b)) if b - a + 1 == ids.len() && ids.len() > 1 => format!("{a}..{b}"),
+        _ => format!("{ids:?}"),
+    }
+}
+
+/// Differences between the two configs, as `field: reference → engine`.
+fn config_drift(a: &ModelConfig, b: &ModelConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut check = |name: &str, x: String, y: String| {
+        if x != y {
+            out.push(format!("{name}: {x} in the file, {y} in the engine"));
+        }
+    };
+    check("rms_eps", format!("{}", a.rms_eps), format!("{}", b.rms_eps));
+    check("rope_base", format!("{}", a.rope_base), format!("{}", b.rope_base));
+    check("rope_dim", format!("{}", a.rope_dim), format!("{}", b.rope_dim));
+    check("n_heads", format!("{}", a.n_heads), format!("{}", b.n_heads));
+    check("n_kv_heads", format!("{}", a.n_kv_heads), format!("{}", b.n_kv_heads));
+    check("moe", format!("{:?}", a.moe), format!("{:?}", b.moe));
+    check("mla", format!("{:?}", a.mla), format!("{:?}", b.mla));
+    check("yarn", format!("{:?}", a.yarn), format!("{:?}", b.yarn));
+    out
+}
+
+pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
+    let m = &row.metrics;
+    let drift = config_drift(ctx.config, ctx.engine_config);
+    if !drift.is_empty() {
+        return found(
+            "config-drift",
+            "high",
+            format!("the engine and the reference read different hyper-parameters ({}); first visible at {key}", drift.join("; ")),
+        );
+    }
+    if m.canary_left > 0.0 {
+        return found(
+            "unwritten-output",
+            "high",
+            format!(
+                "canary left {:.0} % in {key}: the custom op never wrote {} of its output buffer",
+                m.canary_left * 100.0,
+                if m.canary_left >= 0.999 { "any" } else { "part" }
+            ),
+        );
+    }
+    let (Some(e), Some(r)) = (ctx.eng.get(key), ctx.refs.get(&key.unranked())) else {
+        return found("unknown", "low", format!("{key} diverged (rel_l2 {:.3e}), but its taps were not kept", m.rel_l2));
+    };
+    if let Site::Weight(kind) = key.site {
+        return weight_diagnosis(ctx, key, kind, &e.data, e.shape, &r.data);
+    }
+    let want = reference_slice(ctx.config, ctx.tp, key, r);
+    if m.nonfinite > 0 {
+        let idx = e.data.iter().position(|x| !x.is_finite()).unwrap_or(0);
+        let width = e.shape[1].max(1);
+        let ref_max = want.iter().fold(0f32, |a, &x| a.max(x.abs()));
+        let why = if ref_max > 65504.0 {
+            format!("; the reference reaches |x| = {ref_max:.3e} there, beyond f16's 65504: an f16 overflow")
+        } else {
+            String::new()
+        };
+        return found(
+            "nonfinite",
+            "high",
+            format!("first non-finite value in {key} at token {}, column {}: {}{why}", idx / width, idx % width, e.data[idx]),
+        );
+    }
+    if let Some(d) = missing_reduction(ctx, key, &e.data) {
+        return d;
+    }
+    if let Some(d) = stale(ctx, key, &e.data) {
+        return d;
+    }
+    if matches!(key.site, Site::Q | Site::K | Site::KPe) {
+        if let Some(d) = rope(key, &e.data, &want, e.shape[1], row.threshold) {
+            return d;
+        }
+    }
+    if key.site == Site::MoeTopk {
+        let k = e.shape[1].max(1);
+        let same = e.data.chunks(k).zip(want.chunks(k)).filter(|(a, b)| a == b).count();
+        let n = e.data.len() / k;
+        let logits = TapKey { site: Site::MoeLogits, ..*key };
+        let logit_err = ctx.rows.iter().find(|r| r.tap == logits.to_string()).map(|r| r.metrics.rel_l2);
+        return found(
+            "routing-flip",
+            "high",
+            format!(
+                "{} of {n} tokens route to different experts at {key} ({:.0} % identical expert sets){}",
+                n - same,
+                100.0 * same as f64 / n as f64,
+                logit_err.map_or(String::new(), |e| format!("; router logits differ by rel_l2 {e:.2e}"))
+            ),
+        );
+    }
+    if let Some(d) = head_permutation(ctx, key, &e.data, &want) {
+        return d;
+    }
+    precision_or_scale(key, &e.data, &want, m.rel_l2, m.cosine)
+}
+
+fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f32], shape: [usize; 2], reference: &[f32]) -> Diagnosis {
+    let c = ctx.config;
+    let full = ctx.refs.get(&key.unranked()).expect("checked by caller");
+    let want = reference_slice(c, ctx.tp, key, full);
+    if eng.len() != want.len() {
+        return found(
+            "head-permutation",
+            "high",
+            format!(
+                "{key} is {:?} where rank {} should hold {} of the reference's {:?} values: the weight was loaded unsharded",
+                shape,
+                key.rank.unwrap_or(0),
+                want.len(),
+                full.shape
+            ),
+        );
+    }
+    // Does this rank hold another rank's shard?
+    if let Some(rank) = key.rank {
+        for other in 0..ctx.tp as u32 {
+            if other == rank {
+                continue;
+            }
+            let other_key = TapKey { rank: Some(other), ..*key };
+            let theirs = reference_slice(c, ctx.tp, &other_key, full);
+            if theirs.len() == eng.len() && metrics(eng, &theirs).rel_l2 < 1e-6 {
+                let heads = |r: u32| {
+                    rank_columns(Site::Weight(kind), c, ctx.tp, r as usize).map(|rows| {
+                        let per_head = rows.len() * ctx.tp / c.n_heads.max(1);
+                        let ids: Vec<usize> = (rows.start / per_head.max(1)..rows.end / per_head.max(1)).collect();
+                        ranges(&ids)
+                    })
+                };
+                let (mine, held) = (heads(rank).unwrap_or_default(), heads(other).unwrap_or_default());
+                let swapped = ctx.eng.get(&other_key).is_some_and(|o| {
+                    let mine_ref = reference_slice(c, ctx.tp, key, full);
+                    o.data.len() == mine_ref.len() && metrics(&o.data, &mine_ref).rel_l2 < 1e-6
+                });
+                let cause = if swapped {
+                    format!("ranks {rank} and {other} exchanged their {} shards", kind.name())
+                } else if other == 0 {
+                    format!("{} was loaded unsharded (every rank computes with rank 0's heads)", kind.name())
+                } else {
+                    format!("the {} shards are assigned to the wrong ranks", kind.name())
+                };
+                return found(
+                    "head-permutation",
+                    "high",
+                    format!("{key} holds rank {other}'s heads {held} instead of heads {mine}: {cause}"),
+                );
+            }
+        }
+    }
+    // Same values, another arrangement: a layout (transpose/reshape) fault.
+    let mut a: Vec<u32> = eng.iter().map(|x| x.to_bits()).collect();
+    let mut b: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+    a.sort_unstable();
+    b.sort_unstable();
+    if a == b {
+        return found(
+            "transposed-weight",
+            "high",
+            format!(
+                "{key} holds exactly the reference's values in another arrangement: a transpose/reshape mix-up when the loader reassembled it{}",
+                if kind == WeightKind::KvB { " (k_b reshaped instead of transposed?)" } else { "" }
+            ),
+        );
+    }
+    let ratio = scale_ratio(eng, &want);
+    if let Some(s) = ratio.filter(|s| (s - 1.0).abs() > 1e-3) {
+        return found("scale-mismatch", "high", format!("{key} equals the reference's shard times {s:.4}"));
+    }
+    let cos = cosine(eng, &want);
+    let rel = metrics(eng, &want).rel_l2;
+    let ty = ctx.tensor_type_hint(key);
+    if rel < 0.1 && cos > 0.99 {
+        return found(
+            "precision",
+            "high",
+            format!("{key} is the reference's weight rounded to a lower precision (rel_l2 {rel:.2e}, cosine {cos:.5}): the loader re-rounded it{ty}"),
+        );
+    }
+    found(
+        "dequantization",
+        "high",
+        format!("{key}: the engine's dequantized values differ from the reference's on the same bytes (rel_l2 {rel:.2e}, cosine {cos:.3}){ty}: the engine's dequantizer for this type is wrong"),
+    )
+}
+
+impl DiagContext<'_> {
+    fn tensor_type_hint(&self, _key: &TapKey) -> String {
+        String::new()
+    }
+}
+
+/// `a ≈ s·b` for one scalar s: returns s when the fit is near exact.
+fn scale_ratio(a: &[f32], b: &[f32]) -> Option<f64> {
+    let (ab, bb): (f64, f64) = a.iter().zip(b).fold((0.0, 0.0), |(x, y), (&p, &q)| (x + p as f64 * q as f64, y + q as f64 * q as f64));
+    if bb == 0.0 {
+        return None;
+    }
+    let s = ab / bb;
+    let resid: f64 = a.iter().zip(b).map(|(&p, &q)| (p as f64 - s * q as f64).powi(2)).sum();
+    (resid / (s * s * bb) < 1e-8).then_some(s)
+}
+
+fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {
+    if ctx.tp < 2 || !matches!(key.site, Site::AttnProj | Site::FfnOut) {
+        return None;
+    }
+    let base = key.unranked();
+    for r in 0..ctx.tp as u32 {
+        let partial = ctx.eng.get(&TapKey { rank: Some(r), ..base })?;
+        if partial.data.len() == eng.len() && metrics(eng, &partial.data).rel_l2 < 1e-6 {
+            let summed: Vec<f32> = (0..eng.len())
+                .map(|i| (0..ctx.tp as u32).filter_map(|q| ctx.eng.get(&TapKey { rank: Some(q), ..base })).map(|p| p.data[i]).sum())
+                .collect();
+            let sum_err = ctx.refs.get(&base).map(|r| metrics(&summed, &r.data).rel_l2);
+            return Some(found(
+                "missing-reduction",
+                "high",
+                format!(
+                    "{base} equals rank {r}'s partial sum: the all-reduce did not run{}",
+                    sum_err.map_or(String::new(), |e| format!(" (the sum of the {} partials matches the reference to rel_l2 {e:.1e})", ctx.tp))
+                ),
+            ));
+        }
+    }
+    None
+}
+
+fn stale(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {
+    let layer = key.layer?;
+    let prev = TapKey { layer: Some(layer.checked_sub(1)?), ..*key };
+    let earlier = ctx.eng.get(&prev).map(|p| &p.data).or_else(|| ctx.refs.get(&prev.unranked()).map(|p| &p.data))?;
+    let earlier: Vec<f32> = if earlier.len() == eng.len() {
+        earlier.clone()
+    } else {
+        let r = ctx.refs.get(&prev.unranked())?;
+        reference_slice(ctx.config, ctx.tp, &prev, r)
+    };
+    (earlier.len() == eng.len() && metrics(eng, &earlier).rel_l2 < 1e-5).then(|| {
+        found(
+            "stale-output",
+            "high",
+            format!("{key} equals {prev} (the previous layer's values): the op's output buffer was read before this layer wrote it"),
+        )
+    })
+}
+
+/// Position 0 agrees (RoPE rotates by 0 there) while later positions diverge, growing with
+/// position: the rotary embedding differs.
+fn rope(key: &TapKey, eng: &[f32], want: &[f32], width: usize, threshold: f64) -> Option<Diagnosis> {
+    let n = eng.len() / width.max(1);
+    if n < 3 {
+        return None;
+    }
+    let row = |t: usize| metrics(&eng[t * width..(t + 1) * width], &want[t * width..(t + 1) * width]).rel_l2;
+    let (first, later) = (row(0), (1..n).map(row).fold(0f64, f64::max));
+    (first <= threshold && later > 10.0 * threshold).then(|| {
+        found(
+            "rope",
+            "high",
+            format!("{key}: position 0 agrees (rel_l2 {first:.1e}) but later positions diverge (up to {later:.2e}): the rotary embedding differs (NEOX vs NORM pairs, or base/dims)"),
+        )
+    })
+}
+
+fn head_permutation(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32]) -> Option<Diagnosis> {
+    let c = ctx.config;
+    let hd = match (&c.mla, key.site) {
+        (None, Site::Q | Site::K | Site::V | Site::AttnOut) => c.head_dim,
+        (Some(m), Site::Q) => m.qk_nope + m.qk_rope,
+        (Some(m), Site::K) => m.qk_nope,
+        (Some(m), Site::V | Site::AttnOut) => m.v_head_dim,
+        _ => return None,
+    };
+    let full_ref = &ctx.refs.get(&key.unranked())?.data;
+    let n_ref_heads = full_ref.len() / ctx.n_tokens / hd;
+    let n_eng_heads = eng.len() / ctx.n_tokens / hd;
+    let _ = want;
+    let cos = crate::compare::head_cosines(eng, n_eng_heads, full_ref, n_ref_heads, hd);
+    let offset = key.rank.and_then(|r| rank_columns(key.site, c, ctx.tp, r as usize)).map_or(0, |cols| cols.start / hd);
+    let mut moved = Vec::new();
+    for he in 0..n_eng_heads {
+        let row = &cos[he * n_ref_heads..(he + 1) * n_ref_heads];
+        let (best, &bc) = row.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1))?;
+        if bc < 0.999 {
+            return None;
+        }
+        if best != offset + he {
+            moved.push((offset + he, best));
+        }
+    }
+    if moved.is_empty() {
+        return None;
+    }
+    let (from, to): (Vec<usize>, Vec<usize>) = moved.iter().copied().unzip();
+    Some(found(
+        "head-permutation",
+        "high",
+        format!("per-head cosine at {key}: engine heads {} match reference heads {} (cosine > 0.999)", ranges(&from), ranges(&to)),
+    ))
+}
+
+fn precision_or_scale(key: &TapKey, eng: &[f32], want: &[f32], rel: f64, cos: f64) -> Diagnosis {
+    let f16_exact = eng.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
+    let bf16_exact = eng.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x);
+    if (f16_exact || bf16_exact) && rel < 1e-2 {
+        let ty = if f16_exact { "f16" } else { "bf16" };
+        return found(
+            "precision",
+            "high",
+            format!("every value of {key} is exactly {ty}-representable and the error (rel_l2 {rel:.2e}) is at {ty}'s rounding level: a tensor kept in {ty}"),
+        );
+    }
+    if let Some(s) = scale_ratio(eng, want).filter(|s| (s - 1.0).abs() > 1e-3) {
+        return found("scale-mismatch", "high", format!("{key} equals the reference times {s:.4} (cosine {cos:.6})"));
+    }
+    if rel < 1e-2 && cos > 0.9999 {
+        return found("precision", "low", format!("{key} differs at rounding level (rel_l2 {rel:.2e}, cosine {cos:.6})"));
+    }
+    found("unknown", "low", format!("{key} diverges (rel_l2 {rel:.2e}, cosine {cos:.4}); no class's evidence holds"))
+}

@@ -1,0 +1,332 @@
+//! `diff-layers` core: join engine and reference taps on the key as they arrive, compare each,
+//! find the first divergence in execution order, isolate the op there, and classify the fault.
+
+use crate::capture::{lockstep, progress, Captured, Side};
+use crate::compare::{columns, head_cosines, metrics, ActDtype, Tolerances};
+use crate::diagnose::{diagnose, DiagContext};
+use engine::{Engine, EngineOptions, FaultSpec};
+use references::config::ModelConfig;
+use references::forward::Reference;
+use references::tap::{rank_columns, weight_in_columns, Site, TapKey, WeightKind};
+use references::GgufFile;
+use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, TapRow, Timings, DIFF_FORMAT};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// What to diff.
+pub struct DiffPlan<'a> {
+    pub file: &'a GgufFile,
+    pub model_name: String,
+    pub tokens: Vec<u32>,
+    pub tp: usize,
+    pub faults: Vec<FaultSpec>,
+    pub tolerances: Tolerances,
+    pub dtype: ActDtype,
+    pub stop_at_first: bool,
+    pub repro: String,
+}
+
+/// Taps of one side, by key.
+pub type Store = BTreeMap<TapKey, Captured>;
+
+/// Sites whose rank-local form is a partial sum before the all-reduce, not a slice.
+pub fn is_partial_sum(key: &TapKey) -> bool {
+    key.rank.is_some() && matches!(key.site, Site::AttnProj | Site::FfnOut)
+}
+
+/// The part of the reference's full tensor that an engine tap corresponds to.
+pub fn reference_slice(c: &ModelConfig, tp: usize, key: &TapKey, full: &Captured) -> Vec<f32> {
+    let Some(rank) = key.rank.map(|r| r as usize) else { return full.data.clone() };
+    let [rows, width] = full.shape;
+    match key.site {
+        Site::Weight(kind) => {
+            if let Some(r) = rank_columns(key.site, c, tp, rank) {
+                full.data[r.start * width..r.end * width].to_vec()
+            } else if let Some(cols) = weight_in_columns(kind, c, tp, rank) {
+                columns(&full.data, width, cols)
+            } else {
+                full.data.clone()
+            }
+        }
+        site => match rank_columns(site, c, tp, rank) {
+            Some(cols) if cols.end <= width => columns(&full.data, width, cols),
+            _ => {
+                let _ = rows;
+                full.data.clone()
+            }
+        },
+    }
+}
+
+/// The engine's full tensor at an unranked key: its own unranked tap, or its rank slices put
+/// back together (rows for column-parallel weights, columns for activations).
+pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Option<Vec<f32>> {
+    if let Some(t) = eng.get(key) {
+        return Some(t.data.clone());
+    }
+    let parts: Vec<&Captured> = (0..tp).map(|r| eng.get(&TapKey { rank: Some(r as u32), ..*key })).collect::<Option<_>>()?;
+    if is_partial_sum(&TapKey { rank: Some(0), ..*key }) {
+        return None;
+    }
+    if let Site::Weight(kind) = key.site {
+        if rank_columns(key.site, c, tp, 0).is_some() {
+            // Column-parallel: each rank holds whole rows.
+            return Some(parts.iter().flat_map(|p| p.data.iter().copied()).collect());
+        }
+        if weight_in_columns(kind, c, tp, 0).is_none() {
+            // Replicated on every rank.
+            return Some(parts[0].data.clone());
+        }
+        // Row-parallel: each rank holds input columns; fall through to the column join.
+    } else {
+        rank_columns(key.site, c, tp, 0)?;
+    }
+    let n = parts[0].shape[0];
+    let mut out = Vec::new();
+    for t in 0..n {
+        for p in &parts {
+            let w = p.shape[1];
+            out.extend_from_slice(&p.data[t * w..(t + 1) * w]);
+        }
+    }
+    Some(out)
+}
+
+struct Comparator<'a> {
+    plan: &'a DiffPlan<'a>,
+    config: &'a ModelConfig,
+    eng: Store,
+    refs: Store,
+    waiting: Vec<TapKey>,
+    rows: Vec<TapRow>,
+    first_over: Option<TapKey>,
+    /// The taps of the first divergent layer and the one before, kept for the diagnosis.
+    frozen_eng: Store,
+    frozen_ref: Store,
+    compare_s: f64,
+}
+
+impl Comparator<'_> {
+    fn on_tap(&mut self, side: Side, c: Captured) -> bool {
+        let t0 = Instant::now();
+        let key = c.key;
+        match side {
+            Side::Engine => {
+                self.eng.insert(key, c);
+                if is_partial_sum(&key) {
+                    // Kept for the missing-reduction check, never compared to a slice.
+                } else if self.refs.contains_key(&key.unranked()) {
+                    self.compare(&key);
+                } else {
+                    self.waiting.push(key);
+                }
+            }
+            Side::Reference => {
+                self.refs.insert(key, c);
+                let ready: Vec<TapKey> = self.waiting.iter().filter(|k| k.unranked() == key).copied().collect();
+                self.waiting.retain(|k| k.unranked() != key);
+                for k in ready {
+                    self.compare(&k);
+                }
+            }
+        }
+        self.evict();
+        self.compare_s += t0.elapsed().as_secs_f64();
+        // With --stop-at-first, stop once the reference has moved a layer past the divergence, so
+        // every earlier tap has been compared.
+        match (self.plan.stop_at_first, self.first_over) {
+            (true, Some(k)) => {
+                let r_at = self.refs.keys().map(progress).max().unwrap_or(0);
+                r_at <= progress(&k)
+            }
+            _ => true,
+        }
+    }
+
+    fn compare(&mut self, key: &TapKey) {
+        let e = &self.eng[key];
+        let r = &self.refs[&key.unranked()];
+        let want = reference_slice(self.config, self.plan.tp, key, r);
+        let m = if want.len() == e.data.len() {
+            metrics(&e.data, &want)
+        } else {
+            Metrics { cosine: 0.0, rel_l2: f64::INFINITY, max_abs: f64::INFINITY, nmse: f64::INFINITY, sqnr_db: f64::NEG_INFINITY, nonfinite: 0, canary_left: 0.0 }
+        };
+        let threshold = self.plan.tolerances.threshold(key, self.plan.dtype);
+        let over = !(m.rel_l2 <= threshold) || m.canary_left > 0.0;
+        if over && self.first_over.is_none_or(|f| *key < f) {
+            self.first_over = Some(*key);
+        }
+        self.rows.push(TapRow {
+            tap: key.to_string(),
+            layer: key.layer,
+            site: key.site.name(),
+            rank: key.rank,
+            shape: e.shape,
+            metrics: m,
+            threshold,
+            over,
+        });
+    }
+
+    /// Drops taps more than two layers behind both sides, freezing the divergent window first.
+    fn evict(&mut self) {
+        let e_at = self.eng.keys().map(progress).max().unwrap_or(0);
+        let r_at = self.refs.keys().map(progress).max().unwrap_or(0);
+        let keep_from = e_at.min(r_at).saturating_sub(2);
+        if let Some(first) = self.first_over {
+            let lo = progress(&first).saturating_sub(1);
+            let window = |k: &TapKey| (lo..=progress(&first)).contains(&progress(k));
+            for (k, v) in self.eng.iter().filter(|(k, _)| window(k)) {
+                self.frozen_eng.entry(*k).or_insert_with(|| v.clone());
+            }
+            for (k, v) in self.refs.iter().filter(|(k, _)| window(k)) {
+                self.frozen_ref.entry(*k).or_insert_with(|| v.clone());
+            }
+        }
+        let waiting = &self.waiting;
+        self.eng.retain(|k, _| progress(k) >= keep_from || waiting.contains(k));
+        self.refs.retain(|k, _| progress(k) >= keep_from);
+    }
+}
+
+/// Runs the diff and builds the run document.
+pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
+    let t0 = Instant::now();
+    let reference = Reference::new(plan.file)?;
+    let opts = EngineOptions { tp: plan.tp, faults: plan.faults.clone(), ..EngineOptions::default() };
+    let mut engine = Engine::load(plan.file, opts)?;
+    let config = reference.config.clone();
+    let engine_config = engine.config().clone();
+    let mut cmp = Comparator {
+        plan,
+        config: &config,
+        eng: Store::new(),
+        refs: Store::new(),
+        waiting: Vec::new(),
+        rows: Vec::new(),
+        first_over: None,
+        frozen_eng: Store::new(),
+        frozen_ref: Store::new(),
+        compare_s: 0.0,
+    };
+    let tokens = &plan.tokens;
+    let (e, r) = lockstep(
+        |tap| engine.prefill(tokens, tap).map(|_| ()),
+        |tap| reference.forward(tokens, tap).map(|_| ()),
+        |side, c| cmp.on_tap(side, c),
+    );
+    e.result?;
+    r.result?;
+    cmp.evict();
+    let mut rows = std::mem::take(&mut cmp.rows);
+    rows.sort_by_key(|r| r.tap.parse::<TapKey>().expect("printed keys parse"));
+    let unmatched: Vec<String> = cmp.waiting.iter().map(|k| k.to_string()).collect();
+    let n = tokens.len();
+    let (first, diagnosis, isolation, heads) = match cmp.first_over {
+        None => (None, None, Vec::new(), None),
+        Some(k) => {
+            let ctx = DiagContext {
+                config: &config,
+                engine_config: &engine_config,
+                tp: plan.tp,
+                eng: &cmp.frozen_eng,
+                refs: &cmp.frozen_ref,
+                rows: &rows,
+                n_tokens: n,
+            };
+            let row = rows.iter().find(|r| r.tap == k.to_string()).expect("first divergence has a row");
+            let diagnosis = diagnose(&ctx, &k, row);
+            let isolation = isolate(&reference, &ctx, &k)?;
+            let heads = head_matrix(&ctx, &k);
+            let loc = Location { tap: k.to_string(), layer: k.layer, site: k.site.name(), rank: k.rank };
+            (Some(loc), Some(diagnosis), isolation, heads)
+        }
+    };
+    Ok(DiffRun {
+        format: DIFF_FORMAT,
+        llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
+        model: plan.model_name.clone(),
+        backend: engine.backend_name().to_string(),
+        tp: plan.tp,
+        tokens: tokens.clone(),
+        injected: plan.faults.iter().map(|f| f.to_string()).collect(),
+        verdict: if first.is_some() { "diverged" } else { "agree" }.to_string(),
+        first_divergence: first,
+        diagnosis,
+        isolation,
+        heads,
+        taps: rows,
+        unmatched,
+        repro: plan.repro.clone(),
+        timings_s: Timings { engine: e.seconds, reference: r.seconds, compare: cmp.compare_s, total: t0.elapsed().as_secs_f64() },
+    })
+}
+
+/// The sites whose op is re-run at a divergence: the divergent one and the one before it.
+fn isolate(reference: &Reference, ctx: &DiagContext, key: &TapKey) -> anyhow::Result<Vec<Isolation>> {
+    let mut out = Vec::new();
+    let Some(layer) = key.layer else { return Ok(out) };
+    let order: Vec<Site> = Site::ACTIVATIONS.iter().copied().filter(|s| !s.is_global()).collect();
+    let idx = order.iter().position(|s| *s == key.site);
+    let candidates: Vec<Site> = match idx {
+        Some(i) => order[i.saturating_sub(1)..=i].to_vec(),
+        None => return Ok(out),
+    };
+    for site in candidates {
+        let full = TapKey::layer(layer as usize, site);
+        let (Some(eng_out), Some(ref_out)) = (engine_full(ctx.config, ctx.tp, ctx.eng, &full), ctx.refs.get(&full)) else {
+            continue;
+        };
+        let inputs = |k: &TapKey| engine_full(ctx.config, ctx.tp, ctx.eng, k);
+        let Some(replayed) = reference.replay(&full, &inputs, ctx.n_tokens)? else { continue };
+        if replayed.len() != eng_out.len() {
+            continue;
+        }
+        let e2e = metrics(&eng_out, &ref_out.data).rel_l2;
+        let iso = metrics(&eng_out, &replayed).rel_l2;
+        let thr = ctx.threshold_hint(&full);
+        out.push(Isolation {
+            tap: full.to_string(),
+            end_to_end_rel_l2: e2e,
+            isolated_rel_l2: iso,
+            verdict: if iso <= thr { "propagated" } else { "introduced" }.to_string(),
+        });
+    }
+    Ok(out)
+}
+
+/// The per-head cosine matrix at an attention tap or the kv_b / q weights.
+fn head_matrix(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
+    let c = ctx.config;
+    let full = key.unranked();
+    let (per_head, n_heads) = match (&c.mla, key.site) {
+        (None, Site::Q | Site::AttnOut) => (c.head_dim, c.n_heads),
+        (None, Site::K | Site::V) => (c.head_dim, c.n_kv_heads),
+        (Some(m), Site::Q) => (m.qk_nope + m.qk_rope, c.n_heads),
+        (Some(m), Site::K) => (m.qk_nope, c.n_heads),
+        (Some(m), Site::V | Site::AttnOut) => (m.v_head_dim, c.n_heads),
+        (Some(m), Site::Weight(WeightKind::KvB)) => (m.qk_nope + m.v_head_dim, c.n_heads),
+        _ => return None,
+    };
+    let eng = engine_full(c, ctx.tp, ctx.eng, &full)?;
+    let reference = &ctx.refs.get(&full)?.data;
+    if eng.len() != reference.len() {
+        return None;
+    }
+    let cosine = if let Site::Weight(_) = key.site {
+        // Rows per head: compare each engine head's row block with each reference head's.
+        let width = reference.len() / (n_heads * per_head);
+        let block = per_head * width;
+        let mut m = Vec::with_capacity(n_heads * n_heads);
+        for he in 0..n_heads {
+            for hr in 0..n_heads {
+                m.push(crate::compare::cosine(&eng[he * block..(he + 1) * block], &reference[hr * block..(hr + 1) * block]));
+            }
+        }
+        m
+    } else {
+        head_cosines(&eng, n_heads, reference, n_heads, per_head)
+    };
+    Some(HeadMatrix { tap: full.to_string(), n_heads, cosine })
+}
