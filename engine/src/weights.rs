@@ -1,0 +1,602 @@
+//! Weight loading and sharding for TP degree N. Each rank dequantizes only its own shards
+//! straight from the GGUF bytes (never N full copies); small replicated tensors are loaded once and
+//! shared between ranks behind an `Arc`.
+//!
+//! The sharding scheme (vLLM / Megatron defaults):
+//! - Column-parallel (rank r holds output rows `r·out/N ..`): llama `attn_q`, `attn_k`, `attn_v`
+//!   by whole heads (q by H/N heads, k/v by KV/N kv-heads); MLA `attn_q_b` (or a plain `attn_q`)
+//!   and the reassembled `kv_b` by whole heads; FFN `gate` and `up` by columns of the hidden dim.
+//! - Row-parallel (rank r holds input columns `r·in/N ..`, output reduced by a sum all-reduce):
+//!   `attn_output` (o_proj) and FFN `down`.
+//! - Replicated (every rank computes the same thing): the norms, MLA `attn_q_a`, `attn_kv_a_mqa`,
+//!   the MoE router `ffn_gate_inp` and its `exp_probs_b` bias.
+//! - Vocab-parallel: `token_embd` and `output` (lm_head) split by vocab rows, `ceil(V/N)` per rank
+//!   (the last rank may hold fewer). The embedding lookup is masked to the rank's rows and
+//!   all-reduced; the logits are gathered (concatenated) in rank order.
+//! - MoE, as vLLM's default TP (no expert parallelism): every rank holds every expert, and each
+//!   expert's intermediate dim is split: `gate`/`up` column-parallel, `down` row-parallel. The
+//!   shared expert is split the same way. One all-reduce follows the whole MoE block (routed
+//!   experts and shared expert together).
+//!
+//! kv_b is reassembled from `attn_k_b` (ne `[nope, kv_lora, H]`, k_b stored transposed per head)
+//! and `attn_v_b` (ne `[kv_lora, v, H]`): `kv_b = cat([k_bᵀ, v_b], dim=1).reshape(H·(nope+v), kv_lora)`,
+//! then sharded by head. The loader faults (`kv-b-unsharded`, `kv-b-shard-swap`,
+//! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`) live here as the alternative
+//! paths they are in a real loader.
+
+use crate::fault::{Fault, FaultSet};
+use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
+use crate::kernels::Mat;
+use crate::EngineError;
+use references::config::MoeConfig;
+use references::tap::WeightKind;
+use references::{GgmlType, GgufFile, ModelConfig, TensorInfo};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+/// A weight in torch layout `[rows = out, cols = in]`, f32.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Arc<Vec<f32>>,
+}
+
+impl Linear {
+    pub fn mat(&self) -> Mat<'_> {
+        Mat {
+            data: &self.data,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+    /// The first `n_rows` rows (the rows a rank computes with when it holds more than its shard).
+    pub fn first_rows(&self, n_rows: usize) -> Mat<'_> {
+        let n_rows = n_rows.min(self.rows);
+        Mat {
+            data: &self.data[..n_rows * self.cols],
+            rows: n_rows,
+            cols: self.cols,
+        }
+    }
+}
+
+/// A SwiGLU MLP shard: gate/up `[f_r, d]`, down `[d, f_r]`.
+pub struct MlpShard {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+/// A rank's share of an MoE block.
+pub struct MoeShard {
+    /// Router `[n_experts, d]` (replicated).
+    pub router: Linear,
+    /// `exp_probs_b.bias` `[n_experts]` (replicated).
+    pub bias: Option<Arc<Vec<f32>>>,
+    pub experts: Vec<MlpShard>,
+    pub shared: Option<MlpShard>,
+}
+
+pub enum FfnShard {
+    Dense(MlpShard),
+    Moe(MoeShard),
+}
+
+pub enum AttnShard {
+    Gqa {
+        q: Linear,
+        k: Linear,
+        v: Linear,
+    },
+    Mla {
+        /// `(q_a [q_lora, d], q_a_norm)`, replicated; `None` when the model has a plain attn_q.
+        q_a: Option<(Linear, Arc<Vec<f32>>)>,
+        /// q_b (or plain attn_q) shard `[H_r·(nope+rope), in]`.
+        q: Linear,
+        /// kv_a_mqa `[kv_lora + rope, d]`, replicated.
+        kv_a: Linear,
+        kv_a_norm: Arc<Vec<f32>>,
+        /// The reassembled kv_b as this rank holds it (its heads, or more under `kv-b-unsharded`).
+        kv_b: Linear,
+        /// Rows of `kv_b` the rank computes with: `H_r·(nope+v)`.
+        kv_b_rows_used: usize,
+    },
+}
+
+pub struct LayerShard {
+    pub attn_norm: Arc<Vec<f32>>,
+    pub attn: AttnShard,
+    /// o_proj shard `[d, in_r]` (row-parallel).
+    pub o: Linear,
+    pub ffn_norm: Arc<Vec<f32>>,
+    pub ffn: FfnShard,
+}
+
+impl LayerShard {
+    /// The weights a weight tap can show, with their kinds.
+    pub fn tappable(&self) -> Vec<(WeightKind, &Linear)> {
+        let mut v = Vec::new();
+        match &self.attn {
+            AttnShard::Gqa { q, k, v: vv } => {
+                v.extend([(WeightKind::Q, q), (WeightKind::K, k), (WeightKind::V, vv)]);
+            }
+            AttnShard::Mla { q_a, q, kv_a, kv_b, .. } => {
+                match q_a {
+                    Some((qa, _)) => v.extend([(WeightKind::QA, qa), (WeightKind::QB, q)]),
+                    None => v.push((WeightKind::Q, q)),
+                }
+                v.extend([(WeightKind::KvA, kv_a), (WeightKind::KvB, kv_b)]);
+            }
+        }
+        v.push((WeightKind::O, &self.o));
+        match &self.ffn {
+            FfnShard::Dense(m) => v.extend([
+                (WeightKind::Gate, &m.gate),
+                (WeightKind::Up, &m.up),
+                (WeightKind::Down, &m.down),
+            ]),
+            FfnShard::Moe(m) => v.push((WeightKind::Router, &m.router)),
+        }
+        v
+    }
+}
+
+/// Everything one rank holds.
+pub struct RankShard {
+    pub rank_idx: usize,
+    /// Vocab rows `[V_r, d]` of token_embd.
+    pub embd: Linear,
+    pub vocab_range: Range<usize>,
+    pub layers: Vec<LayerShard>,
+    pub output_norm: Arc<Vec<f32>>,
+    /// lm_head rows `[V_r, d]`; the embedding shard when the embeddings are tied.
+    pub lm_head: Linear,
+}
+
+/// The vocab rows rank `rank_idx` of `tp` holds: `ceil(V/tp)` each, the last rank fewer.
+pub fn vocab_range(vocab: usize, tp: usize, rank_idx: usize) -> Range<usize> {
+    let per = vocab.div_ceil(tp);
+    (rank_idx * per).min(vocab)..((rank_idx + 1) * per).min(vocab)
+}
+
+/// Rounds to the nearest FP8 E4M3 value (3 mantissa bits, max 448), as a router stored in FP8.
+pub fn round_fp8_e4m3(x: f32) -> f32 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let a = x.abs().min(448.0);
+    let e = a.log2().floor().max(-6.0);
+    let quantum = (e - 3.0).exp2();
+    ((a / quantum).round() * quantum).min(448.0).copysign(x)
+}
+
+/// Replicated tensors by (name, faulty-Q4_K decode).
+type ReplicatedCache = HashMap<(String, bool), Arc<Vec<f32>>>;
+
+/// Reads, checks and dequantizes tensors for the ranks; caches replicated ones.
+pub struct Loader<'a> {
+    pub file: &'a GgufFile,
+    pub config: &'a ModelConfig,
+    pub faults: &'a FaultSet,
+    pub tp: usize,
+    replicated: Mutex<ReplicatedCache>,
+}
+
+fn name_of(s: &str) -> String {
+    format!("{s}.weight")
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(file: &'a GgufFile, config: &'a ModelConfig, faults: &'a FaultSet, tp: usize) -> Self {
+        Loader {
+            file,
+            config,
+            faults,
+            tp,
+            replicated: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn info(&self, name: &str) -> Result<&'a TensorInfo, EngineError> {
+        self.file
+            .tensor(name)
+            .ok_or_else(|| EngineError::MissingTensor(name.to_string()))
+    }
+
+    /// The tensor's info after checking its dims against what the config implies.
+    fn checked(&self, name: &str, ne: &[usize]) -> Result<&'a TensorInfo, EngineError> {
+        let t = self.info(name)?;
+        let want: Vec<u64> = ne.iter().map(|&x| x as u64).collect();
+        // GGUF drops trailing 1-dims in some writers: compare with them stripped.
+        let strip = |v: &[u64]| -> Vec<u64> {
+            let mut v = v.to_vec();
+            while v.len() > 1 && v.last() == Some(&1) {
+                v.pop();
+            }
+            v
+        };
+        if strip(&t.ne) != strip(&want) {
+            return Err(EngineError::BadTensor {
+                name: name.to_string(),
+                msg: format!("ne {:?}, but the config implies {:?}", t.ne, want),
+            });
+        }
+        Ok(t)
+    }
+
+    fn dequant(&self, name: &str, ty: GgmlType, src: &[u8], dst: &mut [f32], bad_q4k: bool) -> Result<(), EngineError> {
+        if ty == GgmlType::Q4K && bad_q4k {
+            if !dequantize_q4k(src, dst, ScaleMinOrder::Swapped) {
+                return Err(EngineError::Dequant {
+                    name: name.to_string(),
+                    msg: "Q4_K data is not whole blocks".into(),
+                });
+            }
+            return Ok(());
+        }
+        crate::tmp_dequant::dequantize(ty, src, dst).map_err(|e| EngineError::Dequant {
+            name: name.to_string(),
+            msg: e.to_string(),
+        })
+    }
+
+    /// Rows `rows` (each `ne[0]` elements; rows counted over all outer dims) of a tensor.
+    pub fn rows(&self, name: &str, ne: &[usize], rows: Range<usize>, bad_q4k: bool) -> Result<Vec<f32>, EngineError> {
+        let t = self.checked(name, ne)?;
+        let row_len = ne[0];
+        let n_rows: usize = ne[1..].iter().product();
+        if rows.end > n_rows || rows.start > rows.end {
+            return Err(EngineError::BadTensor {
+                name: name.to_string(),
+                msg: format!("rows {rows:?} outside its {n_rows} rows"),
+            });
+        }
+        let row_bytes = t.n_bytes as usize / n_rows.max(1);
+        let src = &self.file.tensor_data(t)[rows.start * row_bytes..rows.end * row_bytes];
+        let mut out = vec![0f32; rows.len() * row_len];
+        self.dequant(name, t.ty, src, &mut out, bad_q4k)?;
+        Ok(out)
+    }
+
+    /// Columns `cols` of rows `rows`: the input slice of a row-parallel weight.
+    pub fn cols(
+        &self,
+        name: &str,
+        ne: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+        bad_q4k: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        let t = self.checked(name, ne)?;
+        let row_len = ne[0];
+        let n_rows: usize = ne[1..].iter().product();
+        if rows.end > n_rows || cols.end > row_len {
+            return Err(EngineError::BadTensor {
+                name: name.to_string(),
+                msg: format!("rows {rows:?} cols {cols:?} outside [{n_rows}, {row_len}]"),
+            });
+        }
+        let row_bytes = t.n_bytes as usize / n_rows.max(1);
+        let data = self.file.tensor_data(t);
+        let mut tmp = vec![0f32; row_len];
+        let mut out = Vec::with_capacity(rows.len() * cols.len());
+        for row_idx in rows {
+            self.dequant(
+                name,
+                t.ty,
+                &data[row_idx * row_bytes..(row_idx + 1) * row_bytes],
+                &mut tmp,
+                bad_q4k,
+            )?;
+            out.extend_from_slice(&tmp[cols.clone()]);
+        }
+        Ok(out)
+    }
+
+    /// A replicated tensor, whole, shared between ranks.
+    fn replicated(&self, name: &str, ne: &[usize], bad_q4k: bool) -> Result<Arc<Vec<f32>>, EngineError> {
+        let key = (name.to_string(), bad_q4k);
+        if let Some(v) = self.replicated.lock().expect("loader cache").get(&key) {
+            return Ok(v.clone());
+        }
+        let n_rows: usize = ne[1..].iter().product();
+        let v = Arc::new(self.rows(name, ne, 0..n_rows, bad_q4k)?);
+        self.replicated.lock().expect("loader cache").insert(key, v.clone());
+        Ok(v)
+    }
+
+    fn replicated_linear(&self, name: &str, n_in: usize, n_out: usize, bad_q4k: bool) -> Result<Linear, EngineError> {
+        Ok(Linear {
+            rows: n_out,
+            cols: n_in,
+            data: self.replicated(name, &[n_in, n_out], bad_q4k)?,
+        })
+    }
+
+    /// Column-parallel: output rows `rows` of a 2-D weight `[n_out, n_in]` (ne `{n_in, n_out}`).
+    fn column(
+        &self,
+        name: &str,
+        n_in: usize,
+        n_out: usize,
+        rows: Range<usize>,
+        bad_q4k: bool,
+    ) -> Result<Linear, EngineError> {
+        Ok(Linear {
+            rows: rows.len(),
+            cols: n_in,
+            data: Arc::new(self.rows(name, &[n_in, n_out], rows, bad_q4k)?),
+        })
+    }
+
+    /// Row-parallel: input columns `cols` of a 2-D weight `[n_out, n_in]`.
+    fn row_parallel(
+        &self,
+        name: &str,
+        n_in: usize,
+        n_out: usize,
+        cols: Range<usize>,
+        bad_q4k: bool,
+    ) -> Result<Linear, EngineError> {
+        Ok(Linear {
+            rows: n_out,
+            cols: cols.len(),
+            data: Arc::new(self.cols(name, &[n_in, n_out], 0..n_out, cols, bad_q4k)?),
+        })
+    }
+
+    fn part(&self, width: usize, rank_idx: usize) -> Range<usize> {
+        let w = width / self.tp;
+        rank_idx * w..(rank_idx + 1) * w
+    }
+
+    /// The rank whose kv_b heads rank `rank_idx` is handed in `layer_idx` (itself unless a
+    /// `kv-b-shard-swap` pairs it with another).
+    fn kv_b_source_rank(&self, layer_idx: usize, rank_idx: usize) -> usize {
+        let mut src = rank_idx;
+        for s in self.faults.of(Fault::KvBShardSwap) {
+            if s.layer.is_some_and(|l| l as usize != layer_idx) {
+                continue;
+            }
+            let a = s.rank.unwrap_or(0) as usize % self.tp;
+            let b = (a + 1) % self.tp;
+            if src == a {
+                src = b;
+            } else if src == b {
+                src = a;
+            }
+        }
+        src
+    }
+
+    /// Loads everything rank `rank_idx` holds.
+    pub fn load_rank(&self, rank_idx: usize) -> Result<RankShard, EngineError> {
+        let c = self.config;
+        let d = c.d_model;
+        let global_q4k = self.faults.active_global(Fault::DequantQ4kScaleMin, rank_idx);
+        let vocab_range = vocab_range(c.vocab, self.tp, rank_idx);
+        let embd = self.column("token_embd.weight", d, c.vocab, vocab_range.clone(), global_q4k)?;
+        let lm_head = if c.tied_embeddings {
+            embd.clone()
+        } else {
+            self.column("output.weight", d, c.vocab, vocab_range.clone(), global_q4k)?
+        };
+        let output_norm = self.replicated("output_norm.weight", &[d], false)?;
+        let layers = (0..c.n_layers)
+            .map(|l| self.load_layer(l, rank_idx))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RankShard {
+            rank_idx,
+            embd,
+            vocab_range,
+            layers,
+            output_norm,
+            lm_head,
+        })
+    }
+
+    fn load_layer(&self, l: usize, r: usize) -> Result<LayerShard, EngineError> {
+        let c = self.config;
+        let d = c.d_model;
+        let bad = self.faults.active(Fault::DequantQ4kScaleMin, l, r);
+        let b = |s: &str| name_of(&format!("blk.{l}.{s}"));
+        let attn_norm = self.replicated(&b("attn_norm"), &[d], false)?;
+        let ffn_norm = self.replicated(&b("ffn_norm"), &[d], false)?;
+        let (attn, o) = match &c.mla {
+            None => {
+                let hd = c.head_dim;
+                let (hw, kvw) = (c.n_heads * hd, c.n_kv_heads * hd);
+                let attn = AttnShard::Gqa {
+                    q: self.column(&b("attn_q"), d, hw, self.part(hw, r), bad)?,
+                    k: self.column(&b("attn_k"), d, kvw, self.part(kvw, r), bad)?,
+                    v: self.column(&b("attn_v"), d, kvw, self.part(kvw, r), bad)?,
+                };
+                (
+                    attn,
+                    self.row_parallel(&b("attn_output"), hw, d, self.part(hw, r), bad)?,
+                )
+            }
+            Some(m) => {
+                let h = c.n_heads;
+                let qw = m.qk_nope + m.qk_rope;
+                let (q_a, q) = match m.q_lora_rank {
+                    Some(ql) => {
+                        let qa = self.replicated_linear(&b("attn_q_a"), d, ql, bad)?;
+                        let qa_norm = self.replicated(&b("attn_q_a_norm"), &[ql], false)?;
+                        let qb = self.column(&b("attn_q_b"), ql, h * qw, self.part(h * qw, r), bad)?;
+                        (Some((qa, qa_norm)), qb)
+                    }
+                    None => (None, self.column(&b("attn_q"), d, h * qw, self.part(h * qw, r), bad)?),
+                };
+                let kv_a = self.replicated_linear(&b("attn_kv_a_mqa"), d, m.kv_lora_rank + m.qk_rope, bad)?;
+                let kv_a_norm = self.replicated(&b("attn_kv_a_norm"), &[m.kv_lora_rank], false)?;
+                let h_r = h / self.tp;
+                let heads = if self.faults.active(Fault::KvBUnsharded, l, r) {
+                    0..h
+                } else {
+                    let src = self.kv_b_source_rank(l, r);
+                    src * h_r..(src + 1) * h_r
+                };
+                let untransposed = self.faults.active(Fault::KBUntransposed, l, r);
+                let kv_b = self.kv_b(l, heads, untransposed, bad)?;
+                let attn = AttnShard::Mla {
+                    q_a,
+                    q,
+                    kv_a,
+                    kv_a_norm,
+                    kv_b,
+                    kv_b_rows_used: h_r * (m.qk_nope + m.v_head_dim),
+                };
+                let vw = h * m.v_head_dim;
+                (
+                    attn,
+                    self.row_parallel(&b("attn_output"), vw, d, self.part(vw, r), bad)?,
+                )
+            }
+        };
+        let ffn = match &c.moe {
+            Some(moe) if c.is_moe_layer(l) => FfnShard::Moe(self.load_moe(l, r, moe, bad)?),
+            _ => {
+                let f = c.ffn_dim;
+                FfnShard::Dense(MlpShard {
+                    gate: self.column(&b("ffn_gate"), d, f, self.part(f, r), bad)?,
+                    up: self.column(&b("ffn_up"), d, f, self.part(f, r), bad)?,
+                    down: self.row_parallel(&b("ffn_down"), f, d, self.part(f, r), bad)?,
+                })
+            }
+        };
+        Ok(LayerShard {
+            attn_norm,
+            attn,
+            o,
+            ffn_norm,
+            ffn,
+        })
+    }
+
+    /// The reassembled kv_b rows of `heads`: per head `[k_bᵀ (nope rows) ; v_b (v rows)]`, each
+    /// row kv_lora wide. With `untransposed`, k_b's per-head `[kv_lora, nope]` block is
+    /// reinterpreted as `[nope, kv_lora]` by a reshape instead of a transpose.
+    fn kv_b(&self, l: usize, heads: Range<usize>, untransposed: bool, bad_q4k: bool) -> Result<Linear, EngineError> {
+        let c = self.config;
+        let m = c.mla.as_ref().expect("kv_b is MLA-only");
+        let (h, nope, vd, kvl) = (c.n_heads, m.qk_nope, m.v_head_dim, m.kv_lora_rank);
+        let k_name = name_of(&format!("blk.{l}.attn_k_b"));
+        let v_name = name_of(&format!("blk.{l}.attn_v_b"));
+        // k_b rows are nope wide: head hh holds rows hh·kv_lora .. (hh+1)·kv_lora.
+        let kb = self.rows(&k_name, &[nope, kvl, h], heads.start * kvl..heads.end * kvl, bad_q4k)?;
+        // v_b rows are kv_lora wide: head hh holds rows hh·v .. (hh+1)·v.
+        let vb = self.rows(&v_name, &[kvl, vd, h], heads.start * vd..heads.end * vd, bad_q4k)?;
+        let per_head = (nope + vd) * kvl;
+        let mut out = vec![0f32; heads.len() * per_head];
+        for (i, head) in out.chunks_exact_mut(per_head).enumerate() {
+            let k_slab = &kb[i * kvl * nope..(i + 1) * kvl * nope]; // [kv_lora][nope]
+            let (k_rows, v_rows) = head.split_at_mut(nope * kvl);
+            if untransposed {
+                k_rows.copy_from_slice(k_slab);
+            } else {
+                for j in 0..nope {
+                    for c_idx in 0..kvl {
+                        k_rows[j * kvl + c_idx] = k_slab[c_idx * nope + j];
+                    }
+                }
+            }
+            v_rows.copy_from_slice(&vb[i * vd * kvl..(i + 1) * vd * kvl]);
+        }
+        Ok(Linear {
+            rows: heads.len() * (nope + vd),
+            cols: kvl,
+            data: Arc::new(out),
+        })
+    }
+
+    fn load_moe(&self, l: usize, r: usize, moe: &MoeConfig, bad: bool) -> Result<MoeShard, EngineError> {
+        let d = self.config.d_model;
+        let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
+        let b = |s: &str| name_of(&format!("blk.{l}.{s}"));
+        let mut router = self.replicated_linear(&b("ffn_gate_inp"), d, n_exp, false)?;
+        if self.faults.active(Fault::MoeGateRounded, l, r) {
+            router.data = Arc::new(router.data.iter().map(|&x| round_fp8_e4m3(x)).collect());
+        }
+        let bias_name = format!("blk.{l}.exp_probs_b.bias");
+        let bias = match self.file.tensor(&bias_name) {
+            Some(_) => Some(self.replicated(&bias_name, &[n_exp], false)?),
+            None => None,
+        };
+        let part = self.part(eff, r);
+        let experts = (0..n_exp)
+            .map(|e| {
+                let rows = e * eff + part.start..e * eff + part.end;
+                Ok(MlpShard {
+                    gate: Linear {
+                        rows: part.len(),
+                        cols: d,
+                        data: Arc::new(self.rows(&b("ffn_gate_exps"), &[d, eff, n_exp], rows.clone(), bad)?),
+                    },
+                    up: Linear {
+                        rows: part.len(),
+                        cols: d,
+                        data: Arc::new(self.rows(&b("ffn_up_exps"), &[d, eff, n_exp], rows, bad)?),
+                    },
+                    down: Linear {
+                        rows: d,
+                        cols: part.len(),
+                        data: Arc::new(self.cols(
+                            &b("ffn_down_exps"),
+                            &[eff, d, n_exp],
+                            e * d..(e + 1) * d,
+                            part.clone(),
+                            bad,
+                        )?),
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let shared = if moe.n_shared > 0 {
+            let sh = eff * moe.n_shared;
+            let p = self.part(sh, r);
+            Some(MlpShard {
+                gate: self.column(&b("ffn_gate_shexp"), d, sh, p.clone(), bad)?,
+                up: self.column(&b("ffn_up_shexp"), d, sh, p.clone(), bad)?,
+                down: self.row_parallel(&b("ffn_down_shexp"), sh, d, p, bad)?,
+            })
+        } else {
+            None
+        };
+        Ok(MoeShard {
+            router,
+            bias,
+            experts,
+            shared,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vocab_ranges_cover_the_vocab() {
+        for (v, tp) in [(512, 3), (49152, 8), (10, 4), (7, 8)] {
+            let mut next = 0;
+            for r in 0..tp {
+                let range = vocab_range(v, tp, r);
+                assert_eq!(range.start, next);
+                next = range.end;
+            }
+            assert_eq!(next, v);
+        }
+    }
+
+    #[test]
+    fn fp8_rounding() {
+        assert_eq!(round_fp8_e4m3(1.0), 1.0);
+        assert_eq!(round_fp8_e4m3(1.07), 1.125);
+        assert_eq!(round_fp8_e4m3(-0.3), -0.3125);
+        assert_eq!(round_fp8_e4m3(1000.0), 448.0);
+        assert_eq!(round_fp8_e4m3(0.0), 0.0);
+    }
+}
