@@ -21,6 +21,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Write a deterministic random-weight GGUF model (llama or deepseek2) from a preset or dims.
     Synth(SynthArgs),
+    /// Next-token log-probabilities (f64 log-softmax) and entropy at every position.
+    Logits(LogitsArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -85,6 +87,47 @@ pub struct DimArgs {
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where a forward pass runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendArg {
+    /// The slow, obviously-correct CPU reference.
+    Reference,
+    /// The tensor-parallel engine, ranks as CPU threads.
+    Cpu,
+    /// The tensor-parallel engine on a GPU (build with --features cuda).
+    Cuda,
+}
+
+/// The prompt, as text or token ids.
+#[derive(Args, Debug, Clone)]
+#[group(required = true, multiple = false)]
+pub struct InputArgs {
+    /// Prompt text, tokenized with the model's own tokenizer (special tokens parsed).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    /// The GGUF model.
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
+    pub backend: BackendArg,
+    /// Tensor-parallel degree (engine backends).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// How many top tokens to show per position.
+    #[arg(long, default_value_t = 5)]
+    pub top_k: usize,
     #[arg(long)]
     pub json: bool,
 }

@@ -3,4 +3,5 @@
 
 pub mod cli;
 pub mod commands;
+pub mod logprobs;
 pub mod output;

@@ -1,0 +1,66 @@
+//! `llmdiff logits`: per-position entropy and top-k log-probabilities from one forward pass.
+
+use crate::cli::{BackendArg, InputArgs, LogitsArgs};
+use crate::logprobs::{entropy, log_softmax, top_k};
+use crate::output::open_model;
+use anyhow::bail;
+use references::forward::Reference;
+use references::tap::NoTap;
+use references::GgufFile;
+use serde_json::json;
+use std::process::ExitCode;
+
+/// The token ids for `--prompt` or `--tokens`.
+pub fn input_tokens(file: &GgufFile, input: &InputArgs) -> anyhow::Result<Vec<u32>> {
+    match (&input.tokens, &input.prompt) {
+        (Some(t), _) if t.is_empty() => bail!("--tokens is empty"),
+        (Some(t), _) => Ok(t.clone()),
+        (None, Some(_)) => bail!("--prompt needs the tokenizer, which is not built yet; pass --tokens"),
+        (None, None) => bail!("give --prompt TEXT or --tokens 1,2,3"),
+    }
+    .map(|t: Vec<u32>| {
+        let _ = file;
+        t
+    })
+}
+
+pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
+    let file = open_model(&a.model)?;
+    let tokens = input_tokens(&file, &a.input)?;
+    let logits = match a.backend {
+        BackendArg::Reference => {
+            if a.tp != 1 {
+                bail!("--tp applies to the engine backends (cpu, cuda), not the reference");
+            }
+            Reference::new(&file)?.forward(&tokens, &mut NoTap)?
+        }
+        other => bail!("backend {other:?} is not built yet"),
+    };
+    let vocab = logits.len() / tokens.len();
+    let positions: Vec<_> = logits
+        .chunks(vocab)
+        .map(|row| {
+            let lp = log_softmax(row);
+            (entropy(&lp), top_k(&lp, a.top_k))
+        })
+        .collect();
+    if a.json {
+        let pos: Vec<_> = positions
+            .iter()
+            .map(|(h, top)| json!({"entropy": h, "top": top.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>()}))
+            .collect();
+        let doc = json!({"model": a.model.display().to_string(), "backend": format!("{:?}", a.backend).to_lowercase(),
+                         "tp": a.tp, "tokens": tokens, "positions": pos});
+        println!("{}", serde_json::to_string(&doc)?);
+    } else {
+        println!(
+            "{:>4} {:>8} {:>9}  top-{} (id:logprob)",
+            "pos", "token", "entropy", a.top_k
+        );
+        for (i, (h, top)) in positions.iter().enumerate() {
+            let shown: Vec<String> = top.iter().map(|(id, lp)| format!("{id}:{lp:.3}")).collect();
+            println!("{i:>4} {:>8} {h:>9.4}  {}", tokens[i], shown.join(" "));
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,366 @@
+//! One deepseek2 block (DeepSeek-V2/V3, GLM-style): multi-head latent attention with kv_b
+//! reassembled from attn_k_b/attn_v_b, then a dense SwiGLU FFN (leading layers) or a routed MoE
+//! with a shared expert. Written from model-facts.md and HF's modeling_deepseek_v3.py.
+
+use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
+use crate::config::{Gating, MoeConfig};
+use crate::tap::{Site, Tap, TapKey, WeightKind};
+
+pub(super) fn layer(
+    r: &Reference,
+    l: usize,
+    x: Vec<f32>,
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
+    let c = &r.config;
+    let d = c.d_model;
+    let name = |s: &str| format!("blk.{l}.{s}.weight");
+    let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
+    emit(tap, TapKey::layer(l, Site::AttnNorm), &h, n);
+    let attn = mla(r, l, &h, n, tap)?;
+    let wo = r.matrix(&name("attn_output"), d, attn.len() / n)?;
+    emit_weight(tap, l, WeightKind::O, &wo);
+    let proj = linear(&attn, n, &wo);
+    emit(tap, TapKey::layer(l, Site::AttnProj), &proj, n);
+    let x = ops::add(&x, &proj);
+    emit(tap, TapKey::layer(l, Site::ResidAttn), &x, n);
+
+    let h = ops::rms_norm(&x, d, &r.vector(&name("ffn_norm"), d)?, c.rms_eps);
+    emit(tap, TapKey::layer(l, Site::FfnNorm), &h, n);
+    let out = match &c.moe {
+        Some(moe) if c.is_moe_layer(l) => moe_ffn(r, l, moe, &h, n, tap)?,
+        _ => {
+            let f = c.ffn_dim;
+            let gate = r.matrix(&name("ffn_gate"), f, d)?;
+            let up = r.matrix(&name("ffn_up"), f, d)?;
+            let down = r.matrix(&name("ffn_down"), d, f)?;
+            for (kind, w) in [
+                (WeightKind::Gate, &gate),
+                (WeightKind::Up, &up),
+                (WeightKind::Down, &down),
+            ] {
+                emit_weight(tap, l, kind, w);
+            }
+            let (g, u, out) = swiglu_ffn(&h, n, &gate, &up, &down);
+            emit(tap, TapKey::layer(l, Site::FfnGate), &g, n);
+            emit(tap, TapKey::layer(l, Site::FfnUp), &u, n);
+            out
+        }
+    };
+    emit(tap, TapKey::layer(l, Site::FfnOut), &out, n);
+    let x = ops::add(&x, &out);
+    emit(tap, TapKey::layer(l, Site::ResidOut), &x, n);
+    Ok(x)
+}
+
+/// kv_b `[H·(nope+v), kv_lora]` from the llama.cpp split: k_b is stored per head transposed,
+/// torch `[H, kv_lora, nope]` (ne {nope, kv_lora, H}); v_b is torch `[H, v, kv_lora]`.
+/// kv_b = cat([k_bᵀ, v_b], dim=1).reshape(H·(nope+v), kv_lora).
+pub fn reassemble_kv_b(k_b: &[f32], v_b: &[f32], n_heads: usize, nope: usize, v: usize, kv_lora: usize) -> Mat {
+    let rows_per_head = nope + v;
+    let mut data = vec![0f32; n_heads * rows_per_head * kv_lora];
+    for h in 0..n_heads {
+        for j in 0..nope {
+            let row = &mut data[(h * rows_per_head + j) * kv_lora..(h * rows_per_head + j + 1) * kv_lora];
+            for (ci, out) in row.iter_mut().enumerate() {
+                *out = k_b[(h * kv_lora + ci) * nope + j];
+            }
+        }
+        for i in 0..v {
+            let dst = (h * rows_per_head + nope + i) * kv_lora;
+            let src = (h * v + i) * kv_lora;
+            data[dst..dst + kv_lora].copy_from_slice(&v_b[src..src + kv_lora]);
+        }
+    }
+    Mat {
+        rows: n_heads * rows_per_head,
+        cols: kv_lora,
+        data,
+    }
+}
+
+/// Multi-head latent attention; returns the attention output `[n, H·v]` (before o_proj).
+fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+    let c = &r.config;
+    let m = c.mla.as_ref().expect("deepseek2 has MLA");
+    let (d, nh) = (c.d_model, c.n_heads);
+    let (nope, rope, dv, kvl) = (m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank);
+    let dq = nope + rope;
+    let name = |s: &str| format!("blk.{l}.{s}.weight");
+    let key = |s: Site| TapKey::layer(l, s);
+
+    // Queries.
+    let mut q = match m.q_lora_rank {
+        Some(ql) => {
+            let wqa = r.matrix(&name("attn_q_a"), ql, d)?;
+            let wqb = r.matrix(&name("attn_q_b"), nh * dq, ql)?;
+            emit_weight(tap, l, WeightKind::QA, &wqa);
+            emit_weight(tap, l, WeightKind::QB, &wqb);
+            let qa = linear(h, n, &wqa);
+            emit(tap, key(Site::QA), &qa, n);
+            let qa = ops::rms_norm(&qa, ql, &r.vector(&name("attn_q_a_norm"), ql)?, c.rms_eps);
+            linear(&qa, n, &wqb)
+        }
+        None => {
+            let wq = r.matrix(&name("attn_q"), nh * dq, d)?;
+            emit_weight(tap, l, WeightKind::Q, &wq);
+            linear(h, n, &wq)
+        }
+    };
+    for t in 0..n {
+        for head in q[t * nh * dq..(t + 1) * nh * dq].chunks_mut(dq) {
+            ops::rope_norm(&mut head[nope..], t, rope, c.rope_base);
+        }
+    }
+    emit(tap, key(Site::Q), &q, n);
+
+    // Latent and shared rope key.
+    let wkva = r.matrix(&name("attn_kv_a_mqa"), kvl + rope, d)?;
+    emit_weight(tap, l, WeightKind::KvA, &wkva);
+    let kva = linear(h, n, &wkva);
+    let mut latent = Vec::with_capacity(n * kvl);
+    let mut k_pe = Vec::with_capacity(n * rope);
+    for (t, row) in kva.chunks(kvl + rope).enumerate() {
+        latent.extend_from_slice(&row[..kvl]);
+        let mut pe = row[kvl..].to_vec();
+        ops::rope_norm(&mut pe, t, rope, c.rope_base);
+        k_pe.extend(pe);
+    }
+    let latent = ops::rms_norm(&latent, kvl, &r.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps);
+    emit(tap, key(Site::KvLatent), &latent, n);
+    emit(tap, key(Site::KPe), &k_pe, n);
+
+    // Per-head keys and values from kv_b.
+    let k_b = r.load(&name("attn_k_b"), &[nope, kvl, nh])?;
+    let v_b = r.load(&name("attn_v_b"), &[kvl, dv, nh])?;
+    let kv_b = reassemble_kv_b(&k_b, &v_b, nh, nope, dv, kvl);
+    emit_weight(tap, l, WeightKind::KvB, &kv_b);
+    let kv = linear(&latent, n, &kv_b);
+    let mut k_nope = Vec::with_capacity(n * nh * nope);
+    let mut v = Vec::with_capacity(n * nh * dv);
+    for head in kv.chunks(nope + dv) {
+        k_nope.extend_from_slice(&head[..nope]);
+        v.extend_from_slice(&head[nope..]);
+    }
+    emit(tap, key(Site::K), &k_nope, n);
+    emit(tap, key(Site::V), &v, n);
+
+    // Full per-head keys [k_nope | k_pe] so the score is q_nope·k_nope + q_pe·k_pe.
+    let mut k = Vec::with_capacity(n * nh * dq);
+    for t in 0..n {
+        for head in 0..nh {
+            k.extend_from_slice(&k_nope[(t * nh + head) * nope..(t * nh + head + 1) * nope]);
+            k.extend_from_slice(&k_pe[t * rope..(t + 1) * rope]);
+        }
+    }
+    let mut scale = 1.0 / (dq as f64).sqrt();
+    if let Some(y) = &c.yarn {
+        // HF/llama.cpp: mscale = 0.1·mscale_all_dim·ln(factor) + 1, applied squared.
+        let mscale = 1.0 + y.log_multiplier as f64 * (y.factor as f64).ln();
+        scale *= mscale * mscale;
+    }
+    let attn = ops::causal_attention(&q, &k, &v, n, nh, nh, dq, dv, scale);
+    emit(tap, key(Site::AttnOut), &attn, n);
+    Ok(attn)
+}
+
+/// The routed experts chosen for one token and their mixing weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// Ascending expert ids.
+    pub experts: Vec<usize>,
+    /// Weight of each id in `experts`.
+    pub weights: Vec<f64>,
+}
+
+/// DeepSeek-V3 routing for one token's router logits.
+pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Routing {
+    let n_exp = moe.n_experts;
+    let scores: Vec<f64> = match moe.gating {
+        Gating::Sigmoid => logits.iter().map(|&z| 1.0 / (1.0 + (-(z as f64)).exp())).collect(),
+        Gating::Softmax => {
+            let mut s: Vec<f64> = logits.iter().map(|&z| z as f64).collect();
+            ops::softmax(&mut s);
+            s
+        }
+    };
+    let mut choice: Vec<f64> = match bias {
+        Some(b) => scores.iter().zip(b).map(|(s, &b)| s + b as f64).collect(),
+        None => scores.clone(),
+    };
+    if moe.n_groups > 1 {
+        let per_group = n_exp / moe.n_groups;
+        let mut group_scores: Vec<(f64, usize)> = (0..moe.n_groups)
+            .map(|g| {
+                let mut s: Vec<f64> = choice[g * per_group..(g + 1) * per_group].to_vec();
+                s.sort_by(|a, b| b.total_cmp(a));
+                (s.iter().take(2).sum(), g)
+            })
+            .collect();
+        group_scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(_, g) in &group_scores[moe.n_groups_used..] {
+            choice[g * per_group..(g + 1) * per_group]
+                .iter_mut()
+                .for_each(|v| *v = f64::NEG_INFINITY);
+        }
+    }
+    let mut order: Vec<usize> = (0..n_exp).collect();
+    order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+    let mut experts: Vec<usize> = order[..moe.n_used].to_vec();
+    experts.sort_unstable();
+    let mut weights: Vec<f64> = experts.iter().map(|&e| scores[e]).collect();
+    if moe.weights_norm {
+        let sum: f64 = weights.iter().sum();
+        weights.iter_mut().for_each(|w| *w /= sum);
+    }
+    weights.iter_mut().for_each(|w| *w *= moe.weights_scale as f64);
+    Routing { experts, weights }
+}
+
+/// One expert's SwiGLU matrices, sliced out of the stacked `*_exps` tensors.
+fn expert(r: &Reference, l: usize, e: usize, d: usize, eff: usize) -> Result<[Mat; 3], ForwardError> {
+    let slice = |s: &str, rows: usize, cols: usize| -> Result<Mat, ForwardError> {
+        let t = r.tensor(&format!("blk.{l}.{s}.weight"))?;
+        let want = [cols as u64, rows as u64, t.ne.get(2).copied().unwrap_or(0)];
+        if t.ne.len() != 3 || t.ne[..2] != want[..2] || (want[2] as usize) <= e {
+            return Err(ForwardError::BadTensor {
+                name: t.name.clone(),
+                msg: format!("dims {:?}, expert {e}", t.ne),
+            });
+        }
+        Ok(Mat {
+            rows,
+            cols,
+            data: r.rows(t, e * rows, rows)?,
+        })
+    };
+    Ok([
+        slice("ffn_gate_exps", eff, d)?,
+        slice("ffn_up_exps", eff, d)?,
+        slice("ffn_down_exps", d, eff)?,
+    ])
+}
+
+fn moe_ffn(
+    r: &Reference,
+    l: usize,
+    moe: &MoeConfig,
+    h: &[f32],
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
+    let d = r.config.d_model;
+    let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
+    let router = r.matrix(&format!("blk.{l}.ffn_gate_inp.weight"), n_exp, d)?;
+    emit_weight(tap, l, WeightKind::Router, &router);
+    let logits = linear(h, n, &router);
+    emit(tap, TapKey::layer(l, Site::MoeLogits), &logits, n);
+    let bias_name = format!("blk.{l}.exp_probs_b.bias");
+    let bias = match r.file.tensor(&bias_name) {
+        Some(_) => Some(r.load(&bias_name, &[n_exp])?),
+        None => None,
+    };
+    let routes: Vec<Routing> = logits.chunks(n_exp).map(|z| route(z, moe, bias.as_deref())).collect();
+    let topk: Vec<f32> = routes
+        .iter()
+        .flat_map(|rt| rt.experts.iter().map(|&e| e as f32))
+        .collect();
+    emit(tap, TapKey::layer(l, Site::MoeTopk), &topk, n);
+
+    let mut out = vec![0f64; n * d];
+    for e in 0..n_exp {
+        let users: Vec<(usize, f64)> = routes
+            .iter()
+            .enumerate()
+            .filter_map(|(t, rt)| rt.experts.iter().position(|&x| x == e).map(|i| (t, rt.weights[i])))
+            .collect();
+        if users.is_empty() {
+            continue;
+        }
+        let [gate, up, down] = expert(r, l, e, d, eff)?;
+        let xs: Vec<f32> = users
+            .iter()
+            .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
+            .collect();
+        let (_, _, y) = swiglu_ffn(&xs, users.len(), &gate, &up, &down);
+        for (i, &(t, w)) in users.iter().enumerate() {
+            for j in 0..d {
+                out[t * d + j] += w * y[i * d + j] as f64;
+            }
+        }
+    }
+    if moe.n_shared > 0 {
+        let sh = eff * moe.n_shared;
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let gate = r.matrix(&name("ffn_gate_shexp"), sh, d)?;
+        let up = r.matrix(&name("ffn_up_shexp"), sh, d)?;
+        let down = r.matrix(&name("ffn_down_shexp"), d, sh)?;
+        let (_, _, y) = swiglu_ffn(h, n, &gate, &up, &down);
+        for (o, &v) in out.iter_mut().zip(&y) {
+            *o += v as f64;
+        }
+    }
+    Ok(out.into_iter().map(|v| v as f32).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_b_reassembly_transposes_k_b_only() {
+        // 2 heads, nope 2, v 1, kv_lora 3. k_b stored [H, kv_lora, nope]; v_b [H, v, kv_lora].
+        let (nh, nope, v, kvl) = (2, 2, 1, 3);
+        let k_b: Vec<f32> = (0..nh * kvl * nope).map(|i| i as f32).collect();
+        let v_b: Vec<f32> = (0..nh * v * kvl).map(|i| 100.0 + i as f32).collect();
+        let m = reassemble_kv_b(&k_b, &v_b, nh, nope, v, kvl);
+        assert_eq!((m.rows, m.cols), (6, 3));
+        // Head 0, k row j=1: k_b[0][c][1] for c = 0..3 = 1, 3, 5.
+        assert_eq!(&m.data[3..6], &[1.0, 3.0, 5.0]);
+        // Head 0, v row: v_b[0][0][:].
+        assert_eq!(&m.data[6..9], &[100.0, 101.0, 102.0]);
+        // Head 1, k row j=0: k_b[1][c][0] = 6, 8, 10.
+        assert_eq!(&m.data[9..12], &[6.0, 8.0, 10.0]);
+    }
+
+    fn moe(groups: usize, used_groups: usize) -> MoeConfig {
+        MoeConfig {
+            n_experts: 8,
+            n_used: 2,
+            n_shared: 0,
+            expert_ffn: 4,
+            n_dense_lead: 0,
+            weights_scale: 2.0,
+            weights_norm: true,
+            gating: Gating::Sigmoid,
+            n_groups: groups,
+            n_groups_used: used_groups,
+        }
+    }
+
+    #[test]
+    fn routing_picks_top_k_and_normalizes() {
+        let logits = [0.0, 3.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0];
+        let rt = route(&logits, &moe(1, 1), None);
+        assert_eq!(rt.experts, vec![1, 4]);
+        assert!((rt.weights.iter().sum::<f64>() - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn group_limit_masks_weaker_groups_and_bias_only_steers() {
+        // Groups of 2: {0,1} {2,3} {4,5} {6,7}. Group 0 has the two largest singles? No: group 3
+        // has a higher sum of top-2.
+        let logits = [3.0, -5.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0];
+        let rt = route(&logits, &moe(4, 1), None);
+        assert_eq!(rt.experts, vec![6, 7]);
+        // A bias that favours expert 2 moves the choice but not the weights' source.
+        let bias = [0.0, 0.0, 5.0, 5.0, 0.0, 0.0, 0.0, 0.0];
+        let rt = route(&logits, &moe(4, 1), Some(&bias));
+        assert_eq!(rt.experts, vec![2, 3]);
+        assert!(
+            (rt.weights[0] - 1.0).abs() < 1e-12,
+            "equal unbiased scores split the scale"
+        );
+    }
+}

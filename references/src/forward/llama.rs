@@ -1,0 +1,74 @@
+//! One llama block: RMSNorm, q/k/v, NORM RoPE, causal GQA, o_proj, residual, SwiGLU FFN.
+
+use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Reference};
+use crate::tap::{Site, Tap, TapKey, WeightKind};
+
+pub(super) fn layer(
+    r: &Reference,
+    l: usize,
+    x: Vec<f32>,
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
+    let c = &r.config;
+    let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+    let name = |s: &str| format!("blk.{l}.{s}.weight");
+    let key = |s: Site| TapKey::layer(l, s);
+
+    let wq = r.matrix(&name("attn_q"), nh * hd, d)?;
+    let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
+    let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
+    let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
+    for (kind, w) in [
+        (WeightKind::Q, &wq),
+        (WeightKind::K, &wk),
+        (WeightKind::V, &wv),
+        (WeightKind::O, &wo),
+    ] {
+        emit_weight(tap, l, kind, w);
+    }
+
+    let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
+    emit(tap, key(Site::AttnNorm), &h, n);
+    let mut q = linear(&h, n, &wq);
+    let mut k = linear(&h, n, &wk);
+    let v = linear(&h, n, &wv);
+    for t in 0..n {
+        for head in q[t * nh * hd..(t + 1) * nh * hd].chunks_mut(hd) {
+            ops::rope_norm(&mut head[..c.rope_dim], t, c.rope_dim, c.rope_base);
+        }
+        for head in k[t * nkv * hd..(t + 1) * nkv * hd].chunks_mut(hd) {
+            ops::rope_norm(&mut head[..c.rope_dim], t, c.rope_dim, c.rope_base);
+        }
+    }
+    emit(tap, key(Site::Q), &q, n);
+    emit(tap, key(Site::K), &k, n);
+    emit(tap, key(Site::V), &v, n);
+    let attn = ops::causal_attention(&q, &k, &v, n, nh, nkv, hd, hd, 1.0 / (hd as f64).sqrt());
+    emit(tap, key(Site::AttnOut), &attn, n);
+    let proj = linear(&attn, n, &wo);
+    emit(tap, key(Site::AttnProj), &proj, n);
+    let x = ops::add(&x, &proj);
+    emit(tap, key(Site::ResidAttn), &x, n);
+
+    let f = c.ffn_dim;
+    let gate = r.matrix(&name("ffn_gate"), f, d)?;
+    let up = r.matrix(&name("ffn_up"), f, d)?;
+    let down = r.matrix(&name("ffn_down"), d, f)?;
+    for (kind, w) in [
+        (WeightKind::Gate, &gate),
+        (WeightKind::Up, &up),
+        (WeightKind::Down, &down),
+    ] {
+        emit_weight(tap, l, kind, w);
+    }
+    let h = ops::rms_norm(&x, d, &r.vector(&name("ffn_norm"), d)?, c.rms_eps);
+    emit(tap, key(Site::FfnNorm), &h, n);
+    let (g, u, out) = swiglu_ffn(&h, n, &gate, &up, &down);
+    emit(tap, key(Site::FfnGate), &g, n);
+    emit(tap, key(Site::FfnUp), &u, n);
+    emit(tap, key(Site::FfnOut), &out, n);
+    let x = ops::add(&x, &out);
+    emit(tap, key(Site::ResidOut), &x, n);
+    Ok(x)
+}

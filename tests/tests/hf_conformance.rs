@@ -1,0 +1,53 @@
+//! The reference against HF transformers fp32 on the same GGUF weights (expectations committed
+//! in golden/ by tests/peers/hf_logits.py): top-1 agreement 100 % and max |Δlogprob| over HF's
+//! top-50 at every position within 2e-3.
+
+use harness::logprobs::log_softmax;
+use llmdiff_tests::fixtures::{golden, smollm2};
+use references::forward::Reference;
+use references::tap::NoTap;
+use references::GgufFile;
+use serde_json::Value;
+use std::path::Path;
+
+/// Worst |Δlogprob| and top-1 agreement of the reference against a golden HF file.
+fn compare(model: &Path, golden_file: &str) -> (f64, usize, usize) {
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(golden(golden_file)).unwrap()).unwrap();
+    let file = GgufFile::open(model).unwrap();
+    let r = Reference::new(&file).unwrap();
+    let (mut worst, mut same_top1, mut n_pos) = (0f64, 0, 0);
+    for case in doc["cases"].as_array().unwrap() {
+        let tokens: Vec<u32> = case["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let logits = r.forward(&tokens, &mut NoTap).unwrap();
+        let vocab = logits.len() / tokens.len();
+        for (row, pos) in logits.chunks(vocab).zip(case["positions"].as_array().unwrap()) {
+            let lp = log_softmax(row);
+            let top = pos["top"].as_array().unwrap();
+            let ours_top1 = (0..vocab)
+                .max_by(|&a, &b| lp[a].total_cmp(&lp[b]).then(b.cmp(&a)))
+                .unwrap();
+            if ours_top1 as u64 == top[0][0].as_u64().unwrap() {
+                same_top1 += 1;
+            }
+            for e in top {
+                let (id, hf) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap());
+                worst = worst.max((lp[id] - hf).abs());
+            }
+            n_pos += 1;
+        }
+    }
+    (worst, same_top1, n_pos)
+}
+
+#[test]
+fn smollm2_reference_matches_hf_fp32() {
+    let (worst, same, n) = compare(smollm2(), "hf-smollm2.json");
+    eprintln!("SmolLM2 vs HF fp32: worst |dlogprob| {worst:.2e} over top-50, top-1 {same}/{n}");
+    assert_eq!(same, n, "top-1 agreement");
+    assert!(worst <= 2e-3, "worst |dlogprob| {worst}");
+}
