@@ -168,11 +168,6 @@ impl Engine {
             }
         };
         let config = ModelConfig::from_header(&file.header)?;
-        if config.yarn.is_some() {
-            return Err(EngineError::Unsupported(
-                "YaRN rope scaling (rope.scaling.type = yarn) is not implemented in the engine's RoPE".into(),
-            ));
-        }
         check_tp(&config, opts.tp)?;
         for spec in &opts.faults {
             check_fault(spec, file, &config, opts.tp)?;

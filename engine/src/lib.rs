@@ -16,7 +16,6 @@ mod fault_dequant;
 pub mod kernels;
 pub mod rank;
 pub mod taps;
-mod tmp_dequant;
 pub mod weights;
 
 pub use backend::{Backend, BackendKind, CpuBackend};

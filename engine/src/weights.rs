@@ -236,7 +236,7 @@ impl<'a> Loader<'a> {
             }
             return Ok(());
         }
-        crate::tmp_dequant::dequantize(ty, src, dst).map_err(|e| EngineError::Dequant {
+        crate::dequant::dequantize(ty, src, dst).map_err(|e| EngineError::Dequant {
             name: name.to_string(),
             msg: e.to_string(),
         })
