@@ -58,3 +58,40 @@ pub fn dequantize_q4k(src: &[u8], dst: &mut [f32], order: ScaleMinOrder) -> bool
     }
     true
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use references::GgmlType;
+
+    /// Random but finite Q4_K blocks.
+    fn blocks(n_blocks: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) as u8
+        };
+        let mut out = Vec::new();
+        for _ in 0..n_blocks {
+            out.extend_from_slice(&f16::from_f32(0.01).to_le_bytes());
+            out.extend_from_slice(&f16::from_f32(0.003).to_le_bytes());
+            for _ in 0..140 {
+                out.push(next());
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn correct_order_matches_the_engine_dequant_and_swapped_differs() {
+        let src = blocks(3, 7);
+        let mut fast = vec![0f32; 3 * QK_K];
+        crate::dequant::dequantize(GgmlType::Q4K, &src, &mut fast).unwrap();
+        let mut mine = vec![0f32; 3 * QK_K];
+        assert!(dequantize_q4k(&src, &mut mine, ScaleMinOrder::Correct));
+        assert_eq!(mine, fast);
+        assert!(dequantize_q4k(&src, &mut mine, ScaleMinOrder::Swapped));
+        assert_ne!(mine, fast);
+        assert!(!dequantize_q4k(&src[1..], &mut mine, ScaleMinOrder::Swapped));
+    }
+}

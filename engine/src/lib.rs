@@ -12,7 +12,7 @@ pub mod dequant;
 pub mod engine;
 mod error;
 pub mod fault;
-mod fault_dequant;
+pub mod fault_dequant;
 pub mod kernels;
 pub mod rank;
 pub mod taps;

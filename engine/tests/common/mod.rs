@@ -12,6 +12,12 @@ pub struct Model {
     pub file: GgufFile,
 }
 
+impl Model {
+    pub fn from_parts(dir: tempfile::TempDir, file: GgufFile) -> Model {
+        Model { _dir: dir, file }
+    }
+}
+
 pub fn spec(name: &str, weight_type: GgmlType, edit: impl FnOnce(&mut SynthSpec)) -> SynthSpec {
     let mut s = preset(name).unwrap_or_else(|| panic!("no preset {name}"));
     s.weight_type = weight_type;
