@@ -5,7 +5,7 @@
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
-use crate::kernels::{self, GqaShape, Mat, MlaShape, RopeLayout, RopeStyle};
+use crate::kernels::{self, GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
 
 /// Which backend an engine runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,7 +28,7 @@ impl BackendKind {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// `out[n, w.rows] = x[n, w.cols] · wᵀ`.
-    fn linear(&self, x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]);
+    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]);
     /// RMSNorm over rows of `weight.len()`.
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// RoPE in place; row i is at position `pos0 + i`.
@@ -59,8 +59,8 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn linear(&self, x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
-        kernels::matmul(x, n, w, out)
+    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+        kernels::matmul_any(x, n, w, out)
     }
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         kernels::rms_norm(x, weight, eps, out)

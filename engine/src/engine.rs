@@ -348,7 +348,7 @@ impl Engine {
             for (kind, w) in r.shard.layers[l].tappable() {
                 let key = TapKey::ranked(l, Site::Weight(kind), r.idx);
                 if plan.wants(&key) {
-                    tap.record(&key, &w.data, [w.rows, w.cols]);
+                    tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
                 }
             }
         }

@@ -7,7 +7,9 @@
 //! Each output element is computed by exactly one task in a fixed order, so results do not depend
 //! on the thread count.
 
+use crate::dequant::{dequantize, dot_row, isa, Isa};
 use rayon::prelude::*;
+use references::GgmlType;
 
 /// Lanes of the dot-product accumulator (two AVX registers' worth, or four SSE ones).
 const LANES: usize = 16;
@@ -26,8 +28,40 @@ impl<'a> Mat<'a> {
     }
 }
 
+/// A row-major quantized `[rows, cols]` matrix: each row is `row_bytes` of ggml blocks.
+#[derive(Clone, Copy, Debug)]
+pub struct QMat<'a> {
+    pub ty: GgmlType,
+    pub bytes: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+}
+
+/// A weight as a matmul reads it: f32, or quantized and decoded on the fly.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightRef<'a> {
+    F32(Mat<'a>),
+    Quant(QMat<'a>),
+}
+
+impl WeightRef<'_> {
+    pub fn rows(&self) -> usize {
+        match self {
+            WeightRef::F32(m) => m.rows,
+            WeightRef::Quant(q) => q.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            WeightRef::F32(m) => m.cols,
+            WeightRef::Quant(q) => q.cols,
+        }
+    }
+}
+
 /// The dot product of two equal-length slices, in f32 over [`LANES`] independent accumulators.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0f32; LANES];
@@ -43,7 +77,12 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ra.iter().zip(rb) {
         tail += x * y;
     }
-    // Pairwise reduction of the lanes.
+    reduce_lanes(acc) + tail
+}
+
+/// Pairwise reduction of the lanes.
+#[inline(always)]
+fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -51,15 +90,124 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
             acc[l] += acc[l + width];
         }
     }
-    acc[0] + tail
+    acc[0]
+}
+
+/// Four dot products of four x rows with one w row, loading w once; each result is bit-identical
+/// to [`dot`] of that pair (same lanes, same order).
+#[inline(always)]
+fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
+    let mut acc = [[0f32; LANES]; 4];
+    let n_full = w.len() / LANES * LANES;
+    let mut i = 0;
+    while i < n_full {
+        let wc = &w[i..i + LANES];
+        for k in 0..4 {
+            let xc = &xs[k][i..i + LANES];
+            for l in 0..LANES {
+                acc[k][l] += xc[l] * wc[l];
+            }
+        }
+        i += LANES;
+    }
+    let mut out = [0f32; 4];
+    for k in 0..4 {
+        let mut tail = 0f32;
+        for (x, y) in xs[k][n_full..].iter().zip(&w[n_full..]) {
+            tail += x * y;
+        }
+        out[k] = reduce_lanes(acc[k]) + tail;
+    }
+    out
+}
+
+/// `t[tok, j] = dot(x[tok], w_rows[j])` for one tile of `width` W rows (`t` is `[n, width]`).
+#[inline(always)]
+fn tile_generic(x: &[f32], n_in: usize, w_rows: &[f32], width: usize, t: &mut [f32]) {
+    let n = x.len() / n_in;
+    let mut tok = 0;
+    while tok + 4 <= n {
+        let xs = [
+            &x[tok * n_in..(tok + 1) * n_in],
+            &x[(tok + 1) * n_in..(tok + 2) * n_in],
+            &x[(tok + 2) * n_in..(tok + 3) * n_in],
+            &x[(tok + 3) * n_in..(tok + 4) * n_in],
+        ];
+        for j in 0..width {
+            let d = dot4(xs, &w_rows[j * n_in..(j + 1) * n_in]);
+            for k in 0..4 {
+                t[(tok + k) * width + j] = d[k];
+            }
+        }
+        tok += 4;
+    }
+    for tok in tok..n {
+        let xr = &x[tok * n_in..(tok + 1) * n_in];
+        for j in 0..width {
+            t[tok * width + j] = dot(xr, &w_rows[j * n_in..(j + 1) * n_in]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    pub(super) unsafe fn tile_avx512(x: &[f32], n_in: usize, w_rows: &[f32], width: usize, t: &mut [f32]) {
+        super::tile_generic(x, n_in, w_rows, width, t)
+    }
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile_avx2(x: &[f32], n_in: usize, w_rows: &[f32], width: usize, t: &mut [f32]) {
+        super::tile_generic(x, n_in, w_rows, width, t)
+    }
+}
+
+/// [`tile_generic`] compiled for the widest ISA this CPU has. Rust never contracts `a·b + c`
+/// into an FMA, so every ISA gives bit-identical results.
+fn tile(x: &[f32], n_in: usize, w_rows: &[f32], width: usize, t: &mut [f32]) {
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa()` checked the CPU has every feature `tile_avx512` is compiled for.
+        Isa::Avx512 => unsafe { x86::tile_avx512(x, n_in, w_rows, width, t) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for AVX2 and FMA.
+        Isa::Avx2 => unsafe { x86::tile_avx2(x, n_in, w_rows, width, t) },
+        _ => tile_generic(x, n_in, w_rows, width, t),
+    }
 }
 
 /// Rows of W per matmul task: enough work to amortize a task, few enough to balance 2–16 cores.
 const MATMUL_TILE_ROWS: usize = 32;
 
-/// `out[n, w.rows] = x[n, w.cols] · wᵀ`.
-pub fn matmul(x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
-    let (n_out, n_in) = (w.rows, w.cols);
+/// From this many tokens on, a quantized tile is decoded to f32 once and reused by every token;
+/// below it, each row is dotted on the fly with `dot_row`.
+const DECODE_TILE_MIN_TOKENS: usize = 4;
+
+/// Computes one tile of W rows `[row0, row0 + width)` for every token into `t` `[n, width]`.
+fn matmul_tile(x: &[f32], n: usize, w: WeightRef<'_>, row0: usize, width: usize, t: &mut [f32]) {
+    let n_in = w.cols();
+    match w {
+        WeightRef::F32(m) => tile(x, n_in, &m.data[row0 * n_in..(row0 + width) * n_in], width, t),
+        WeightRef::Quant(q) => {
+            let bytes = &q.bytes[row0 * q.row_bytes..(row0 + width) * q.row_bytes];
+            if n >= DECODE_TILE_MIN_TOKENS {
+                let mut rows = vec![0f32; width * n_in];
+                dequantize(q.ty, bytes, &mut rows).expect("weight shard lengths are checked at load");
+                tile(x, n_in, &rows, width, t);
+            } else {
+                for (j, rb) in bytes.chunks_exact(q.row_bytes).enumerate() {
+                    for (tok_idx, xr) in x.chunks_exact(n_in).enumerate() {
+                        t[tok_idx * width + j] =
+                            dot_row(q.ty, rb, xr).expect("weight shard lengths are checked at load");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[n, w.rows] = x[n, w.cols] · wᵀ`, for f32 or quantized weights.
+pub fn matmul_any(x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+    let (n_out, n_in) = (w.rows(), w.cols());
     assert_eq!(x.len(), n * n_in, "matmul: x is not [n, in]");
     assert_eq!(out.len(), n * n_out, "matmul: out is not [n, out]");
     if n_out == 0 || n == 0 {
@@ -69,10 +217,8 @@ pub fn matmul(x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
         out.par_chunks_mut(MATMUL_TILE_ROWS)
             .enumerate()
             .for_each(|(tile_idx, o)| {
-                let row0 = tile_idx * MATMUL_TILE_ROWS;
-                for (j, slot) in o.iter_mut().enumerate() {
-                    *slot = dot(x, w.row(row0 + j));
-                }
+                let width = o.len();
+                matmul_tile(x, 1, w, tile_idx * MATMUL_TILE_ROWS, width, o);
             });
         return;
     }
@@ -82,14 +228,9 @@ pub fn matmul(x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
         .into_par_iter()
         .map(|tile_idx| {
             let row0 = tile_idx * MATMUL_TILE_ROWS;
-            let row1 = (row0 + MATMUL_TILE_ROWS).min(n_out);
-            let width = row1 - row0;
+            let width = (row0 + MATMUL_TILE_ROWS).min(n_out) - row0;
             let mut t = vec![0f32; n * width];
-            for (tok_idx, xr) in x.chunks_exact(n_in).enumerate() {
-                for j in 0..width {
-                    t[tok_idx * width + j] = dot(xr, w.row(row0 + j));
-                }
-            }
+            matmul_tile(x, n, w, row0, width, &mut t);
             t
         })
         .collect();
@@ -101,6 +242,11 @@ pub fn matmul(x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
                 .copy_from_slice(&t[tok_idx * width..(tok_idx + 1) * width]);
         }
     }
+}
+
+/// `out[n, w.rows] = x[n, w.cols] · wᵀ` for an f32 weight.
+pub fn matmul(x: &[f32], n: usize, w: Mat<'_>, out: &mut [f32]) {
+    matmul_any(x, n, WeightRef::F32(w), out)
 }
 
 /// RMSNorm over rows of width `weight.len()`: `out = x / sqrt(mean(x²) + eps) · weight`, with
@@ -425,6 +571,47 @@ mod tests {
             let mut out = vec![f32::NAN; n * h * hd];
             gqa_attention(&q, &k, &v, pos0, s, &mut out);
             prop_assert!(max_rel(&out, &gqa_slow(&q, &k, &v, pos0, s)) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn quantized_matmul_matches_dequantized_f32() {
+        // Q8_0 rows built by hand: d = 1/64, q = small integers.
+        let (n_out, n_in) = (37, 64);
+        let mut bytes = Vec::new();
+        let mut w = Vec::new();
+        for r in 0..n_out {
+            for b in 0..n_in / 32 {
+                bytes.extend_from_slice(&half::f16::from_f32(1.0 / 64.0).to_le_bytes());
+                for i in 0..32 {
+                    let q = ((r * 7 + b * 3 + i * 5) % 31) as i8 - 15;
+                    bytes.push(q as u8);
+                    w.push(q as f32 / 64.0);
+                }
+            }
+        }
+        let q = QMat {
+            ty: GgmlType::Q8_0,
+            bytes: &bytes,
+            rows: n_out,
+            cols: n_in,
+            row_bytes: 34 * n_in / 32,
+        };
+        for n in [1, 3, 4, 9] {
+            let x = rand_vec(n as u64, n * n_in);
+            let mut out = vec![0f32; n * n_out];
+            matmul_any(&x, n, WeightRef::Quant(q), &mut out);
+            assert!(max_rel(&out, &matmul_slow(&x, n, &w, n_out, n_in)) < 1e-5, "n {n}");
+        }
+    }
+
+    #[test]
+    fn dot4_is_bit_identical_to_dot() {
+        let w = rand_vec(9, 77);
+        let xs: Vec<Vec<f32>> = (0..4).map(|k| rand_vec(k, 77)).collect();
+        let d = dot4([&xs[0], &xs[1], &xs[2], &xs[3]], &w);
+        for k in 0..4 {
+            assert_eq!(d[k].to_bits(), dot(&xs[k], &w).to_bits());
         }
     }
 

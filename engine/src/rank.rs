@@ -155,7 +155,7 @@ impl Rank {
         for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
             let t = t as usize;
             if range.contains(&t) {
-                row.copy_from_slice(self.shard.embd.mat().row(t - range.start));
+                self.shard.embd.row_f32(t - range.start, row);
             }
         }
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
@@ -192,9 +192,9 @@ impl Rank {
                 let mut qv = vec![0f32; n * q.rows];
                 let mut kv = vec![0f32; n * k.rows];
                 let mut vv = vec![0f32; n * v.rows];
-                be.linear(&h, n, q.mat(), &mut qv);
-                be.linear(&h, n, k.mat(), &mut kv);
-                be.linear(&h, n, v.mat(), &mut vv);
+                be.linear(&h, n, q.view(), &mut qv);
+                be.linear(&h, n, k.view(), &mut kv);
+                be.linear(&h, n, v.view(), &mut vv);
                 let layout = |heads| RopeLayout {
                     n_heads: heads,
                     head_stride: hd,
@@ -242,7 +242,7 @@ impl Rank {
                 let q_in = match q_a {
                     Some((qa, qa_norm)) => {
                         let mut a = vec![0f32; n * qa.rows];
-                        be.linear(&h, n, qa.mat(), &mut a);
+                        be.linear(&h, n, qa.view(), &mut a);
                         taps.emit(Site::QA, &a, qa.rows, Emit::Replicated);
                         let mut an = vec![0f32; a.len()];
                         be.rms_norm(&a, qa_norm, hy.rms_eps, &mut an);
@@ -251,9 +251,9 @@ impl Rank {
                     None => h.clone(),
                 };
                 let mut qv = vec![0f32; n * q.rows];
-                be.linear(&q_in, n, q.mat(), &mut qv);
+                be.linear(&q_in, n, q.view(), &mut qv);
                 let mut ckv = vec![0f32; n * kv_a.rows];
-                be.linear(&h, n, kv_a.mat(), &mut ckv);
+                be.linear(&h, n, kv_a.view(), &mut ckv);
                 let mut latent = vec![0f32; n * kvl];
                 let mut k_pe = vec![0f32; n * rope];
                 for ((row, lat), kp) in ckv
@@ -294,7 +294,7 @@ impl Rank {
                 taps.emit(Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit(Site::KPe, &k_pe, rope, Emit::Replicated);
                 let used = kv_b.first_rows(*kv_b_rows_used);
-                let mut kvx = vec![0f32; n * used.rows];
+                let mut kvx = vec![0f32; n * used.rows()];
                 be.linear(&latent_n, n, used, &mut kvx);
                 let mut k_nope = vec![0f32; n * h_r * nope];
                 let mut vv = vec![0f32; n * h_r * vd];
@@ -338,7 +338,7 @@ impl Rank {
         let attn_out = &self.attn_out[read_idx];
         taps.emit(Site::AttnOut, attn_out, out_width, Emit::Column);
         let mut partial = vec![0f32; n * d];
-        be.linear(attn_out, n, lw.o.mat(), &mut partial);
+        be.linear(attn_out, n, lw.o.view(), &mut partial);
         taps.emit(Site::AttnProj, &partial, d, Emit::Partial);
         PhaseOut { data: partial, taps }
     }
@@ -360,18 +360,18 @@ impl Rank {
                 let f_r = mlp.gate.rows;
                 let mut g = vec![0f32; n * f_r];
                 let mut u = vec![0f32; n * f_r];
-                be.linear(&h, n, mlp.gate.mat(), &mut g);
-                be.linear(&h, n, mlp.up.mat(), &mut u);
+                be.linear(&h, n, mlp.gate.view(), &mut g);
+                be.linear(&h, n, mlp.up.view(), &mut u);
                 taps.emit(Site::FfnGate, &g, f_r, Emit::Column);
                 taps.emit(Site::FfnUp, &u, f_r, Emit::Column);
                 be.swiglu(&mut g, &u);
-                be.linear(&g, n, mlp.down.mat(), &mut self.ffn_out);
+                be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
             }
             FfnShard::Moe(moe) => {
                 let mc = c.moe.as_ref().expect("MoE weights on a non-MoE config");
                 let n_exp = moe.router.rows;
                 let mut logits = vec![0f32; n * n_exp];
-                be.linear(&h, n, moe.router.mat(), &mut logits);
+                be.linear(&h, n, moe.router.view(), &mut logits);
                 taps.emit(Site::MoeLogits, &logits, n_exp, Emit::Replicated);
                 let routes = route(
                     &logits,
@@ -413,7 +413,7 @@ impl Rank {
         taps.emit(Site::OutputNorm, &h, d, Emit::Replicated);
         let w = &self.shard.lm_head;
         let mut logits = vec![0f32; n * w.rows];
-        be.linear(&h, n, w.mat(), &mut logits);
+        be.linear(&h, n, w.view(), &mut logits);
         taps.emit(Site::Logits, &logits, w.rows, Emit::Column);
         PhaseOut { data: logits, taps }
     }
@@ -488,10 +488,10 @@ fn mlp(be: &dyn Backend, x: &[f32], n: usize, w: &MlpShard, out: &mut [f32]) {
     let f_r = w.gate.rows;
     let mut g = vec![0f32; n * f_r];
     let mut u = vec![0f32; n * f_r];
-    be.linear(x, n, w.gate.mat(), &mut g);
-    be.linear(x, n, w.up.mat(), &mut u);
+    be.linear(x, n, w.gate.view(), &mut g);
+    be.linear(x, n, w.up.view(), &mut u);
     be.swiglu(&mut g, &u);
-    be.linear(&g, n, w.down.mat(), out);
+    be.linear(&g, n, w.down.view(), out);
 }
 
 /// The MoE mix custom op: writes `out` `[n, d]` = Σ_e w_e·expert_e(x) + shared(x), over this

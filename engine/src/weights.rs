@@ -26,7 +26,7 @@
 
 use crate::fault::{Fault, FaultSet};
 use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
-use crate::kernels::Mat;
+use crate::kernels::{Mat, QMat, WeightRef};
 use crate::EngineError;
 use references::config::MoeConfig;
 use references::tap::WeightKind;
@@ -35,29 +35,81 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-/// A weight in torch layout `[rows = out, cols = in]`, f32.
+/// How a weight shard is stored: f32, or the file's quantized blocks (decoded on the fly by the
+/// matmul, which saves memory bandwidth).
+#[derive(Clone, Debug)]
+pub enum WeightData {
+    F32(Arc<Vec<f32>>),
+    Quant { ty: GgmlType, bytes: Arc<Vec<u8>> },
+}
+
+/// A weight in torch layout `[rows = out, cols = in]`.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub rows: usize,
     pub cols: usize,
-    pub data: Arc<Vec<f32>>,
+    pub data: WeightData,
 }
 
 impl Linear {
-    pub fn mat(&self) -> Mat<'_> {
-        Mat {
-            data: &self.data,
-            rows: self.rows,
-            cols: self.cols,
+    fn f32(rows: usize, cols: usize, data: Vec<f32>) -> Linear {
+        Linear {
+            rows,
+            cols,
+            data: WeightData::F32(Arc::new(data)),
         }
     }
+
+    /// The whole weight, as the matmul reads it.
+    pub fn view(&self) -> WeightRef<'_> {
+        self.first_rows(self.rows)
+    }
+
     /// The first `n_rows` rows (the rows a rank computes with when it holds more than its shard).
-    pub fn first_rows(&self, n_rows: usize) -> Mat<'_> {
+    pub fn first_rows(&self, n_rows: usize) -> WeightRef<'_> {
         let n_rows = n_rows.min(self.rows);
-        Mat {
-            data: &self.data[..n_rows * self.cols],
-            rows: n_rows,
-            cols: self.cols,
+        match &self.data {
+            WeightData::F32(d) => WeightRef::F32(Mat {
+                data: &d[..n_rows * self.cols],
+                rows: n_rows,
+                cols: self.cols,
+            }),
+            WeightData::Quant { ty, bytes } => {
+                let row_bytes = bytes.len() / self.rows.max(1);
+                WeightRef::Quant(QMat {
+                    ty: *ty,
+                    bytes: &bytes[..n_rows * row_bytes],
+                    rows: n_rows,
+                    cols: self.cols,
+                    row_bytes,
+                })
+            }
+        }
+    }
+
+    /// Row `row_idx` decoded to f32 into `out` (`cols` long).
+    pub fn row_f32(&self, row_idx: usize, out: &mut [f32]) {
+        match &self.data {
+            WeightData::F32(d) => out.copy_from_slice(&d[row_idx * self.cols..(row_idx + 1) * self.cols]),
+            WeightData::Quant { ty, bytes } => {
+                let row_bytes = bytes.len() / self.rows.max(1);
+                crate::dequant::dequantize(*ty, &bytes[row_idx * row_bytes..(row_idx + 1) * row_bytes], out)
+                    .expect("weight shard lengths are checked at load");
+            }
+        }
+    }
+
+    /// The whole weight decoded to f32 (for weight taps).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match &self.data {
+            WeightData::F32(d) => d.to_vec(),
+            WeightData::Quant { .. } => {
+                let mut out = vec![0f32; self.rows * self.cols];
+                for (row_idx, o) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
+                    self.row_f32(row_idx, o);
+                }
+                out
+            }
         }
     }
 }
@@ -311,7 +363,80 @@ impl<'a> Loader<'a> {
         Ok(Linear {
             rows: n_out,
             cols: n_in,
-            data: self.replicated(name, &[n_in, n_out], bad_q4k)?,
+            data: WeightData::F32(self.replicated(name, &[n_in, n_out], bad_q4k)?),
+        })
+    }
+
+    /// Whether a shard of type `ty` stays in its quantized blocks (the faulty Q4_K decode and
+    /// F32 tensors are stored as f32).
+    fn keeps_blocks(ty: GgmlType, bad_q4k: bool) -> bool {
+        ty != GgmlType::F32 && !(ty == GgmlType::Q4K && bad_q4k)
+    }
+
+    /// Rows `rows` of a tensor (rows `ne[0]` long, counted over the outer dims) as a weight
+    /// `[rows.len(), ne[0]]`.
+    fn shard_rows(&self, name: &str, ne: &[usize], rows: Range<usize>, bad_q4k: bool) -> Result<Linear, EngineError> {
+        let t = self.checked(name, ne)?;
+        if !Self::keeps_blocks(t.ty, bad_q4k) {
+            return Ok(Linear::f32(rows.len(), ne[0], self.rows(name, ne, rows, bad_q4k)?));
+        }
+        let n_rows: usize = ne[1..].iter().product();
+        if rows.end > n_rows || rows.start > rows.end {
+            return Err(EngineError::BadTensor {
+                name: name.to_string(),
+                msg: format!("rows {rows:?} outside its {n_rows} rows"),
+            });
+        }
+        let row_bytes = t.n_bytes as usize / n_rows.max(1);
+        let bytes = self.file.tensor_data(t)[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+        Ok(Linear {
+            rows: rows.len(),
+            cols: ne[0],
+            data: WeightData::Quant {
+                ty: t.ty,
+                bytes: Arc::new(bytes),
+            },
+        })
+    }
+
+    /// Columns `cols` of rows `rows` as a weight `[rows.len(), cols.len()]`; kept in blocks when
+    /// the column range falls on block boundaries.
+    fn shard_cols(
+        &self,
+        name: &str,
+        ne: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+        bad_q4k: bool,
+    ) -> Result<Linear, EngineError> {
+        let t = self.checked(name, ne)?;
+        let be = t.ty.block_elems();
+        let aligned = cols.start.is_multiple_of(be) && cols.end.is_multiple_of(be) && cols.end <= ne[0];
+        if !Self::keeps_blocks(t.ty, bad_q4k) || !aligned {
+            let data = self.cols(name, ne, rows.clone(), cols.clone(), bad_q4k)?;
+            return Ok(Linear::f32(rows.len(), cols.len(), data));
+        }
+        let n_rows: usize = ne[1..].iter().product();
+        if rows.end > n_rows {
+            return Err(EngineError::BadTensor {
+                name: name.to_string(),
+                msg: format!("rows {rows:?} outside its {n_rows} rows"),
+            });
+        }
+        let row_bytes = t.n_bytes as usize / n_rows.max(1);
+        let (b0, b1) = (cols.start / be * t.ty.block_bytes(), cols.end / be * t.ty.block_bytes());
+        let data = self.file.tensor_data(t);
+        let mut bytes = Vec::with_capacity(rows.len() * (b1 - b0));
+        for row_idx in rows.clone() {
+            bytes.extend_from_slice(&data[row_idx * row_bytes + b0..row_idx * row_bytes + b1]);
+        }
+        Ok(Linear {
+            rows: rows.len(),
+            cols: cols.len(),
+            data: WeightData::Quant {
+                ty: t.ty,
+                bytes: Arc::new(bytes),
+            },
         })
     }
 
@@ -324,11 +449,7 @@ impl<'a> Loader<'a> {
         rows: Range<usize>,
         bad_q4k: bool,
     ) -> Result<Linear, EngineError> {
-        Ok(Linear {
-            rows: rows.len(),
-            cols: n_in,
-            data: Arc::new(self.rows(name, &[n_in, n_out], rows, bad_q4k)?),
-        })
+        self.shard_rows(name, &[n_in, n_out], rows, bad_q4k)
     }
 
     /// Row-parallel: input columns `cols` of a 2-D weight `[n_out, n_in]`.
@@ -340,11 +461,7 @@ impl<'a> Loader<'a> {
         cols: Range<usize>,
         bad_q4k: bool,
     ) -> Result<Linear, EngineError> {
-        Ok(Linear {
-            rows: n_out,
-            cols: cols.len(),
-            data: Arc::new(self.cols(name, &[n_in, n_out], 0..n_out, cols, bad_q4k)?),
-        })
+        self.shard_cols(name, &[n_in, n_out], 0..n_out, cols, bad_q4k)
     }
 
     fn part(&self, width: usize, rank_idx: usize) -> Range<usize> {
@@ -505,11 +622,7 @@ impl<'a> Loader<'a> {
             }
             v_rows.copy_from_slice(&vb[i * vd * kvl..(i + 1) * vd * kvl]);
         }
-        Ok(Linear {
-            rows: heads.len() * (nope + vd),
-            cols: kvl,
-            data: Arc::new(out),
-        })
+        Ok(Linear::f32(heads.len() * (nope + vd), kvl, out))
     }
 
     fn load_moe(&self, l: usize, r: usize, moe: &MoeConfig, bad: bool) -> Result<MoeShard, EngineError> {
@@ -518,7 +631,8 @@ impl<'a> Loader<'a> {
         let b = |s: &str| name_of(&format!("blk.{l}.{s}"));
         let mut router = self.replicated_linear(&b("ffn_gate_inp"), d, n_exp, false)?;
         if self.faults.active(Fault::MoeGateRounded, l, r) {
-            router.data = Arc::new(router.data.iter().map(|&x| round_fp8_e4m3(x)).collect());
+            let rounded = router.to_f32().into_iter().map(round_fp8_e4m3).collect();
+            router = Linear::f32(router.rows, router.cols, rounded);
         }
         let bias_name = format!("blk.{l}.exp_probs_b.bias");
         let bias = match self.file.tensor(&bias_name) {
@@ -530,27 +644,15 @@ impl<'a> Loader<'a> {
             .map(|e| {
                 let rows = e * eff + part.start..e * eff + part.end;
                 Ok(MlpShard {
-                    gate: Linear {
-                        rows: part.len(),
-                        cols: d,
-                        data: Arc::new(self.rows(&b("ffn_gate_exps"), &[d, eff, n_exp], rows.clone(), bad)?),
-                    },
-                    up: Linear {
-                        rows: part.len(),
-                        cols: d,
-                        data: Arc::new(self.rows(&b("ffn_up_exps"), &[d, eff, n_exp], rows, bad)?),
-                    },
-                    down: Linear {
-                        rows: d,
-                        cols: part.len(),
-                        data: Arc::new(self.cols(
-                            &b("ffn_down_exps"),
-                            &[eff, d, n_exp],
-                            e * d..(e + 1) * d,
-                            part.clone(),
-                            bad,
-                        )?),
-                    },
+                    gate: self.shard_rows(&b("ffn_gate_exps"), &[d, eff, n_exp], rows.clone(), bad)?,
+                    up: self.shard_rows(&b("ffn_up_exps"), &[d, eff, n_exp], rows, bad)?,
+                    down: self.shard_cols(
+                        &b("ffn_down_exps"),
+                        &[eff, d, n_exp],
+                        e * d..(e + 1) * d,
+                        part.clone(),
+                        bad,
+                    )?,
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
