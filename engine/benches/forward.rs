@@ -1,9 +1,10 @@
 //! Engine throughput on the SmolLM2-135M-shaped synth (30 layers, d 576, 9/3 heads, vocab
 //! 49152): prefill of 64 tokens, and decode steps over a 64-token cache, at TP 1 and TP 3.
-//! The weights are Q8_0 (the synth's quantizer does not write Q4_1 yet).
+//! The weights are Q8_0 (the synth's quantizer does not write Q4_1 yet); shards are f32 (the
+//! default), plus a quantized-storage run at TP 1.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use engine::{Engine, EngineOptions};
+use engine::{Engine, EngineOptions, WeightStorage};
 use references::synth::{preset, write_model};
 use references::tap::NoTap;
 use references::{GgmlType, GgufFile};
@@ -27,21 +28,24 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(10))
         .warm_up_time(Duration::from_secs(2));
-    for tp in [1, 3] {
-        let mut e = Engine::load(
-            &file,
-            EngineOptions {
-                tp,
-                ..Default::default()
-            },
-        )
-        .expect("load");
+    for (tp, storage) in [
+        (1, WeightStorage::F32),
+        (3, WeightStorage::F32),
+        (1, WeightStorage::Quantized),
+    ] {
+        let opts = EngineOptions {
+            tp,
+            storage,
+            ..Default::default()
+        };
+        let mut e = Engine::load(&file, opts).expect("load");
+        let tag = format!("tp{tp}-{}", if storage == WeightStorage::F32 { "f32" } else { "quant" });
         g.throughput(Throughput::Elements(prompt.len() as u64));
-        g.bench_function(format!("prefill64/tp{tp}"), |b| {
+        g.bench_function(format!("prefill64/{tag}"), |b| {
             b.iter(|| e.prefill(&prompt, &mut NoTap).expect("prefill"))
         });
         g.throughput(Throughput::Elements(1));
-        g.bench_function(format!("decode/tp{tp}"), |b| {
+        g.bench_function(format!("decode/{tag}"), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for i in 0..iters {

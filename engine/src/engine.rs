@@ -13,7 +13,7 @@ use crate::backend::{Backend, BackendKind, CpuBackend};
 use crate::fault::{Fault, FaultSet, FaultSpec};
 use crate::rank::{PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
-use crate::weights::Loader;
+use crate::weights::{Loader, WeightStorage};
 use crate::EngineError;
 use half::f16;
 use rayon::prelude::*;
@@ -28,6 +28,8 @@ pub struct EngineOptions {
     /// Faults to inject.
     pub faults: Vec<FaultSpec>,
     pub backend: BackendKind,
+    /// Quantized shards decoded in the matmul, or f32 shards.
+    pub storage: WeightStorage,
 }
 
 impl Default for EngineOptions {
@@ -36,6 +38,7 @@ impl Default for EngineOptions {
             tp: 1,
             faults: Vec::new(),
             backend: BackendKind::Cpu,
+            storage: WeightStorage::default(),
         }
     }
 }
@@ -173,7 +176,7 @@ impl Engine {
             check_fault(spec, file, &config, opts.tp)?;
         }
         let faults = FaultSet::new(opts.faults);
-        let loader = Loader::new(file, &config, &faults, opts.tp);
+        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage);
         let shards = (0..opts.tp)
             .into_par_iter()
             .map(|r| loader.load_rank(r))

@@ -7,7 +7,7 @@
 //! Each output element is computed by exactly one task in a fixed order, so results do not depend
 //! on the thread count.
 
-use crate::dequant::{dequantize, dot_row, isa, Isa};
+use crate::dequant::{dequantize, isa, Isa};
 use rayon::prelude::*;
 use references::GgmlType;
 
@@ -97,28 +97,37 @@ fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
 /// to [`dot`] of that pair (same lanes, same order).
 #[inline(always)]
 fn dot4(xs: [&[f32]; 4], w: &[f32]) -> [f32; 4] {
-    let mut acc = [[0f32; LANES]; 4];
-    let n_full = w.len() / LANES * LANES;
-    let mut i = 0;
-    while i < n_full {
-        let wc = &w[i..i + LANES];
-        for k in 0..4 {
-            let xc = &xs[k][i..i + LANES];
-            for l in 0..LANES {
-                acc[k][l] += xc[l] * wc[l];
-            }
+    let n = w.len();
+    let (x0, x1, x2, x3) = (&xs[0][..n], &xs[1][..n], &xs[2][..n], &xs[3][..n]);
+    let (mut a0, mut a1, mut a2, mut a3) = ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let chunks = w
+        .chunks_exact(LANES)
+        .zip(x0.chunks_exact(LANES))
+        .zip(x1.chunks_exact(LANES))
+        .zip(x2.chunks_exact(LANES))
+        .zip(x3.chunks_exact(LANES));
+    for ((((wc, c0), c1), c2), c3) in chunks {
+        for l in 0..LANES {
+            a0[l] += c0[l] * wc[l];
+            a1[l] += c1[l] * wc[l];
+            a2[l] += c2[l] * wc[l];
+            a3[l] += c3[l] * wc[l];
         }
-        i += LANES;
     }
-    let mut out = [0f32; 4];
-    for k in 0..4 {
-        let mut tail = 0f32;
-        for (x, y) in xs[k][n_full..].iter().zip(&w[n_full..]) {
-            tail += x * y;
+    let n_full = n / LANES * LANES;
+    let tail = |x: &[f32]| -> f32 {
+        let mut t = 0f32;
+        for (a, b) in x[n_full..].iter().zip(&w[n_full..]) {
+            t += a * b;
         }
-        out[k] = reduce_lanes(acc[k]) + tail;
-    }
-    out
+        t
+    };
+    [
+        reduce_lanes(a0) + tail(x0),
+        reduce_lanes(a1) + tail(x1),
+        reduce_lanes(a2) + tail(x2),
+        reduce_lanes(a3) + tail(x3),
+    ]
 }
 
 /// `t[tok, j] = dot(x[tok], w_rows[j])` for one tile of `width` W rows (`t` is `[n, width]`).
@@ -178,29 +187,17 @@ fn tile(x: &[f32], n_in: usize, w_rows: &[f32], width: usize, t: &mut [f32]) {
 /// Rows of W per matmul task: enough work to amortize a task, few enough to balance 2–16 cores.
 const MATMUL_TILE_ROWS: usize = 32;
 
-/// From this many tokens on, a quantized tile is decoded to f32 once and reused by every token;
-/// below it, each row is dotted on the fly with `dot_row`.
-const DECODE_TILE_MIN_TOKENS: usize = 4;
-
 /// Computes one tile of W rows `[row0, row0 + width)` for every token into `t` `[n, width]`.
-fn matmul_tile(x: &[f32], n: usize, w: WeightRef<'_>, row0: usize, width: usize, t: &mut [f32]) {
+/// A quantized tile is decoded to f32 once (a few KiB, cache-resident) and reused by every token.
+fn matmul_tile(x: &[f32], w: WeightRef<'_>, row0: usize, width: usize, t: &mut [f32]) {
     let n_in = w.cols();
     match w {
         WeightRef::F32(m) => tile(x, n_in, &m.data[row0 * n_in..(row0 + width) * n_in], width, t),
         WeightRef::Quant(q) => {
             let bytes = &q.bytes[row0 * q.row_bytes..(row0 + width) * q.row_bytes];
-            if n >= DECODE_TILE_MIN_TOKENS {
-                let mut rows = vec![0f32; width * n_in];
-                dequantize(q.ty, bytes, &mut rows).expect("weight shard lengths are checked at load");
-                tile(x, n_in, &rows, width, t);
-            } else {
-                for (j, rb) in bytes.chunks_exact(q.row_bytes).enumerate() {
-                    for (tok_idx, xr) in x.chunks_exact(n_in).enumerate() {
-                        t[tok_idx * width + j] =
-                            dot_row(q.ty, rb, xr).expect("weight shard lengths are checked at load");
-                    }
-                }
-            }
+            let mut rows = vec![0f32; width * n_in];
+            dequantize(q.ty, bytes, &mut rows).expect("weight shard lengths are checked at load");
+            tile(x, n_in, &rows, width, t);
         }
     }
 }
@@ -218,7 +215,7 @@ pub fn matmul_any(x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
             .enumerate()
             .for_each(|(tile_idx, o)| {
                 let width = o.len();
-                matmul_tile(x, 1, w, tile_idx * MATMUL_TILE_ROWS, width, o);
+                matmul_tile(x, w, tile_idx * MATMUL_TILE_ROWS, width, o);
             });
         return;
     }
@@ -230,7 +227,7 @@ pub fn matmul_any(x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
             let row0 = tile_idx * MATMUL_TILE_ROWS;
             let width = (row0 + MATMUL_TILE_ROWS).min(n_out) - row0;
             let mut t = vec![0f32; n * width];
-            matmul_tile(x, n, w, row0, width, &mut t);
+            matmul_tile(x, w, row0, width, &mut t);
             t
         })
         .collect();

@@ -22,3 +22,4 @@ pub use backend::{Backend, BackendKind, CpuBackend};
 pub use engine::{valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};
+pub use weights::WeightStorage;

@@ -1,5 +1,6 @@
 //! The engine (cpu) against the reference forward pass, tap by tap: every preset × quant type
-//! (those `synth` can quantize today) × every valid TP degree in {1, 2, 3, 4, 8}. Logits top-1
+//! (those `synth` can quantize today) × every valid TP degree in {1, 2, 3, 4, 8} × both weight
+//! storages (f32 shards, quantized shards). Logits top-1
 //! must agree at every position, and every tap (unranked, rank-local slices, weight shards) must
 //! be within a small rel_l2 of the reference's matching tensor. Run with `--nocapture` to print
 //! the worst rel_l2 per site kind.
@@ -7,7 +8,7 @@
 mod common;
 
 use common::*;
-use engine::{valid_tp_degrees, Engine, EngineOptions};
+use engine::{valid_tp_degrees, Engine, EngineOptions, WeightStorage};
 use references::forward::Reference;
 use references::quant::quantize;
 use references::synth::SynthSpec;
@@ -121,21 +122,20 @@ fn run_case(spec: &SynthSpec, seed: u64, n_tokens: usize, worst: &mut BTreeMap<S
         .unwrap()
         .forward(&toks, &mut rt)
         .expect("reference");
-    for tp in valid_tp_degrees(c).into_iter().filter(|t| [1, 2, 3, 4, 8].contains(t)) {
-        let mut e = Engine::load(
-            &m.file,
-            EngineOptions {
-                tp,
-                ..Default::default()
-            },
-        )
-        .expect("engine load");
+    let tps = valid_tp_degrees(c).into_iter().filter(|t| [1, 2, 3, 4, 8].contains(t));
+    for (tp, storage) in tps.flat_map(|tp| [(tp, WeightStorage::F32), (tp, WeightStorage::Quantized)]) {
+        let opts = EngineOptions {
+            tp,
+            storage,
+            ..Default::default()
+        };
+        let mut e = Engine::load(&m.file, opts).expect("engine load");
         let mut et = CollectTap::new(all_taps);
         let logits = e.prefill(&toks, &mut et).expect("prefill");
         assert_eq!(
             argmax_rows(&logits, c.vocab),
             argmax_rows(&ref_logits, c.vocab),
-            "{} {} tp {tp}: top-1 differs",
+            "{} {} tp {tp} {storage:?}: top-1 differs",
             spec.name,
             spec.weight_type
         );

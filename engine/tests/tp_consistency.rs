@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use engine::{Engine, EngineOptions};
+use engine::{Engine, EngineOptions, WeightStorage};
 use references::tap::NoTap;
 use references::GgmlType;
 
@@ -52,22 +52,22 @@ fn decode_matches_prefill() {
         let v = 512;
         let toks = tokens(6, v, 3);
         let full = logits(&m, 2, &toks);
-        let mut e = Engine::load(
-            &m.file,
-            EngineOptions {
+        for storage in [WeightStorage::F32, WeightStorage::Quantized] {
+            let opts = EngineOptions {
                 tp: 2,
+                storage,
                 ..Default::default()
-            },
-        )
-        .unwrap();
-        e.prefill(&toks[..3], &mut NoTap).unwrap();
-        for (i, &t) in toks[3..].iter().enumerate() {
-            let row = e.decode(t, &mut NoTap).unwrap();
-            let want = &full[(3 + i) * v..(4 + i) * v];
-            let err = rel_l2(&row, want);
-            assert!(err < 1e-5, "{name}: decode step {i}: rel_l2 {err}");
+            };
+            let mut e = Engine::load(&m.file, opts).unwrap();
+            e.prefill(&toks[..3], &mut NoTap).unwrap();
+            for (i, &t) in toks[3..].iter().enumerate() {
+                let row = e.decode(t, &mut NoTap).unwrap();
+                let want = &full[(3 + i) * v..(4 + i) * v];
+                let err = rel_l2(&row, want);
+                assert!(err < 1e-5, "{name} {storage:?}: decode step {i}: rel_l2 {err}");
+            }
+            assert_eq!(e.n_past(), 6);
         }
-        assert_eq!(e.n_past(), 6);
     }
 }
 
