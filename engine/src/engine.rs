@@ -104,6 +104,29 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Refuses configs whose dims would make a kernel divide by zero or index nothing.
+fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
+    let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
+    match &c.mla {
+        None => zero.push(("head dim (embedding_length / head_count)", c.head_dim)),
+        Some(m) => zero.extend([
+            ("kv_lora_rank", m.kv_lora_rank),
+            ("key_length_mla", m.qk_nope + m.qk_rope),
+            ("value_length_mla", m.v_head_dim),
+        ]),
+    }
+    if let Some(m) = &c.moe {
+        zero.extend([
+            ("expert_count", m.n_experts),
+            ("expert_feed_forward_length", m.expert_ffn),
+        ]);
+    }
+    match zero.into_iter().find(|(_, v)| *v == 0) {
+        Some((what, _)) => Err(EngineError::Unsupported(format!("{what} is 0"))),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a fault that would not change anything on this model and TP degree.
 fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     let refuse = |msg: String| {
@@ -171,6 +194,7 @@ impl Engine {
             }
         };
         let config = ModelConfig::from_header(&file.header)?;
+        check_shapes(&config)?;
         check_tp(&config, opts.tp)?;
         for spec in &opts.faults {
             check_fault(spec, file, &config, opts.tp)?;
