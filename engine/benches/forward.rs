@@ -1,7 +1,7 @@
 //! Engine throughput on the SmolLM2-135M-shaped synth (30 layers, d 576, 9/3 heads, vocab
 //! 49152): prefill of 64 tokens, and decode steps over a 64-token cache, at TP 1 and TP 3.
-//! The weights are Q8_0 (the synth's quantizer does not write Q4_1 yet); shards are f32 (the
-//! default), plus a quantized-storage run at TP 1.
+//! The weights are Q8_0 (the synth's quantizer does not write Q4_1 yet); shards are f32 at TP 1
+//! and 3, and quantized (the default storage) at TP 1.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use engine::{Engine, EngineOptions, WeightStorage};
