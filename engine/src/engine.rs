@@ -135,10 +135,10 @@ fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) ->
             msg,
         })
     };
-    if let Some(l) = spec.layer {
-        if l as usize >= c.n_layers {
+    if let Some(layer_idx) = spec.layer {
+        if layer_idx as usize >= c.n_layers {
             return refuse(format!(
-                "layer {l} does not exist (the model has {} layers)",
+                "layer {layer_idx} does not exist (the model has {} layers)",
                 c.n_layers
             ));
         }
@@ -149,7 +149,7 @@ fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) ->
         }
     }
     let layers: Vec<usize> = match spec.layer {
-        Some(l) => vec![l as usize],
+        Some(layer_idx) => vec![layer_idx as usize],
         None => (0..c.n_layers).collect(),
     };
     match spec.fault {
@@ -160,12 +160,12 @@ fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) ->
         Fault::KvBUnsharded | Fault::KvBShardSwap | Fault::AllreduceSkip if tp < 2 => {
             refuse("needs TP ≥ 2 (at TP 1 the shard is the whole tensor and nothing is reduced)".into())
         }
-        Fault::MoeGateRounded if !layers.iter().any(|&l| c.is_moe_layer(l)) => {
+        Fault::MoeGateRounded if !layers.iter().any(|&layer_idx| c.is_moe_layer(layer_idx)) => {
             refuse("needs an MoE layer in its scope".into())
         }
         Fault::DequantQ4kScaleMin => {
             let in_scope = |name: &str| match spec.layer {
-                Some(l) => name.starts_with(&format!("blk.{l}.")),
+                Some(layer_idx) => name.starts_with(&format!("blk.{layer_idx}.")),
                 None => true,
             };
             if file
@@ -321,36 +321,36 @@ impl Engine {
             r.x = x.clone();
         }
 
-        for l in 0..c.n_layers {
-            self.weight_taps(tap, &plan, l);
+        for layer_idx in 0..c.n_layers {
+            self.weight_taps(tap, &plan, layer_idx);
             for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
                 let outs: Vec<PhaseOut> = self
                     .ranks
                     .par_iter_mut()
                     .map(|r| match phase_site {
-                        Site::AttnProj => r.attn_block(&ctx, l),
-                        _ => r.ffn_block(&ctx, l),
+                        Site::AttnProj => r.attn_block(&ctx, layer_idx),
+                        _ => r.ffn_block(&ctx, layer_idx),
                     })
                     .collect();
                 let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
                 flush(tap, taps);
                 let sum = all_reduce(&partials);
-                for (r_idx, r) in self.ranks.iter_mut().enumerate() {
-                    let skip = self.faults.active(Fault::AllreduceSkip, l, r_idx);
-                    let reduced = if skip { &partials[r_idx] } else { &sum };
-                    if r_idx == 0 {
-                        record_if(tap, &plan, TapKey::layer(l, phase_site), reduced, d);
+                for (rank_idx, r) in self.ranks.iter_mut().enumerate() {
+                    let skip = self.faults.active(Fault::AllreduceSkip, layer_idx, rank_idx);
+                    let reduced = if skip { &partials[rank_idx] } else { &sum };
+                    if rank_idx == 0 {
+                        record_if(tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);
                     }
-                    let f16_resid = self.faults.active(Fault::F16Residual, l, r_idx);
+                    let f16_resid = self.faults.active(Fault::F16Residual, layer_idx, rank_idx);
                     for (xv, &a) in r.x.iter_mut().zip(reduced) {
                         *xv += a;
                         if f16_resid {
                             *xv = f16::from_f32(*xv).to_f32();
                         }
                     }
-                    record_if(tap, &plan, TapKey::ranked(l, resid_site, r_idx), &r.x, d);
-                    if r_idx == 0 {
-                        record_if(tap, &plan, TapKey::layer(l, resid_site), &r.x, d);
+                    record_if(tap, &plan, TapKey::ranked(layer_idx, resid_site, rank_idx), &r.x, d);
+                    if rank_idx == 0 {
+                        record_if(tap, &plan, TapKey::layer(layer_idx, resid_site), &r.x, d);
                     }
                 }
             }
@@ -367,13 +367,13 @@ impl Engine {
         Ok(logits)
     }
 
-    fn weight_taps(&self, tap: &mut dyn Tap, plan: &TapPlan, l: usize) {
+    fn weight_taps(&self, tap: &mut dyn Tap, plan: &TapPlan, layer_idx: usize) {
         if plan.is_empty() {
             return;
         }
         for r in &self.ranks {
-            for (kind, w) in r.shard.layers[l].tappable() {
-                let key = TapKey::ranked(l, Site::Weight(kind), r.idx);
+            for (kind, w) in r.shard.layers[layer_idx].tappable() {
+                let key = TapKey::ranked(layer_idx, Site::Weight(kind), r.idx);
                 if plan.wants(&key) {
                     tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
                 }

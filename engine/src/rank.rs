@@ -164,22 +164,22 @@ impl Rank {
     }
 
     /// attn_norm → attention (custom op) → o_proj partial `[n, d]`.
-    pub fn attn_block<'p>(&mut self, ctx: &StepCtx<'p>, l: usize) -> PhaseOut<'p> {
+    pub fn attn_block<'p>(&mut self, ctx: &StepCtx<'p>, layer_idx: usize) -> PhaseOut<'p> {
         let be = ctx.backend;
         let c = ctx.config;
         let (n, d) = (ctx.n_tokens, c.d_model);
-        let hy = ctx.hyper(l, self.idx);
-        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(l));
-        let lw = &self.shard.layers[l];
+        let hy = ctx.hyper(layer_idx, self.idx);
+        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let lw = &self.shard.layers[layer_idx];
         let mut h = vec![0f32; n * d];
         be.rms_norm(&self.x, &lw.attn_norm, hy.rms_eps, &mut h);
         taps.emit(Site::AttnNorm, &h, d, Emit::Replicated);
-        let off_by_one = ctx.is_decode && ctx.faults.active(Fault::KvSlotOffByOne, l, self.idx);
-        let cache = &mut self.cache[l];
-        let phantom = ctx.faults.active(Fault::PhantomAttnOut, l, self.idx);
-        let write_idx = l % 2;
-        let read_idx = if ctx.faults.active(Fault::StaleAttnOut, l, self.idx) {
-            (l + 1) % 2
+        let off_by_one = ctx.is_decode && ctx.faults.active(Fault::KvSlotOffByOne, layer_idx, self.idx);
+        let cache = &mut self.cache[layer_idx];
+        let phantom = ctx.faults.active(Fault::PhantomAttnOut, layer_idx, self.idx);
+        let write_idx = layer_idx % 2;
+        let read_idx = if ctx.faults.active(Fault::StaleAttnOut, layer_idx, self.idx) {
+            (layer_idx + 1) % 2
         } else {
             write_idx
         };
@@ -344,13 +344,13 @@ impl Rank {
     }
 
     /// ffn_norm → dense SwiGLU or MoE mix (custom op) → partial `[n, d]`.
-    pub fn ffn_block<'p>(&mut self, ctx: &StepCtx<'p>, l: usize) -> PhaseOut<'p> {
+    pub fn ffn_block<'p>(&mut self, ctx: &StepCtx<'p>, layer_idx: usize) -> PhaseOut<'p> {
         let be = ctx.backend;
         let c = ctx.config;
         let (n, d) = (ctx.n_tokens, c.d_model);
-        let hy = ctx.hyper(l, self.idx);
-        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(l));
-        let lw = &self.shard.layers[l];
+        let hy = ctx.hyper(layer_idx, self.idx);
+        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let lw = &self.shard.layers[layer_idx];
         let mut h = vec![0f32; n * d];
         be.rms_norm(&self.x, &lw.ffn_norm, hy.rms_eps, &mut h);
         taps.emit(Site::FfnNorm, &h, d, Emit::Replicated);

@@ -497,7 +497,7 @@ impl<'a> Loader<'a> {
     fn kv_b_source_rank(&self, layer_idx: usize, rank_idx: usize) -> usize {
         let mut src = rank_idx;
         for s in self.faults.of(Fault::KvBShardSwap) {
-            if s.layer.is_some_and(|l| l as usize != layer_idx) {
+            if s.layer.is_some_and(|spec_layer| spec_layer as usize != layer_idx) {
                 continue;
             }
             let a = s.rank.unwrap_or(0) as usize % self.tp;
@@ -525,7 +525,7 @@ impl<'a> Loader<'a> {
         };
         let output_norm = self.replicated("output_norm.weight", &[d], false)?;
         let layers = (0..c.n_layers)
-            .map(|l| self.load_layer(l, rank_idx))
+            .map(|layer_idx| self.load_layer(layer_idx, rank_idx))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(RankShard {
             rank_idx,
@@ -537,11 +537,11 @@ impl<'a> Loader<'a> {
         })
     }
 
-    fn load_layer(&self, l: usize, r: usize) -> Result<LayerShard, EngineError> {
+    fn load_layer(&self, layer_idx: usize, rank_idx: usize) -> Result<LayerShard, EngineError> {
         let c = self.config;
         let d = c.d_model;
-        let bad = self.faults.active(Fault::DequantQ4kScaleMin, l, r);
-        let b = |s: &str| name_of(&format!("blk.{l}.{s}"));
+        let bad = self.faults.active(Fault::DequantQ4kScaleMin, layer_idx, rank_idx);
+        let b = |s: &str| name_of(&format!("blk.{layer_idx}.{s}"));
         let attn_norm = self.replicated(&b("attn_norm"), &[d], false)?;
         let ffn_norm = self.replicated(&b("ffn_norm"), &[d], false)?;
         let (attn, o) = match &c.mla {
@@ -549,13 +549,13 @@ impl<'a> Loader<'a> {
                 let hd = c.head_dim;
                 let (hw, kvw) = (c.n_heads * hd, c.n_kv_heads * hd);
                 let attn = AttnShard::Gqa {
-                    q: self.column(&b("attn_q"), d, hw, self.part(hw, r), bad)?,
-                    k: self.column(&b("attn_k"), d, kvw, self.part(kvw, r), bad)?,
-                    v: self.column(&b("attn_v"), d, kvw, self.part(kvw, r), bad)?,
+                    q: self.column(&b("attn_q"), d, hw, self.part(hw, rank_idx), bad)?,
+                    k: self.column(&b("attn_k"), d, kvw, self.part(kvw, rank_idx), bad)?,
+                    v: self.column(&b("attn_v"), d, kvw, self.part(kvw, rank_idx), bad)?,
                 };
                 (
                     attn,
-                    self.row_parallel(&b("attn_output"), hw, d, self.part(hw, r), bad)?,
+                    self.row_parallel(&b("attn_output"), hw, d, self.part(hw, rank_idx), bad)?,
                 )
             }
             Some(m) => {
@@ -565,22 +565,25 @@ impl<'a> Loader<'a> {
                     Some(ql) => {
                         let qa = self.replicated_linear(&b("attn_q_a"), d, ql, bad)?;
                         let qa_norm = self.replicated(&b("attn_q_a_norm"), &[ql], false)?;
-                        let qb = self.column(&b("attn_q_b"), ql, h * qw, self.part(h * qw, r), bad)?;
+                        let qb = self.column(&b("attn_q_b"), ql, h * qw, self.part(h * qw, rank_idx), bad)?;
                         (Some((qa, qa_norm)), qb)
                     }
-                    None => (None, self.column(&b("attn_q"), d, h * qw, self.part(h * qw, r), bad)?),
+                    None => (
+                        None,
+                        self.column(&b("attn_q"), d, h * qw, self.part(h * qw, rank_idx), bad)?,
+                    ),
                 };
                 let kv_a = self.replicated_linear(&b("attn_kv_a_mqa"), d, m.kv_lora_rank + m.qk_rope, bad)?;
                 let kv_a_norm = self.replicated(&b("attn_kv_a_norm"), &[m.kv_lora_rank], false)?;
                 let h_r = h / self.tp;
-                let heads = if self.faults.active(Fault::KvBUnsharded, l, r) {
+                let heads = if self.faults.active(Fault::KvBUnsharded, layer_idx, rank_idx) {
                     0..h
                 } else {
-                    let src = self.kv_b_source_rank(l, r);
+                    let src = self.kv_b_source_rank(layer_idx, rank_idx);
                     src * h_r..(src + 1) * h_r
                 };
-                let untransposed = self.faults.active(Fault::KBUntransposed, l, r);
-                let kv_b = self.kv_b(l, heads, untransposed, bad)?;
+                let untransposed = self.faults.active(Fault::KBUntransposed, layer_idx, rank_idx);
+                let kv_b = self.kv_b(layer_idx, heads, untransposed, bad)?;
                 let attn = AttnShard::Mla {
                     q_a,
                     q,
@@ -592,18 +595,18 @@ impl<'a> Loader<'a> {
                 let vw = h * m.v_head_dim;
                 (
                     attn,
-                    self.row_parallel(&b("attn_output"), vw, d, self.part(vw, r), bad)?,
+                    self.row_parallel(&b("attn_output"), vw, d, self.part(vw, rank_idx), bad)?,
                 )
             }
         };
         let ffn = match &c.moe {
-            Some(moe) if c.is_moe_layer(l) => FfnShard::Moe(self.load_moe(l, r, moe, bad)?),
+            Some(moe) if c.is_moe_layer(layer_idx) => FfnShard::Moe(self.load_moe(layer_idx, rank_idx, moe, bad)?),
             _ => {
                 let f = c.ffn_dim;
                 FfnShard::Dense(MlpShard {
-                    gate: self.column(&b("ffn_gate"), d, f, self.part(f, r), bad)?,
-                    up: self.column(&b("ffn_up"), d, f, self.part(f, r), bad)?,
-                    down: self.row_parallel(&b("ffn_down"), f, d, self.part(f, r), bad)?,
+                    gate: self.column(&b("ffn_gate"), d, f, self.part(f, rank_idx), bad)?,
+                    up: self.column(&b("ffn_up"), d, f, self.part(f, rank_idx), bad)?,
+                    down: self.row_parallel(&b("ffn_down"), f, d, self.part(f, rank_idx), bad)?,
                 })
             }
         };
@@ -619,12 +622,18 @@ impl<'a> Loader<'a> {
     /// The reassembled kv_b rows of `heads`: per head `[k_bᵀ (nope rows) ; v_b (v rows)]`, each
     /// row kv_lora wide. With `untransposed`, k_b's per-head `[kv_lora, nope]` block is
     /// reinterpreted as `[nope, kv_lora]` by a reshape instead of a transpose.
-    fn kv_b(&self, l: usize, heads: Range<usize>, untransposed: bool, bad_q4k: bool) -> Result<Linear, EngineError> {
+    fn kv_b(
+        &self,
+        layer_idx: usize,
+        heads: Range<usize>,
+        untransposed: bool,
+        bad_q4k: bool,
+    ) -> Result<Linear, EngineError> {
         let c = self.config;
         let m = c.mla.as_ref().expect("kv_b is MLA-only");
         let (h, nope, vd, kvl) = (c.n_heads, m.qk_nope, m.v_head_dim, m.kv_lora_rank);
-        let k_name = name_of(&format!("blk.{l}.attn_k_b"));
-        let v_name = name_of(&format!("blk.{l}.attn_v_b"));
+        let k_name = name_of(&format!("blk.{layer_idx}.attn_k_b"));
+        let v_name = name_of(&format!("blk.{layer_idx}.attn_v_b"));
         // k_b rows are nope wide: head hh holds rows hh·kv_lora .. (hh+1)·kv_lora.
         let kb = self.rows(&k_name, &[nope, kvl, h], heads.start * kvl..heads.end * kvl, bad_q4k)?;
         // v_b rows are kv_lora wide: head hh holds rows hh·v .. (hh+1)·v.
@@ -648,21 +657,21 @@ impl<'a> Loader<'a> {
         Ok(Linear::f32(heads.len() * (nope + vd), kvl, out))
     }
 
-    fn load_moe(&self, l: usize, r: usize, moe: &MoeConfig, bad: bool) -> Result<MoeShard, EngineError> {
+    fn load_moe(&self, layer_idx: usize, rank_idx: usize, moe: &MoeConfig, bad: bool) -> Result<MoeShard, EngineError> {
         let d = self.config.d_model;
         let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
-        let b = |s: &str| name_of(&format!("blk.{l}.{s}"));
+        let b = |s: &str| name_of(&format!("blk.{layer_idx}.{s}"));
         let mut router = self.replicated_linear(&b("ffn_gate_inp"), d, n_exp, false)?;
-        if self.faults.active(Fault::MoeGateRounded, l, r) {
+        if self.faults.active(Fault::MoeGateRounded, layer_idx, rank_idx) {
             let rounded = router.to_f32().into_iter().map(round_fp8_e4m3).collect();
             router = Linear::f32(router.rows, router.cols, rounded);
         }
-        let bias_name = format!("blk.{l}.exp_probs_b.bias");
+        let bias_name = format!("blk.{layer_idx}.exp_probs_b.bias");
         let bias = match self.file.tensor(&bias_name) {
             Some(_) => Some(self.replicated(&bias_name, &[n_exp], false)?),
             None => None,
         };
-        let part = self.part(eff, r);
+        let part = self.part(eff, rank_idx);
         let experts = (0..n_exp)
             .map(|e| {
                 let rows = e * eff + part.start..e * eff + part.end;
@@ -681,7 +690,7 @@ impl<'a> Loader<'a> {
             .collect::<Result<Vec<_>, EngineError>>()?;
         let shared = if moe.n_shared > 0 {
             let sh = eff * moe.n_shared;
-            let p = self.part(sh, r);
+            let p = self.part(sh, rank_idx);
             Some(MlpShard {
                 gate: self.column(&b("ffn_gate_shexp"), d, sh, p.clone(), bad)?,
                 up: self.column(&b("ffn_up_shexp"), d, sh, p.clone(), bad)?,
@@ -707,8 +716,8 @@ mod tests {
     fn vocab_ranges_cover_the_vocab() {
         for (v, tp) in [(512, 3), (49152, 8), (10, 4), (7, 8)] {
             let mut next = 0;
-            for r in 0..tp {
-                let range = vocab_range(v, tp, r);
+            for rank_idx in 0..tp {
+                let range = vocab_range(v, tp, rank_idx);
                 assert_eq!(range.start, next);
                 next = range.end;
             }
