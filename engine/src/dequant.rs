@@ -119,10 +119,30 @@ fn dot(ty: GgmlType, src: &[u8], x: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use std::arch::x86_64::*;
 
+    /// AVX-512: explicit kernels for every quantized type and F16; F32/BF16 auto-vectorized.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c,bmi1,bmi2")]
     pub(super) unsafe fn run_avx512(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
-        run_generic(ty, src, dst)
+        match ty {
+            GgmlType::F16 => {
+                blocks(src, dst, |x, y| f16_x16_avx512(x, y));
+                // The tail of fewer than 16 elements.
+                let n = dst.len() - dst.len() % 16;
+                run_generic(ty, &src[2 * n..], &mut dst[n..]);
+            }
+            GgmlType::Q4_0 => blocks(src, dst, |x, y| q4_0_avx512(x, y)),
+            GgmlType::Q4_1 => blocks(src, dst, |x, y| q4_1_avx512(x, y)),
+            GgmlType::Q5_0 => blocks(src, dst, |x, y| q5_0_avx512(x, y)),
+            GgmlType::Q5_1 => blocks(src, dst, |x, y| q5_1_avx512(x, y)),
+            GgmlType::Q8_0 => blocks(src, dst, |x, y| q8_0_avx512(x, y)),
+            GgmlType::Q2K => blocks(src, dst, |x, y| q2_k_avx512(x, y)),
+            GgmlType::Q3K => blocks(src, dst, |x, y| q3_k_avx512(x, y)),
+            GgmlType::Q4K => blocks(src, dst, |x, y| q4_k_avx512(x, y)),
+            GgmlType::Q5K => blocks(src, dst, |x, y| q5_k_avx512(x, y)),
+            GgmlType::Q6K => blocks(src, dst, |x, y| q6_k_avx512(x, y)),
+            GgmlType::F32 | GgmlType::BF16 => run_generic(ty, src, dst),
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,bmi1,bmi2")]
@@ -132,12 +152,234 @@ mod x86 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c,bmi1,bmi2")]
     pub(super) unsafe fn dot_avx512(ty: GgmlType, src: &[u8], x: &[f32]) -> f32 {
-        dot_generic(ty, src, x)
+        dot_with(ty, src, x, |ty, q, y| {
+            // SAFETY: this function only runs where the AVX-512 features were detected.
+            unsafe { run_avx512(ty, q, y) }
+        })
     }
 
     #[target_feature(enable = "avx2,fma,f16c,bmi1,bmi2")]
     pub(super) unsafe fn dot_avx2(ty: GgmlType, src: &[u8], x: &[f32]) -> f32 {
-        dot_generic(ty, src, x)
+        dot_with(ty, src, x, run_generic)
+    }
+
+    // The kernels below compute exactly the reference's f32 operations, in its order: integer
+    // decode, exact int -> f32 conversion, then mul / add / sub as separate instructions (never FMA).
+
+    /// 16 bytes at `p` widened to 16 u32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn u8x16(p: &[u8; 16]) -> __m512i {
+        // SAFETY: `p` is exactly 16 readable bytes.
+        _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) })
+    }
+
+    #[inline]
+    fn bytes16(x: &[u8], at: usize) -> &[u8; 16] {
+        match <&[u8; 16]>::try_from(&x[at..at + 16]) {
+            Ok(a) => a,
+            Err(_) => unreachable!("a 16-byte range is 16 bytes"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn store16(y: &mut [f32], at: usize, v: __m512) {
+        let y = &mut y[at..at + 16];
+        // SAFETY: `y` is exactly 16 writable f32s.
+        unsafe { _mm512_storeu_ps(y.as_mut_ptr(), v) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn f16_x16_avx512(x: &[u8; 32], y: &mut [f32; 16]) {
+        // SAFETY: 32 readable bytes = 16 halves.
+        let h = unsafe { _mm256_loadu_si256(x.as_ptr() as *const __m256i) };
+        store16(y, 0, _mm512_cvtph_ps(h));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q4_0_avx512(x: &[u8; 18], y: &mut [f32; 32]) {
+        let d = _mm512_set1_ps(half_at(x, 0));
+        let q = u8x16(bytes16(x, 2));
+        let eight = _mm512_set1_epi32(8);
+        let lo = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), eight);
+        let hi = _mm512_sub_epi32(_mm512_srli_epi32::<4>(q), eight);
+        store16(y, 0, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+        store16(y, 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q4_1_avx512(x: &[u8; 20], y: &mut [f32; 32]) {
+        let d = _mm512_set1_ps(half_at(x, 0));
+        let m = _mm512_set1_ps(half_at(x, 2));
+        let q = u8x16(bytes16(x, 4));
+        let lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0F));
+        let hi = _mm512_srli_epi32::<4>(q);
+        store16(y, 0, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
+        store16(y, 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+    }
+
+    /// Bit 4 of elements j = 0..16 (lo) and j + 16 (hi) of a Q5 block, from its u32 qh.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q5_high(qh: u32) -> (__m512i, __m512i) {
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let one = _mm512_set1_epi32(1);
+        let lo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(qh as i32), lanes), one);
+        let hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((qh >> 16) as i32), lanes), one);
+        (_mm512_slli_epi32::<4>(lo), _mm512_slli_epi32::<4>(hi))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q5_0_avx512(x: &[u8; 22], y: &mut [f32; 32]) {
+        let d = _mm512_set1_ps(half_at(x, 0));
+        let (hlo, hhi) = q5_high(u32::from_le_bytes([x[2], x[3], x[4], x[5]]));
+        let q = u8x16(bytes16(x, 6));
+        let sixteen = _mm512_set1_epi32(16);
+        let lo = _mm512_sub_epi32(
+            _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), hlo),
+            sixteen,
+        );
+        let hi = _mm512_sub_epi32(_mm512_or_si512(_mm512_srli_epi32::<4>(q), hhi), sixteen);
+        store16(y, 0, _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)));
+        store16(y, 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q5_1_avx512(x: &[u8; 24], y: &mut [f32; 32]) {
+        let d = _mm512_set1_ps(half_at(x, 0));
+        let m = _mm512_set1_ps(half_at(x, 2));
+        let (hlo, hhi) = q5_high(u32::from_le_bytes([x[4], x[5], x[6], x[7]]));
+        let q = u8x16(bytes16(x, 8));
+        let lo = _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)), hlo);
+        let hi = _mm512_or_si512(_mm512_srli_epi32::<4>(q), hhi);
+        store16(y, 0, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
+        store16(y, 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q8_0_avx512(x: &[u8; 34], y: &mut [f32; 32]) {
+        let d = _mm512_set1_ps(half_at(x, 0));
+        for h in 0..2 {
+            let b = bytes16(x, 2 + 16 * h);
+            // SAFETY: `b` is exactly 16 readable bytes.
+            let q = _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(b.as_ptr() as *const __m128i) });
+            store16(y, 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(q), d));
+        }
+    }
+
+    /// `(v >> shift) & mask` in every lane.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn bits(v: __m512i, shift: usize, mask: i32) -> __m512i {
+        _mm512_and_si512(
+            _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift as i32)),
+            _mm512_set1_epi32(mask),
+        )
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q2_k_avx512(x: &[u8; 84], y: &mut [f32; 256]) {
+        let d = half_at(x, 80);
+        let dmin = half_at(x, 82);
+        for i in 0..16 {
+            let sc = x[i];
+            let dl = _mm512_set1_ps(d * (sc & 0x0F) as f32);
+            let ml = _mm512_set1_ps(dmin * (sc >> 4) as f32);
+            let q = bits(
+                u8x16(bytes16(x, 16 + 32 * (i / 8) + 16 * (i % 2))),
+                2 * ((i % 8) / 2),
+                3,
+            );
+            store16(y, 16 * i, _mm512_sub_ps(_mm512_mul_ps(dl, _mm512_cvtepi32_ps(q)), ml));
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q3_k_avx512(x: &[u8; 110], y: &mut [f32; 256]) {
+        let d = half_at(x, 108);
+        let s = &x[96..108];
+        let four = _mm512_set1_epi32(4);
+        for i in 0..16 {
+            let low4 = if i < 8 { s[i] & 0x0F } else { s[i - 8] >> 4 };
+            let high2 = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+            let dl = _mm512_set1_ps(d * ((low4 | high2 << 4) as i8 - 32) as f32);
+            let (h, sh, l0) = (i / 8, (i % 8) / 2, 16 * (i % 2));
+            let low = bits(u8x16(bytes16(x, 32 + 32 * h + l0)), 2 * sh, 3);
+            let high = bits(u8x16(bytes16(x, l0)), 4 * h + sh, 1);
+            // low + 4 * high - 4
+            let q = _mm512_sub_epi32(_mm512_add_epi32(low, _mm512_slli_epi32::<2>(high)), four);
+            store16(y, 16 * i, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(q)));
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q4_k_avx512(x: &[u8; 144], y: &mut [f32; 256]) {
+        let d = half_at(x, 0);
+        let dmin = half_at(x, 2);
+        let s = &x[4..16];
+        for sb in 0..8 {
+            let (sc, m) = k4_scale_min(s, sb);
+            let d1 = _mm512_set1_ps(d * sc);
+            let m1 = _mm512_set1_ps(dmin * m);
+            let shift = 4 * (sb % 2);
+            for half in 0..2 {
+                let q = bits(u8x16(bytes16(x, 16 + 32 * (sb / 2) + 16 * half)), shift, 0x0F);
+                store16(
+                    y,
+                    32 * sb + 16 * half,
+                    _mm512_sub_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(q)), m1),
+                );
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q5_k_avx512(x: &[u8; 176], y: &mut [f32; 256]) {
+        let d = half_at(x, 0);
+        let dmin = half_at(x, 2);
+        let s = &x[4..16];
+        for sb in 0..8 {
+            let (sc, m) = k4_scale_min(s, sb);
+            let d1 = _mm512_set1_ps(d * sc);
+            let m1 = _mm512_set1_ps(dmin * m);
+            let shift = 4 * (sb % 2);
+            for half in 0..2 {
+                let low = bits(u8x16(bytes16(x, 48 + 32 * (sb / 2) + 16 * half)), shift, 0x0F);
+                let high = bits(u8x16(bytes16(x, 16 + 16 * half)), sb, 1);
+                let q = _mm512_or_si512(low, _mm512_slli_epi32::<4>(high));
+                store16(
+                    y,
+                    32 * sb + 16 * half,
+                    _mm512_sub_ps(_mm512_mul_ps(d1, _mm512_cvtepi32_ps(q)), m1),
+                );
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    fn q6_k_avx512(x: &[u8; 210], y: &mut [f32; 256]) {
+        let d = half_at(x, 208);
+        let thirty_two = _mm512_set1_epi32(32);
+        for i in 0..16 {
+            let (h, k, l0) = (i / 8, (i % 8) / 2, 16 * (i % 2));
+            let dl = _mm512_set1_ps(d * (x[192 + i] as i8) as f32);
+            let low = bits(u8x16(bytes16(x, 64 * h + 32 * (k % 2) + l0)), 4 * (k / 2), 0x0F);
+            let high = bits(u8x16(bytes16(x, 128 + 32 * h + l0)), 2 * k, 3);
+            let q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32::<4>(high)), thirty_two);
+            store16(y, 16 * i, _mm512_mul_ps(dl, _mm512_cvtepi32_ps(q)));
+        }
     }
 }
 
@@ -154,6 +396,17 @@ fn blocks<const BB: usize, const BE: usize>(src: &[u8], dst: &mut [f32], kernel:
 
 #[inline(always)]
 fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    #[cfg(target_endian = "little")]
+    if ty == GgmlType::F32 {
+        // Little-endian f32s are their own storage format: one memcpy (which picks streaming
+        // stores for big buffers).
+        let n = dst.len().min(src.len() / 4);
+        // SAFETY: `src` has at least 4n readable bytes and `dst` n writable f32s (4n bytes); they
+        // cannot overlap (one is borrowed shared, the other exclusively); every bit pattern is a
+        // valid f32.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr() as *mut u8, 4 * n) };
+        return;
+    }
     match ty {
         GgmlType::F32 => blocks::<64, 16>(src, dst, f32_x16),
         GgmlType::F16 => blocks::<32, 16>(src, dst, f16_x16),
@@ -187,6 +440,11 @@ fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
 
 #[inline(always)]
 fn dot_generic(ty: GgmlType, src: &[u8], x: &[f32]) -> f32 {
+    dot_with(ty, src, x, run_generic)
+}
+
+#[inline(always)]
+fn dot_with(ty: GgmlType, src: &[u8], x: &[f32], run: impl Fn(GgmlType, &[u8], &mut [f32])) -> f32 {
     // Dequantize up to 256 elements at a time into a stack buffer, then multiply-accumulate into
     // 16 independent lanes.
     let chunk = if ty.is_quantized() { ty.block_elems() } else { 256 };
@@ -195,7 +453,7 @@ fn dot_generic(ty: GgmlType, src: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 16];
     for (xs, q) in x.chunks(chunk).zip(src.chunks(chunk_bytes)) {
         let y = &mut buf[..xs.len()];
-        run_generic(ty, q, y);
+        run(ty, q, y);
         for (ys, xs) in y.chunks_exact(16).zip(xs.chunks_exact(16)) {
             for l in 0..16 {
                 acc[l] += ys[l] * xs[l];
@@ -519,7 +777,38 @@ mod tests {
             let mut portable = vec![f32::NAN; want.len()];
             run_generic(ty, &src, &mut portable);
             assert_same_bits(ty, &portable, &want);
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                let mut avx2 = vec![f32::NAN; want.len()];
+                // SAFETY: the features were just detected.
+                unsafe { x86::run_avx2(ty, &src, &mut avx2) };
+                assert_same_bits(ty, &avx2, &want);
+            }
         }
+    }
+
+    #[test]
+    fn fast_path_is_bit_exact_against_gguf_py_vectors() {
+        // golden/dequant/<TYPE>.bin (tests/peers/gen_dequant_vectors.py): "LDQV", version, type id,
+        // n_blocks, the blocks, then gguf-py's f32 bits.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/dequant");
+        let mut n_checked = 0;
+        for ty in GgmlType::ALL {
+            let bytes = std::fs::read(dir.join(format!("{}.bin", ty.name()))).expect("golden vectors");
+            let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+            assert_eq!((&bytes[..4], word(8)), (&b"LDQV"[..], ty.id()));
+            let n_blocks = word(12) as usize;
+            let src = &bytes[16..16 + n_blocks * ty.block_bytes()];
+            let want: Vec<f32> = bytes[16 + src.len()..]
+                .chunks_exact(4)
+                .map(|c| f32::from_bits(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect();
+            let mut got = vec![0.0; n_blocks * ty.block_elems()];
+            dequantize(ty, src, &mut got).unwrap();
+            assert_same_bits(ty, &got, &want);
+            n_checked += got.len();
+        }
+        assert!(n_checked > 100_000);
     }
 
     #[test]

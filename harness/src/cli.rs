@@ -21,6 +21,8 @@ pub enum Command {
     Inspect(InspectArgs),
     /// Write a deterministic random-weight GGUF model (llama or deepseek2) from a preset or dims.
     Synth(SynthArgs),
+    /// Token ids for a prompt, from the model's own tokenizer (as llama.cpp tokenizes, special tokens parsed).
+    Tokenize(TokenizeArgs),
     /// Next-token log-probabilities (f64 log-softmax) and entropy at every position.
     Logits(LogitsArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
@@ -128,6 +130,20 @@ pub struct LogitsArgs {
     /// How many top tokens to show per position.
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// The GGUF model whose tokenizer metadata is used.
+    pub model: PathBuf,
+    /// The text to tokenize.
+    #[arg(long)]
+    pub prompt: String,
+    /// Treat special-token text (e.g. <|im_start|>) as plain text.
+    #[arg(long)]
+    pub no_special: bool,
     #[arg(long)]
     pub json: bool,
 }

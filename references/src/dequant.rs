@@ -2,12 +2,15 @@
 //! (ggml-common.h, `dequantize_row_*` in ggml-quants.c) and checked bit for bit against the oracle,
 //! gguf-py's numpy `gguf.quants.dequantize`.
 //!
-//! Every float operation is done in `f32`, in the order gguf-py's numpy code does it, with no fused
-//! multiply-add, so the results are bit-identical to gguf-py even for `d = inf/nan`, subnormal and
-//! extreme scales. Where ggml's C code and gguf-py could round differently, gguf-py is followed and the
-//! spot says so. (For all 13 types here the two agree on the order of operations: C evaluates
-//! `d * sc * q` left to right, which is gguf-py's `(d * sc) * q`; only a C compiler that contracts
-//! `d1 * q - m1` into an FMA would differ, and gguf-py does not.)
+//! Every float operation is done in `f32`, in the order gguf-py's numpy code does it (e.g. Q4_1 is
+//! `(d * q) + m`, the k-quants `(d * sc) * q - (dmin * m)`), with no fused multiply-add. In fact, for
+//! these formats the order cannot change a bit: d and dmin are f16 (11 significant bits) and the
+//! integer factors are small, so `d * sc` and `d * sc * q` are exact in f32 for every type except
+//! Q6_K, where `(d * sc) * q` rounds once whichever way it is grouped; each result then has at most
+//! one rounding (the final add or subtract), so an FMA or another grouping gives the same bits, and
+//! ggml's C (which evaluates `d * sc * q` left to right as well) agrees with gguf-py. inf/NaN
+//! propagate identically too (`inf * 0` is NaN in every grouping). Only NaN payloads can differ
+//! (the `half` crate may quiet a signalling NaN; numpy may not).
 //!
 //! This code is meant to be read, not to be fast: one function per type, one block at a time. The
 //! engine has its own fast path (`engine::dequant`), tested against this one.
@@ -88,7 +91,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
 /// Dequantizes a whole buffer of type `ty`: `src.len() / block_bytes * block_elems` elements.
 /// `src.len()` must be a whole number of blocks.
 pub fn dequantize_to_vec(ty: GgmlType, src: &[u8]) -> Result<Vec<f32>, DequantError> {
-    if src.len() % ty.block_bytes() != 0 {
+    if !src.len().is_multiple_of(ty.block_bytes()) {
         return Err(DequantError::PartialSourceBlock {
             ty,
             got: src.len(),

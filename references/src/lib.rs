@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod quant;
 pub mod synth;
 pub mod tap;
+pub mod tokenizer;
 pub mod writer;
 
 pub use config::{ConfigError, ModelConfig};

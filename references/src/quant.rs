@@ -1,34 +1,527 @@
-//! Round-to-nearest quantizers for every supported type, used by `synth`.
-//! (Placeholder: F32/F16/BF16 only until the quantizer work lands.)
+//! Round-to-nearest quantizers for every supported type, used to synthesize quantized test models.
+//!
+//! The 32-element types follow ggml's `quantize_row_*_ref` (ggml-quants.c) step for step. The
+//! k-quants use a simpler scheme than ggml's scale searches (`make_qkx2_quants`, `make_q3_quants`,
+//! `make_qx_quants`): per sub-block min/max (or max-abs) round-to-nearest, then the sub-block scales
+//! quantized against the super-block's largest one, and finally every value re-rounded against the
+//! scale it will really be decoded with (f16 d times the integer sub-scale). The output is valid
+//! ggml data (any dequantizer reads it), but not byte-identical to ggml's.
+//!
+//! Error bounds (tested below) are llama.cpp's tests/test-quantize-fns.cpp ones, on its data
+//! `0.1 + 2 cos(i)` and with its metric `sqrt(sum of squared errors) / n`.
 
-use crate::ggml_type::GgmlType;
+use crate::ggml_type::{GgmlType, QK_K};
+use half::f16;
 
-#[derive(Debug, thiserror::Error)]
-#[error("quantize {ty}: {msg}")]
-pub struct QuantError {
-    pub ty: GgmlType,
-    pub msg: String,
+/// Why a buffer could not be quantized.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QuantError {
+    /// The element count is not a multiple of the type's block size.
+    #[error("{ty}: {n_elems} elements is not a whole number of {block_elems}-element blocks")]
+    PartialBlock {
+        ty: GgmlType,
+        n_elems: usize,
+        block_elems: usize,
+    },
 }
 
 /// Quantizes `src` (a whole number of blocks) to `ty`.
 pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
-    match ty {
-        GgmlType::F32 => Ok(src.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        GgmlType::F16 => Ok(src.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect()),
-        GgmlType::Q8_0 => Ok(src
-            .chunks(32)
-            .flat_map(|b| {
-                let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let mut out = half::f16::from_f32(d).to_le_bytes().to_vec();
-                out.extend(b.iter().map(|x| (x * id).round() as i8 as u8));
-                out
-            })
-            .collect()),
-        _ => Err(QuantError {
+    let be = ty.block_elems();
+    if !src.len().is_multiple_of(be) {
+        return Err(QuantError::PartialBlock {
             ty,
-            msg: "not yet".into(),
-        }),
+            n_elems: src.len(),
+            block_elems: be,
+        });
+    }
+    let mut out = vec![0u8; src.len() / be * ty.block_bytes()];
+    let block: fn(&[f32], &mut [u8]) = match ty {
+        GgmlType::F32 => |x, y| y.copy_from_slice(&x[0].to_le_bytes()),
+        GgmlType::F16 => |x, y| y.copy_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
+        GgmlType::BF16 => |x, y| y.copy_from_slice(&f32_to_bf16(x[0]).to_le_bytes()),
+        GgmlType::Q4_0 => quant_q4_0,
+        GgmlType::Q4_1 => quant_q4_1,
+        GgmlType::Q5_0 => quant_q5_0,
+        GgmlType::Q5_1 => quant_q5_1,
+        GgmlType::Q8_0 => quant_q8_0,
+        GgmlType::Q2K => quant_q2_k,
+        GgmlType::Q3K => quant_q3_k,
+        GgmlType::Q4K => quant_q4_k,
+        GgmlType::Q5K => quant_q5_k,
+        GgmlType::Q6K => quant_q6_k,
+    };
+    for (x, y) in src.chunks_exact(be).zip(out.chunks_exact_mut(ty.block_bytes())) {
+        block(x, y);
+    }
+    Ok(out)
+}
+
+/// ggml's `ggml_compute_fp32_to_bf16`: round to nearest even; NaN forced quiet.
+fn f32_to_bf16(v: f32) -> u16 {
+    let u = v.to_bits();
+    if u & 0x7FFF_FFFF > 0x7F80_0000 {
+        return ((u >> 16) | 64) as u16;
+    }
+    ((u as u64 + (0x7FFF + ((u >> 16) & 1)) as u64) >> 16) as u16
+}
+
+/// Stores `v` as an f16 at `y[i..i + 2]` and returns the value it will be decoded as.
+fn put_f16(y: &mut [u8], i: usize, v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    y[i..i + 2].copy_from_slice(&h.to_le_bytes());
+    h.to_f32()
+}
+
+/// The f16 nearest `v` whose magnitude is at least |v| (as f32), so that a scale derived from it
+/// never makes the largest value overflow its integer range.
+fn f16_at_least(v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    if h.to_f32().abs() < v.abs() && h.is_finite() {
+        f16::from_bits(h.to_bits() + 1).to_f32()
+    } else {
+        h.to_f32()
+    }
+}
+
+/// Reciprocal, or 0 for 0 (ggml's `d ? 1.0f/d : 0.0f`).
+fn recip(d: f32) -> f32 {
+    if d != 0.0 {
+        1.0 / d
+    } else {
+        0.0
+    }
+}
+
+/// The element with the largest magnitude, sign kept (ggml's `max` in the symmetric quantizers).
+fn signed_absmax(x: &[f32]) -> f32 {
+    let mut best = 0.0f32;
+    for &v in x {
+        if v.abs() > best.abs() {
+            best = v;
+        }
+    }
+    best
+}
+
+fn min_max(x: &[f32]) -> (f32, f32) {
+    x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+        (lo.min(v), hi.max(v))
+    })
+}
+
+/// Rounds `v` and clamps it to `lo..=hi` (NaN goes to 0 by the saturating cast, then clamped).
+fn rclamp(v: f32, lo: i32, hi: i32) -> i32 {
+    (v.round() as i32).clamp(lo, hi)
+}
+
+/// ggml `quantize_row_q4_0_ref`: d = max / -8, q = min(15, trunc(x / d + 8.5)).
+fn quant_q4_0(x: &[f32], y: &mut [u8]) {
+    let max = signed_absmax(x);
+    let d = max / -8.0;
+    let id = recip(d);
+    put_f16(y, 0, d);
+    for j in 0..16 {
+        let q0 = ((x[j] * id + 8.5) as i32).clamp(0, 15) as u8;
+        let q1 = ((x[j + 16] * id + 8.5) as i32).clamp(0, 15) as u8;
+        y[2 + j] = q0 | q1 << 4;
+    }
+}
+
+/// ggml `quantize_row_q4_1_ref`: d = (max - min) / 15, m = min, q = min(15, trunc((x - min) / d + 0.5)).
+fn quant_q4_1(x: &[f32], y: &mut [u8]) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 15.0;
+    let id = recip(d);
+    put_f16(y, 0, d);
+    put_f16(y, 2, min);
+    for j in 0..16 {
+        let q0 = (((x[j] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+        let q1 = (((x[j + 16] - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+        y[4 + j] = q0 | q1 << 4;
+    }
+}
+
+/// ggml `quantize_row_q5_0_ref`: d = max / -16, q = min(31, trunc(x / d + 16.5)).
+fn quant_q5_0(x: &[f32], y: &mut [u8]) {
+    let max = signed_absmax(x);
+    let d = max / -16.0;
+    let id = recip(d);
+    put_f16(y, 0, d);
+    let mut qh = 0u32;
+    for j in 0..16 {
+        let q0 = ((x[j] * id + 16.5) as i32).clamp(0, 31) as u32;
+        let q1 = ((x[j + 16] * id + 16.5) as i32).clamp(0, 31) as u32;
+        y[6 + j] = (q0 & 0x0F) as u8 | ((q1 & 0x0F) as u8) << 4;
+        qh |= (q0 >> 4) << j | (q1 >> 4) << (j + 16);
+    }
+    y[2..6].copy_from_slice(&qh.to_le_bytes());
+}
+
+/// ggml `quantize_row_q5_1_ref`: d = (max - min) / 31, m = min.
+fn quant_q5_1(x: &[f32], y: &mut [u8]) {
+    let (min, max) = min_max(x);
+    let d = (max - min) / 31.0;
+    let id = recip(d);
+    put_f16(y, 0, d);
+    put_f16(y, 2, min);
+    let mut qh = 0u32;
+    for j in 0..16 {
+        let q0 = (((x[j] - min) * id + 0.5) as i32).clamp(0, 31) as u32;
+        let q1 = (((x[j + 16] - min) * id + 0.5) as i32).clamp(0, 31) as u32;
+        y[8 + j] = (q0 & 0x0F) as u8 | ((q1 & 0x0F) as u8) << 4;
+        qh |= (q0 >> 4) << j | (q1 >> 4) << (j + 16);
+    }
+    y[4..8].copy_from_slice(&qh.to_le_bytes());
+}
+
+/// ggml `quantize_row_q8_0_ref`: d = amax / 127, q = round(x / d).
+fn quant_q8_0(x: &[f32], y: &mut [u8]) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = recip(d);
+    put_f16(y, 0, d);
+    for j in 0..32 {
+        y[2 + j] = rclamp(x[j] * id, -128, 127) as i8 as u8;
+    }
+}
+
+/// Asymmetric sub-block quantization shared by Q2_K, Q4_K and Q5_K: each sub-block of `sub` elements
+/// gets `x ≈ (d * sc) * q - dmin * m` with q in 0..=qmax, and sc, m in 0..=smax. Writes d and dmin
+/// (f16) via the returned values and fills `sc`, `m` and `q`.
+struct Asym {
+    d: f32,
+    dmin: f32,
+}
+
+fn quant_asym(x: &[f32], sub: usize, qmax: i32, smax: i32, sc: &mut [u8], m: &mut [u8], q: &mut [u8]) -> Asym {
+    let n_sub = x.len() / sub;
+    let mut scales = [0.0f32; 16];
+    let mut mins = [0.0f32; 16];
+    for i in 0..n_sub {
+        let (lo, hi) = min_max(&x[i * sub..(i + 1) * sub]);
+        // The offset can only be subtracted (m >= 0, dmin >= 0), so a positive minimum counts as 0.
+        let lo = lo.min(0.0);
+        scales[i] = (hi - lo) / qmax as f32;
+        mins[i] = -lo;
+    }
+    let max_scale = scales[..n_sub].iter().fold(0.0f32, |a, &v| a.max(v));
+    let max_min = mins[..n_sub].iter().fold(0.0f32, |a, &v| a.max(v));
+    let d = f16_at_least(max_scale / smax as f32);
+    let dmin = f16_at_least(max_min / smax as f32);
+    for i in 0..n_sub {
+        // Round the sub-scale up rather than down, so the sub-block's top value is not clipped.
+        sc[i] = ((scales[i] * recip(d)).ceil() as i32).clamp(0, smax) as u8;
+        m[i] = rclamp(mins[i] * recip(dmin), 0, smax) as u8;
+        let dl = d * sc[i] as f32;
+        let ml = dmin * m[i] as f32;
+        let idl = recip(dl);
+        for j in i * sub..(i + 1) * sub {
+            q[j] = rclamp((x[j] + ml) * idl, 0, qmax) as u8;
+        }
+    }
+    Asym { d, dmin }
+}
+
+/// Symmetric sub-block quantization shared by Q3_K and Q6_K: `x ≈ (d * sc) * q` with q in
+/// -qhalf..=qhalf-1 and sc a signed integer in -shalf..=shalf-1. Returns d.
+fn quant_sym(x: &[f32], sub: usize, qhalf: i32, shalf: i32, sc: &mut [i8], q: &mut [i8]) -> f32 {
+    let n_sub = x.len() / sub;
+    let mut scales = [0.0f32; 16];
+    for i in 0..n_sub {
+        // As ggml: the largest-magnitude value maps to -qhalf, which has no clipping on either side.
+        scales[i] = signed_absmax(&x[i * sub..(i + 1) * sub]) / -(qhalf as f32);
+    }
+    let max_scale = signed_absmax(&scales[..n_sub]);
+    // max_scale maps to sub-scale -shalf; d is rounded up in magnitude to an f16 and the
+    // sub-scales are taken against that d, so tiny (subnormal-f16) scales stay accurate.
+    let d = f16_at_least(max_scale / -(shalf as f32));
+    let id = recip(d);
+    for i in 0..n_sub {
+        sc[i] = rclamp(scales[i] * id, -shalf, shalf - 1) as i8;
+        let idl = recip(d * sc[i] as f32);
+        for j in i * sub..(i + 1) * sub {
+            q[j] = rclamp(x[j] * idl, -qhalf, qhalf - 1) as i8;
+        }
+    }
+    d
+}
+
+/// Q2_K: 16 sub-blocks of 16, 4-bit scale and min per sub-block, 2-bit values.
+fn quant_q2_k(x: &[f32], y: &mut [u8]) {
+    let (mut sc, mut m, mut q) = ([0u8; 16], [0u8; 16], [0u8; QK_K]);
+    let a = quant_asym(x, 16, 3, 15, &mut sc, &mut m, &mut q);
+    for i in 0..16 {
+        y[i] = sc[i] | m[i] << 4;
+    }
+    // Element 128h + 32s + l lives in bits 2s of qs[32h + l].
+    for h in 0..2 {
+        for l in 0..32 {
+            let mut b = 0u8;
+            for s in 0..4 {
+                b |= q[128 * h + 32 * s + l] << (2 * s);
+            }
+            y[16 + 32 * h + l] = b;
+        }
+    }
+    put_f16(y, 80, a.d);
+    put_f16(y, 82, a.dmin);
+}
+
+/// Q3_K: 16 sub-blocks of 16, 6-bit signed scales (offset 32), 3-bit values (offset 4).
+fn quant_q3_k(x: &[f32], y: &mut [u8]) {
+    let (mut sc, mut q) = ([0i8; 16], [0i8; QK_K]);
+    let d = quant_sym(x, 16, 4, 32, &mut sc, &mut q);
+    y[..110].fill(0);
+    for h in 0..2 {
+        for s in 0..4 {
+            for l in 0..32 {
+                let v = (q[128 * h + 32 * s + l] + 4) as u8; // 0..=7
+                y[32 + 32 * h + l] |= (v & 3) << (2 * s);
+                y[l] |= (v >> 2) << (4 * h + s); // hmask
+            }
+        }
+    }
+    for i in 0..16 {
+        let u = (sc[i] + 32) as u8; // 0..=63
+        if i < 8 {
+            y[96 + i] |= u & 0x0F;
+        } else {
+            y[96 + i - 8] |= (u & 0x0F) << 4;
+        }
+        y[96 + 8 + i % 4] |= (u >> 4) << (2 * (i / 4));
+    }
+    put_f16(y, 108, d);
+}
+
+/// Packs eight 6-bit scales and mins the way ggml's `get_scale_min_k4` unpacks them.
+fn pack_k4_scales(sc: &[u8], m: &[u8], s: &mut [u8]) {
+    s[..12].fill(0);
+    for j in 0..8 {
+        if j < 4 {
+            s[j] = sc[j];
+            s[j + 4] = m[j];
+        } else {
+            s[j + 4] = (sc[j] & 0x0F) | (m[j] & 0x0F) << 4;
+            s[j - 4] |= (sc[j] >> 4) << 6;
+            s[j] |= (m[j] >> 4) << 6;
+        }
+    }
+}
+
+/// Q4_K: 8 sub-blocks of 32, 6-bit scales and mins, 4-bit values.
+fn quant_q4_k(x: &[f32], y: &mut [u8]) {
+    let (mut sc, mut m, mut q) = ([0u8; 16], [0u8; 16], [0u8; QK_K]);
+    let a = quant_asym(x, 32, 15, 63, &mut sc, &mut m, &mut q);
+    put_f16(y, 0, a.d);
+    put_f16(y, 2, a.dmin);
+    pack_k4_scales(&sc, &m, &mut y[4..16]);
+    for c in 0..4 {
+        for l in 0..32 {
+            y[16 + 32 * c + l] = q[64 * c + l] | q[64 * c + 32 + l] << 4;
+        }
+    }
+}
+
+/// Q5_K: as Q4_K with a fifth bit per value in qh (bit sb of qh[l]).
+fn quant_q5_k(x: &[f32], y: &mut [u8]) {
+    let (mut sc, mut m, mut q) = ([0u8; 16], [0u8; 16], [0u8; QK_K]);
+    let a = quant_asym(x, 32, 31, 63, &mut sc, &mut m, &mut q);
+    put_f16(y, 0, a.d);
+    put_f16(y, 2, a.dmin);
+    pack_k4_scales(&sc, &m, &mut y[4..16]);
+    y[16..48].fill(0);
+    for sb in 0..8 {
+        for l in 0..32 {
+            y[16 + l] |= (q[32 * sb + l] >> 4) << sb;
+        }
+    }
+    for c in 0..4 {
+        for l in 0..32 {
+            y[48 + 32 * c + l] = (q[64 * c + l] & 0x0F) | (q[64 * c + 32 + l] & 0x0F) << 4;
+        }
+    }
+}
+
+/// Q6_K: 16 sub-blocks of 16, i8 scales, 6-bit values (offset 32).
+fn quant_q6_k(x: &[f32], y: &mut [u8]) {
+    let (mut sc, mut q) = ([0i8; 16], [0i8; QK_K]);
+    let d = quant_sym(x, 16, 32, 128, &mut sc, &mut q);
+    y[..208].fill(0);
+    for h in 0..2 {
+        for k in 0..4 {
+            for l in 0..32 {
+                let v = (q[128 * h + 32 * k + l] + 32) as u8; // 0..=63
+                y[64 * h + 32 * (k % 2) + l] |= (v & 0x0F) << (4 * (k / 2));
+                y[128 + 32 * h + l] |= (v >> 4) << (2 * k);
+            }
+        }
+    }
+    for i in 0..16 {
+        y[192 + i] = sc[i] as u8;
+    }
+    put_f16(y, 208, d);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dequant::dequantize_to_vec;
+    use proptest::prelude::*;
+
+    /// llama.cpp test-quantize-fns.cpp: MAX_QUANTIZATION_TOTAL_ERROR (0.002) for everything but
+    /// Q2_K (_2BITS, 0.0075) and Q3_K (_3BITS, 0.0040).
+    fn llama_cpp_bound(ty: GgmlType) -> f64 {
+        match ty {
+            GgmlType::Q2K => 0.0075,
+            GgmlType::Q3K => 0.0040,
+            _ => 0.002,
+        }
+    }
+
+    /// test-quantize-fns.cpp's `array_rmse`: sqrt(sum of squares) / n (sic).
+    fn llama_cpp_error(a: &[f32], b: &[f32]) -> f64 {
+        let sum: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+        sum.sqrt() / a.len() as f64
+    }
+
+    fn round_trip(ty: GgmlType, x: &[f32]) -> Vec<f32> {
+        let q = quantize(ty, x).unwrap();
+        assert_eq!(q.len() as u64, ty.bytes_for(x.len() as u64).unwrap());
+        dequantize_to_vec(ty, &q).unwrap()
+    }
+
+    #[test]
+    fn round_trip_error_within_llama_cpp_bounds() {
+        // test-quantize-fns.cpp: test_size = 32 * 128, data 0.1 + 2 cos(i + offset), offset 0.
+        let x: Vec<f32> = (0..32 * 128).map(|i| 0.1 + 2.0 * (i as f32).cos()).collect();
+        for ty in GgmlType::ALL {
+            let err = llama_cpp_error(&x, &round_trip(ty, &x));
+            eprintln!("{ty:5} error {err:.6} (bound {})", llama_cpp_bound(ty));
+            assert!(
+                err < llama_cpp_bound(ty),
+                "{ty}: error {err} >= {}",
+                llama_cpp_bound(ty)
+            );
+        }
+    }
+
+    #[test]
+    fn more_bits_means_less_error() {
+        let x: Vec<f32> = (0..4096).map(|i| 0.1 + 2.0 * (i as f32 * 0.37).sin()).collect();
+        let e = |ty| llama_cpp_error(&x, &round_trip(ty, &x));
+        let order = [
+            GgmlType::Q2K,
+            GgmlType::Q3K,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+        ];
+        for w in order.windows(2) {
+            assert!(
+                e(w[0]) > e(w[1]),
+                "{} ({}) should be worse than {} ({})",
+                w[0],
+                e(w[0]),
+                w[1],
+                e(w[1])
+            );
+        }
+        assert!(e(GgmlType::Q4_0) > e(GgmlType::Q5_0) && e(GgmlType::Q4_1) > e(GgmlType::Q5_1));
+        assert_eq!(e(GgmlType::F32), 0.0);
+    }
+
+    #[test]
+    fn exact_values_survive() {
+        // Values on the quantization grid come back exactly.
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 0.25).collect();
+        let x8: Vec<f32> = (0..32).map(|i| (i as f32 * 8.0 - 127.0) * 0.25).collect(); // d = 127 * 0.25 / 127
+        assert_eq!(round_trip(GgmlType::Q8_0, &x8), x8);
+        assert_eq!(round_trip(GgmlType::Q5_0, &x), x); // d = -4 / -16 = 0.25 exactly
+        assert_eq!(round_trip(GgmlType::F16, &x), x);
+        assert_eq!(round_trip(GgmlType::BF16, &x), x);
+        let zeros = vec![0.0f32; 256];
+        for ty in GgmlType::ALL {
+            assert!(round_trip(ty, &zeros).iter().all(|&v| v == 0.0), "{ty}");
+        }
+    }
+
+    #[test]
+    fn bad_length_is_an_error_and_odd_inputs_do_not_panic() {
+        assert!(matches!(
+            quantize(GgmlType::Q4K, &[0.0; 255]),
+            Err(QuantError::PartialBlock { .. })
+        ));
+        assert_eq!(quantize(GgmlType::Q4_0, &[]).unwrap(), Vec::<u8>::new());
+        let nasty = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            -0.0,
+            1e-45,
+            3.0,
+        ];
+        let x: Vec<f32> = (0..256).map(|i| nasty[i % nasty.len()]).collect();
+        for ty in GgmlType::ALL {
+            let q = quantize(ty, &x).unwrap();
+            assert_eq!(q.len() as u64, ty.bytes_for(256).unwrap(), "{ty}");
+        }
+        assert_eq!(
+            f32_to_bf16(f32::from_bits(0x7F80_0001)) & 0x7FC0,
+            0x7FC0,
+            "NaN stays NaN, quiet"
+        );
+        assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), 0x3F80, "ties to even");
+    }
+
+    /// Largest allowed |error| per element, as a fraction of the block's largest |value|.
+    fn max_err_frac(ty: GgmlType) -> f32 {
+        match ty {
+            GgmlType::F32 => 0.0,
+            GgmlType::F16 => 1.0 / 1024.0,
+            GgmlType::BF16 => 1.0 / 128.0,
+            GgmlType::Q8_0 => 1.0 / 127.0,
+            // max maps to -8; +max clips to 7, one step (max / 8) away.
+            GgmlType::Q4_0 => 1.0 / 8.0 + 1e-3,
+            GgmlType::Q5_0 => 1.0 / 16.0 + 1e-3,
+            // Half a step of range / 15 (range <= 2 max), plus f16 rounding of m.
+            GgmlType::Q4_1 => 1.0 / 15.0 + 1e-3,
+            GgmlType::Q5_1 => 1.0 / 31.0 + 1e-3,
+            // k-quants, asymmetric: half a sub-block step (range / qmax, range <= 2 max) plus the
+            // error of the quantized sub-scale and min.
+            GgmlType::Q2K => 0.5,
+            GgmlType::Q4K => 0.12,
+            GgmlType::Q5K => 0.06,
+            // Symmetric (as Q4_0): the largest |value| maps to -qhalf, so its opposite clips to
+            // qhalf - 1, one step (max / qhalf) away; plus sub-scale rounding.
+            GgmlType::Q3K => 0.3,
+            GgmlType::Q6K => 1.0 / 32.0 + 0.01,
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn prop_round_trip_error_is_bounded(
+            ty_idx in 0usize..13,
+            scale in prop_oneof![Just(1e-3f32), Just(1.0f32), Just(100.0f32)],
+            raw in prop::collection::vec(-1.0f32..1.0, 512),
+        ) {
+            let ty = GgmlType::ALL[ty_idx];
+            let x: Vec<f32> = raw.iter().map(|v| v * scale).collect();
+            let y = round_trip(ty, &x);
+            let be = ty.block_elems().max(32);
+            for (xb, yb) in x.chunks(be).zip(y.chunks(be)) {
+                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                for (a, b) in xb.iter().zip(yb) {
+                    prop_assert!(
+                        (a - b).abs() <= max_err_frac(ty) * amax + 1e-7 * scale,
+                        "{}: {} -> {} (block max {})", ty, a, b, amax
+                    );
+                }
+            }
+        }
     }
 }

@@ -178,7 +178,7 @@ fn pick_type(want: GgmlType, ne0: u64) -> GgmlType {
     // K-quants need rows of 256 and the 32-blocks rows of 32: fall back as llama.cpp's quantizer does.
     [want, GgmlType::Q8_0, GgmlType::F16]
         .into_iter()
-        .find(|t| ne0 % t.block_elems() as u64 == 0)
+        .find(|t| ne0.is_multiple_of(t.block_elems() as u64))
         .unwrap()
 }
 

@@ -330,13 +330,13 @@ pub fn rank_columns(
     rank: usize,
 ) -> Option<std::ops::Range<usize>> {
     let split = |width: usize, parts: usize| -> Option<std::ops::Range<usize>> {
-        if parts == 0 || width % parts != 0 || rank >= tp {
+        if parts == 0 || !width.is_multiple_of(parts) || rank >= tp {
             return None;
         }
         let w = width / parts;
         Some(rank * w..(rank + 1) * w)
     };
-    let heads_per_rank = |n_heads: usize| (n_heads % tp == 0).then_some(tp);
+    let heads_per_rank = |n_heads: usize| (tp > 0 && n_heads.is_multiple_of(tp)).then_some(tp);
     match (&c.mla, site) {
         (None, Site::Q | Site::AttnOut | Site::Weight(WeightKind::Q)) => {
             split(c.n_heads * c.head_dim, heads_per_rank(c.n_heads)?)

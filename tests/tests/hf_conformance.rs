@@ -51,3 +51,13 @@ fn smollm2_reference_matches_hf_fp32() {
     assert_eq!(same, n, "top-1 agreement");
     assert!(worst <= 2e-3, "worst |dlogprob| {worst}");
 }
+
+/// A tiny DeepSeek-V3 (MLA + MoE, sigmoid gating, groups, shared expert) built with transformers
+/// and converted by llama.cpp's convert_hf_to_gguf.py (tests/peers/deepseek_v3_tiny.py).
+#[test]
+fn deepseek_v3_tiny_reference_matches_hf_fp32() {
+    let (worst, same, n) = compare(&golden("deepseek-v3-tiny.f32.gguf"), "hf-deepseek-v3-tiny.json");
+    eprintln!("DeepSeek-V3 tiny vs HF fp32: worst |dlogprob| {worst:.2e} over top-50, top-1 {same}/{n}");
+    assert_eq!(same, n, "top-1 agreement");
+    assert!(worst <= 2e-3, "worst |dlogprob| {worst}");
+}

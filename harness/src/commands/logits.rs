@@ -6,22 +6,23 @@ use crate::output::open_model;
 use anyhow::bail;
 use references::forward::Reference;
 use references::tap::NoTap;
+use references::tokenizer::Tokenizer;
 use references::GgufFile;
 use serde_json::json;
 use std::process::ExitCode;
 
-/// The token ids for `--prompt` or `--tokens`.
+/// The token ids for `--prompt` (the model's tokenizer, special tokens parsed, no BOS added) or
+/// `--tokens`, checked against the vocabulary.
 pub fn input_tokens(file: &GgufFile, input: &InputArgs) -> anyhow::Result<Vec<u32>> {
-    match (&input.tokens, &input.prompt) {
-        (Some(t), _) if t.is_empty() => bail!("--tokens is empty"),
-        (Some(t), _) => Ok(t.clone()),
-        (None, Some(_)) => bail!("--prompt needs the tokenizer, which is not built yet; pass --tokens"),
+    let tokens = match (&input.tokens, &input.prompt) {
+        (Some(t), _) => t.clone(),
+        (None, Some(p)) => Tokenizer::from_gguf(&file.header)?.encode(p, true)?,
         (None, None) => bail!("give --prompt TEXT or --tokens 1,2,3"),
+    };
+    if tokens.is_empty() {
+        bail!("the input has no tokens");
     }
-    .map(|t: Vec<u32>| {
-        let _ = file;
-        t
-    })
+    Ok(tokens)
 }
 
 pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {

@@ -7,12 +7,14 @@ pub mod demo;
 pub mod inspect;
 pub mod logits;
 pub mod synth;
+pub mod tokenize;
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Inspect(a) => inspect::run(&a),
         Command::Synth(a) => synth::run(&a),
         Command::Logits(a) => logits::run(&a),
+        Command::Tokenize(a) => tokenize::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }
