@@ -214,3 +214,46 @@ mod prop {
         }
     }
 }
+
+/// A real DeepSeek-V3 file: an HF transformers model converted by llama.cpp's convert_hf_to_gguf
+/// (attn_k_b/attn_v_b as the converter writes them), committed in golden/.
+#[test]
+fn deepseek_v3_tiny_from_llama_cpp_converter_agrees() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/deepseek-v3-tiny.f32.gguf");
+    let file = references::GgufFile::open(&path).expect("golden/deepseek-v3-tiny.f32.gguf");
+    let c = references::ModelConfig::from_header(&file.header).unwrap();
+    let toks = tokens(6, c.vocab, 1);
+    let mut rt = CollectTap::new(all_taps);
+    let ref_logits = Reference::new(&file).unwrap().forward(&toks, &mut rt).unwrap();
+    let spec = SynthSpec {
+        name: "deepseek-v3-tiny (converted)".into(),
+        config: c.clone(),
+        weight_type: GgmlType::F32,
+        embd_type: GgmlType::F32,
+    };
+    let mut worst: BTreeMap<String, f64> = BTreeMap::new();
+    let tps: Vec<usize> = valid_tp_degrees(&c)
+        .into_iter()
+        .filter(|t| [1, 2, 3, 4, 8].contains(t))
+        .collect();
+    assert!(tps.len() > 1, "valid TP degrees {tps:?}");
+    for tp in tps {
+        let opts = EngineOptions {
+            tp,
+            ..Default::default()
+        };
+        let mut e = Engine::load(&file, opts).expect("engine load");
+        let mut et = CollectTap::new(all_taps);
+        let logits = e.prefill(&toks, &mut et).unwrap();
+        assert_eq!(
+            argmax_rows(&logits, c.vocab),
+            argmax_rows(&ref_logits, c.vocab),
+            "tp {tp}"
+        );
+        for (kind, err) in compare(&spec, tp, &et.recorded, &rt.recorded) {
+            let w = worst.entry(kind).or_insert(0.0);
+            *w = w.max(err);
+        }
+    }
+    report("deepseek-v3-tiny (llama.cpp converter)", &worst);
+}
