@@ -1,8 +1,25 @@
 //! `engine`: the tensor-parallel engine that plays the deployment under test.
 //!
 //! It loads and shards weights per rank the way vLLM/Megatron do (column, row and vocab
-//! parallel; MLA heads per rank; MoE), runs ranks with a deterministic all-reduce, and puts
-//! attention and the MoE mix behind caller-allocated output buffers. Its dequantization and
-//! kernels are its own, never the reference's; the fault-injection catalog lives here too.
+//! parallel; MLA heads per rank; MoE with every expert split over ranks; see [`weights`]), runs
+//! ranks concurrently with a deterministic all-reduce ([`engine`]), and puts attention and the
+//! MoE mix behind caller-allocated output buffers ([`rank`]). Its dequantization and kernels
+//! ([`kernels`]) are its own, never the reference's; the fault-injection catalog is [`fault`].
+//! Model code runs over the [`backend::Backend`] trait (cpu now, cuda to come).
 
+pub mod backend;
 pub mod dequant;
+pub mod engine;
+mod error;
+pub mod fault;
+pub mod fault_dequant;
+pub mod kernels;
+pub mod rank;
+pub mod taps;
+pub mod weights;
+
+pub use backend::{Backend, BackendKind, CpuBackend};
+pub use engine::{valid_tp_degrees, Engine, EngineOptions};
+pub use error::EngineError;
+pub use fault::{Fault, FaultSpec};
+pub use weights::WeightStorage;

@@ -1,0 +1,89 @@
+//! The backend seam: the primitive ops the model code is written over, once, for every backend.
+//! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; a CUDA backend
+//! (feature `cuda`) would implement the same trait with NVRTC kernels from `kernels/`.
+//!
+//! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
+//! code from these primitives; their output-buffer contract lives there, not here.
+
+use crate::kernels::{self, GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+
+/// Which backend an engine runs on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// The primitive ops. Every op writes all of its `out`.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// `out[n, w.rows] = x[n, w.cols] · wᵀ`.
+    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]);
+    /// RMSNorm over rows of `weight.len()`.
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    /// RoPE in place; row i is at position `pos0 + i`.
+    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+    /// `gate = silu(gate)·up`.
+    fn swiglu(&self, gate: &mut [f32], up: &[f32]);
+    /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
+    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]);
+    /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(
+        &self,
+        q: &[f32],
+        k_nope: &[f32],
+        k_pe: &[f32],
+        v: &[f32],
+        pos0: usize,
+        shape: MlaShape,
+        out: &mut [f32],
+    );
+}
+
+/// The host backend: ranks are threads, ops are the rayon kernels.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+        kernels::matmul_any(x, n, w, out)
+    }
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        kernels::rms_norm(x, weight, eps, out)
+    }
+    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+        kernels::rope(x, layout, pos0, base, style)
+    }
+    fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
+        kernels::swiglu(gate, up)
+    }
+    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]) {
+        kernels::gqa_attention(q, k, v, pos0, shape, out)
+    }
+    fn mla_attention(
+        &self,
+        q: &[f32],
+        k_nope: &[f32],
+        k_pe: &[f32],
+        v: &[f32],
+        pos0: usize,
+        shape: MlaShape,
+        out: &mut [f32],
+    ) {
+        kernels::mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
+    }
+}

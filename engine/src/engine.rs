@@ -1,0 +1,411 @@
+//! The engine's public face: [`Engine::load`] validates the TP degree and the faults against the
+//! model, then has every rank load its own shards; [`Engine::prefill`], [`Engine::decode`] and
+//! [`Engine::generate`] drive the ranks.
+//!
+//! A step runs bulk-synchronously, as TP engines do: the ranks run each phase concurrently (one
+//! rayon task per rank), then the driver all-reduces their partial sums with a fixed-order sum
+//! (rank 0 + rank 1 + ...; deterministic), and hands every rank the result for its residual
+//! replica. Phases per step: vocab-parallel embedding (+ all-reduce); per layer, attention up to
+//! o_proj (+ all-reduce) and FFN/MoE (+ all-reduce); then output_norm and the lm_head slice
+//! (+ gather).
+
+use crate::backend::{Backend, BackendKind, CpuBackend};
+use crate::fault::{Fault, FaultSet, FaultSpec};
+use crate::rank::{PhaseOut, Rank, StepCtx};
+use crate::taps::{flush, gather_columns, TapPlan};
+use crate::weights::{Loader, WeightStorage};
+use crate::EngineError;
+use half::f16;
+use rayon::prelude::*;
+use references::tap::{NoTap, Site, Tap, TapKey};
+use references::{GgmlType, GgufFile, ModelConfig};
+
+/// How to build an engine.
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Tensor-parallel degree (number of ranks).
+    pub tp: usize,
+    /// Faults to inject.
+    pub faults: Vec<FaultSpec>,
+    pub backend: BackendKind,
+    /// Quantized shards decoded in the matmul, or f32 shards.
+    pub storage: WeightStorage,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            tp: 1,
+            faults: Vec::new(),
+            backend: BackendKind::Cpu,
+            storage: WeightStorage::default(),
+        }
+    }
+}
+
+/// A loaded, sharded model with its KV cache.
+pub struct Engine {
+    config: ModelConfig,
+    tp: usize,
+    faults: FaultSet,
+    backend: Box<dyn Backend>,
+    ranks: Vec<Rank>,
+    n_past: usize,
+}
+
+/// The divisibility constraints a TP degree must meet, as (what, count) pairs.
+fn tp_constraints(c: &ModelConfig) -> Vec<(&'static str, usize)> {
+    let mut v = vec![("attention heads", c.n_heads)];
+    if c.mla.is_none() {
+        v.push(("KV heads", c.n_kv_heads));
+    }
+    let has_dense = c.moe.as_ref().is_none_or(|m| m.n_dense_lead > 0);
+    if has_dense {
+        v.push(("FFN hidden size", c.ffn_dim));
+    }
+    if let Some(m) = &c.moe {
+        v.push(("expert FFN size", m.expert_ffn));
+        if m.n_shared > 0 {
+            v.push(("shared-expert FFN size", m.expert_ffn * m.n_shared));
+        }
+    }
+    v
+}
+
+/// The TP degrees (up to 64) that divide every constraint.
+pub fn valid_tp_degrees(c: &ModelConfig) -> Vec<usize> {
+    let cons = tp_constraints(c);
+    (1..=64).filter(|tp| cons.iter().all(|(_, n)| n % tp == 0)).collect()
+}
+
+fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
+    if tp == 0 {
+        return Err(EngineError::TpDegree {
+            tp,
+            msg: "must be at least 1".into(),
+        });
+    }
+    let broken: Vec<String> = tp_constraints(c)
+        .into_iter()
+        .filter(|(_, n)| n % tp != 0)
+        .map(|(what, n)| format!("the {n} {what}"))
+        .collect();
+    if !broken.is_empty() {
+        let valid: Vec<String> = valid_tp_degrees(c).iter().map(|t| t.to_string()).collect();
+        return Err(EngineError::TpDegree {
+            tp,
+            msg: format!(
+                "does not divide {} (each rank must hold whole heads and equal slices); valid TP degrees for this model: {}",
+                broken.join(" and "),
+                valid.join(", ")
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses configs whose dims would make a kernel divide by zero or index nothing.
+fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
+    let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
+    match &c.mla {
+        None => zero.push(("head dim (embedding_length / head_count)", c.head_dim)),
+        Some(m) => zero.extend([
+            ("kv_lora_rank", m.kv_lora_rank),
+            ("key_length_mla", m.qk_nope + m.qk_rope),
+            ("value_length_mla", m.v_head_dim),
+        ]),
+    }
+    if let Some(m) = &c.moe {
+        zero.extend([
+            ("expert_count", m.n_experts),
+            ("expert_feed_forward_length", m.expert_ffn),
+        ]);
+    }
+    match zero.into_iter().find(|(_, v)| *v == 0) {
+        Some((what, _)) => Err(EngineError::Unsupported(format!("{what} is 0"))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a fault that would not change anything on this model and TP degree.
+fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
+    let refuse = |msg: String| {
+        Err(EngineError::FaultNotApplicable {
+            spec: spec.to_string(),
+            msg,
+        })
+    };
+    if let Some(layer_idx) = spec.layer {
+        if layer_idx as usize >= c.n_layers {
+            return refuse(format!(
+                "layer {layer_idx} does not exist (the model has {} layers)",
+                c.n_layers
+            ));
+        }
+    }
+    if let Some(r) = spec.rank {
+        if r as usize >= tp {
+            return refuse(format!("rank {r} does not exist at TP {tp}"));
+        }
+    }
+    let layers: Vec<usize> = match spec.layer {
+        Some(layer_idx) => vec![layer_idx as usize],
+        None => (0..c.n_layers).collect(),
+    };
+    match spec.fault {
+        Fault::KvBUnsharded | Fault::KvBShardSwap | Fault::KBUntransposed if c.mla.is_none() => refuse(format!(
+            "needs an MLA model (deepseek2) with kv_b; this is {}",
+            c.arch.name()
+        )),
+        Fault::KvBUnsharded | Fault::KvBShardSwap | Fault::AllreduceSkip if tp < 2 => {
+            refuse("needs TP ≥ 2 (at TP 1 the shard is the whole tensor and nothing is reduced)".into())
+        }
+        Fault::MoeGateRounded if !layers.iter().any(|&layer_idx| c.is_moe_layer(layer_idx)) => {
+            refuse("needs an MoE layer in its scope".into())
+        }
+        Fault::DequantQ4kScaleMin => {
+            let in_scope = |name: &str| match spec.layer {
+                Some(layer_idx) => name.starts_with(&format!("blk.{layer_idx}.")),
+                None => true,
+            };
+            if file
+                .tensors()
+                .iter()
+                .any(|t| t.ty == GgmlType::Q4K && in_scope(&t.name))
+            {
+                Ok(())
+            } else {
+                refuse("no Q4_K tensor in its scope".into())
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+impl Engine {
+    /// Loads `file` sharded over `opts.tp` ranks, with `opts.faults` injected.
+    pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
+        let backend: Box<dyn Backend> = match opts.backend {
+            BackendKind::Cpu => Box::new(CpuBackend),
+            BackendKind::Cuda => {
+                return Err(EngineError::Unsupported(
+                    "the cuda backend has no kernels yet (feature `cuda`); use the cpu backend".into(),
+                ))
+            }
+        };
+        let config = ModelConfig::from_header(&file.header)?;
+        check_shapes(&config)?;
+        check_tp(&config, opts.tp)?;
+        for spec in &opts.faults {
+            check_fault(spec, file, &config, opts.tp)?;
+        }
+        let faults = FaultSet::new(opts.faults);
+        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage);
+        let shards = (0..opts.tp)
+            .into_par_iter()
+            .map(|r| loader.load_rank(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ranks = shards.into_iter().map(|s| Rank::new(s, config.n_layers)).collect();
+        Ok(Engine {
+            tp: opts.tp,
+            faults,
+            backend,
+            ranks,
+            n_past: 0,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn tp(&self) -> usize {
+        self.tp
+    }
+
+    pub fn faults(&self) -> &[FaultSpec] {
+        self.faults.specs()
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.name()
+    }
+
+    /// Tokens in the KV cache.
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// Empties the KV cache.
+    pub fn reset(&mut self) {
+        for r in &mut self.ranks {
+            r.reset();
+        }
+        self.n_past = 0;
+    }
+
+    /// Resets the cache and runs `tokens` at positions 0..n. Returns logits `[n, vocab]`.
+    pub fn prefill(&mut self, tokens: &[u32], tap: &mut dyn Tap) -> Result<Vec<f32>, EngineError> {
+        self.reset();
+        self.step(tokens, tap, false)
+    }
+
+    /// Runs one token at the next position over the KV cache. Returns logits `[vocab]`.
+    pub fn decode(&mut self, token: u32, tap: &mut dyn Tap) -> Result<Vec<f32>, EngineError> {
+        if self.n_past == 0 {
+            return Err(EngineError::DecodeWithoutPrefill);
+        }
+        self.step(&[token], tap, true)
+    }
+
+    /// Greedy generation: prefill `prompt`, then decode up to `max_new` tokens, stopping after
+    /// emitting `stop`. Returns the new tokens (the stop token included when reached).
+    pub fn generate(&mut self, prompt: &[u32], max_new: usize, stop: Option<u32>) -> Result<Vec<u32>, EngineError> {
+        let mut out = Vec::new();
+        if max_new == 0 {
+            return Ok(out);
+        }
+        let logits = self.prefill(prompt, &mut NoTap)?;
+        let v = self.config.vocab;
+        let mut next = argmax(&logits[logits.len() - v..]);
+        loop {
+            out.push(next);
+            if Some(next) == stop || out.len() == max_new {
+                return Ok(out);
+            }
+            let logits = self.decode(next, &mut NoTap)?;
+            next = argmax(&logits);
+        }
+    }
+
+    fn step(&mut self, tokens: &[u32], tap: &mut dyn Tap, is_decode: bool) -> Result<Vec<f32>, EngineError> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(EngineError::Empty);
+        }
+        if let Some((pos, &id)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                pos: self.n_past + pos,
+                vocab: c.vocab,
+            });
+        }
+        if self.n_past + tokens.len() > c.context_length {
+            return Err(EngineError::ContextFull {
+                n_past: self.n_past,
+                n_new: tokens.len(),
+                n_ctx: c.context_length,
+            });
+        }
+        let plan = TapPlan::build(tap, c.n_layers, self.tp);
+        let ctx = StepCtx {
+            backend: self.backend.as_ref(),
+            config: c,
+            faults: &self.faults,
+            plan: &plan,
+            tp: self.tp,
+            pos0: self.n_past,
+            n_tokens: tokens.len(),
+            is_decode,
+        };
+        let (n, d) = (tokens.len(), c.d_model);
+
+        // Vocab-parallel embedding, then all-reduce.
+        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| r.embed(&ctx, tokens)).collect();
+        let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
+        flush(tap, taps);
+        let x = all_reduce(&partials);
+        record_if(tap, &plan, TapKey::global(Site::Embed), &x, d);
+        for r in &mut self.ranks {
+            r.x = x.clone();
+        }
+
+        for layer_idx in 0..c.n_layers {
+            self.weight_taps(tap, &plan, layer_idx);
+            for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
+                let outs: Vec<PhaseOut> = self
+                    .ranks
+                    .par_iter_mut()
+                    .map(|r| match phase_site {
+                        Site::AttnProj => r.attn_block(&ctx, layer_idx),
+                        _ => r.ffn_block(&ctx, layer_idx),
+                    })
+                    .collect();
+                let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
+                flush(tap, taps);
+                let sum = all_reduce(&partials);
+                for (rank_idx, r) in self.ranks.iter_mut().enumerate() {
+                    let skip = self.faults.active(Fault::AllreduceSkip, layer_idx, rank_idx);
+                    let reduced = if skip { &partials[rank_idx] } else { &sum };
+                    if rank_idx == 0 {
+                        record_if(tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);
+                    }
+                    let f16_resid = self.faults.active(Fault::F16Residual, layer_idx, rank_idx);
+                    for (xv, &a) in r.x.iter_mut().zip(reduced) {
+                        *xv += a;
+                        if f16_resid {
+                            *xv = f16::from_f32(*xv).to_f32();
+                        }
+                    }
+                    record_if(tap, &plan, TapKey::ranked(layer_idx, resid_site, rank_idx), &r.x, d);
+                    if rank_idx == 0 {
+                        record_if(tap, &plan, TapKey::layer(layer_idx, resid_site), &r.x, d);
+                    }
+                }
+            }
+        }
+
+        // output_norm and the vocab-parallel lm_head, then gather.
+        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| r.head(&ctx)).collect();
+        let (slices, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
+        flush(tap, taps);
+        let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
+        let (logits, _) = gather_columns(&refs, n);
+        // The gathered `logits` tap was recorded by `flush` if wanted.
+        self.n_past += n;
+        Ok(logits)
+    }
+
+    fn weight_taps(&self, tap: &mut dyn Tap, plan: &TapPlan, layer_idx: usize) {
+        if plan.is_empty() {
+            return;
+        }
+        for r in &self.ranks {
+            for (kind, w) in r.shard.layers[layer_idx].tappable() {
+                let key = TapKey::ranked(layer_idx, Site::Weight(kind), r.idx);
+                if plan.wants(&key) {
+                    tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
+                }
+            }
+        }
+    }
+}
+
+/// Sum all-reduce in a fixed order: rank 0 + rank 1 + ....
+pub fn all_reduce(partials: &[Vec<f32>]) -> Vec<f32> {
+    let mut sum = partials[0].clone();
+    for p in &partials[1..] {
+        for (s, &v) in sum.iter_mut().zip(p) {
+            *s += v;
+        }
+    }
+    sum
+}
+
+fn record_if(tap: &mut dyn Tap, plan: &TapPlan, key: TapKey, data: &[f32], width: usize) {
+    if plan.wants(&key) {
+        tap.record(&key, data, [data.len() / width.max(1), width]);
+    }
+}
+
+/// The index of the largest value (the first on ties).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

@@ -1,0 +1,591 @@
+//! One TP rank: its weight shards, its replica of the residual stream, its KV cache, and the
+//! per-layer work it does between all-reduces (the attention block up to o_proj's partial sum,
+//! the FFN or MoE block up to down's partial sum, the vocab-parallel embedding and lm_head).
+//!
+//! Attention and the MoE mix are custom ops in vLLM's style: the caller allocates the output
+//! buffer and the op writes into it. When a tap wants an op's output, the buffer is filled with
+//! the canary first, so an unwritten element shows. The attention output buffers are a per-rank
+//! double buffer (layer l writes buffer l mod 2), reused across layers and steps.
+
+use crate::backend::Backend;
+use crate::fault::{Fault, FaultSet};
+use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle};
+use crate::taps::{Emit, RankTaps, TapPlan};
+use crate::weights::{AttnShard, FfnShard, MlpShard, MoeShard, RankShard};
+use references::config::{Gating, MoeConfig};
+use references::tap::{canary, Site};
+use references::ModelConfig;
+
+/// The hyper-parameters one rank uses in one layer (they differ from the file's under
+/// `config-drift`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    pub expert_scale: f32,
+    pub rope_style: RopeStyle,
+}
+
+impl Hyper {
+    /// What the file says.
+    pub fn from_config(c: &ModelConfig) -> Hyper {
+        Hyper {
+            rms_eps: c.rms_eps,
+            rope_base: c.rope_base,
+            expert_scale: c.moe.as_ref().map_or(1.0, |m| m.weights_scale),
+            rope_style: RopeStyle::Norm,
+        }
+    }
+
+    /// What a loader reading the wrong keys (or falling back to defaults) would use.
+    pub fn drifted(self) -> Hyper {
+        Hyper {
+            rms_eps: if self.rms_eps == 1e-6 { 1e-5 } else { 1e-6 },
+            rope_base: if self.rope_base == 10000.0 { 500000.0 } else { 10000.0 },
+            expert_scale: if self.expert_scale == 1.0 { 2.5 } else { 1.0 },
+            ..self
+        }
+    }
+}
+
+/// Everything a rank needs to know about the step in progress.
+pub struct StepCtx<'a> {
+    pub backend: &'a dyn Backend,
+    pub config: &'a ModelConfig,
+    pub faults: &'a FaultSet,
+    pub plan: &'a TapPlan,
+    pub tp: usize,
+    /// Position of the first new token.
+    pub pos0: usize,
+    pub n_tokens: usize,
+    /// True for a single-token decode step after a prefill.
+    pub is_decode: bool,
+}
+
+impl StepCtx<'_> {
+    pub fn hyper(&self, layer_idx: usize, rank_idx: usize) -> Hyper {
+        let mut h = Hyper::from_config(self.config);
+        if self.faults.active(Fault::ConfigDrift, layer_idx, rank_idx) {
+            h = h.drifted();
+        }
+        if self.faults.active(Fault::RopeNeox, layer_idx, rank_idx) {
+            h.rope_style = RopeStyle::Neox;
+        }
+        h
+    }
+}
+
+/// A layer's KV cache on one rank. llama: `k`, `v` `[T, KV_r·hd]` (k after RoPE). MLA (expanded,
+/// after kv_b): `k` = k_nope `[T, H_r·nope]`, `k_pe` `[T, rope]`, `v` `[T, H_r·v]`.
+#[derive(Default)]
+pub struct LayerCache {
+    pub k: Vec<f32>,
+    pub k_pe: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// Appends the rows of `new` (`[n, width]`) to `cache` at position `pos0`. Under
+/// `kv-slot-off-by-one` in a decode step, the row lands one slot early (overwriting the previous
+/// token's entry) and the slot of the new token stays zero.
+fn cache_write(cache: &mut Vec<f32>, new: &[f32], width: usize, pos0: usize, off_by_one: bool) {
+    cache.truncate(pos0 * width);
+    if off_by_one && pos0 > 0 {
+        cache.resize((pos0 + new.len() / width) * width, 0.0);
+        let at = (pos0 - 1) * width;
+        cache[at..at + new.len()].copy_from_slice(new);
+    } else {
+        cache.extend_from_slice(new);
+    }
+}
+
+/// The output buffer for a custom op: sized `len`, canary-filled when a tap will look at it,
+/// otherwise holding whatever it held (as `torch.empty` memory does).
+fn prepare_out(buf: &mut Vec<f32>, len: usize, canary_fill: bool) {
+    if buf.len() != len {
+        buf.clear();
+        buf.resize(len, 0.0);
+    }
+    if canary_fill {
+        buf.fill(canary());
+    }
+}
+
+pub struct Rank {
+    pub idx: usize,
+    pub shard: RankShard,
+    pub cache: Vec<LayerCache>,
+    /// This rank's replica of the residual stream `[n, d]`.
+    pub x: Vec<f32>,
+    /// The attention output double buffer.
+    pub attn_out: [Vec<f32>; 2],
+    /// The FFN/MoE output buffer.
+    pub ffn_out: Vec<f32>,
+}
+
+/// A rank's result from one phase: a partial sum (or slice) and its tap copies.
+pub struct PhaseOut<'p> {
+    pub data: Vec<f32>,
+    pub taps: RankTaps<'p>,
+}
+
+impl Rank {
+    pub fn new(shard: RankShard, n_layers: usize) -> Rank {
+        Rank {
+            idx: shard.rank_idx,
+            shard,
+            cache: (0..n_layers).map(|_| LayerCache::default()).collect(),
+            x: Vec::new(),
+            attn_out: [Vec::new(), Vec::new()],
+            ffn_out: Vec::new(),
+        }
+    }
+
+    pub fn reset(&mut self) {
+        for c in &mut self.cache {
+            *c = LayerCache::default();
+        }
+        self.x.clear();
+    }
+
+    /// Vocab-parallel embedding: rows of tokens in this rank's vocab range, zeros elsewhere.
+    pub fn embed<'p>(&self, ctx: &StepCtx<'p>, tokens: &[u32]) -> PhaseOut<'p> {
+        let d = ctx.config.d_model;
+        let mut out = vec![0f32; tokens.len() * d];
+        let range = &self.shard.vocab_range;
+        for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
+            let t = t as usize;
+            if range.contains(&t) {
+                self.shard.embd.row_f32(t - range.start, row);
+            }
+        }
+        let mut taps = RankTaps::new(ctx.plan, self.idx, None);
+        taps.emit(Site::Embed, &out, d, Emit::Partial);
+        PhaseOut { data: out, taps }
+    }
+
+    /// attn_norm → attention (custom op) → o_proj partial `[n, d]`.
+    pub fn attn_block<'p>(&mut self, ctx: &StepCtx<'p>, layer_idx: usize) -> PhaseOut<'p> {
+        let be = ctx.backend;
+        let c = ctx.config;
+        let (n, d) = (ctx.n_tokens, c.d_model);
+        let hy = ctx.hyper(layer_idx, self.idx);
+        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let lw = &self.shard.layers[layer_idx];
+        let mut h = vec![0f32; n * d];
+        be.rms_norm(&self.x, &lw.attn_norm, hy.rms_eps, &mut h);
+        taps.emit(Site::AttnNorm, &h, d, Emit::Replicated);
+        let off_by_one = ctx.is_decode && ctx.faults.active(Fault::KvSlotOffByOne, layer_idx, self.idx);
+        let cache = &mut self.cache[layer_idx];
+        let phantom = ctx.faults.active(Fault::PhantomAttnOut, layer_idx, self.idx);
+        let write_idx = layer_idx % 2;
+        let read_idx = if ctx.faults.active(Fault::StaleAttnOut, layer_idx, self.idx) {
+            (layer_idx + 1) % 2
+        } else {
+            write_idx
+        };
+        let canary_fill = taps.wants_site(Site::AttnOut);
+        let out_width;
+        match &lw.attn {
+            AttnShard::Gqa { q, k, v } => {
+                let hd = c.head_dim;
+                let (h_r, kv_r) = (q.rows / hd, k.rows / hd);
+                let mut qv = vec![0f32; n * q.rows];
+                let mut kv = vec![0f32; n * k.rows];
+                let mut vv = vec![0f32; n * v.rows];
+                be.linear(&h, n, q.view(), &mut qv);
+                be.linear(&h, n, k.view(), &mut kv);
+                be.linear(&h, n, v.view(), &mut vv);
+                let layout = |heads| RopeLayout {
+                    n_heads: heads,
+                    head_stride: hd,
+                    offset: 0,
+                    rope_dim: c.rope_dim,
+                };
+                be.rope(&mut qv, layout(h_r), ctx.pos0, hy.rope_base, hy.rope_style);
+                be.rope(&mut kv, layout(kv_r), ctx.pos0, hy.rope_base, hy.rope_style);
+                taps.emit(Site::Q, &qv, q.rows, Emit::Column);
+                taps.emit(Site::K, &kv, k.rows, Emit::Column);
+                taps.emit(Site::V, &vv, v.rows, Emit::Column);
+                cache_write(&mut cache.k, &kv, k.rows, ctx.pos0, off_by_one);
+                cache_write(&mut cache.v, &vv, v.rows, ctx.pos0, off_by_one);
+                out_width = h_r * hd;
+                let shape = GqaShape {
+                    n_heads: h_r,
+                    n_kv_heads: kv_r,
+                    head_dim: hd,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                };
+                for buf in &mut self.attn_out {
+                    prepare_out(buf, n * out_width, false);
+                }
+                prepare_out(&mut self.attn_out[write_idx], n * out_width, canary_fill);
+                let op = |out: &mut [f32]| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
+                if phantom {
+                    let mut scratch = vec![0f32; n * out_width];
+                    op(&mut scratch);
+                } else {
+                    op(&mut self.attn_out[write_idx]);
+                }
+            }
+            AttnShard::Mla {
+                q_a,
+                q,
+                kv_a,
+                kv_a_norm,
+                kv_b,
+                kv_b_rows_used,
+            } => {
+                let m = c.mla.as_ref().expect("MLA weights on a non-MLA config");
+                let (nope, rope, vd, kvl) = (m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank);
+                let qw = nope + rope;
+                let h_r = q.rows / qw;
+                let q_in = match q_a {
+                    Some((qa, qa_norm)) => {
+                        let mut a = vec![0f32; n * qa.rows];
+                        be.linear(&h, n, qa.view(), &mut a);
+                        taps.emit(Site::QA, &a, qa.rows, Emit::Replicated);
+                        let mut an = vec![0f32; a.len()];
+                        be.rms_norm(&a, qa_norm, hy.rms_eps, &mut an);
+                        an
+                    }
+                    None => h.clone(),
+                };
+                let mut qv = vec![0f32; n * q.rows];
+                be.linear(&q_in, n, q.view(), &mut qv);
+                let mut ckv = vec![0f32; n * kv_a.rows];
+                be.linear(&h, n, kv_a.view(), &mut ckv);
+                let mut latent = vec![0f32; n * kvl];
+                let mut k_pe = vec![0f32; n * rope];
+                for ((row, lat), kp) in ckv
+                    .chunks_exact(kvl + rope)
+                    .zip(latent.chunks_exact_mut(kvl))
+                    .zip(k_pe.chunks_exact_mut(rope))
+                {
+                    lat.copy_from_slice(&row[..kvl]);
+                    kp.copy_from_slice(&row[kvl..]);
+                }
+                let mut latent_n = vec![0f32; latent.len()];
+                be.rms_norm(&latent, kv_a_norm, hy.rms_eps, &mut latent_n);
+                taps.emit(Site::KvLatent, &latent_n, kvl, Emit::Replicated);
+                be.rope(
+                    &mut qv,
+                    RopeLayout {
+                        n_heads: h_r,
+                        head_stride: qw,
+                        offset: nope,
+                        rope_dim: rope,
+                    },
+                    ctx.pos0,
+                    hy.rope_base,
+                    hy.rope_style,
+                );
+                be.rope(
+                    &mut k_pe,
+                    RopeLayout {
+                        n_heads: 1,
+                        head_stride: rope,
+                        offset: 0,
+                        rope_dim: rope,
+                    },
+                    ctx.pos0,
+                    hy.rope_base,
+                    hy.rope_style,
+                );
+                taps.emit(Site::Q, &qv, q.rows, Emit::Column);
+                taps.emit(Site::KPe, &k_pe, rope, Emit::Replicated);
+                let used = kv_b.first_rows(*kv_b_rows_used);
+                let mut kvx = vec![0f32; n * used.rows()];
+                be.linear(&latent_n, n, used, &mut kvx);
+                let mut k_nope = vec![0f32; n * h_r * nope];
+                let mut vv = vec![0f32; n * h_r * vd];
+                for (t, row) in kvx.chunks_exact(h_r * (nope + vd)).enumerate() {
+                    for (hh, head) in row.chunks_exact(nope + vd).enumerate() {
+                        k_nope[(t * h_r + hh) * nope..][..nope].copy_from_slice(&head[..nope]);
+                        vv[(t * h_r + hh) * vd..][..vd].copy_from_slice(&head[nope..]);
+                    }
+                }
+                taps.emit(Site::K, &k_nope, h_r * nope, Emit::Column);
+                taps.emit(Site::V, &vv, h_r * vd, Emit::Column);
+                cache_write(&mut cache.k, &k_nope, h_r * nope, ctx.pos0, off_by_one);
+                cache_write(&mut cache.k_pe, &k_pe, rope, ctx.pos0, off_by_one);
+                cache_write(&mut cache.v, &vv, h_r * vd, ctx.pos0, off_by_one);
+                out_width = h_r * vd;
+                let mut scale = 1.0 / (qw as f32).sqrt();
+                if let Some(y) = &c.yarn {
+                    let mscale = 1.0 + y.log_multiplier * (y.factor).ln();
+                    scale *= mscale * mscale;
+                }
+                let shape = MlaShape {
+                    n_heads: h_r,
+                    nope,
+                    rope,
+                    v_dim: vd,
+                    scale,
+                };
+                for buf in &mut self.attn_out {
+                    prepare_out(buf, n * out_width, false);
+                }
+                prepare_out(&mut self.attn_out[write_idx], n * out_width, canary_fill);
+                let op = |out: &mut [f32]| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
+                if phantom {
+                    let mut scratch = vec![0f32; n * out_width];
+                    op(&mut scratch);
+                } else {
+                    op(&mut self.attn_out[write_idx]);
+                }
+            }
+        }
+        let attn_out = &self.attn_out[read_idx];
+        taps.emit(Site::AttnOut, attn_out, out_width, Emit::Column);
+        let mut partial = vec![0f32; n * d];
+        be.linear(attn_out, n, lw.o.view(), &mut partial);
+        taps.emit(Site::AttnProj, &partial, d, Emit::Partial);
+        PhaseOut { data: partial, taps }
+    }
+
+    /// ffn_norm → dense SwiGLU or MoE mix (custom op) → partial `[n, d]`.
+    pub fn ffn_block<'p>(&mut self, ctx: &StepCtx<'p>, layer_idx: usize) -> PhaseOut<'p> {
+        let be = ctx.backend;
+        let c = ctx.config;
+        let (n, d) = (ctx.n_tokens, c.d_model);
+        let hy = ctx.hyper(layer_idx, self.idx);
+        let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let lw = &self.shard.layers[layer_idx];
+        let mut h = vec![0f32; n * d];
+        be.rms_norm(&self.x, &lw.ffn_norm, hy.rms_eps, &mut h);
+        taps.emit(Site::FfnNorm, &h, d, Emit::Replicated);
+        prepare_out(&mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
+        match &lw.ffn {
+            FfnShard::Dense(mlp) => {
+                let f_r = mlp.gate.rows;
+                let mut g = vec![0f32; n * f_r];
+                let mut u = vec![0f32; n * f_r];
+                be.linear(&h, n, mlp.gate.view(), &mut g);
+                be.linear(&h, n, mlp.up.view(), &mut u);
+                taps.emit(Site::FfnGate, &g, f_r, Emit::Column);
+                taps.emit(Site::FfnUp, &u, f_r, Emit::Column);
+                be.swiglu(&mut g, &u);
+                be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
+            }
+            FfnShard::Moe(moe) => {
+                let mc = c.moe.as_ref().expect("MoE weights on a non-MoE config");
+                let n_exp = moe.router.rows;
+                let mut logits = vec![0f32; n * n_exp];
+                be.linear(&h, n, moe.router.view(), &mut logits);
+                taps.emit(Site::MoeLogits, &logits, n_exp, Emit::Replicated);
+                let routes = route(
+                    &logits,
+                    n_exp,
+                    mc,
+                    moe.bias.as_deref().map(|b| b.as_slice()),
+                    hy.expert_scale,
+                );
+                let ids: Vec<f32> = routes
+                    .iter()
+                    .flat_map(|r| {
+                        let mut e = r.experts.clone();
+                        e.sort_unstable();
+                        e.into_iter().map(|x| x as f32)
+                    })
+                    .collect();
+                taps.emit(Site::MoeTopk, &ids, mc.n_used, Emit::Replicated);
+                moe_mix(be, &h, n, d, &routes, moe, &mut self.ffn_out);
+            }
+        }
+        taps.emit(Site::FfnOut, &self.ffn_out, d, Emit::Partial);
+        PhaseOut {
+            data: self.ffn_out.clone(),
+            taps,
+        }
+    }
+
+    /// output_norm → this rank's vocab slice of the logits `[n, V_r]`.
+    pub fn head<'p>(&self, ctx: &StepCtx<'p>) -> PhaseOut<'p> {
+        let be = ctx.backend;
+        let (n, d) = (ctx.n_tokens, ctx.config.d_model);
+        let mut hy = Hyper::from_config(ctx.config);
+        if ctx.faults.active_global(Fault::ConfigDrift, self.idx) {
+            hy = hy.drifted();
+        }
+        let mut taps = RankTaps::new(ctx.plan, self.idx, None);
+        let mut h = vec![0f32; n * d];
+        be.rms_norm(&self.x, &self.shard.output_norm, hy.rms_eps, &mut h);
+        taps.emit(Site::OutputNorm, &h, d, Emit::Replicated);
+        let w = &self.shard.lm_head;
+        let mut logits = vec![0f32; n * w.rows];
+        be.linear(&h, n, w.view(), &mut logits);
+        taps.emit(Site::Logits, &logits, w.rows, Emit::Column);
+        PhaseOut { data: logits, taps }
+    }
+}
+
+/// One token's routing: chosen experts (in selection order) and their mixing weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// DeepSeek-V3 routing from router logits `[n, n_exp]`: gating scores, bias for the choice,
+/// group-limited top-k (ties: lower index wins), weights from the unbiased scores, normalized if
+/// configured, times `scale`.
+pub fn route(logits: &[f32], n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
+    logits
+        .chunks_exact(n_exp)
+        .map(|lg| {
+            let scores: Vec<f32> = match m.gating {
+                Gating::Sigmoid => lg.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
+                Gating::Softmax => {
+                    let mut s = lg.to_vec();
+                    crate::kernels::softmax(&mut s);
+                    s
+                }
+            };
+            let mut choice: Vec<f32> = match bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            if m.n_groups > 1 && m.n_groups_used < m.n_groups {
+                let gs = n_exp / m.n_groups;
+                let group_scores: Vec<f32> = choice
+                    .chunks_exact(gs)
+                    .map(|g| {
+                        let mut v = g.to_vec();
+                        v.sort_by(|a, b| b.total_cmp(a));
+                        v.iter().take(2).sum()
+                    })
+                    .collect();
+                let kept = top_k(&group_scores, m.n_groups_used);
+                for (g_idx, group) in choice.chunks_exact_mut(gs).enumerate() {
+                    if !kept.contains(&g_idx) {
+                        group.fill(f32::NEG_INFINITY);
+                    }
+                }
+            }
+            let experts = top_k(&choice, m.n_used);
+            let mut weights: Vec<f32> = experts.iter().map(|&e| scores[e]).collect();
+            if m.weights_norm {
+                let sum: f32 = weights.iter().sum();
+                if sum > 0.0 {
+                    weights.iter_mut().for_each(|w| *w /= sum);
+                }
+            }
+            weights.iter_mut().for_each(|w| *w *= scale);
+            Route { experts, weights }
+        })
+        .collect()
+}
+
+/// Indices of the k largest values, largest first; ties go to the lower index.
+fn top_k(v: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..v.len()).collect();
+    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+fn mlp(be: &dyn Backend, x: &[f32], n: usize, w: &MlpShard, out: &mut [f32]) {
+    let f_r = w.gate.rows;
+    let mut g = vec![0f32; n * f_r];
+    let mut u = vec![0f32; n * f_r];
+    be.linear(x, n, w.gate.view(), &mut g);
+    be.linear(x, n, w.up.view(), &mut u);
+    be.swiglu(&mut g, &u);
+    be.linear(&g, n, w.down.view(), out);
+}
+
+/// The MoE mix custom op: writes `out` `[n, d]` = Σ_e w_e·expert_e(x) + shared(x), over this
+/// rank's slice of every expert. Tokens are grouped per expert so each expert runs one matmul.
+pub fn moe_mix(be: &dyn Backend, x: &[f32], n: usize, d: usize, routes: &[Route], moe: &MoeShard, out: &mut [f32]) {
+    out.fill(0.0);
+    for (e_idx, expert) in moe.experts.iter().enumerate() {
+        let picked: Vec<(usize, f32)> = routes
+            .iter()
+            .enumerate()
+            .filter_map(|(t, r)| r.experts.iter().position(|&e| e == e_idx).map(|p| (t, r.weights[p])))
+            .collect();
+        if picked.is_empty() {
+            continue;
+        }
+        let xs: Vec<f32> = picked
+            .iter()
+            .flat_map(|&(t, _)| x[t * d..(t + 1) * d].to_vec())
+            .collect();
+        let mut y = vec![0f32; picked.len() * d];
+        mlp(be, &xs, picked.len(), expert, &mut y);
+        for (&(t, w), yr) in picked.iter().zip(y.chunks_exact(d)) {
+            for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(yr) {
+                *o += w * v;
+            }
+        }
+    }
+    if let Some(sh) = &moe.shared {
+        let mut y = vec![0f32; n * d];
+        mlp(be, x, n, sh, &mut y);
+        for (o, v) in out.iter_mut().zip(y) {
+            *o += v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn moe_cfg(n_exp: usize, n_used: usize, groups: (usize, usize)) -> MoeConfig {
+        MoeConfig {
+            n_experts: n_exp,
+            n_used,
+            n_shared: 0,
+            expert_ffn: 4,
+            n_dense_lead: 0,
+            weights_scale: 2.0,
+            weights_norm: true,
+            gating: Gating::Sigmoid,
+            n_groups: groups.0,
+            n_groups_used: groups.1,
+        }
+    }
+
+    #[test]
+    fn top_k_ties_go_to_the_lower_index() {
+        assert_eq!(top_k(&[1.0, 3.0, 3.0, 2.0], 2), vec![1, 2]);
+        assert_eq!(top_k(&[0.5, 0.5, 0.5], 1), vec![0]);
+    }
+
+    #[test]
+    fn group_limited_routing_masks_other_groups() {
+        // Groups {0,1}, {2,3}: group 1 has the best top-2 sum though expert 0 is the best single.
+        let logits = [3.0, -3.0, 1.0, 1.0];
+        let m = moe_cfg(4, 2, (2, 1));
+        let r = &route(&logits, 4, &m, None, 2.0)[0];
+        assert_eq!(r.experts, vec![2, 3]);
+        assert!((r.weights.iter().sum::<f32>() - 2.0).abs() < 1e-6);
+        let ungrouped = &route(&logits, 4, &moe_cfg(4, 2, (1, 1)), None, 1.0)[0];
+        assert_eq!(ungrouped.experts, vec![0, 2]);
+    }
+
+    #[test]
+    fn bias_moves_the_choice_but_not_the_weights() {
+        let logits = [0.0, 0.1];
+        let m = MoeConfig {
+            weights_norm: false,
+            ..moe_cfg(2, 1, (1, 1))
+        };
+        let r = &route(&logits, 2, &m, Some(&[0.5, 0.0]), 1.0)[0];
+        assert_eq!(r.experts, vec![0]);
+        assert!((r.weights[0] - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn drift_changes_every_hyper_parameter() {
+        let h = Hyper {
+            rms_eps: 1e-5,
+            rope_base: 10000.0,
+            expert_scale: 2.5,
+            rope_style: RopeStyle::Norm,
+        };
+        let d = h.drifted();
+        assert!(d.rms_eps != h.rms_eps && d.rope_base != h.rope_base && d.expert_scale != h.expert_scale);
+    }
+}
