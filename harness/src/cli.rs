@@ -25,6 +25,9 @@ pub enum Command {
     Tokenize(TokenizeArgs),
     /// Next-token log-probabilities (f64 log-softmax) and entropy at every position.
     Logits(LogitsArgs),
+    /// Run the engine beside the reference, compare every tap, and say where and why they part.
+    #[command(name = "diff-layers", after_help = crate::cli::FAULT_HELP.as_str())]
+    DiffLayers(DiffLayersArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -146,4 +149,49 @@ pub struct TokenizeArgs {
     pub no_special: bool,
     #[arg(long)]
     pub json: bool,
+}
+
+/// The fault catalog, one line each, for `--help`.
+pub static FAULT_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let mut s = String::from("Faults for --inject NAME[@LAYER][:RANK] (NAME@L:R: layer L on rank R; NAME@L: every rank of layer L; NAME: every layer):\n");
+    for f in engine::Fault::ALL {
+        s.push_str(&format!("  {:<22} {}\n", f.name(), f.describe()));
+    }
+    s.push_str("\nExit codes: 0 agree, 1 diverged, 2 bad input.");
+    s
+});
+
+#[derive(Args, Debug)]
+pub struct DiffLayersArgs {
+    /// The GGUF model.
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Where the engine runs.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// Tensor-parallel degree of the engine.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (see below).
+    #[arg(long = "inject", value_name = "FAULT")]
+    pub inject: Vec<String>,
+    /// Override a threshold: SITE=VALUE or TAPKEY=VALUE (rel_l2), e.g. attn_out=1e-2; may be repeated.
+    #[arg(long = "tolerance", value_name = "SITE=VALUE")]
+    pub tolerance: Vec<String>,
+    /// A JSON file of threshold overrides: {"attn_out": 1e-2, ...}.
+    #[arg(long)]
+    pub tolerance_file: Option<PathBuf>,
+    /// Stop comparing at the first divergence.
+    #[arg(long)]
+    pub stop_at_first: bool,
+    /// Print the run document as JSON on stdout (or write it to a file with --json-out).
+    #[arg(long)]
+    pub json: bool,
+    /// Write the run document to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+    /// Write an HTML report.
+    #[arg(long)]
+    pub html: Option<PathBuf>,
 }

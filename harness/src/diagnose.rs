@@ -3,9 +3,9 @@
 //! the first that holds decides, and `unknown` is said rather than a confident guess.
 
 use crate::compare::{cosine, metrics};
-use crate::diff::{engine_full, reference_slice, Store};
+use crate::diff::{reference_slice, Store};
 use references::config::ModelConfig;
-use references::tap::{is_canary, rank_columns, Site, TapKey, WeightKind};
+use references::tap::{rank_columns, Site, TapKey, WeightKind};
 use reports::{Diagnosis, TapRow};
 
 /// What the diagnosis can look at: both configs and the taps of the divergent layer and the one
@@ -83,7 +83,7 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         return found("unknown", "low", format!("{key} diverged (rel_l2 {:.3e}), but its taps were not kept", m.rel_l2));
     };
     if let Site::Weight(kind) = key.site {
-        return weight_diagnosis(ctx, key, kind, &e.data, e.shape, &r.data);
+        return weight_diagnosis(ctx, key, kind, &e.data, e.shape);
     }
     let want = reference_slice(ctx.config, ctx.tp, key, r);
     if m.nonfinite > 0 {
@@ -135,7 +135,7 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
     precision_or_scale(key, &e.data, &want, m.rel_l2, m.cosine)
 }
 
-fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f32], shape: [usize; 2], reference: &[f32]) -> Diagnosis {
+fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f32], shape: [usize; 2]) -> Diagnosis {
     let c = ctx.config;
     let full = ctx.refs.get(&key.unranked()).expect("checked by caller");
     let want = reference_slice(c, ctx.tp, key, full);

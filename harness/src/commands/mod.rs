@@ -4,6 +4,7 @@ use crate::cli::{Cli, Command};
 use std::process::ExitCode;
 
 pub mod demo;
+pub mod diff_layers;
 pub mod inspect;
 pub mod logits;
 pub mod synth;
@@ -15,6 +16,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Synth(a) => synth::run(&a),
         Command::Logits(a) => logits::run(&a),
         Command::Tokenize(a) => tokenize::run(&a),
+        Command::DiffLayers(a) => diff_layers::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }

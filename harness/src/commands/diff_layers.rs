@@ -1,0 +1,125 @@
+//! `llmdiff diff-layers`: validate the arguments into a plan, run the diff, print the taps
+//! around the divergence, the diagnosis and a reproduction command.
+
+use crate::cli::{BackendArg, DiffLayersArgs};
+use crate::commands::logits::input_tokens;
+use crate::compare::{ActDtype, Tolerances};
+use crate::diff::{run_diff, DiffPlan};
+use crate::output::{open_model, write_atomic};
+use anyhow::{bail, Context};
+use engine::FaultSpec;
+use reports::DiffRun;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
+    let file = open_model(&a.model)?;
+    let tokens = input_tokens(&file, &a.input)?;
+    if a.backend == BackendArg::Reference {
+        bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
+    }
+    if a.backend == BackendArg::Cuda {
+        bail!("--backend cuda needs a build with --features cuda and a GPU");
+    }
+    let faults: Vec<FaultSpec> =
+        a.inject.iter().map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}"))).collect::<Result<_, _>>()?;
+    let mut tolerances = Tolerances::default();
+    if let Some(p) = &a.tolerance_file {
+        let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+        tolerances.load_json(&text).with_context(|| p.display().to_string())?;
+    }
+    for t in &a.tolerance {
+        tolerances.set(t)?;
+    }
+    let plan = DiffPlan {
+        file: &file,
+        model_name: a.model.display().to_string(),
+        tokens: tokens.clone(),
+        tp: a.tp,
+        faults,
+        tolerances,
+        dtype: ActDtype::F32,
+        stop_at_first: a.stop_at_first,
+        repro: repro(a, &tokens),
+    };
+    let run = run_diff(&plan)?;
+    if let Some(p) = &a.json_out {
+        write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&run)?);
+    } else {
+        print_summary(&run);
+    }
+    if let Some(p) = &a.html {
+        write_atomic(p, reports::render_diff(&run).as_bytes())?;
+        eprintln!("report: {}", p.display());
+    }
+    Ok(if run.verdict == "agree" { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
+    let mut s = format!("llmdiff diff-layers {} --tokens {}", a.model.display(), tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+    s.push_str(&format!(" --backend {} --tp {}", format!("{:?}", a.backend).to_lowercase(), a.tp));
+    for f in &a.inject {
+        s.push_str(&format!(" --inject {f}"));
+    }
+    s
+}
+
+/// The terminal view: the taps around the divergence, the diagnosis and the repro command.
+pub fn print_summary(run: &DiffRun) {
+    let color = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let paint = |code: &str, s: &str| if color { format!("\x1b[{code}m{s}\x1b[0m") } else { s.to_string() };
+    println!(
+        "{}: {} taps compared, engine {} TP {}, {} tokens{}",
+        run.model,
+        run.taps.len(),
+        run.backend,
+        run.tp,
+        run.tokens.len(),
+        if run.injected.is_empty() { String::new() } else { format!(", injected {}", run.injected.join(" ")) }
+    );
+    let first_idx = run.first_divergence.as_ref().and_then(|f| run.taps.iter().position(|t| t.tap == f.tap));
+    let shown: Vec<usize> = match first_idx {
+        Some(i) => (i.saturating_sub(6)..(i + 4).min(run.taps.len())).collect(),
+        None => (run.taps.len().saturating_sub(6)..run.taps.len()).collect(),
+    };
+    println!("\n  {:<26} {:>10} {:>10} {:>10} {:>8} {:>7}", "tap", "rel_l2", "cosine", "max_abs", "canary", "thresh");
+    for i in shown {
+        let t = &run.taps[i];
+        let line = format!(
+            "  {:<26} {:>10.3e} {:>10.6} {:>10.3e} {:>7.0}% {:>7.0e}",
+            t.tap,
+            t.metrics.rel_l2,
+            t.metrics.cosine,
+            t.metrics.max_abs,
+            t.metrics.canary_left * 100.0,
+            t.threshold
+        );
+        println!("{}", if t.over { paint("31", &line) } else { line });
+    }
+    println!();
+    match (&run.first_divergence, &run.diagnosis) {
+        (Some(f), Some(d)) => {
+            println!("{} first divergence at {}", paint("1;31", "DIVERGED:"), paint("1", &f.tap));
+            println!("  class: {} ({} confidence)", paint("1", &d.class), d.confidence);
+            println!("  {}", d.explanation);
+            for iso in &run.isolation {
+                println!(
+                    "  isolation {}: end-to-end rel_l2 {:.2e}, reference op on the engine's inputs {:.2e} -> {}",
+                    iso.tap, iso.end_to_end_rel_l2, iso.isolated_rel_l2, iso.verdict
+                );
+            }
+        }
+        _ => println!("{} every tap within tolerance", paint("1;32", "AGREE:")),
+    }
+    if !run.unmatched.is_empty() {
+        println!("  taps without a counterpart: {}", run.unmatched.join(", "));
+    }
+    println!("\n  reproduce: {}", run.repro);
+    println!(
+        "  time: engine {:.2}s, reference {:.2}s, compare {:.2}s, total {:.2}s",
+        run.timings_s.engine, run.timings_s.reference, run.timings_s.compare, run.timings_s.total
+    );
+}
