@@ -297,3 +297,14 @@ fn faults_that_cannot_apply_are_refused() {
     assert!(err(&ll, 2, "rope-neox@0:2").contains("rank 2"));
     assert!(err(&ll, 1, "no-such-fault").contains("unknown fault"));
 }
+
+#[test]
+fn kv_b_unsharded_seed_story_shapes_on_glm5_mini() {
+    // The seed story: at TP 8 every rank should hold [3584, 512] of kv_b; unsharded, [28672, 512].
+    let m = synth(&spec("glm5-mini", GgmlType::Q8_0, |s| s.config.n_layers = 1), 23);
+    let toks = [5u32];
+    let keys = ["blk.0.w.kv_b@r0", "blk.0.w.kv_b@r7"];
+    let bad = taps(&m, 8, &["kv-b-unsharded@0:0"], &toks, &keys);
+    assert_eq!(get(&bad, "blk.0.w.kv_b@r7").shape, [3584, 512]);
+    assert_eq!(get(&bad, "blk.0.w.kv_b@r0").shape, [28672, 512]);
+}
