@@ -220,6 +220,25 @@ impl Engine {
         &self.config
     }
 
+    /// The hyper-parameters layer `layer_idx` runs with on rank `rank_idx`, faults included:
+    /// what a production engine logs at start-up, for comparison with the file's.
+    pub fn effective_config(&self, layer_idx: usize, rank_idx: usize) -> ModelConfig {
+        let mut h = crate::rank::Hyper::from_config(&self.config);
+        if self
+            .faults
+            .active(crate::fault::Fault::ConfigDrift, layer_idx, rank_idx)
+        {
+            h = h.drifted();
+        }
+        let mut c = self.config.clone();
+        c.rms_eps = h.rms_eps;
+        c.rope_base = h.rope_base;
+        if let Some(m) = c.moe.as_mut() {
+            m.weights_scale = h.expert_scale;
+        }
+        c
+    }
+
     pub fn tp(&self) -> usize {
         self.tp
     }

@@ -37,7 +37,11 @@ impl Tap for ChannelTap {
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
         // A closed channel means the comparator stopped early: drop the tap.
-        let _ = self.tx.send(Captured { key: *key, shape, data: data.to_vec() });
+        let _ = self.tx.send(Captured {
+            key: *key,
+            shape,
+            data: data.to_vec(),
+        });
     }
 }
 
@@ -83,24 +87,41 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let (etx, erx) = sync_channel(CAPACITY);
     let (rtx, rrx) = sync_channel(CAPACITY);
-    let mut etap = ChannelTap { tx: etx, stop: stop.clone(), filter: engine_filter };
-    let mut rtap = ChannelTap { tx: rtx, stop: stop.clone(), filter: reference_filter };
+    let mut etap = ChannelTap {
+        tx: etx,
+        stop: stop.clone(),
+        filter: engine_filter,
+    };
+    let mut rtap = ChannelTap {
+        tx: rtx,
+        stop: stop.clone(),
+        filter: reference_filter,
+    };
     std::thread::scope(|s| {
         let eh = s.spawn(move || {
             let t0 = Instant::now();
             let result = engine(&mut etap);
             drop(etap);
-            SideResult { result, seconds: t0.elapsed().as_secs_f64() }
+            SideResult {
+                result,
+                seconds: t0.elapsed().as_secs_f64(),
+            }
         });
         let rh = s.spawn(move || {
             let t0 = Instant::now();
             let result = reference(&mut rtap);
             drop(rtap);
-            SideResult { result, seconds: t0.elapsed().as_secs_f64() }
+            SideResult {
+                result,
+                seconds: t0.elapsed().as_secs_f64(),
+            }
         });
         drain(&erx, &rrx, &stop, &mut on_tap);
         drop((erx, rrx));
-        (eh.join().expect("engine thread panicked"), rh.join().expect("reference thread panicked"))
+        (
+            eh.join().expect("engine thread panicked"),
+            rh.join().expect("reference thread panicked"),
+        )
     })
 }
 
@@ -130,7 +151,11 @@ fn drain(
             if *done {
                 continue;
             }
-            let got = if order.len() == 1 { rx.recv().map_err(|_| RecvTimeoutError::Disconnected) } else { rx.recv_timeout(tick) };
+            let got = if order.len() == 1 {
+                rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else {
+                rx.recv_timeout(tick)
+            };
             match got {
                 Ok(c) => {
                     *at = (*at).max(progress(&c.key));

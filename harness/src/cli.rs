@@ -185,6 +185,10 @@ pub struct DiffLayersArgs {
     /// Stop comparing at the first divergence.
     #[arg(long)]
     pub stop_at_first: bool,
+    /// Feed the last N tokens through the engine's decode path (KV cache) one at a time; some
+    /// faults only show in decode. The reference still runs the whole sequence.
+    #[arg(long, default_value_t = 0)]
+    pub decode_steps: usize,
     /// Print the run document as JSON on stdout (or write it to a file with --json-out).
     #[arg(long)]
     pub json: bool,

@@ -3,7 +3,7 @@
 //! the first that holds decides, and `unknown` is said rather than a confident guess.
 
 use crate::compare::{cosine, metrics};
-use crate::diff::{reference_slice, Store};
+use crate::diff::{engine_full, reference_slice, Store};
 use references::config::ModelConfig;
 use references::tap::{rank_columns, Site, TapKey, WeightKind};
 use reports::{Diagnosis, TapRow};
@@ -29,7 +29,11 @@ impl DiagContext<'_> {
 }
 
 fn found(class: &str, confidence: &str, explanation: String) -> Diagnosis {
-    Diagnosis { class: class.to_string(), explanation, confidence: confidence.to_string() }
+    Diagnosis {
+        class: class.to_string(),
+        explanation,
+        confidence: confidence.to_string(),
+    }
 }
 
 fn ranges(ids: &[usize]) -> String {
@@ -52,7 +56,18 @@ fn config_drift(a: &ModelConfig, b: &ModelConfig) -> Vec<String> {
     check("rope_dim", format!("{}", a.rope_dim), format!("{}", b.rope_dim));
     check("n_heads", format!("{}", a.n_heads), format!("{}", b.n_heads));
     check("n_kv_heads", format!("{}", a.n_kv_heads), format!("{}", b.n_kv_heads));
-    check("moe", format!("{:?}", a.moe), format!("{:?}", b.moe));
+    let scale = |c: &ModelConfig| c.moe.as_ref().map(|m| m.weights_scale);
+    check(
+        "expert_weights_scale",
+        format!("{:?}", scale(a)),
+        format!("{:?}", scale(b)),
+    );
+    let rest = |c: &ModelConfig| {
+        c.moe
+            .as_ref()
+            .map(|m| (m.n_experts, m.n_used, m.n_shared, m.gating, m.n_groups, m.n_groups_used))
+    };
+    check("moe routing", format!("{:?}", rest(a)), format!("{:?}", rest(b)));
     check("mla", format!("{:?}", a.mla), format!("{:?}", b.mla));
     check("yarn", format!("{:?}", a.yarn), format!("{:?}", b.yarn));
     out
@@ -65,7 +80,10 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         return found(
             "config-drift",
             "high",
-            format!("the engine and the reference read different hyper-parameters ({}); first visible at {key}", drift.join("; ")),
+            format!(
+                "the engine and the reference read different hyper-parameters ({}); first visible at {key}",
+                drift.join("; ")
+            ),
         );
     }
     if m.canary_left > 0.0 {
@@ -80,7 +98,11 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         );
     }
     let (Some(e), Some(r)) = (ctx.eng.get(key), ctx.refs.get(&key.unranked())) else {
-        return found("unknown", "low", format!("{key} diverged (rel_l2 {:.3e}), but its taps were not kept", m.rel_l2));
+        return found(
+            "unknown",
+            "low",
+            format!("{key} diverged (rel_l2 {:.3e}), but its taps were not kept", m.rel_l2),
+        );
     };
     if let Site::Weight(kind) = key.site {
         return weight_diagnosis(ctx, key, kind, &e.data, e.shape);
@@ -98,7 +120,12 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         return found(
             "nonfinite",
             "high",
-            format!("first non-finite value in {key} at token {}, column {}: {}{why}", idx / width, idx % width, e.data[idx]),
+            format!(
+                "first non-finite value in {key} at token {}, column {}: {}{why}",
+                idx / width,
+                idx % width,
+                e.data[idx]
+            ),
         );
     }
     if let Some(d) = missing_reduction(ctx, key, &e.data) {
@@ -116,8 +143,15 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         let k = e.shape[1].max(1);
         let same = e.data.chunks(k).zip(want.chunks(k)).filter(|(a, b)| a == b).count();
         let n = e.data.len() / k;
-        let logits = TapKey { site: Site::MoeLogits, ..*key };
-        let logit_err = ctx.rows.iter().find(|r| r.tap == logits.to_string()).map(|r| r.metrics.rel_l2);
+        let logits = TapKey {
+            site: Site::MoeLogits,
+            ..*key
+        };
+        let logit_err = ctx
+            .rows
+            .iter()
+            .find(|r| r.tap == logits.to_string())
+            .map(|r| r.metrics.rel_l2);
         return found(
             "routing-flip",
             "high",
@@ -140,15 +174,25 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
     let full = ctx.refs.get(&key.unranked()).expect("checked by caller");
     let want = reference_slice(c, ctx.tp, key, full);
     if eng.len() != want.len() {
+        let want_rows = want.len() / full.shape[1].max(1);
+        let holds_full = eng.len() == full.data.len();
         return found(
             "head-permutation",
             "high",
             format!(
-                "{key} is {:?} where rank {} should hold {} of the reference's {:?} values: the weight was loaded unsharded",
+                "{key} is {:?} where rank {} should hold [{want_rows}, {}] of the reference's {:?}{}",
                 shape,
                 key.rank.unwrap_or(0),
-                want.len(),
-                full.shape
+                full.shape[1],
+                full.shape,
+                if holds_full {
+                    format!(
+                        ": {} was loaded unsharded, so every rank computes with rank 0's heads",
+                        kind.name()
+                    )
+                } else {
+                    ": the shard has the wrong size".to_string()
+                }
             ),
         );
     }
@@ -158,7 +202,10 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
             if other == rank {
                 continue;
             }
-            let other_key = TapKey { rank: Some(other), ..*key };
+            let other_key = TapKey {
+                rank: Some(other),
+                ..*key
+            };
             let theirs = reference_slice(c, ctx.tp, &other_key, full);
             if theirs.len() == eng.len() && metrics(eng, &theirs).rel_l2 < 1e-6 {
                 let heads = |r: u32| {
@@ -176,7 +223,10 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
                 let cause = if swapped {
                     format!("ranks {rank} and {other} exchanged their {} shards", kind.name())
                 } else if other == 0 {
-                    format!("{} was loaded unsharded (every rank computes with rank 0's heads)", kind.name())
+                    format!(
+                        "{} was loaded unsharded (every rank computes with rank 0's heads)",
+                        kind.name()
+                    )
                 } else {
                     format!("the {} shards are assigned to the wrong ranks", kind.name())
                 };
@@ -205,11 +255,24 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
     }
     let ratio = scale_ratio(eng, &want);
     if let Some(s) = ratio.filter(|s| (s - 1.0).abs() > 1e-3) {
-        return found("scale-mismatch", "high", format!("{key} equals the reference's shard times {s:.4}"));
+        return found(
+            "scale-mismatch",
+            "high",
+            format!("{key} equals the reference's shard times {s:.4}"),
+        );
     }
     let cos = cosine(eng, &want);
     let rel = metrics(eng, &want).rel_l2;
     let ty = ctx.tensor_type_hint(key);
+    if rel < 0.1 && cos > 0.99 && kind == WeightKind::Router {
+        if let (Some(layer), Some(flips)) = (key.layer, routing_flips(ctx, key)) {
+            return found(
+                "routing-flip",
+                "high",
+                format!("{key} is the reference's router rounded to a lower precision (rel_l2 {rel:.2e}); downstream, {flips} at blk.{layer}.moe_topk"),
+            );
+        }
+    }
     if rel < 0.1 && cos > 0.99 {
         return found(
             "precision",
@@ -224,6 +287,17 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
     )
 }
 
+/// "N of M tokens route to different experts" at the layer's moe_topk, if any flipped.
+fn routing_flips(ctx: &DiagContext, key: &TapKey) -> Option<String> {
+    let topk = TapKey::layer(key.layer? as usize, Site::MoeTopk);
+    let e = engine_full(ctx.config, ctx.tp, ctx.eng, &topk)?;
+    let r = &ctx.refs.get(&topk)?;
+    let k = r.shape[1].max(1);
+    let n = r.data.len() / k;
+    let same = e.chunks(k).zip(r.data.chunks(k)).filter(|(a, b)| a == b).count();
+    (same < n).then(|| format!("{} of {n} tokens route to different experts", n - same))
+}
+
 impl DiagContext<'_> {
     fn tensor_type_hint(&self, _key: &TapKey) -> String {
         String::new()
@@ -232,7 +306,9 @@ impl DiagContext<'_> {
 
 /// `a ≈ s·b` for one scalar s: returns s when the fit is near exact.
 fn scale_ratio(a: &[f32], b: &[f32]) -> Option<f64> {
-    let (ab, bb): (f64, f64) = a.iter().zip(b).fold((0.0, 0.0), |(x, y), (&p, &q)| (x + p as f64 * q as f64, y + q as f64 * q as f64));
+    let (ab, bb): (f64, f64) = a.iter().zip(b).fold((0.0, 0.0), |(x, y), (&p, &q)| {
+        (x + p as f64 * q as f64, y + q as f64 * q as f64)
+    });
     if bb == 0.0 {
         return None;
     }
@@ -250,7 +326,12 @@ fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Dia
         let partial = ctx.eng.get(&TapKey { rank: Some(r), ..base })?;
         if partial.data.len() == eng.len() && metrics(eng, &partial.data).rel_l2 < 1e-6 {
             let summed: Vec<f32> = (0..eng.len())
-                .map(|i| (0..ctx.tp as u32).filter_map(|q| ctx.eng.get(&TapKey { rank: Some(q), ..base })).map(|p| p.data[i]).sum())
+                .map(|i| {
+                    (0..ctx.tp as u32)
+                        .filter_map(|q| ctx.eng.get(&TapKey { rank: Some(q), ..base }))
+                        .map(|p| p.data[i])
+                        .sum()
+                })
                 .collect();
             let sum_err = ctx.refs.get(&base).map(|r| metrics(&summed, &r.data).rel_l2);
             return Some(found(
@@ -258,7 +339,10 @@ fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Dia
                 "high",
                 format!(
                     "{base} equals rank {r}'s partial sum: the all-reduce did not run{}",
-                    sum_err.map_or(String::new(), |e| format!(" (the sum of the {} partials matches the reference to rel_l2 {e:.1e})", ctx.tp))
+                    sum_err.map_or(String::new(), |e| format!(
+                        " (the sum of the {} partials matches the reference to rel_l2 {e:.1e})",
+                        ctx.tp
+                    ))
                 ),
             ));
         }
@@ -268,8 +352,15 @@ fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Dia
 
 fn stale(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {
     let layer = key.layer?;
-    let prev = TapKey { layer: Some(layer.checked_sub(1)?), ..*key };
-    let earlier = ctx.eng.get(&prev).map(|p| &p.data).or_else(|| ctx.refs.get(&prev.unranked()).map(|p| &p.data))?;
+    let prev = TapKey {
+        layer: Some(layer.checked_sub(1)?),
+        ..*key
+    };
+    let earlier = ctx
+        .eng
+        .get(&prev)
+        .map(|p| &p.data)
+        .or_else(|| ctx.refs.get(&prev.unranked()).map(|p| &p.data))?;
     let earlier: Vec<f32> = if earlier.len() == eng.len() {
         earlier.clone()
     } else {
@@ -317,7 +408,10 @@ fn head_permutation(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32]) 
     let n_eng_heads = eng.len() / ctx.n_tokens / hd;
     let _ = want;
     let cos = crate::compare::head_cosines(eng, n_eng_heads, full_ref, n_ref_heads, hd);
-    let offset = key.rank.and_then(|r| rank_columns(key.site, c, ctx.tp, r as usize)).map_or(0, |cols| cols.start / hd);
+    let offset = key
+        .rank
+        .and_then(|r| rank_columns(key.site, c, ctx.tp, r as usize))
+        .map_or(0, |cols| cols.start / hd);
     let mut moved = Vec::new();
     for he in 0..n_eng_heads {
         let row = &cos[he * n_ref_heads..(he + 1) * n_ref_heads];
@@ -336,7 +430,11 @@ fn head_permutation(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32]) 
     Some(found(
         "head-permutation",
         "high",
-        format!("per-head cosine at {key}: engine heads {} match reference heads {} (cosine > 0.999)", ranges(&from), ranges(&to)),
+        format!(
+            "per-head cosine at {key}: engine heads {} match reference heads {} (cosine > 0.999)",
+            ranges(&from),
+            ranges(&to)
+        ),
     ))
 }
 
@@ -352,10 +450,22 @@ fn precision_or_scale(key: &TapKey, eng: &[f32], want: &[f32], rel: f64, cos: f6
         );
     }
     if let Some(s) = scale_ratio(eng, want).filter(|s| (s - 1.0).abs() > 1e-3) {
-        return found("scale-mismatch", "high", format!("{key} equals the reference times {s:.4} (cosine {cos:.6})"));
+        return found(
+            "scale-mismatch",
+            "high",
+            format!("{key} equals the reference times {s:.4} (cosine {cos:.6})"),
+        );
     }
     if rel < 1e-2 && cos > 0.9999 {
-        return found("precision", "low", format!("{key} differs at rounding level (rel_l2 {rel:.2e}, cosine {cos:.6})"));
+        return found(
+            "precision",
+            "low",
+            format!("{key} differs at rounding level (rel_l2 {rel:.2e}, cosine {cos:.6})"),
+        );
     }
-    found("unknown", "low", format!("{key} diverges (rel_l2 {rel:.2e}, cosine {cos:.4}); no class's evidence holds"))
+    found(
+        "unknown",
+        "low",
+        format!("{key} diverges (rel_l2 {rel:.2e}, cosine {cos:.4}); no class's evidence holds"),
+    )
 }

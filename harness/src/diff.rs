@@ -23,20 +23,26 @@ pub struct DiffPlan<'a> {
     pub tolerances: Tolerances,
     pub dtype: ActDtype,
     pub stop_at_first: bool,
+    /// Run the last `decode_steps` tokens through the engine's decode path (KV cache), one at a
+    /// time, instead of the prefill. The engine's taps are then stitched row by row.
+    pub decode_steps: usize,
     pub repro: String,
 }
 
 /// Taps of one side, by key.
 pub type Store = BTreeMap<TapKey, Captured>;
 
-/// Sites whose rank-local form is a partial sum before the all-reduce, not a slice.
+/// Sites whose rank-local form is a partial sum before the all-reduce, not a slice (the
+/// vocab-parallel embedding's too: each rank contributes the rows it owns).
 pub fn is_partial_sum(key: &TapKey) -> bool {
-    key.rank.is_some() && matches!(key.site, Site::AttnProj | Site::FfnOut)
+    key.rank.is_some() && matches!(key.site, Site::AttnProj | Site::FfnOut | Site::Embed)
 }
 
 /// The part of the reference's full tensor that an engine tap corresponds to.
 pub fn reference_slice(c: &ModelConfig, tp: usize, key: &TapKey, full: &Captured) -> Vec<f32> {
-    let Some(rank) = key.rank.map(|r| r as usize) else { return full.data.clone() };
+    let Some(rank) = key.rank.map(|r| r as usize) else {
+        return full.data.clone();
+    };
     let [rows, width] = full.shape;
     match key.site {
         Site::Weight(kind) => {
@@ -64,7 +70,14 @@ pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Opt
     if let Some(t) = eng.get(key) {
         return Some(t.data.clone());
     }
-    let parts: Vec<&Captured> = (0..tp).map(|r| eng.get(&TapKey { rank: Some(r as u32), ..*key })).collect::<Option<_>>()?;
+    let parts: Vec<&Captured> = (0..tp)
+        .map(|r| {
+            eng.get(&TapKey {
+                rank: Some(r as u32),
+                ..*key
+            })
+        })
+        .collect::<Option<_>>()?;
     if is_partial_sum(&TapKey { rank: Some(0), ..*key }) {
         return None;
     }
@@ -78,8 +91,9 @@ pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Opt
             return Some(parts[0].data.clone());
         }
         // Row-parallel: each rank holds input columns; fall through to the column join.
-    } else {
-        rank_columns(key.site, c, tp, 0)?;
+    } else if rank_columns(key.site, c, tp, 0).is_none() {
+        // Replicated on every rank.
+        return Some(parts[0].data.clone());
     }
     let n = parts[0].shape[0];
     let mut out = Vec::new();
@@ -150,10 +164,19 @@ impl Comparator<'_> {
         let m = if want.len() == e.data.len() {
             metrics(&e.data, &want)
         } else {
-            Metrics { cosine: 0.0, rel_l2: f64::INFINITY, max_abs: f64::INFINITY, nmse: f64::INFINITY, sqnr_db: f64::NEG_INFINITY, nonfinite: 0, canary_left: 0.0 }
+            Metrics {
+                cosine: 0.0,
+                rel_l2: f64::INFINITY,
+                max_abs: f64::INFINITY,
+                nmse: f64::INFINITY,
+                sqnr_db: f64::NEG_INFINITY,
+                nonfinite: 0,
+                canary_left: 0.0,
+            }
         };
         let threshold = self.plan.tolerances.threshold(key, self.plan.dtype);
-        let over = !(m.rel_l2 <= threshold) || m.canary_left > 0.0;
+        // NaN rel_l2 counts as over.
+        let over = m.rel_l2.is_nan() || m.rel_l2 > threshold || m.canary_left > 0.0;
         if over && self.first_over.is_none_or(|f| *key < f) {
             self.first_over = Some(*key);
         }
@@ -190,14 +213,60 @@ impl Comparator<'_> {
     }
 }
 
+/// Collects the engine's taps over a prefill and decode steps and joins each key's rows, so the
+/// result has the same `[n_tokens, width]` taps as one prefill. Weights are kept once.
+#[derive(Default)]
+struct StitchTap {
+    taps: BTreeMap<TapKey, Captured>,
+}
+
+impl references::tap::Tap for StitchTap {
+    fn wants(&self, _: &TapKey) -> bool {
+        true
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        match self.taps.get_mut(key) {
+            Some(_) if matches!(key.site, Site::Weight(_)) => {}
+            Some(c) => {
+                c.data.extend_from_slice(data);
+                c.shape[0] += shape[0];
+            }
+            None => {
+                self.taps.insert(
+                    *key,
+                    Captured {
+                        key: *key,
+                        shape,
+                        data: data.to_vec(),
+                    },
+                );
+            }
+        }
+    }
+}
+
+impl StitchTap {
+    /// Sends the stitched taps on, in execution order.
+    fn replay(self, tap: &mut dyn references::tap::Tap) {
+        for (k, c) in self.taps {
+            if tap.wants(&k) {
+                tap.record(&k, &c.data, c.shape);
+            }
+        }
+    }
+}
+
 /// Runs the diff and builds the run document.
 pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
     let reference = Reference::new(plan.file)?;
-    let opts = EngineOptions { tp: plan.tp, faults: plan.faults.clone(), ..EngineOptions::default() };
+    let opts = EngineOptions {
+        tp: plan.tp,
+        faults: plan.faults.clone(),
+        ..EngineOptions::default()
+    };
     let mut engine = Engine::load(plan.file, opts)?;
     let config = reference.config.clone();
-    let engine_config = engine.config().clone();
     let mut cmp = Comparator {
         plan,
         config: &config,
@@ -211,8 +280,30 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
         compare_s: 0.0,
     };
     let tokens = &plan.tokens;
+    let n_prefill = tokens
+        .len()
+        .checked_sub(plan.decode_steps)
+        .filter(|&p| p > 0)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--decode-steps {} leaves no prompt tokens for the prefill ({} tokens)",
+                plan.decode_steps,
+                tokens.len()
+            )
+        })?;
     let (e, r) = lockstep(
-        |tap| engine.prefill(tokens, tap).map(|_| ()),
+        |tap| -> Result<(), engine::EngineError> {
+            if n_prefill == tokens.len() {
+                return engine.prefill(tokens, tap).map(|_| ());
+            }
+            let mut stitch = StitchTap::default();
+            engine.prefill(&tokens[..n_prefill], &mut stitch)?;
+            for &t in &tokens[n_prefill..] {
+                engine.decode(t, &mut stitch)?;
+            }
+            stitch.replay(tap);
+            Ok(())
+        },
         |tap| reference.forward(tokens, tap).map(|_| ()),
         |side, c| cmp.on_tap(side, c),
     );
@@ -226,6 +317,7 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
     let (first, diagnosis, isolation, heads) = match cmp.first_over {
         None => (None, None, Vec::new(), None),
         Some(k) => {
+            let engine_config = engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize);
             let ctx = DiagContext {
                 config: &config,
                 engine_config: &engine_config,
@@ -235,11 +327,19 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
                 rows: &rows,
                 n_tokens: n,
             };
-            let row = rows.iter().find(|r| r.tap == k.to_string()).expect("first divergence has a row");
+            let row = rows
+                .iter()
+                .find(|r| r.tap == k.to_string())
+                .expect("first divergence has a row");
             let diagnosis = diagnose(&ctx, &k, row);
             let isolation = isolate(&reference, &ctx, &k)?;
             let heads = head_matrix(&ctx, &k);
-            let loc = Location { tap: k.to_string(), layer: k.layer, site: k.site.name(), rank: k.rank };
+            let loc = Location {
+                tap: k.to_string(),
+                layer: k.layer,
+                site: k.site.name(),
+                rank: k.rank,
+            };
             (Some(loc), Some(diagnosis), isolation, heads)
         }
     };
@@ -259,7 +359,12 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
         taps: rows,
         unmatched,
         repro: plan.repro.clone(),
-        timings_s: Timings { engine: e.seconds, reference: r.seconds, compare: cmp.compare_s, total: t0.elapsed().as_secs_f64() },
+        timings_s: Timings {
+            engine: e.seconds,
+            reference: r.seconds,
+            compare: cmp.compare_s,
+            total: t0.elapsed().as_secs_f64(),
+        },
     })
 }
 
@@ -275,11 +380,14 @@ fn isolate(reference: &Reference, ctx: &DiagContext, key: &TapKey) -> anyhow::Re
     };
     for site in candidates {
         let full = TapKey::layer(layer as usize, site);
-        let (Some(eng_out), Some(ref_out)) = (engine_full(ctx.config, ctx.tp, ctx.eng, &full), ctx.refs.get(&full)) else {
+        let (Some(eng_out), Some(ref_out)) = (engine_full(ctx.config, ctx.tp, ctx.eng, &full), ctx.refs.get(&full))
+        else {
             continue;
         };
         let inputs = |k: &TapKey| engine_full(ctx.config, ctx.tp, ctx.eng, k);
-        let Some(replayed) = reference.replay(&full, &inputs, ctx.n_tokens)? else { continue };
+        let Some(replayed) = reference.replay(&full, &inputs, ctx.n_tokens)? else {
+            continue;
+        };
         if replayed.len() != eng_out.len() {
             continue;
         }
@@ -321,12 +429,19 @@ fn head_matrix(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
         let mut m = Vec::with_capacity(n_heads * n_heads);
         for he in 0..n_heads {
             for hr in 0..n_heads {
-                m.push(crate::compare::cosine(&eng[he * block..(he + 1) * block], &reference[hr * block..(hr + 1) * block]));
+                m.push(crate::compare::cosine(
+                    &eng[he * block..(he + 1) * block],
+                    &reference[hr * block..(hr + 1) * block],
+                ));
             }
         }
         m
     } else {
         head_cosines(&eng, n_heads, reference, n_heads, per_head)
     };
-    Some(HeadMatrix { tap: full.to_string(), n_heads, cosine })
+    Some(HeadMatrix {
+        tap: full.to_string(),
+        n_heads,
+        cosine,
+    })
 }

@@ -386,7 +386,11 @@ impl GgufFile {
             // SAFETY: the map is a private read-only file mapping; MADV_DONTNEED only drops this
             // process's copies of the pages, which read back identically from the file.
             let _ = unsafe {
-                self.map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start as usize, (end - start) as usize)
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start as usize,
+                    (end - start) as usize,
+                )
             };
         }
     }

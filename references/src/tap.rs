@@ -352,6 +352,11 @@ pub fn rank_columns(
         (Some(m), Site::Weight(WeightKind::KvB)) => {
             split(c.n_heads * (m.qk_nope + m.v_head_dim), heads_per_rank(c.n_heads)?)
         }
+        (_, Site::Logits) if rank < tp => {
+            // Vocab-parallel: ceil(V / tp) rows of the output matrix per rank, the last one short.
+            let per = c.vocab.div_ceil(tp);
+            Some((rank * per).min(c.vocab)..((rank + 1) * per).min(c.vocab))
+        }
         (_, Site::FfnGate | Site::FfnUp | Site::Weight(WeightKind::Gate) | Site::Weight(WeightKind::Up)) => {
             split(c.ffn_dim, tp)
         }

@@ -21,8 +21,11 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     if a.backend == BackendArg::Cuda {
         bail!("--backend cuda needs a build with --features cuda and a GPU");
     }
-    let faults: Vec<FaultSpec> =
-        a.inject.iter().map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}"))).collect::<Result<_, _>>()?;
+    let faults: Vec<FaultSpec> = a
+        .inject
+        .iter()
+        .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
+        .collect::<Result<_, _>>()?;
     let mut tolerances = Tolerances::default();
     if let Some(p) = &a.tolerance_file {
         let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
@@ -40,6 +43,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         tolerances,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
+        decode_steps: a.decode_steps,
         repro: repro(a, &tokens),
     };
     let run = run_diff(&plan)?;
@@ -55,14 +59,29 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         write_atomic(p, reports::render_diff(&run).as_bytes())?;
         eprintln!("report: {}", p.display());
     }
-    Ok(if run.verdict == "agree" { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if run.verdict == "agree" {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
-    let mut s = format!("llmdiff diff-layers {} --tokens {}", a.model.display(), tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
-    s.push_str(&format!(" --backend {} --tp {}", format!("{:?}", a.backend).to_lowercase(), a.tp));
+    let mut s = format!(
+        "llmdiff diff-layers {} --tokens {}",
+        a.model.display(),
+        tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")
+    );
+    s.push_str(&format!(
+        " --backend {} --tp {}",
+        format!("{:?}", a.backend).to_lowercase(),
+        a.tp
+    ));
     for f in &a.inject {
         s.push_str(&format!(" --inject {f}"));
+    }
+    if a.decode_steps > 0 {
+        s.push_str(&format!(" --decode-steps {}", a.decode_steps));
     }
     s
 }
@@ -70,7 +89,13 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
 /// The terminal view: the taps around the divergence, the diagnosis and the repro command.
 pub fn print_summary(run: &DiffRun) {
     let color = std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none();
-    let paint = |code: &str, s: &str| if color { format!("\x1b[{code}m{s}\x1b[0m") } else { s.to_string() };
+    let paint = |code: &str, s: &str| {
+        if color {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    };
     println!(
         "{}: {} taps compared, engine {} TP {}, {} tokens{}",
         run.model,
@@ -78,14 +103,24 @@ pub fn print_summary(run: &DiffRun) {
         run.backend,
         run.tp,
         run.tokens.len(),
-        if run.injected.is_empty() { String::new() } else { format!(", injected {}", run.injected.join(" ")) }
+        if run.injected.is_empty() {
+            String::new()
+        } else {
+            format!(", injected {}", run.injected.join(" "))
+        }
     );
-    let first_idx = run.first_divergence.as_ref().and_then(|f| run.taps.iter().position(|t| t.tap == f.tap));
+    let first_idx = run
+        .first_divergence
+        .as_ref()
+        .and_then(|f| run.taps.iter().position(|t| t.tap == f.tap));
     let shown: Vec<usize> = match first_idx {
         Some(i) => (i.saturating_sub(6)..(i + 4).min(run.taps.len())).collect(),
         None => (run.taps.len().saturating_sub(6)..run.taps.len()).collect(),
     };
-    println!("\n  {:<26} {:>10} {:>10} {:>10} {:>8} {:>7}", "tap", "rel_l2", "cosine", "max_abs", "canary", "thresh");
+    println!(
+        "\n  {:<26} {:>10} {:>10} {:>10} {:>8} {:>7}",
+        "tap", "rel_l2", "cosine", "max_abs", "canary", "thresh"
+    );
     for i in shown {
         let t = &run.taps[i];
         let line = format!(
@@ -102,7 +137,11 @@ pub fn print_summary(run: &DiffRun) {
     println!();
     match (&run.first_divergence, &run.diagnosis) {
         (Some(f), Some(d)) => {
-            println!("{} first divergence at {}", paint("1;31", "DIVERGED:"), paint("1", &f.tap));
+            println!(
+                "{} first divergence at {}",
+                paint("1;31", "DIVERGED:"),
+                paint("1", &f.tap)
+            );
             println!("  class: {} ({} confidence)", paint("1", &d.class), d.confidence);
             println!("  {}", d.explanation);
             for iso in &run.isolation {

@@ -153,7 +153,14 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
 
 /// MLA attention from roped `q [n, H·(nope+rope)]`, `k_nope [n, H·nope]`, the shared roped
 /// `k_pe [n, rope]` and `v [n, H·v]`: score = (q_nope·k_nope + q_pe·k_pe)·scale.
-pub(crate) fn mla_attention(c: &crate::config::ModelConfig, q: &[f32], k_nope: &[f32], k_pe: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+pub(crate) fn mla_attention(
+    c: &crate::config::ModelConfig,
+    q: &[f32],
+    k_nope: &[f32],
+    k_pe: &[f32],
+    v: &[f32],
+    n: usize,
+) -> Vec<f32> {
     let m = c.mla.as_ref().expect("deepseek2 has MLA");
     let (nh, nope, rope, dv) = (c.n_heads, m.qk_nope, m.qk_rope, m.v_head_dim);
     let dq = nope + rope;

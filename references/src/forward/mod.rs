@@ -74,7 +74,11 @@ impl<'a> Reference<'a> {
                 Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap)?,
             };
             let prefix = format!("blk.{layer_idx}.");
-            self.file.tensors().iter().filter(|t| t.name.starts_with(&prefix)).for_each(|t| self.file.release(t));
+            self.file
+                .tensors()
+                .iter()
+                .filter(|t| t.name.starts_with(&prefix))
+                .for_each(|t| self.file.release(t));
         }
         let h = ops::rms_norm(&x, c.d_model, &self.vector("output_norm.weight", c.d_model)?, c.rms_eps);
         emit(tap, TapKey::global(Site::OutputNorm), &h, n);

@@ -72,7 +72,10 @@ fn dot_rows_portable(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
         let xs: [&[f64]; 4] = std::array::from_fn(|u| &x64[(t + u) * k..(t + u + 1) * k]);
         let mut lanes = [[0f64; 8]; 4];
         let chunks = w_row[..k8].chunks_exact(8).zip(xs[0].chunks_exact(8));
-        let chunks = chunks.zip(xs[1].chunks_exact(8)).zip(xs[2].chunks_exact(8)).zip(xs[3].chunks_exact(8));
+        let chunks = chunks
+            .zip(xs[1].chunks_exact(8))
+            .zip(xs[2].chunks_exact(8))
+            .zip(xs[3].chunks_exact(8));
         for ((((w, x0), x1), x2), x3) in chunks {
             let w: [f64; 8] = std::array::from_fn(|j| w[j] as f64);
             for (acc, x) in lanes.iter_mut().zip([x0, x1, x2, x3]) {

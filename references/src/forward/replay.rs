@@ -27,7 +27,13 @@ impl Reference<'_> {
             });
         };
         let at = |s: Site| inputs(&TapKey::layer(l, s));
-        let resid_in = || if l == 0 { inputs(&TapKey::global(Site::Embed)) } else { inputs(&TapKey::layer(l - 1, Site::ResidOut)) };
+        let resid_in = || {
+            if l == 0 {
+                inputs(&TapKey::global(Site::Embed))
+            } else {
+                inputs(&TapKey::layer(l - 1, Site::ResidOut))
+            }
+        };
         let name = |s: &str| format!("blk.{l}.{s}.weight");
         let out = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
@@ -66,12 +72,21 @@ impl Reference<'_> {
             Site::AttnOut => match (c.arch, at(Site::Q), at(Site::K), at(Site::V)) {
                 (Arch::Llama, Some(q), Some(k), Some(v)) => {
                     let hd = c.head_dim;
-                    Some(ops::causal_attention(&q, &k, &v, n, c.n_heads, c.n_kv_heads, hd, hd, 1.0 / (hd as f64).sqrt()))
+                    Some(ops::causal_attention(
+                        &q,
+                        &k,
+                        &v,
+                        n,
+                        c.n_heads,
+                        c.n_kv_heads,
+                        hd,
+                        hd,
+                        1.0 / (hd as f64).sqrt(),
+                    ))
                 }
-                (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => match at(Site::KPe) {
-                    Some(k_pe) => Some(deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n)),
-                    None => None,
-                },
+                (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => {
+                    at(Site::KPe).map(|k_pe| deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n))
+                }
                 _ => None,
             },
             _ => None,
