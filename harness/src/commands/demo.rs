@@ -1,36 +1,56 @@
-//! `llmdiff demo`: the embedded default. It synthesizes the `deepseek-v3-mini` miniature in a
-//! temp dir and shows what llmdiff reads from it. (diff-layers joins it once the engine lands.)
+//! `llmdiff demo`: the embedded default. It synthesizes the `deepseek-v3-mini` miniature (MLA +
+//! MoE) in a temp dir, diffs a healthy TP 2 engine against the reference, then the seed story's
+//! fault (kv_b loaded unsharded in layer 1), prints the diagnosis and writes `llmdiff-demo.html`.
+//! Seconds, no downloads. Exit 0 when the healthy run agrees and the fault is found.
 
 use crate::cli::DemoArgs;
+use crate::commands::diff_layers::print_summary;
 use crate::commands::synth::write_spec;
-use crate::output::{config_json, open_model};
+use crate::compare::{ActDtype, Tolerances};
+use crate::diff::{run_diff, DiffPlan};
+use crate::output::{open_model, write_atomic};
 use references::synth::preset;
-use references::ModelConfig;
+use references::tokenizer::Tokenizer;
 use serde_json::json;
+use std::path::Path;
 use std::process::ExitCode;
+
+const PROMPT: &str = "<|im_start|>user\nWhere do the two passes part?<|im_end|>";
+const FAULT: &str = "kv-b-unsharded@1";
 
 pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("deepseek-v3-mini.gguf");
     let spec = preset("deepseek-v3-mini").expect("built-in preset");
-    let bytes = write_spec(&spec, 0, &path, !a.json)?;
+    write_spec(&spec, 0, &path, !a.json)?;
     let file = open_model(&path)?;
-    let config = ModelConfig::from_header(&file.header)?;
-    anyhow::ensure!(
-        config == spec.config,
-        "the synthesized model reads back with another config"
-    );
+    let tokens = Tokenizer::from_gguf(&file.header)?.encode(PROMPT, true)?;
+    let plan = |faults: Vec<engine::FaultSpec>, repro: String| DiffPlan {
+        file: &file,
+        model_name: "deepseek-v3-mini (synthetic)".to_string(),
+        tokens: tokens.clone(),
+        tp: 2,
+        faults,
+        tolerances: Tolerances::default(),
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        decode_steps: 0,
+        repro,
+    };
+    let base = "llmdiff synth --preset deepseek-v3-mini -o m.gguf && llmdiff diff-layers m.gguf --tp 2";
+    let healthy = run_diff(&plan(Vec::new(), format!("{base} --prompt {PROMPT:?}")))?;
+    let faulty = run_diff(&plan(vec![FAULT.parse()?], format!("{base} --prompt {PROMPT:?} --inject {FAULT}")))?;
+    let html = Path::new("llmdiff-demo.html");
+    write_atomic(html, reports::render_diff(&faulty).as_bytes())?;
+    let ok = healthy.verdict == "agree" && faulty.verdict == "diverged";
     if a.json {
-        let doc = json!({"model": "deepseek-v3-mini", "tensor_bytes": bytes, "n_tensors": file.tensors().len(),
-                         "config": config_json(&config)});
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        println!("{}", serde_json::to_string_pretty(&json!({"healthy": healthy, "faulty": faulty, "html": html}))?);
     } else {
-        println!(
-            "synthesized deepseek-v3-mini: {} tensors, {:.1} MiB, read back with the config it was written from",
-            file.tensors().len(),
-            bytes as f64 / (1 << 20) as f64
-        );
-        println!("{}", serde_json::to_string_pretty(&config_json(&config))?);
+        println!("== 1. healthy engine, TP 2, against the reference ==\n");
+        print_summary(&healthy);
+        println!("\n== 2. the same engine with --inject {FAULT} (the seed story: kv_b loaded unsharded) ==\n");
+        print_summary(&faulty);
+        println!("\nreport written to {}", std::fs::canonicalize(html)?.display());
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
