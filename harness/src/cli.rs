@@ -28,6 +28,8 @@ pub enum Command {
     /// Run the engine beside the reference, compare every tap, and say where and why they part.
     #[command(name = "diff-layers", after_help = crate::cli::FAULT_HELP.as_str())]
     DiffLayers(DiffLayersArgs),
+    /// Time prefill and decode on a backend (the figures peers are compared against).
+    Bench(BenchArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -198,4 +200,25 @@ pub struct DiffLayersArgs {
     /// Write an HTML report.
     #[arg(long)]
     pub html: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The GGUF model.
+    pub model: PathBuf,
+    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
+    pub backend: BackendArg,
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Prompt length for the prefill (token ids cycle through the vocabulary deterministically).
+    #[arg(long, default_value_t = 64)]
+    pub n_prompt: usize,
+    /// Decode steps after the prefill (engine backends).
+    #[arg(long, default_value_t = 32)]
+    pub n_decode: usize,
+    /// Timed repetitions; the best is reported.
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    #[arg(long)]
+    pub json: bool,
 }

@@ -3,6 +3,7 @@
 use crate::cli::{Cli, Command};
 use std::process::ExitCode;
 
+pub mod bench;
 pub mod demo;
 pub mod diff_layers;
 pub mod inspect;
@@ -17,6 +18,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logits(a) => logits::run(&a),
         Command::Tokenize(a) => tokenize::run(&a),
         Command::DiffLayers(a) => diff_layers::run(&a),
+        Command::Bench(a) => bench::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }

@@ -1,0 +1,103 @@
+//! `llmdiff bench`: best-of-N prefill and decode timings on one backend, with peak RSS, for
+//! comparison with peers run on the same machine (tests/peers/bench_prefill.py runs them all).
+
+use crate::cli::{BackendArg, BenchArgs};
+use crate::output::open_model;
+use anyhow::bail;
+use engine::{Engine, EngineOptions};
+use references::forward::Reference;
+use references::tap::NoTap;
+use serde_json::json;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Peak resident set size of this process in KiB (VmHWM), where /proc has it.
+pub fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let file = open_model(&a.model)?;
+    if a.n_prompt == 0 || a.reps == 0 {
+        bail!("--n-prompt and --reps must be at least 1");
+    }
+    let vocab = references::ModelConfig::from_header(&file.header)?.vocab as u32;
+    let tokens: Vec<u32> = (0..a.n_prompt as u32)
+        .map(|i| (i.wrapping_mul(7919) + 100) % vocab)
+        .collect();
+    let best = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..a.reps {
+            let t0 = Instant::now();
+            f()?;
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let (prefill_s, decode_s) = match a.backend {
+        BackendArg::Reference => {
+            let r = Reference::new(&file)?;
+            (
+                best(&mut || r.forward(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?,
+                None,
+            )
+        }
+        BackendArg::Cpu => {
+            let mut e = Engine::load(
+                &file,
+                EngineOptions {
+                    tp: a.tp,
+                    ..EngineOptions::default()
+                },
+            )?;
+            let prefill = best(&mut || e.prefill(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?;
+            let decode = if a.n_decode > 0 {
+                let mut best_decode = f64::INFINITY;
+                for _ in 0..a.reps {
+                    e.prefill(&tokens, &mut NoTap)?;
+                    let t0 = Instant::now();
+                    for i in 0..a.n_decode as u32 {
+                        e.decode((i * 31 + 7) % vocab, &mut NoTap)?;
+                    }
+                    best_decode = best_decode.min(t0.elapsed().as_secs_f64() / a.n_decode as f64);
+                }
+                Some(best_decode)
+            } else {
+                None
+            };
+            (prefill, decode)
+        }
+        BackendArg::Cuda => bail!("--backend cuda needs a build with --features cuda and a GPU"),
+    };
+    let rss = peak_rss_kib();
+    let doc = json!({
+        "model": a.model.display().to_string(), "backend": format!("{:?}", a.backend).to_lowercase(), "tp": a.tp,
+        "threads": rayon::current_num_threads(), "n_prompt": a.n_prompt, "prefill_s": prefill_s,
+        "prefill_tok_s": a.n_prompt as f64 / prefill_s, "n_decode": a.n_decode,
+        "decode_s_per_token": decode_s, "decode_tok_s": decode_s.map(|s| 1.0 / s), "peak_rss_kib": rss,
+        "model_bytes": file.file_size(),
+    });
+    if a.json {
+        println!("{doc}");
+    } else {
+        println!(
+            "prefill {} tokens: {:.3} s ({:.1} tok/s)",
+            a.n_prompt,
+            prefill_s,
+            a.n_prompt as f64 / prefill_s
+        );
+        if let Some(d) = decode_s {
+            println!("decode: {:.2} ms/token ({:.1} tok/s)", d * 1e3, 1.0 / d);
+        }
+        if let Some(r) = rss {
+            println!(
+                "peak RSS {:.1} MiB (model file {:.1} MiB)",
+                r as f64 / 1024.0,
+                file.file_size() as f64 / (1 << 20) as f64
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
