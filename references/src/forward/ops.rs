@@ -61,39 +61,46 @@ unsafe fn dot_rows_avx2(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
     dot_rows_portable(x64, k, w_row, out)
 }
 
-/// Four tokens at a time share each widened weight chunk; every token's sum keeps the 8-lane
-/// order of [`dot64`], so the result is the same as one `dot64` per token.
+/// Tokens in tiles of 8, then 4, then one at a time share each widened weight chunk (8 tiles
+/// keep 8 independent f64 add chains in flight, which hides the add latency). Every token's sum
+/// keeps the 8-lane order of [`dot64`], so the result equals one `dot64` per token.
 #[inline(always)]
 fn dot_rows_portable(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
     let n = out.len();
-    let k8 = k - k % 8;
     let mut t = 0;
+    while t + 8 <= n {
+        dot_tile::<8>(x64, k, w_row, t, out);
+        t += 8;
+    }
     while t + 4 <= n {
-        let xs: [&[f64]; 4] = std::array::from_fn(|u| &x64[(t + u) * k..(t + u + 1) * k]);
-        let mut lanes = [[0f64; 8]; 4];
-        let chunks = w_row[..k8].chunks_exact(8).zip(xs[0].chunks_exact(8));
-        let chunks = chunks
-            .zip(xs[1].chunks_exact(8))
-            .zip(xs[2].chunks_exact(8))
-            .zip(xs[3].chunks_exact(8));
-        for ((((w, x0), x1), x2), x3) in chunks {
-            let w: [f64; 8] = std::array::from_fn(|j| w[j] as f64);
-            for (acc, x) in lanes.iter_mut().zip([x0, x1, x2, x3]) {
-                for j in 0..8 {
-                    acc[j] += x[j] * w[j];
-                }
-            }
-        }
-        for (u, (acc, x)) in lanes.iter_mut().zip(&xs).enumerate() {
-            for (j, idx) in (k8..k).enumerate() {
-                acc[j] += x[idx] * w_row[idx] as f64;
-            }
-            out[t + u] = reduce_lanes(acc) as f32;
-        }
+        dot_tile::<4>(x64, k, w_row, t, out);
         t += 4;
     }
     for (u, o) in out.iter_mut().enumerate().skip(t) {
         *o = dot64(&x64[u * k..(u + 1) * k], w_row) as f32;
+    }
+}
+
+/// `out[t0 + u] = x64[t0 + u] · w_row` for the `T` tokens of one tile.
+#[inline(always)]
+fn dot_tile<const T: usize>(x64: &[f64], k: usize, w_row: &[f32], t0: usize, out: &mut [f32]) {
+    let k8 = k - k % 8;
+    let xs: [&[f64]; T] = std::array::from_fn(|u| &x64[(t0 + u) * k..(t0 + u + 1) * k]);
+    let mut lanes = [[0f64; 8]; T];
+    for (c, w) in w_row[..k8].chunks_exact(8).enumerate() {
+        let w: [f64; 8] = std::array::from_fn(|j| w[j] as f64);
+        for (acc, x) in lanes.iter_mut().zip(&xs) {
+            let x: &[f64; 8] = x[c * 8..c * 8 + 8].try_into().expect("8 lanes");
+            for j in 0..8 {
+                acc[j] += x[j] * w[j];
+            }
+        }
+    }
+    for (u, (acc, x)) in lanes.iter_mut().zip(&xs).enumerate() {
+        for (j, idx) in (k8..k).enumerate() {
+            acc[j] += x[idx] * w_row[idx] as f64;
+        }
+        out[t0 + u] = reduce_lanes(acc) as f32;
     }
 }
 
@@ -234,8 +241,9 @@ mod tests {
     }
 
     #[test]
-    fn four_token_kernel_equals_single_dots() {
-        let (n, k, m) = (7, 37, 3);
+    fn token_tiles_equal_single_dots() {
+        // 13 tokens: one tile of 8, one of 4, one single.
+        let (n, k, m) = (13, 37, 3);
         let x: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
         let w: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.277).cos()).collect();
         let y = matmul_t(&x, n, k, &w, m);
