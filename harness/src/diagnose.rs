@@ -18,6 +18,9 @@ pub struct DiagContext<'a> {
     pub refs: &'a Store,
     pub rows: &'a [TapRow],
     pub n_tokens: usize,
+    /// Rows `0..n_prefill` ran as one prefill; the rows after it each ran as a decode step over
+    /// the KV cache (`n_prefill == n_tokens` when nothing was decoded).
+    pub n_prefill: usize,
 }
 
 impl DiagContext<'_> {
@@ -132,6 +135,12 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
         return d;
     }
     if let Some(d) = stale(ctx, key, &e.data) {
+        return d;
+    }
+    if let Some(d) = unread_buffer(key, &e.data, &want) {
+        return d;
+    }
+    if let Some(d) = decode_only(ctx, key, &e.data, &want, e.shape[1], row.threshold) {
         return d;
     }
     if matches!(key.site, Site::Q | Site::K | Site::KPe) {
@@ -318,7 +327,13 @@ fn scale_ratio(a: &[f32], b: &[f32]) -> Option<f64> {
 }
 
 fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {
-    if ctx.tp < 2 || !matches!(key.site, Site::AttnProj | Site::FfnOut) {
+    if ctx.tp < 2 {
+        return None;
+    }
+    if matches!(key.site, Site::ResidAttn | Site::ResidOut) {
+        return unreduced_residual(ctx, key, eng);
+    }
+    if !matches!(key.site, Site::AttnProj | Site::FfnOut) {
         return None;
     }
     let base = key.unranked();
@@ -348,6 +363,101 @@ fn missing_reduction(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Dia
         }
     }
     None
+}
+
+/// A rank's residual tap diverges: did it add one rank's partial sum (before the all-reduce)
+/// instead of the reduced sum? The engine taps the reduced `attn_proj`/`ffn_out` once (rank 0's
+/// copy), so another rank's missing reduction first shows in its own residual:
+/// `resid@rR - (its input residual @rR)` is compared with every rank's partial.
+fn unreduced_residual(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {
+    let layer = key.layer? as usize;
+    let rank = key.rank?;
+    let (input, partial_site) = match key.site {
+        Site::ResidAttn if layer == 0 => (TapKey::global(Site::Embed), Site::AttnProj),
+        Site::ResidAttn => (TapKey::ranked(layer - 1, Site::ResidOut, rank as usize), Site::AttnProj),
+        Site::ResidOut => (TapKey::ranked(layer, Site::ResidAttn, rank as usize), Site::FfnOut),
+        _ => return None,
+    };
+    let x = ctx.eng.get(&input).or_else(|| ctx.eng.get(&input.unranked()))?;
+    if x.data.len() != eng.len() {
+        return None;
+    }
+    let added: Vec<f32> = eng.iter().zip(&x.data).map(|(a, b)| a - b).collect();
+    let base = TapKey::layer(layer, partial_site);
+    for q in 0..ctx.tp as u32 {
+        let partial = ctx.eng.get(&TapKey { rank: Some(q), ..base })?;
+        // The subtraction loses about eps·|x|/|partial| of the partial: allow 1e-4.
+        if partial.data.len() != added.len() || metrics(&added, &partial.data).rel_l2 >= 1e-4 {
+            continue;
+        }
+        let reduced = ctx
+            .refs
+            .get(&base)
+            .map(|r| metrics(&added, &r.data).rel_l2)
+            .map_or(String::new(), |e| {
+                format!(" (the reduced {base} differs from what it added by rel_l2 {e:.2e})")
+            });
+        return Some(found(
+            "missing-reduction",
+            "high",
+            format!(
+                "{key} = its input {input} + rank {q}'s partial {}: rank {rank} added {} partial sum instead of the all-reduced one, so the all-reduce did not reach it{reduced}",
+                TapKey { rank: Some(q), ..base },
+                if q == rank { "its own" } else { "another rank's" },
+            ),
+        ));
+    }
+    None
+}
+
+/// Every value of a custom op's output is zero, no canary is left, and the reference's is not
+/// zero: the buffer read holds its initial contents, so nothing wrote it in this step.
+fn unread_buffer(key: &TapKey, eng: &[f32], want: &[f32]) -> Option<Diagnosis> {
+    if !key.site.is_custom_op_output() || eng.iter().any(|&x| x != 0.0) || want.iter().all(|&x| x == 0.0) {
+        return None;
+    }
+    Some(found(
+        "stale-output",
+        "low",
+        format!(
+            "every value of {key} is 0 and no canary is left (the buffer the op was given was canary-filled): the caller read a buffer nothing wrote in this step, still holding its initial zeros (a stale buffer; on a later layer or step it would hold old values), or the op zero-filled its output and computed nothing"
+        ),
+    ))
+}
+
+/// The prefill rows agree and only the rows that ran as decode steps diverge: the op sees
+/// different state in decode than in the prefill (the KV cache), since every earlier tap agreed.
+fn decode_only(
+    ctx: &DiagContext,
+    key: &TapKey,
+    eng: &[f32],
+    want: &[f32],
+    width: usize,
+    threshold: f64,
+) -> Option<Diagnosis> {
+    let (p, n) = (ctx.n_prefill, eng.len() / width.max(1));
+    if p >= n || want.len() != eng.len() {
+        return None;
+    }
+    let rows = |r: std::ops::Range<usize>| {
+        metrics(
+            &eng[r.start * width..r.end * width],
+            &want[r.start * width..r.end * width],
+        )
+        .rel_l2
+    };
+    let (prefill, decode) = (rows(0..p), rows(p..n));
+    let worst_step = (p..n).map(|t| rows(t..t + 1)).fold(0f64, f64::max);
+    (prefill <= threshold && decode > threshold).then(|| {
+        found(
+            "unknown",
+            "low",
+            format!(
+                "only decode diverges at {key}: the {p} prefill rows agree (rel_l2 {prefill:.1e}) but the {} decode rows do not (rel_l2 {decode:.2e}, worst step {worst_step:.2e}), while every earlier tap agrees on every row: in decode the op reads state the prefill does not (the KV cache), so suspect the cache write/read path (slot mapping, positions)",
+                n - p
+            ),
+        )
+    })
 }
 
 fn stale(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {

@@ -326,6 +326,7 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
                 refs: &cmp.frozen_ref,
                 rows: &rows,
                 n_tokens: n,
+                n_prefill,
             };
             let row = rows
                 .iter()

@@ -1,0 +1,58 @@
+//! Synthetic models and diff plans for the fault matrix, healthy and sensitivity tests:
+//! synthesize a preset (optionally cut to fewer layers, in another weight type) into a
+//! directory once, and build the [`DiffPlan`] the way `llmdiff diff-layers` does.
+
+use engine::FaultSpec;
+use harness::compare::{ActDtype, Tolerances};
+use harness::diff::DiffPlan;
+use references::synth::{preset, write_model, SynthSpec};
+use references::{GgmlType, GgufFile};
+use std::path::Path;
+
+/// The spec of `preset_name`, cut to `n_layers` (when given) and with its 2-D weights in
+/// `weight_type` (when given; rows that do not fit the type's blocks fall back as in `synth`).
+pub fn spec(preset_name: &str, n_layers: Option<usize>, weight_type: Option<GgmlType>) -> SynthSpec {
+    let mut s = preset(preset_name).unwrap_or_else(|| panic!("no preset {preset_name}"));
+    if let Some(n) = n_layers {
+        s.config.n_layers = n;
+    }
+    if let Some(t) = weight_type {
+        s.weight_type = t;
+    }
+    s
+}
+
+/// Writes `spec` (seed 0) to `dir/NAME.gguf` and opens it.
+pub fn synth(dir: &Path, name: &str, spec: &SynthSpec) -> GgufFile {
+    let path = dir.join(format!("{name}.gguf"));
+    let f = std::fs::File::create(&path).expect("create model file");
+    write_model(spec, 0, std::io::BufWriter::new(f), |_, _| {}).expect("synthesize model");
+    GgufFile::open(&path).expect("open synthesized model")
+}
+
+/// Deterministic token ids below `vocab`, spread over the vocabulary.
+pub fn tokens(vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((3 + i * 97 + i * i * 31) % vocab) as u32).collect()
+}
+
+/// The plan `diff-layers` builds, with default tolerances and f32 activations.
+pub fn plan<'a>(
+    file: &'a GgufFile,
+    tokens: Vec<u32>,
+    tp: usize,
+    faults: Vec<FaultSpec>,
+    decode_steps: usize,
+) -> DiffPlan<'a> {
+    DiffPlan {
+        file,
+        model_name: file.path.display().to_string(),
+        tokens,
+        tp,
+        faults,
+        tolerances: Tolerances::default(),
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        decode_steps,
+        repro: String::new(),
+    }
+}
