@@ -258,6 +258,13 @@ impl StitchTap {
 
 /// Runs the diff and builds the run document.
 pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
+    run_diff_against(plan, plan.file)
+}
+
+/// Runs the diff with the engine loading `engine_file` while the reference reads `plan.file`:
+/// a perturbed copy of the weights (same shapes) against the original, to measure what size of
+/// change the taps can still localize.
+pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
     let reference = Reference::new(plan.file)?;
     let opts = EngineOptions {
@@ -265,7 +272,7 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
         faults: plan.faults.clone(),
         ..EngineOptions::default()
     };
-    let mut engine = Engine::load(plan.file, opts)?;
+    let mut engine = Engine::load(engine_file, opts)?;
     let config = reference.config.clone();
     let mut cmp = Comparator {
         plan,
