@@ -420,7 +420,7 @@ fn unread_buffer(key: &TapKey, eng: &[f32], want: &[f32]) -> Option<Diagnosis> {
         "stale-output",
         "low",
         format!(
-            "every value of {key} is 0 and no canary is left (the buffer the op was given was canary-filled): the caller read a buffer nothing wrote in this step, still holding its initial zeros (a stale buffer; on a later layer or step it would hold old values), or the op zero-filled its output and computed nothing"
+            "every value of {key} is 0 while the reference's is not, and no canary is left: the caller read a buffer nothing wrote in this step, still holding its initial zeros (a stale buffer; on a later layer or step it would hold old values), or the op zero-filled its output and computed nothing"
         ),
     ))
 }
