@@ -19,6 +19,9 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 // and some not even that inside a row).
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 
+// 32-bit load at a 2-byte aligned address.
+__device__ __forceinline__ u32 ld32(const u8* p) { return (u32)ld16(p) | ((u32)ld16(p + 2) << 16); }
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -28,24 +28,25 @@ __device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* d, int* m)
     }
 }
 
-// Decodes lane `lane`'s 8 values of chunk `c` (values c*256 ..) of one row into w, with their
-// column indices in pos. Values past `cols` decode as 0 with column -1.
+// Decodes lane `lane`'s 8 values of chunk `c` (values c*256 ..) of one row into w: w[0..4] are
+// columns p0 .. p0+4 and w[4..8] columns p1 .. p1+4 (runs of 4, so x is read as float4). p0 < 0:
+// the lane has nothing in this chunk. Only the f32/f16/bf16 runs can cross `cols` (zeros there).
 template <int TY>
-__device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, float* w, int* pos) {
+__device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, float* w, int* p0, int* p1) {
     if constexpr (TY == TY_F32 || TY == TY_F16 || TY == TY_BF16) {
         int base = c * 256 + lane * 8;
+        *p0 = base < cols ? base : -1;
+        *p1 = base + 4;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
             int p = base + k;
-            bool ok = p < cols;
             float v = 0.0f;
-            if (ok) {
+            if (p < cols) {
                 if constexpr (TY == TY_F32) v = ((const float*)row)[p];
                 else if constexpr (TY == TY_F16) v = f16_to_f32(((const u16*)row)[p]);
                 else v = bf16_to_f32(((const u16*)row)[p]);
             }
             w[k] = v;
-            pos[k] = ok ? p : -1;
         }
     } else if constexpr (TY == TY_Q4_K || TY == TY_Q5_K) {
         const int bb = TY == TY_Q4_K ? 144 : 176;
@@ -72,47 +73,38 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
             }
             w[k] = d1 * lo - mm1;
             w[4 + k] = d2 * hi - mm2;
-            pos[k] = c * 256 + 64 * j + i0 + k;
-            pos[4 + k] = c * 256 + 64 * j + 32 + i0 + k;
         }
+        *p0 = c * 256 + 64 * j + i0;
+        *p1 = *p0 + 32;
     } else if constexpr (TY == TY_Q6_K) {
+        // Lane: half (128 values), g (q1/q2 from low nibbles, or q3/q4 from high), l0 (4 of 32 l).
         const u8* b = row + (size_t)c * 210;
-        const u8* ql = b;
-        const u8* qh = b + 128;
-        const i8* sc = (const i8*)(b + 192);
         float d = f16_to_f32(ld16(b + 208));
-        int half = lane >> 4, l0 = (lane & 15) * 2;
-        ql += 64 * half;
-        qh += 32 * half;
-        sc += 8 * half;
+        int half = lane >> 4, g = (lane >> 3) & 1, l0 = (lane & 7) * 4;
+        const u8* ql = b + 64 * half;
+        const u8* qh = b + 128 + 32 * half;
+        const i8* sc = (const i8*)(b + 192) + 8 * half;
+        int is = l0 >> 4;
+        float da = d * sc[is + 4 * g], db = d * sc[is + 2 + 4 * g];
+        // 210-byte blocks are only 2-byte aligned: assemble the words from 16-bit loads.
+        u32 a4 = ld32(ql + l0), b4 = ld32(ql + 32 + l0), h4 = ld32(qh + l0);
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
-            int l = l0 + u, is = l >> 4;
-            int a = ql[l], a2 = ql[l + 32], h = qh[l];
-            int q1 = ((a & 0xF) | (((h >> 0) & 3) << 4)) - 32;
-            int q2 = ((a2 & 0xF) | (((h >> 2) & 3) << 4)) - 32;
-            int q3 = ((a >> 4) | (((h >> 4) & 3) << 4)) - 32;
-            int q4 = ((a2 >> 4) | (((h >> 6) & 3) << 4)) - 32;
-            int p0 = c * 256 + 128 * half + l;
-            w[4 * u + 0] = d * sc[is] * q1;
-            w[4 * u + 1] = d * sc[is + 2] * q2;
-            w[4 * u + 2] = d * sc[is + 4] * q3;
-            w[4 * u + 3] = d * sc[is + 6] * q4;
-            pos[4 * u + 0] = p0;
-            pos[4 * u + 1] = p0 + 32;
-            pos[4 * u + 2] = p0 + 64;
-            pos[4 * u + 3] = p0 + 96;
+        for (int k = 0; k < 4; k++) {
+            int a = (a4 >> (8 * k)) & 0xFF, a2 = (b4 >> (8 * k)) & 0xFF, h = (h4 >> (8 * k)) & 0xFF;
+            int qa = g ? ((a >> 4) | (((h >> 4) & 3) << 4)) : ((a & 0xF) | ((h & 3) << 4));
+            int qb = g ? ((a2 >> 4) | (((h >> 6) & 3) << 4)) : ((a2 & 0xF) | (((h >> 2) & 3) << 4));
+            w[k] = da * (qa - 32);
+            w[4 + k] = db * (qb - 32);
         }
+        *p0 = c * 256 + 128 * half + 64 * g + l0;
+        *p1 = *p0 + 32;
     } else {
-        // 32-value blocks: lane handles block (c*8 + lane/4), quarter lane%4.
+        // 32-value blocks: lane handles block (c*8 + lane/4), quarter lane%4 (8 contiguous values).
         const int bb = TY == TY_Q4_0 ? 18 : TY == TY_Q4_1 ? 20 : TY == TY_Q5_0 ? 22 : TY == TY_Q5_1 ? 24 : 34;
         int blk = c * 8 + (lane >> 2), sub = lane & 3;
         if (blk * 32 >= cols) {
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                w[k] = 0.0f;
-                pos[k] = -1;
-            }
+            *p0 = -1;
+            *p1 = -1;
             return;
         }
         const u8* b = row + (size_t)blk * bb;
@@ -120,10 +112,8 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
         if constexpr (TY == TY_Q8_0) {
             const i8* qs = (const i8*)(b + 2);
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                w[k] = d * qs[sub * 8 + k];
-                pos[k] = blk * 32 + sub * 8 + k;
-            }
+            for (int k = 0; k < 8; k++) w[k] = d * qs[sub * 8 + k];
+            *p0 = blk * 32 + sub * 8;
         } else {
             float m = 0.0f;
             if constexpr (TY == TY_Q4_1 || TY == TY_Q5_1) m = f16_to_f32(ld16(b + 2));
@@ -146,10 +136,29 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
                 else if constexpr (TY == TY_Q5_0) v = (q - 16) * d;
                 else v = q * d + m;
                 w[k] = v;
-                pos[k] = blk * 32 + high * 16 + j;
             }
+            *p0 = blk * 32 + high * 16 + j0;
         }
+        *p1 = *p0 + 4;
     }
+}
+
+// Dot of the lane's 8 weights with row xr: two float4 loads when the runs are whole and x rows
+// are 16-byte aligned (cols % 4 == 0), else scalar loads guarded by cols.
+__device__ __forceinline__ float dot8(const float* w, const float* xr, int p0, int p1, int cols, bool vec) {
+    if (vec) {
+        float4 a = *(const float4*)(xr + p0);
+        float4 b = *(const float4*)(xr + p1);
+        return w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w + w[4] * b.x + w[5] * b.y + w[6] * b.z +
+               w[7] * b.w;
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        if (p0 + k < cols) s += w[k] * xr[p0 + k];
+        if (p1 + k < cols) s += w[4 + k] * xr[p1 + k];
+    }
+    return s;
 }
 
 template <int TY, int NT>
@@ -164,21 +173,17 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ W, const floa
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
     int n_chunks = (cols + 255) >> 8;
+    bool aligned = (cols & 3) == 0;
 #pragma unroll 4
     for (int c = 0; c < n_chunks; c++) {
         float w[8];
-        int pos[8];
-        deq8<TY>(wr, c, lane, cols, w, pos);
+        int p0, p1;
+        deq8<TY>(wr, c, lane, cols, w, &p0, &p1);
+        if (p0 < 0) continue;
+        bool vec = aligned && p1 + 4 <= cols;
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            if (t0 + t < n) {
-                const float* xr = x + (size_t)(t0 + t) * cols;
-                float s = 0.0f;
-#pragma unroll
-                for (int k = 0; k < 8; k++) s += w[k] * xr[max(pos[k], 0)];
-                acc[t] += s;
-            }
-        }
+        for (int t = 0; t < NT; t++)
+            if (t0 + t < n) acc[t] += dot8(w, x + (size_t)(t0 + t) * cols, p0, p1, cols, vec);
     }
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -197,19 +202,22 @@ __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int*
     if (t >= n) return;
     float* o = out + (size_t)t * cols;
     int id = ids[t];
+    if (id < 0) {
+        for (int i = lane; i < cols; i += 32) o[i] = 0.0f;
+        return;
+    }
     int n_chunks = (cols + 255) >> 8;
     for (int c = 0; c < n_chunks; c++) {
         float w[8];
-        int pos[8];
-        if (id >= 0) {
-            deq8<TY>(W + (size_t)id * row_bytes, c, lane, cols, w, pos);
+        int p0, p1;
+        deq8<TY>(W + (size_t)id * row_bytes, c, lane, cols, w, &p0, &p1);
+        if (p0 < 0) continue;
 #pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (pos[k] >= 0) o[pos[k]] = w[k];
+        for (int k = 0; k < 4; k++) {
+            if (p0 + k < cols) o[p0 + k] = w[k];
+            if (p1 + k < cols) o[p1 + k] = w[4 + k];
         }
     }
-    if (id < 0)
-        for (int i = lane; i < cols; i += 32) o[i] = 0.0f;
 }
 
 #define MATMUL_ENTRY(NAME, TY)                                                                            \
