@@ -5,7 +5,7 @@
 #   OUT=/some/dir bash tests/gpu/h200_run.sh
 # Everything lands in /tmp/gpu (pack it afterwards, models excluded); a log goes to $OUT/log.txt.
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
-B=$PWD/target/release/llmdiff
+B=${LLMDIFF:-$PWD/target/release/llmdiff}
 W=/tmp/gpu; mkdir -p $W/healthy $W/faults $W/models
 LOG=$OUT/log.txt
 say() { echo "== $*" | tee -a $LOG; }
