@@ -92,10 +92,7 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
                 CompileError::CompileError { log, .. } => log.to_string_lossy().trim().to_string(),
                 other => other.to_string(),
             };
-            EngineError::KernelCompile {
-                kernel: id.file(),
-                msg,
-            }
+            EngineError::KernelCompile { kernel: id.file(), msg }
         })
     })?;
     cache.lock().expect("ptx cache").insert((id, arch), ptx.clone());
@@ -175,9 +172,7 @@ impl CudaBackend {
     fn stream(&self) -> Arc<CudaStream> {
         let id = std::thread::current().id();
         let mut m = self.streams.lock().expect("stream map");
-        m.entry(id)
-            .or_insert_with(|| ok(self.ctx.new_stream()))
-            .clone()
+        m.entry(id).or_insert_with(|| ok(self.ctx.new_stream())).clone()
     }
 
     /// The device copy of a weight, uploaded on first use.
@@ -207,7 +202,8 @@ impl CudaBackend {
                 },
                 None => {
                     let mut f = vec![0f32; rows * cols];
-                    crate::dequant::dequantize(q.ty, q.bytes, &mut f).expect("weight shard lengths are checked at load");
+                    crate::dequant::dequantize(q.ty, q.bytes, &mut f)
+                        .expect("weight shard lengths are checked at load");
                     // SAFETY: as above.
                     let bytes = unsafe { std::slice::from_raw_parts(f.as_ptr() as *const u8, f.len() * 4) };
                     DevWeight {
@@ -287,7 +283,10 @@ impl Backend for CudaBackend {
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let d = weight.len();
-        assert!(d > 0 && x.len() % d == 0 && x.len() == out.len(), "rms_norm: x is not [n, d]");
+        assert!(
+            d > 0 && x.len() % d == 0 && x.len() == out.len(),
+            "rms_norm: x is not [n, d]"
+        );
         let s = self.stream();
         let xd = ok(s.clone_htod(x));
         let wd = ok(s.clone_htod(weight));
@@ -547,11 +546,7 @@ impl CudaBackend {
                 row_bytes: bytes.len() / rows,
             };
             let w = if ty == GgmlType::F32 {
-                WeightRef::F32(Mat {
-                    data: &wf,
-                    rows,
-                    cols,
-                })
+                WeightRef::F32(Mat { data: &wf, rows, cols })
             } else {
                 WeightRef::Quant(q)
             };
@@ -573,7 +568,10 @@ impl CudaBackend {
             self.embed_rows(w, &ids, &mut g);
             cpu.embed_rows(w, &ids, &mut c);
             out.push(compare(
-                format!("GET_ROWS(type={},ne=[{cols},{rows}],n=5)", type_suffix(ty).unwrap_or("?")),
+                format!(
+                    "GET_ROWS(type={},ne=[{cols},{rows}],n=5)",
+                    type_suffix(ty).unwrap_or("?")
+                ),
                 &g,
                 &c,
                 0.0,
@@ -746,9 +744,13 @@ impl CudaBackend {
         let mut dst = s.alloc_zeros::<u8>(bytes).map_err(drv("alloc"))?;
         let mut best = f64::MAX;
         for _ in 0..reps + 2 {
-            let t0 = s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+            let t0 = s
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("event"))?;
             s.memcpy_dtod(&src, &mut dst).map_err(drv("copy"))?;
-            let t1 = s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+            let t1 = s
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(drv("event"))?;
             t1.synchronize().map_err(drv("sync"))?;
             best = best.min(t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3);
         }

@@ -40,12 +40,18 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     };
     let base = "llmdiff synth --preset deepseek-v3-mini -o m.gguf && llmdiff diff-layers m.gguf --tp 2";
     let healthy = run_diff(&plan(Vec::new(), format!("{base} --prompt {PROMPT:?}")))?;
-    let faulty = run_diff(&plan(vec![FAULT.parse()?], format!("{base} --prompt {PROMPT:?} --inject {FAULT}")))?;
+    let faulty = run_diff(&plan(
+        vec![FAULT.parse()?],
+        format!("{base} --prompt {PROMPT:?} --inject {FAULT}"),
+    ))?;
     let html = Path::new("llmdiff-demo.html");
     write_atomic(html, reports::render_diff(&faulty).as_bytes())?;
     let ok = healthy.verdict == "agree" && faulty.verdict == "diverged";
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&json!({"healthy": healthy, "faulty": faulty, "html": html}))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({"healthy": healthy, "faulty": faulty, "html": html}))?
+        );
     } else {
         println!("== 1. healthy engine, TP 2, against the reference ==\n");
         print_summary(&healthy);

@@ -62,7 +62,10 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     if a.bench {
         let copy = be.copy_bandwidth(1 << 30, 5)?;
         if !a.json {
-            println!("device-to-device copy: {:.0} GB/s (read + write, 1 GiB, best of 5)", copy / 1e9);
+            println!(
+                "device-to-device copy: {:.0} GB/s (read + write, 1 GiB, best of 5)",
+                copy / 1e9
+            );
         }
         let mut rows_out = Vec::new();
         let mut ns = vec![1usize];
@@ -83,8 +86,10 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                             frac * 100.0
                         );
                     }
-                    rows_out.push(json!({"case": r.case, "weight_bytes": r.weight_bytes, "seconds": r.seconds,
-                                         "gb_per_s": r.gb_per_s, "fraction_of_copy": frac}));
+                    rows_out.push(
+                        json!({"case": r.case, "weight_bytes": r.weight_bytes, "seconds": r.seconds,
+                                         "gb_per_s": r.gb_per_s, "fraction_of_copy": frac}),
+                    );
                 }
             }
         }
