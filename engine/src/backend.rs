@@ -1,6 +1,6 @@
 //! The backend seam: the primitive ops the model code is written over, once, for every backend.
-//! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; a CUDA backend
-//! (feature `cuda`) would implement the same trait with NVRTC kernels from `kernels/`.
+//! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; `CudaBackend`
+//! (feature `cuda`, in `crate::cuda`) implements the same trait with NVRTC kernels from `kernels/`.
 //!
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
@@ -49,6 +49,25 @@ pub trait Backend: Send + Sync {
         shape: MlaShape,
         out: &mut [f32],
     );
+    /// Sum all-reduce of the ranks' partials in fixed order: rank 0 + rank 1 + ....
+    fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
+        crate::engine::all_reduce(partials)
+    }
+    /// Embedding gather: row `rows[t]` of `w` decoded into `out[t]`, or zeros for `None` (a token
+    /// outside this rank's vocab range).
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+        let cols = w.cols();
+        for (o, r) in out.chunks_exact_mut(cols.max(1)).zip(rows) {
+            match (r, w) {
+                (None, _) => o.fill(0.0),
+                (Some(r), WeightRef::F32(m)) => o.copy_from_slice(m.row(*r)),
+                (Some(r), WeightRef::Quant(q)) => {
+                    crate::dequant::dequantize(q.ty, &q.bytes[r * q.row_bytes..(r + 1) * q.row_bytes], o)
+                        .expect("weight shard lengths are checked at load")
+                }
+            }
+        }
+    }
 }
 
 /// The host backend: ranks are threads, ops are the rayon kernels.

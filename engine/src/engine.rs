@@ -187,9 +187,12 @@ impl Engine {
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
+            #[cfg(feature = "cuda")]
+            BackendKind::Cuda => Box::new(crate::cuda::CudaBackend::new()?),
+            #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
-                return Err(EngineError::Unsupported(
-                    "the cuda backend has no kernels yet (feature `cuda`); use the cpu backend".into(),
+                return Err(EngineError::Cuda(
+                    "this build has no cuda backend: rebuild with --features cuda".into(),
                 ))
             }
         };
@@ -334,7 +337,7 @@ impl Engine {
         let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| r.embed(&ctx, tokens)).collect();
         let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
-        let x = all_reduce(&partials);
+        let x = self.backend.all_reduce(&partials);
         record_if(tap, &plan, TapKey::global(Site::Embed), &x, d);
         for r in &mut self.ranks {
             r.x = x.clone();
@@ -353,7 +356,7 @@ impl Engine {
                     .collect();
                 let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
                 flush(tap, taps);
-                let sum = all_reduce(&partials);
+                let sum = self.backend.all_reduce(&partials);
                 for (rank_idx, r) in self.ranks.iter_mut().enumerate() {
                     let skip = self.faults.active(Fault::AllreduceSkip, layer_idx, rank_idx);
                     let reduced = if skip { &partials[rank_idx] } else { &sum };

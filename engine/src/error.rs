@@ -25,6 +25,10 @@ pub enum EngineError {
     ContextFull { n_past: usize, n_new: usize, n_ctx: usize },
     #[error("decode before prefill: the KV cache is empty")]
     DecodeWithoutPrefill,
+    #[error("cuda: {0}")]
+    Cuda(String),
+    #[error("kernel {kernel} does not compile: {msg}")]
+    KernelCompile { kernel: &'static str, msg: String },
     #[error("unsupported: {0}")]
     Unsupported(String),
 }

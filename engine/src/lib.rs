@@ -5,9 +5,13 @@
 //! ranks concurrently with a deterministic all-reduce ([`engine`]), and puts attention and the
 //! MoE mix behind caller-allocated output buffers ([`rank`]). Its dequantization and kernels
 //! ([`kernels`]) are its own, never the reference's; the fault-injection catalog is [`fault`].
-//! Model code runs over the [`backend::Backend`] trait (cpu now, cuda to come).
+//! Model code runs over the [`backend::Backend`] trait: cpu, and cuda behind the feature `cuda`
+//! (NVRTC kernels from `kernels/`, module list in [`cuda_kernels`]).
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod cuda_kernels;
 pub mod dequant;
 pub mod engine;
 mod error;

@@ -152,12 +152,11 @@ impl Rank {
         let d = ctx.config.d_model;
         let mut out = vec![0f32; tokens.len() * d];
         let range = &self.shard.vocab_range;
-        for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
-            let t = t as usize;
-            if range.contains(&t) {
-                self.shard.embd.row_f32(t - range.start, row);
-            }
-        }
+        let rows: Vec<Option<usize>> = tokens
+            .iter()
+            .map(|&t| range.contains(&(t as usize)).then(|| t as usize - range.start))
+            .collect();
+        ctx.backend.embed_rows(self.shard.embd.view(), &rows, &mut out);
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
         taps.emit(Site::Embed, &out, d, Emit::Partial);
         PhaseOut { data: out, taps }

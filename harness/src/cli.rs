@@ -30,6 +30,9 @@ pub enum Command {
     DiffLayers(DiffLayersArgs),
     /// Time prefill and decode on a backend (the figures peers are compared against).
     Bench(BenchArgs),
+    /// The CUDA kernels: compile them all (--check also tests each against the CPU engine's), or
+    /// time the quantized GEMV against the device's copy bandwidth (--bench). Needs --features cuda.
+    Kernels(KernelsArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -107,6 +110,32 @@ pub enum BackendArg {
     Cpu,
     /// The tensor-parallel engine on a GPU (build with --features cuda).
     Cuda,
+}
+
+impl BackendArg {
+    /// The engine backend this selects (`None` for the reference).
+    pub fn engine_kind(self) -> Option<engine::BackendKind> {
+        match self {
+            BackendArg::Reference => None,
+            BackendArg::Cpu => Some(engine::BackendKind::Cpu),
+            BackendArg::Cuda => Some(engine::BackendKind::Cuda),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct KernelsArgs {
+    /// Compile every kernel module and run each kernel against the CPU engine's on odd shapes.
+    #[arg(long)]
+    pub check: bool,
+    /// Time GEMV (4096×14336 and 14336×4096; Q4_K, Q8_0, F16) against device-to-device copy bandwidth.
+    #[arg(long)]
+    pub bench: bool,
+    /// Also time the batched form (matmul) at this many tokens (0: skip).
+    #[arg(long, default_value_t = 0)]
+    pub bench_tokens: usize,
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// The prompt, as text or token ids.

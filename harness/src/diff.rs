@@ -19,6 +19,8 @@ pub struct DiffPlan<'a> {
     pub model_name: String,
     pub tokens: Vec<u32>,
     pub tp: usize,
+    /// The engine backend (cpu or cuda).
+    pub backend: engine::BackendKind,
     pub faults: Vec<FaultSpec>,
     pub tolerances: Tolerances,
     pub dtype: ActDtype,
@@ -270,6 +272,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     let opts = EngineOptions {
         tp: plan.tp,
         faults: plan.faults.clone(),
+        backend: plan.backend,
         ..EngineOptions::default()
     };
     let mut engine = Engine::load(engine_file, opts)?;

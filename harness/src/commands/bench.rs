@@ -44,11 +44,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 None,
             )
         }
-        BackendArg::Cpu => {
+        BackendArg::Cpu | BackendArg::Cuda => {
             let mut e = Engine::load(
                 &file,
                 EngineOptions {
                     tp: a.tp,
+                    backend: a.backend.engine_kind().unwrap_or_default(),
                     ..EngineOptions::default()
                 },
             )?;
@@ -69,7 +70,6 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             };
             (prefill, decode)
         }
-        BackendArg::Cuda => bail!("--backend cuda needs a build with --features cuda and a GPU"),
     };
     let rss = peak_rss_kib();
     let doc = json!({

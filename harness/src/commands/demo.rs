@@ -26,6 +26,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&path)?;
     let tokens = Tokenizer::from_gguf(&file.header)?.encode(PROMPT, true)?;
     let plan = |faults: Vec<engine::FaultSpec>, repro: String| DiffPlan {
+        backend: engine::BackendKind::Cpu,
         file: &file,
         model_name: "deepseek-v3-mini (synthetic)".to_string(),
         tokens: tokens.clone(),

@@ -18,9 +18,6 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     if a.backend == BackendArg::Reference {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
-    if a.backend == BackendArg::Cuda {
-        bail!("--backend cuda needs a build with --features cuda and a GPU");
-    }
     let faults: Vec<FaultSpec> = a
         .inject
         .iter()
@@ -39,6 +36,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         model_name: a.model.display().to_string(),
         tokens: tokens.clone(),
         tp: a.tp,
+        backend: a.backend.engine_kind().unwrap_or_default(),
         faults,
         tolerances,
         dtype: ActDtype::F32,

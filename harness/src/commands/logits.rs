@@ -35,7 +35,18 @@ pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
             }
             Reference::new(&file)?.forward(&tokens, &mut NoTap)?
         }
-        other => bail!("backend {other:?} is not built yet"),
+        other => {
+            let backend = other.engine_kind().unwrap_or_default();
+            let mut e = engine::Engine::load(
+                &file,
+                engine::EngineOptions {
+                    tp: a.tp,
+                    backend,
+                    ..engine::EngineOptions::default()
+                },
+            )?;
+            e.prefill(&tokens, &mut NoTap)?
+        }
     };
     let vocab = logits.len() / tokens.len();
     let positions: Vec<_> = logits

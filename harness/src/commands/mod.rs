@@ -7,6 +7,7 @@ pub mod bench;
 pub mod demo;
 pub mod diff_layers;
 pub mod inspect;
+pub mod kernels;
 pub mod logits;
 pub mod synth;
 pub mod tokenize;
@@ -19,6 +20,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Tokenize(a) => tokenize::run(&a),
         Command::DiffLayers(a) => diff_layers::run(&a),
         Command::Bench(a) => bench::run(&a),
+        Command::Kernels(a) => kernels::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }

@@ -1,0 +1,117 @@
+//! The CUDA kernel module list: each [`KernelId`] names one `kernels/*.cu` source, embedded with
+//! `include_str!` and compiled at run time by NVRTC (feature `cuda`, see `crate::cuda`). This list
+//! needs no CUDA and is always built, so the sources and their entry points are known everywhere.
+
+use references::GgmlType;
+
+/// Code shared by every module (fixed-width types, f16 decoding, warp and block reductions).
+pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+
+/// One NVRTC module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelId {
+    /// Quantized matvec/matmul and the embedding gather (`kernels/quant.cu`).
+    Quant,
+    /// RMSNorm, RoPE, SwiGLU, all-reduce sum (`kernels/ops.cu`).
+    Ops,
+    /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
+    Attention,
+}
+
+impl KernelId {
+    pub const ALL: [KernelId; 3] = [KernelId::Quant, KernelId::Ops, KernelId::Attention];
+
+    /// The source file's name under `kernels/`.
+    pub fn file(self) -> &'static str {
+        match self {
+            KernelId::Quant => "quant.cu",
+            KernelId::Ops => "ops.cu",
+            KernelId::Attention => "attention.cu",
+        }
+    }
+
+    /// The module's own source (without [`COMMON`]).
+    pub fn source(self) -> &'static str {
+        match self {
+            KernelId::Quant => include_str!("../../kernels/quant.cu"),
+            KernelId::Ops => include_str!("../../kernels/ops.cu"),
+            KernelId::Attention => include_str!("../../kernels/attention.cu"),
+        }
+    }
+
+    /// The source NVRTC compiles: [`COMMON`] then the module.
+    pub fn full_source(self) -> String {
+        format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
+    }
+
+    /// The `extern "C"` entry points the module defines.
+    pub fn functions(self) -> Vec<String> {
+        match self {
+            KernelId::Quant => GPU_TYPES
+                .iter()
+                .flat_map(|&t| {
+                    let s = type_suffix(t).expect("GPU_TYPES have suffixes");
+                    [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
+                })
+                .collect(),
+            KernelId::Ops => ["rms_norm", "rope", "swiglu", "all_reduce_sum"]
+                .map(String::from)
+                .to_vec(),
+            KernelId::Attention => ["gqa_attention", "mla_attention"].map(String::from).to_vec(),
+        }
+    }
+}
+
+/// The weight types decoded in registers by `kernels/quant.cu`. Others (Q2_K, Q3_K) are
+/// dequantized to f32 on the host when uploaded.
+pub const GPU_TYPES: [GgmlType; 11] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+/// The entry-point suffix for a weight type with a GPU decoder.
+pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4K => "q4_k",
+        GgmlType::Q5K => "q5_k",
+        GgmlType::Q6K => "q6_k",
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_entry_point_is_defined_in_its_source() {
+        for id in KernelId::ALL {
+            let src = id.full_source();
+            for f in id.functions() {
+                let defined = src.contains(&format!("void {f}(")) || {
+                    // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
+                    let (kind, ty) = f.split_once('_').unwrap();
+                    ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
+                };
+                assert!(defined, "{f} not defined in {}", id.file());
+            }
+        }
+    }
+}

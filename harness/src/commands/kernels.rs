@@ -1,0 +1,107 @@
+//! `llmdiff kernels`: the CUDA kernels on their own. `--check` compiles every module (a compile
+//! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
+//! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run.
+//! Without the `cuda` feature it says so (exit 2).
+
+use crate::cli::KernelsArgs;
+use std::process::ExitCode;
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(_a: &KernelsArgs) -> anyhow::Result<ExitCode> {
+    anyhow::bail!("llmdiff kernels needs a build with --features cuda (and a GPU to run on)")
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
+    use engine::cuda::CudaBackend;
+    use engine::cuda_kernels::KernelId;
+    use references::GgmlType;
+    use serde_json::json;
+
+    if !a.check && !a.bench {
+        anyhow::bail!("give --check and/or --bench");
+    }
+    let be = CudaBackend::new()?;
+    let (device, arch) = be.device();
+    eprintln!("device: {device} ({arch})");
+    let mut doc = json!({"device": device, "arch": arch, "backend": "cuda"});
+    let mut failed = 0;
+    if a.check {
+        let modules: Vec<_> = KernelId::ALL
+            .iter()
+            .map(|id| json!({"module": id.file(), "functions": id.functions().len(), "compiled": true}))
+            .collect();
+        for id in KernelId::ALL {
+            eprintln!("compiled {} ({} entry points)", id.file(), id.functions().len());
+        }
+        let checks = be.self_check();
+        for c in &checks {
+            if !c.pass {
+                failed += 1;
+            }
+            if !a.json {
+                println!(
+                    "{:<4} {:<58} rel_l2 {:.2e}  max_abs {:.2e}  (tol {:.0e})",
+                    if c.pass { "ok" } else { "FAIL" },
+                    c.case,
+                    c.rel_l2,
+                    c.max_abs,
+                    c.tol
+                );
+            }
+        }
+        doc["modules"] = json!(modules);
+        doc["checks"] = json!(checks
+            .iter()
+            .map(|c| json!({"case": c.case, "rel_l2": c.rel_l2, "max_abs": c.max_abs, "tol": c.tol, "pass": c.pass}))
+            .collect::<Vec<_>>());
+        if !a.json {
+            println!("{} of {} kernel checks pass", checks.len() - failed, checks.len());
+        }
+    }
+    if a.bench {
+        let copy = be.copy_bandwidth(1 << 30, 5)?;
+        if !a.json {
+            println!(
+                "device-to-device copy: {:.0} GB/s (read + write, 1 GiB, best of 5)",
+                copy / 1e9
+            );
+        }
+        let mut rows_out = Vec::new();
+        let mut ns = vec![1usize];
+        if a.bench_tokens > 1 {
+            ns.push(a.bench_tokens);
+        }
+        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::F16] {
+            for (rows, cols) in [(4096usize, 14336usize), (14336, 4096)] {
+                for &n in &ns {
+                    let r = be.bench_linear(ty, rows, cols, n, 200)?;
+                    let frac = r.gb_per_s * 1e9 / copy;
+                    if !a.json {
+                        println!(
+                            "{:<44} {:>8.1} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
+                            r.case,
+                            r.seconds * 1e6,
+                            r.gb_per_s,
+                            frac * 100.0
+                        );
+                    }
+                    rows_out.push(
+                        json!({"case": r.case, "weight_bytes": r.weight_bytes, "seconds": r.seconds,
+                                         "gb_per_s": r.gb_per_s, "fraction_of_copy": frac}),
+                    );
+                }
+            }
+        }
+        doc["copy_gb_per_s"] = json!(copy / 1e9);
+        doc["bench"] = json!(rows_out);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    }
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

@@ -1,0 +1,56 @@
+// Element-wise and row ops: RMSNorm (f64 mean of squares, as the CPU engine), RoPE NORM/NEOX
+// (angles in f64), SwiGLU, and the fixed-order all-reduce sum.
+
+// out[row] = x[row] / sqrt(mean(x²) + eps) · weight; one block per row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    float* __restrict__ out, int d, float eps) {
+    __shared__ double scratch[32];
+    const float* xr = x + (size_t)blockIdx.x * d;
+    float* o = out + (size_t)blockIdx.x * d;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    ss = block_sum_f64(ss, scratch);
+    float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
+}
+
+// RoPE in place on x [n, n_heads·head_stride]: row r at position pos0 + r; each head rotates
+// rope_dim dims from `offset`. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
+// One thread per (row, head, pair).
+extern "C" __global__ void rope(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim, int pos0,
+                                float base, int style) {
+    int half = rope_dim / 2;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long total = (long long)n * n_heads * half;
+    if (idx >= total) return;
+    int i = (int)(idx % half);
+    int h = (int)((idx / half) % n_heads);
+    int r = (int)(idx / ((long long)half * n_heads));
+    double inv_freq = pow((double)base, -2.0 * (double)i / (double)rope_dim);
+    double a = (double)(pos0 + r) * inv_freq;
+    float c = (float)cos(a), s = (float)sin(a);
+    float* p = x + (size_t)r * n_heads * head_stride + (size_t)h * head_stride + offset;
+    int ia = style == 0 ? 2 * i : i;
+    int ib = style == 0 ? 2 * i + 1 : i + half;
+    float x0 = p[ia], x1 = p[ib];
+    p[ia] = x0 * c - x1 * s;
+    p[ib] = x0 * s + x1 * c;
+}
+
+// gate = silu(gate) · up.
+extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float g = gate[i];
+    gate[i] = g / (1.0f + expf(-g)) * up[i];
+}
+
+// out = parts[0] + parts[1] + ... + parts[n_parts-1], summed left to right (the CPU engine's
+// fixed rank order); parts are laid out back to back, `len` each.
+extern "C" __global__ void all_reduce_sum(const float* parts, float* out, int n_parts, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float s = parts[i];
+    for (int p = 1; p < n_parts; p++) s += parts[(size_t)p * len + i];
+    out[i] = s;
+}
