@@ -53,6 +53,7 @@ pub fn plan<'a>(
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps,
+        backend: engine::BackendKind::Cpu,
         repro: String::new(),
     }
 }
