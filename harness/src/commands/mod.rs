@@ -5,6 +5,9 @@ use std::process::ExitCode;
 
 pub mod demo;
 pub mod diff_layers;
+pub mod entropy;
+pub mod gate;
+pub mod golden;
 pub mod inspect;
 pub mod logits;
 pub mod synth;
@@ -17,6 +20,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logits(a) => logits::run(&a),
         Command::Tokenize(a) => tokenize::run(&a),
         Command::DiffLayers(a) => diff_layers::run(&a),
+        Command::Entropy(a) => entropy::run(&a),
+        Command::Gate(a) => gate::run(&a),
+        Command::Golden(a) => golden::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }
