@@ -303,22 +303,29 @@ pub fn materialize(source: &ModelSource, root: &Path) -> anyhow::Result<Material
 
 /// A model path as stored in a golden file: relative to `root`, which must hold it.
 pub fn portable_path(model: &Path, root: &Path) -> anyhow::Result<String> {
-    let name = model.file_name().context("the model path has no file name")?;
-    let dir = model
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let abs = dir
-        .canonicalize()
-        .with_context(|| format!("cannot resolve {}", dir.display()))?
-        .join(name);
-    let rel = abs.strip_prefix(root).map_err(|_| {
-        anyhow::anyhow!(
-            "{} is outside the repository root {}: golden files store portable paths; put the model under the repository (e.g. .cache/) or use --synth",
-            model.display(),
-            root.display()
-        )
-    })?;
+    // Lexical, not canonical: `.cache/` may be a symlink to a shared cache outside the repository,
+    // and the stored path must name it as the repository sees it.
+    let abs = std::path::absolute(model).with_context(|| format!("cannot resolve {}", model.display()))?;
+    let mut norm = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                norm.pop();
+            }
+            c => norm.push(c),
+        }
+    }
+    let rel = norm
+        .strip_prefix(root)
+        .ok()
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{} is outside the repository root {}: golden files store portable paths; put the model under the repository (e.g. .cache/) or use --synth",
+                model.display(),
+                root.display()
+            )
+        })?;
     Ok(rel.to_string_lossy().into_owned())
 }
 
