@@ -20,8 +20,8 @@ pub fn default_thresholds() -> EntropyThresholds {
     EntropyThresholds {
         flat_norm_entropy: 0.6,
         flat_top1_logprob: -4.0,
-        degenerate_repetition: 0.5,
-        degenerate_top5_recurrence: 0.9,
+        degenerate_repetition: 0.6,
+        degenerate_top5_recurrence: 0.6,
         kld_position: 0.05,
     }
 }
@@ -131,7 +131,11 @@ pub fn tokenize_prompts(file: &GgufFile, prompts: &[PromptInput], vocab: usize) 
             bail!("prompt {} ({}): no tokens", i + 1, p.label);
         }
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            bail!("prompt {} ({}): token id {bad} is outside the vocabulary ({vocab})", i + 1, p.label);
+            bail!(
+                "prompt {} ({}): token id {bad} is outside the vocabulary ({vocab})",
+                i + 1,
+                p.label
+            );
         }
         out.push(ids);
     }

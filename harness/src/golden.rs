@@ -116,10 +116,12 @@ pub fn bless_hint(path: &Path) -> String {
 /// Reads and checks the magic and format of a golden file; errors carry the bless hint.
 pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
     if v.get("magic").and_then(|m| m.as_str()) != Some(GOLDEN_MAGIC) {
-        bail!("{}: not an llmdiff golden file (no \"magic\": \"{GOLDEN_MAGIC}\")", path.display());
+        bail!(
+            "{}: not an llmdiff golden file (no \"magic\": \"{GOLDEN_MAGIC}\")",
+            path.display()
+        );
     }
     let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0);
     if format != GOLDEN_FORMAT as u64 {
@@ -129,7 +131,13 @@ pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
             bless_hint(path)
         );
     }
-    serde_json::from_value(v).with_context(|| format!("{}: malformed golden file; re-bless it: {}", path.display(), bless_hint(path)))
+    serde_json::from_value(v).with_context(|| {
+        format!(
+            "{}: malformed golden file; re-bless it: {}",
+            path.display(),
+            bless_hint(path)
+        )
+    })
 }
 
 /// Writes a golden file: the header pretty-printed, one tap or position per line (diff-friendly).
@@ -212,7 +220,11 @@ impl Tap for SummaryTap {
 }
 
 /// Runs one prompt: tap summaries and per-position top-k and entropy.
-pub fn run_prompt(runner: &mut Runner, tokens: &[u32], vocab: usize) -> anyhow::Result<(Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>)> {
+pub fn run_prompt(
+    runner: &mut Runner,
+    tokens: &[u32],
+    vocab: usize,
+) -> anyhow::Result<(Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>)> {
     let mut tap = SummaryTap::default();
     let logits = runner.logits(tokens, &mut tap)?;
     let mut positions = Vec::new();
@@ -271,7 +283,8 @@ impl MaterializedModel {
 
 /// Synthesizes a recipe into a temp dir.
 pub fn synthesize(r: &SynthRecipe) -> anyhow::Result<MaterializedModel> {
-    let mut spec = references::synth::preset(&r.preset).with_context(|| format!("unknown synth preset {:?}", r.preset))?;
+    let mut spec =
+        references::synth::preset(&r.preset).with_context(|| format!("unknown synth preset {:?}", r.preset))?;
     if let Some(q) = &r.quant {
         let ty = references::GgmlType::from_name(q).with_context(|| format!("unknown quant type {q:?}"))?;
         spec.weight_type = ty;
@@ -377,7 +390,14 @@ pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Ch
     }
     let amax = old.max.abs().max(old.min.abs());
     let measures = [
-        ("fingerprint rel_l2", if d2 == 0.0 { 0.0 } else { d2.sqrt() / b2.sqrt().max(1e-30) }),
+        (
+            "fingerprint rel_l2",
+            if d2 == 0.0 {
+                0.0
+            } else {
+                d2.sqrt() / b2.sqrt().max(1e-30)
+            },
+        ),
         ("norm", rel(new.norm, old.norm, old.norm)),
         ("mean", rel(new.mean, old.mean, old.std)),
         ("std", rel(new.std, old.std, old.std)),
@@ -390,7 +410,11 @@ pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Ch
         .fold(("", 0.0f64), |acc, m| if m.1.is_nan() || m.1 > acc.1 { m } else { acc });
     Check {
         item: old.tap.clone(),
-        ratio: if worst.is_nan() { f64::INFINITY } else { worst / t.tap_rel },
+        ratio: if worst.is_nan() {
+            f64::INFINITY
+        } else {
+            worst / t.tap_rel
+        },
         detail: format!(
             "{name} {worst:.3e} > {:.0e} (norm {:.6e}, golden {:.6e})",
             t.tap_rel, new.norm, old.norm
@@ -401,7 +425,10 @@ pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Ch
 /// Compares one position's distribution with its golden one.
 pub fn compare_position(pos_idx: usize, logp: &[f64], old: &PositionGolden, t: &GateThresholds) -> Check {
     let h = entropy(logp);
-    let mut worst = (rel(h, old.entropy, 1.0) / t.entropy_abs, format!("entropy {h:.6}, golden {:.6}", old.entropy));
+    let mut worst = (
+        rel(h, old.entropy, 1.0) / t.entropy_abs,
+        format!("entropy {h:.6}, golden {:.6}", old.entropy),
+    );
     for &(id, lp) in &old.top {
         let now = logp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY);
         let r = (now - lp).abs() / t.logprob_abs;
@@ -417,7 +444,11 @@ pub fn compare_position(pos_idx: usize, logp: &[f64], old: &PositionGolden, t: &
         if top1 != Some(want) {
             worst = (
                 f64::INFINITY,
-                format!("top-1 token {}, golden {want}; {}", top1.map_or("-".into(), |t| t.to_string()), worst.1),
+                format!(
+                    "top-1 token {}, golden {want}; {}",
+                    top1.map_or("-".into(), |t| t.to_string()),
+                    worst.1
+                ),
             );
         }
     }

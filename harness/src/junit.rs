@@ -109,7 +109,11 @@ pub fn render(suites: &[Suite]) -> String {
                     );
                 }
                 (None, Some(why)) => {
-                    let _ = writeln!(x, "{head}>\n      <skipped message=\"{}\"/>\n    </testcase>", escape(why));
+                    let _ = writeln!(
+                        x,
+                        "{head}>\n      <skipped message=\"{}\"/>\n    </testcase>",
+                        escape(why)
+                    );
                 }
                 (None, None) => {
                     let _ = writeln!(x, "{head}/>");

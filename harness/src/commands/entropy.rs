@@ -107,14 +107,9 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         out.push(pe);
     }
     let kld = reference.as_ref().map(|_| kld_stats(&all_kld, thresholds.kld_position));
-    let agreement = kld.as_ref().map(|k| {
-        if k.first_over.is_none() {
-            "agree"
-        } else {
-            "diverged"
-        }
-        .to_string()
-    });
+    let agreement = kld
+        .as_ref()
+        .map(|k| if k.first_over.is_none() { "agree" } else { "diverged" }.to_string());
     let run = EntropyRun {
         format: ENTROPY_FORMAT,
         llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -182,7 +177,9 @@ fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             .recurring_top5
             .iter()
             .map(|(id, n)| {
-                let s = tok.and_then(|t| t.decode(&[*id]).ok()).unwrap_or_else(|| id.to_string());
+                let s = tok
+                    .and_then(|t| t.decode(&[*id]).ok())
+                    .unwrap_or_else(|| id.to_string());
                 format!("{s:?}×{n}")
             })
             .collect();
@@ -197,17 +194,13 @@ fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             "\n  KLD vs reference over {} positions: mean {:.6} ± {:.6}, median {:.6}, p90 {:.6}, p99 {:.6}, p99.9 {:.6}, max {:.6}",
             k.n_positions, k.mean, k.mean_se, k.median, k.p90, k.p99, k.p99_9, k.max
         );
-        println!(
-            "  same top-1 {:.2} %, RMS Δp {:.3} %",
-            k.same_top1_pct, k.rms_dp_pct
-        );
+        println!("  same top-1 {:.2} %, RMS Δp {:.3} %", k.same_top1_pct, k.rms_dp_pct);
         // Name the prompt and position of the first one over.
-        let first = run.prompts.iter().enumerate().find_map(|(i, p)| {
-            p.kld
-                .as_ref()
-                .and_then(|k| k.first_over)
-                .map(|pos| (i, pos))
-        });
+        let first = run
+            .prompts
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| p.kld.as_ref().and_then(|k| k.first_over).map(|pos| (i, pos)));
         match first {
             Some((i, pos)) => println!(
                 "  DIVERGED: first position over KLD {}: prompt #{} position {}",

@@ -4,8 +4,8 @@
 use crate::cli::{BackendArg, GateArgs};
 use crate::entropy::Runner;
 use crate::golden::{
-    bless_hint, compare_position, compare_tap, materialize, read_golden, repo_root_of, run_prompt, sha256_file,
-    Check, Golden,
+    bless_hint, compare_position, compare_tap, materialize, read_golden, repo_root_of, run_prompt, sha256_file, Check,
+    Golden,
 };
 use crate::junit::{Case, Suite};
 use crate::output::write_atomic;
@@ -160,14 +160,22 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
         }
         if !overridden {
             let known: std::collections::HashSet<&str> = p.taps.iter().map(|t| t.tap.as_str()).collect();
-            let extra: Vec<&str> = taps.iter().map(|t| t.tap.as_str()).filter(|t| !known.contains(t)).collect();
+            let extra: Vec<&str> = taps
+                .iter()
+                .map(|t| t.tap.as_str())
+                .filter(|t| !known.contains(t))
+                .collect();
             if !extra.is_empty() {
                 groups.push((
                     "new taps".into(),
                     vec![Check {
                         item: extra[0].to_string(),
                         ratio: f64::INFINITY,
-                        detail: format!("{} taps the golden file lacks (stale golden file?), e.g. {}", extra.len(), extra[0]),
+                        detail: format!(
+                            "{} taps the golden file lacks (stale golden file?), e.g. {}",
+                            extra.len(),
+                            extra[0]
+                        ),
                     }],
                     false,
                 ));
@@ -251,7 +259,12 @@ fn to_junit(r: &SuiteResult) -> Suite {
                 failure: c.failures.first().map(|f| {
                     let details: Vec<String> = c.failures.iter().map(|f| format!("{}: {}", f.item, f.detail)).collect();
                     (
-                        format!("{} of the checks over tolerance; first {}: {}", c.failures.len(), f.item, f.detail),
+                        format!(
+                            "{} of the checks over tolerance; first {}: {}",
+                            c.failures.len(),
+                            f.item,
+                            f.detail
+                        ),
                         details.join("\n"),
                     )
                 }),
@@ -277,7 +290,10 @@ fn print_suite(r: &SuiteResult) {
         r.tp,
         n_pass,
         r.cases.len(),
-        worst.map_or(String::new(), |w| format!(", worst {} at {:.2} of its tolerance", w.name, w.worst_ratio)),
+        worst.map_or(String::new(), |w| format!(
+            ", worst {} at {:.2} of its tolerance",
+            w.name, w.worst_ratio
+        )),
         r.seconds
     );
     if let Some(m) = &r.message {

@@ -34,8 +34,13 @@ struct BlessPlan {
 fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
     if let Some(path) = &a.update {
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
-        let field = |k: &str| v.get(k).cloned().with_context(|| format!("{}: no \"{k}\" to re-bless from", path.display()));
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+        let field = |k: &str| {
+            v.get(k)
+                .cloned()
+                .with_context(|| format!("{}: no \"{k}\" to re-bless from", path.display()))
+        };
         let model: ModelSource = serde_json::from_value(field("model")?).context("bad \"model\"")?;
         let backend = field("backend")?.as_str().unwrap_or("reference").to_string();
         let tp = field("tp")?.as_u64().unwrap_or(1) as usize;
