@@ -144,7 +144,7 @@ pub fn tokenize_prompts(file: &GgufFile, prompts: &[PromptInput], vocab: usize) 
 
 /// A forward pass: the reference or the engine.
 pub enum Runner<'a> {
-    Reference(Reference<'a>),
+    Reference(Box<Reference<'a>>),
     Engine(Box<Engine>),
 }
 
@@ -158,7 +158,7 @@ impl<'a> Runner<'a> {
             if !faults.is_empty() {
                 bail!("--inject needs an engine backend (cpu): the reference has no faults");
             }
-            return Ok(Runner::Reference(Reference::new(file)?));
+            return Ok(Runner::Reference(Box::new(Reference::new(file)?)));
         }
         let opts = EngineOptions {
             tp,
@@ -394,7 +394,7 @@ pub fn kld_stats(pos: &[KldPosition], threshold: f64) -> KldStats {
         } else {
             100.0 * (dps.iter().map(|d| d * d).sum::<f64>() / dps.len() as f64).sqrt()
         },
-        first_over: vals.iter().position(|&v| !(v <= threshold)),
+        first_over: vals.iter().position(|&v| v.is_nan() || v > threshold),
         threshold,
     }
 }

@@ -219,12 +219,11 @@ impl Tap for SummaryTap {
     }
 }
 
+/// What one prompt's run gives: tap summaries, per-position goldens, per-position log-probabilities.
+pub type PromptRun = (Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>);
+
 /// Runs one prompt: tap summaries and per-position top-k and entropy.
-pub fn run_prompt(
-    runner: &mut Runner,
-    tokens: &[u32],
-    vocab: usize,
-) -> anyhow::Result<(Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>)> {
+pub fn run_prompt(runner: &mut Runner, tokens: &[u32], vocab: usize) -> anyhow::Result<PromptRun> {
     let mut tap = SummaryTap::default();
     let logits = runner.logits(tokens, &mut tap)?;
     let mut positions = Vec::new();

@@ -226,7 +226,10 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
 
 fn case_of(name: String, checks: Vec<Check>, skipped: bool) -> CaseResult {
     let worst = checks.iter().map(|c| c.ratio).fold(0.0f64, f64::max);
-    let failures: Vec<Check> = checks.into_iter().filter(|c| !(c.ratio <= 1.0)).collect();
+    let failures: Vec<Check> = checks
+        .into_iter()
+        .filter(|c| c.ratio.is_nan() || c.ratio > 1.0)
+        .collect();
     CaseResult {
         name,
         passed: failures.is_empty(),
