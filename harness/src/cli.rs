@@ -33,6 +33,14 @@ pub enum Command {
     /// The CUDA kernels: compile them all (--check also tests each against the CPU engine's), or
     /// time the quantized GEMV against the device's copy bandwidth (--bench). Needs --features cuda.
     Kernels(KernelsArgs),
+    /// Flag flat or degenerate next-token distributions on prompts; KL statistics against the reference.
+    #[command(after_help = crate::cli::FAULT_HELP.as_str())]
+    Entropy(EntropyArgs),
+    /// Re-run what golden files describe and compare within their thresholds (CI regression gate).
+    #[command(after_help = crate::cli::FAULT_HELP.as_str())]
+    Gate(GateArgs),
+    /// Write golden files for `gate`.
+    Golden(GoldenArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -248,6 +256,116 @@ pub struct BenchArgs {
     /// Timed repetitions; the best is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct EntropyArgs {
+    /// The GGUF model.
+    pub model: PathBuf,
+    /// One prompt per line, or JSONL of {"prompt": TEXT} / {"tokens": [ids]}.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
+    pub backend: BackendArg,
+    /// Tensor-parallel degree (engine backends).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated.
+    #[arg(long = "inject", value_name = "FAULT")]
+    pub inject: Vec<String>,
+    /// Length of the greedy continuation scored for repetition (0 skips it).
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Also run the reference on every prompt and give KL-divergence statistics against it.
+    #[arg(long)]
+    pub against_reference: bool,
+    /// A JSON file of thresholds ({"thresholds": {...}} as in golden/entropy-calibration.json).
+    #[arg(long)]
+    pub thresholds: Option<PathBuf>,
+    /// Override the per-position KLD threshold (nats) of --against-reference.
+    #[arg(long)]
+    pub kld_threshold: Option<f64>,
+    /// Print the run document as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the run document to this file.
+    #[arg(long)]
+    pub json_out: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct GateArgs {
+    /// Golden file(s) to check (golden/gate-*.json); may be repeated.
+    #[arg(long, required = true)]
+    pub golden: Vec<PathBuf>,
+    /// Run on this backend instead of the one the golden file was blessed on (taps the two do not
+    /// share are skipped).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (to see the gate fail).
+    #[arg(long = "inject", value_name = "FAULT")]
+    pub inject: Vec<String>,
+    /// Write a JUnit XML report (one testcase per tap group and per prompt).
+    #[arg(long)]
+    pub junit: Option<PathBuf>,
+    /// Print the result as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GoldenArgs {
+    #[command(subcommand)]
+    pub command: GoldenCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GoldenCommand {
+    /// Run a model and write a golden file for `gate` (golden/gate-*.json).
+    Bless(BlessArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BlessArgs {
+    /// Re-bless an existing golden file from its own recipe (model, backend, TP, tokens, thresholds).
+    #[arg(long, conflicts_with_all = ["model", "synth", "output"])]
+    pub update: Option<PathBuf>,
+    /// The model, inside the repository (stored relative to the repository root).
+    #[arg(long, conflicts_with = "synth")]
+    pub model: Option<PathBuf>,
+    /// Synthesize this preset at gate time instead of naming a file.
+    #[arg(long)]
+    pub synth: Option<String>,
+    /// Weight type for --synth (default: the preset's).
+    #[arg(long, requires = "synth")]
+    pub quant: Option<String>,
+    /// Seed for --synth.
+    #[arg(long, default_value_t = 0, requires = "synth")]
+    pub seed: u64,
+    /// A prompt (tokenized with the model's tokenizer); may be repeated.
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// A prompt as comma-separated token ids; may be repeated.
+    #[arg(long)]
+    pub tokens: Vec<String>,
+    /// Keep at most this many tokens of each prompt (gate runs stay quick).
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
+    pub backend: BackendArg,
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Per-tap relative tolerance.
+    #[arg(long)]
+    pub tap_rel: Option<f64>,
+    /// Per-position |Δ logprob| tolerance.
+    #[arg(long)]
+    pub logprob_abs: Option<f64>,
+    /// Output file, golden/gate-NAME.json.
+    #[arg(short, long)]
+    pub output: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }

@@ -7,5 +7,8 @@ pub mod commands;
 pub mod compare;
 pub mod diagnose;
 pub mod diff;
+pub mod entropy;
+pub mod golden;
+pub mod junit;
 pub mod logprobs;
 pub mod output;

@@ -104,3 +104,99 @@ pub struct Timings {
     pub compare: f64,
     pub total: f64,
 }
+
+// ---------------------------------------------------------------------------------------------
+// `entropy` run documents (issue #6). Kept in one block so merges with the rendering work stay easy.
+// ---------------------------------------------------------------------------------------------
+
+/// Version of [`EntropyRun`]; bump on any incompatible change.
+pub const ENTROPY_FORMAT: u32 = 1;
+
+/// The thresholds an `entropy` verdict was made with (calibrated; see golden/entropy-calibration.json).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EntropyThresholds {
+    /// `flat` when the mean normalized entropy H / ln V is above this.
+    pub flat_norm_entropy: f64,
+    /// `flat` when the mean top-1 log-probability is below this (nats).
+    pub flat_top1_logprob: f64,
+    /// `degenerate` when the greedy continuation's repetition score is above this.
+    pub degenerate_repetition: f64,
+    /// `degenerate` when the top-5 recurrence across positions is above this.
+    pub degenerate_top5_recurrence: f64,
+    /// Against the reference: a position whose KLD (nats) is above this diverges.
+    pub kld_position: f64,
+}
+
+/// KL-divergence statistics against the reference, as llama-perplexity's `--kl-divergence` gives
+/// them. KLD(pos) = Σ p_ref (log p_ref − log p), in f64.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KldStats {
+    pub n_positions: usize,
+    pub mean: f64,
+    /// Standard error of the mean.
+    pub mean_se: f64,
+    pub median: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub p99_9: f64,
+    pub max: f64,
+    /// Positions whose top-1 token is the reference's, in percent.
+    pub same_top1_pct: f64,
+    /// RMS of p(next token) − p_ref(next token), over positions with a next token, in percent.
+    pub rms_dp_pct: f64,
+    /// The first position whose KLD is over the threshold (prompt-local index; for the overall
+    /// statistics, the index into all positions in prompt order).
+    pub first_over: Option<usize>,
+    pub threshold: f64,
+}
+
+/// One prompt's next-token distribution statistics.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PromptEntropy {
+    /// The prompt text (or `tokens:N` for a token-id prompt), shortened.
+    pub label: String,
+    pub n_tokens: usize,
+    /// "healthy", "flat" or "degenerate".
+    pub verdict: String,
+    /// Which thresholds were crossed, one phrase each.
+    pub reasons: Vec<String>,
+    pub mean_entropy: f64,
+    pub min_entropy: f64,
+    /// mean H / ln V.
+    pub norm_entropy: f64,
+    pub mean_top1_logprob: f64,
+    /// Share of the position×top-5 slots taken by the five most recurrent tokens (1 = the same
+    /// five tokens in every position's top-5).
+    pub top5_recurrence: f64,
+    /// The five most recurrent top-5 tokens, with the number of positions they appear in.
+    pub recurring_top5: Vec<(u32, usize)>,
+    /// 1 − distinct/total over the 3-grams of the greedy continuation (0 when too short).
+    pub repetition: f64,
+    pub continuation: Vec<u32>,
+    pub continuation_text: Option<String>,
+    /// Non-finite logits seen.
+    pub nonfinite: u64,
+    pub kld: Option<KldStats>,
+}
+
+/// An `entropy` run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EntropyRun {
+    pub format: u32,
+    pub llmdiff_version: String,
+    pub model: String,
+    pub backend: String,
+    pub tp: usize,
+    pub injected: Vec<String>,
+    pub vocab: usize,
+    pub max_new_tokens: usize,
+    pub thresholds: EntropyThresholds,
+    /// Overall: "healthy", "flat" or "degenerate".
+    pub verdict: String,
+    /// With --against-reference: "agree" or "diverged".
+    pub agreement: Option<String>,
+    pub prompts: Vec<PromptEntropy>,
+    /// With --against-reference: over all positions of all prompts.
+    pub kld: Option<KldStats>,
+    pub seconds: f64,
+}

@@ -6,6 +6,9 @@ use std::process::ExitCode;
 pub mod bench;
 pub mod demo;
 pub mod diff_layers;
+pub mod entropy;
+pub mod gate;
+pub mod golden;
 pub mod inspect;
 pub mod kernels;
 pub mod logits;
@@ -21,6 +24,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::DiffLayers(a) => diff_layers::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::Kernels(a) => kernels::run(&a),
+        Command::Entropy(a) => entropy::run(&a),
+        Command::Gate(a) => gate::run(&a),
+        Command::Golden(a) => golden::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }

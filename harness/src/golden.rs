@@ -1,0 +1,459 @@
+//! Golden files for the CI gate (`golden/gate-*.json`): a versioned format (magic + format number)
+//! with provenance (model sha256, llmdiff version, backend, TP, tokens, thresholds), per-tap summary
+//! statistics with a fixed down-sampled fingerprint, and per-position top-k log-probabilities and
+//! entropy. `llmdiff golden bless` writes them (never by hand); `llmdiff gate` re-runs and compares.
+
+use crate::entropy::Runner;
+use crate::logprobs::{entropy, log_softmax, top_k};
+use anyhow::{bail, Context};
+use references::tap::{Site, Tap, TapKey};
+use references::GgufFile;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+
+/// The magic string every golden file starts with.
+pub const GOLDEN_MAGIC: &str = "llmdiff-golden";
+/// Version of [`Golden`]; bump on any incompatible change.
+pub const GOLDEN_FORMAT: u32 = 1;
+/// Values kept per tap: evenly spaced over the flattened tensor.
+pub const FINGERPRINT_LEN: usize = 64;
+/// Top-k kept per position.
+pub const GOLDEN_TOP_K: usize = 8;
+
+/// Where the model comes from, portably: a path relative to the repository root, or a synth recipe.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelSource {
+    Path { path: String },
+    Synth { synth: SynthRecipe },
+}
+
+/// `llmdiff synth --preset P --quant Q --seed S`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SynthRecipe {
+    pub preset: String,
+    pub quant: Option<String>,
+    pub seed: u64,
+}
+
+/// The tolerances a golden file is checked with.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateThresholds {
+    /// Per tap: relative L2 of the fingerprint, and relative change of norm, mean, std, min, max
+    /// (each relative to the tensor's norm / std / max |value|).
+    pub tap_rel: f64,
+    /// Per position: |Δ logprob| of the golden top-k tokens.
+    pub logprob_abs: f64,
+    /// Per position: |Δ entropy| (nats).
+    pub entropy_abs: f64,
+}
+
+impl Default for GateThresholds {
+    fn default() -> Self {
+        GateThresholds {
+            tap_rel: 1e-4,
+            logprob_abs: 1e-3,
+            entropy_abs: 1e-3,
+        }
+    }
+}
+
+/// Summary of one tapped tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TapSummary {
+    pub tap: String,
+    pub shape: [usize; 2],
+    pub norm: f64,
+    pub mean: f64,
+    pub std: f64,
+    pub min: f64,
+    pub max: f64,
+    pub nonfinite: u64,
+    /// `FINGERPRINT_LEN` values at flat indices i·len/FINGERPRINT_LEN (null where non-finite).
+    pub fingerprint: Vec<Option<f32>>,
+}
+
+/// One position's next-token distribution.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PositionGolden {
+    pub entropy: f64,
+    /// `[[id, logprob], ..]`, descending.
+    pub top: Vec<(u32, f64)>,
+}
+
+/// One prompt of a golden file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GoldenPrompt {
+    pub label: String,
+    pub tokens: Vec<u32>,
+    pub positions: Vec<PositionGolden>,
+    pub taps: Vec<TapSummary>,
+}
+
+/// A golden file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Golden {
+    pub magic: String,
+    pub format: u32,
+    pub llmdiff_version: String,
+    /// The command that re-blesses this file.
+    pub bless_command: String,
+    pub model: ModelSource,
+    pub model_sha256: String,
+    /// "reference" or "cpu".
+    pub backend: String,
+    pub tp: usize,
+    pub thresholds: GateThresholds,
+    pub prompts: Vec<GoldenPrompt>,
+}
+
+/// The command that re-blesses `path` from its own recipe.
+pub fn bless_hint(path: &Path) -> String {
+    format!("llmdiff golden bless --update {}", path.display())
+}
+
+/// Reads and checks the magic and format of a golden file; errors carry the bless hint.
+pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    if v.get("magic").and_then(|m| m.as_str()) != Some(GOLDEN_MAGIC) {
+        bail!(
+            "{}: not an llmdiff golden file (no \"magic\": \"{GOLDEN_MAGIC}\")",
+            path.display()
+        );
+    }
+    let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0);
+    if format != GOLDEN_FORMAT as u64 {
+        bail!(
+            "{}: golden format {format}, this llmdiff reads format {GOLDEN_FORMAT}; re-bless it: {}",
+            path.display(),
+            bless_hint(path)
+        );
+    }
+    serde_json::from_value(v).with_context(|| {
+        format!(
+            "{}: malformed golden file; re-bless it: {}",
+            path.display(),
+            bless_hint(path)
+        )
+    })
+}
+
+/// Writes a golden file: the header pretty-printed, one tap or position per line (diff-friendly).
+pub fn golden_json(g: &Golden) -> anyhow::Result<String> {
+    use std::fmt::Write;
+    let mut head = g.clone();
+    head.prompts.clear();
+    let head = serde_json::to_string_pretty(&head)?;
+    let head = head.trim_end().trim_end_matches('}').trim_end();
+    let head = head.strip_suffix("\"prompts\": []").unwrap_or(head);
+    let mut s = String::from(head);
+    s.push_str("\"prompts\": [\n");
+    for (pi, p) in g.prompts.iter().enumerate() {
+        let _ = write!(
+            s,
+            "    {{\n      \"label\": {},\n      \"tokens\": {},\n      \"positions\": [\n",
+            serde_json::to_string(&p.label)?,
+            serde_json::to_string(&p.tokens)?
+        );
+        for (i, pos) in p.positions.iter().enumerate() {
+            let sep = if i + 1 < p.positions.len() { "," } else { "" };
+            let _ = writeln!(s, "        {}{sep}", serde_json::to_string(pos)?);
+        }
+        s.push_str("      ],\n      \"taps\": [\n");
+        for (i, t) in p.taps.iter().enumerate() {
+            let sep = if i + 1 < p.taps.len() { "," } else { "" };
+            let _ = writeln!(s, "        {}{sep}", serde_json::to_string(t)?);
+        }
+        let sep = if pi + 1 < g.prompts.len() { "," } else { "" };
+        let _ = writeln!(s, "      ]\n    }}{sep}");
+    }
+    s.push_str("  ]\n}\n");
+    Ok(s)
+}
+
+/// The summary of one tensor.
+pub fn summarize(tap: &str, data: &[f32], shape: [usize; 2]) -> TapSummary {
+    let finite: Vec<f64> = data.iter().filter(|x| x.is_finite()).map(|&x| x as f64).collect();
+    let n = finite.len().max(1) as f64;
+    let mean = finite.iter().sum::<f64>() / n;
+    let var = finite.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    let len = data.len();
+    let fingerprint = if len == 0 {
+        Vec::new()
+    } else {
+        (0..FINGERPRINT_LEN.min(len))
+            .map(|i| {
+                let x = data[i * len / FINGERPRINT_LEN.min(len)];
+                x.is_finite().then_some(x)
+            })
+            .collect()
+    };
+    TapSummary {
+        tap: tap.to_string(),
+        shape,
+        norm: finite.iter().map(|x| x * x).sum::<f64>().sqrt(),
+        mean,
+        std: var.sqrt(),
+        min: finite.iter().copied().fold(f64::INFINITY, f64::min),
+        max: finite.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        nonfinite: (len - finite.len()) as u64,
+        fingerprint,
+    }
+}
+
+/// A tap that summarizes every activation as it is recorded (weights are skipped: they are
+/// covered by the activations they produce, and would make golden files slow to write).
+#[derive(Default)]
+pub struct SummaryTap {
+    pub taps: Vec<TapSummary>,
+}
+
+impl Tap for SummaryTap {
+    fn wants(&self, key: &TapKey) -> bool {
+        !matches!(key.site, Site::Weight(_))
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        self.taps.push(summarize(&key.to_string(), data, shape));
+    }
+}
+
+/// What one prompt's run gives: tap summaries, per-position goldens, per-position log-probabilities.
+pub type PromptRun = (Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>);
+
+/// Runs one prompt: tap summaries and per-position top-k and entropy.
+pub fn run_prompt(runner: &mut Runner, tokens: &[u32], vocab: usize) -> anyhow::Result<PromptRun> {
+    let mut tap = SummaryTap::default();
+    let logits = runner.logits(tokens, &mut tap)?;
+    let mut positions = Vec::new();
+    let mut logps = Vec::new();
+    for row in logits.chunks(vocab) {
+        let lp = log_softmax(row);
+        positions.push(PositionGolden {
+            entropy: entropy(&lp),
+            top: top_k(&lp, GOLDEN_TOP_K),
+        });
+        logps.push(lp);
+    }
+    Ok((tap.taps, positions, logps))
+}
+
+/// sha256 of a file, hex.
+pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The repository root a golden file's relative paths are resolved against: the parent of the
+/// directory holding it (golden files live in `golden/`).
+pub fn repo_root_of(golden_path: &Path) -> anyhow::Result<PathBuf> {
+    let dir = golden_path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", dir.display()))?;
+    Ok(dir.parent().map(Path::to_path_buf).unwrap_or(dir))
+}
+
+/// A model ready to run: the file, kept alive with its temp dir when synthesized.
+pub struct MaterializedModel {
+    pub path: PathBuf,
+    pub _dir: Option<tempfile::TempDir>,
+}
+
+impl MaterializedModel {
+    pub fn open(&self) -> anyhow::Result<GgufFile> {
+        crate::output::open_model(&self.path)
+    }
+}
+
+/// Synthesizes a recipe into a temp dir.
+pub fn synthesize(r: &SynthRecipe) -> anyhow::Result<MaterializedModel> {
+    let mut spec =
+        references::synth::preset(&r.preset).with_context(|| format!("unknown synth preset {:?}", r.preset))?;
+    if let Some(q) = &r.quant {
+        let ty = references::GgmlType::from_name(q).with_context(|| format!("unknown quant type {q:?}"))?;
+        spec.weight_type = ty;
+        spec.embd_type = ty;
+    }
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join(format!("{}.gguf", r.preset));
+    crate::commands::synth::write_spec(&spec, r.seed, &path, false)?;
+    Ok(MaterializedModel { path, _dir: Some(dir) })
+}
+
+/// The model a golden file names, found relative to `root` or synthesized.
+pub fn materialize(source: &ModelSource, root: &Path) -> anyhow::Result<MaterializedModel> {
+    match source {
+        ModelSource::Synth { synth } => synthesize(synth),
+        ModelSource::Path { path } => {
+            let p = root.join(path);
+            if !p.exists() {
+                bail!(
+                    "model {} (from the golden file, relative to {}) does not exist; .ci/run fetches the real SmolLM2 into .cache/",
+                    path,
+                    root.display()
+                );
+            }
+            Ok(MaterializedModel { path: p, _dir: None })
+        }
+    }
+}
+
+/// A model path as stored in a golden file: relative to `root`, which must hold it.
+pub fn portable_path(model: &Path, root: &Path) -> anyhow::Result<String> {
+    // Lexical, not canonical: `.cache/` may be a symlink to a shared cache outside the repository,
+    // and the stored path must name it as the repository sees it.
+    let abs = std::path::absolute(model).with_context(|| format!("cannot resolve {}", model.display()))?;
+    let mut norm = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                norm.pop();
+            }
+            c => norm.push(c),
+        }
+    }
+    let rel = norm
+        .strip_prefix(root)
+        .ok()
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "{} is outside the repository root {}: golden files store portable paths; put the model under the repository (e.g. .cache/) or use --synth",
+                model.display(),
+                root.display()
+            )
+        })?;
+    Ok(rel.to_string_lossy().into_owned())
+}
+
+/// How one compared item went.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Check {
+    /// What was compared, e.g. `blk.3.attn_out@r1` or `pos 4`.
+    pub item: String,
+    /// The worst measure / its threshold (≤ 1 passes).
+    pub ratio: f64,
+    pub detail: String,
+}
+
+fn rel(a: f64, b: f64, scale: f64) -> f64 {
+    if a == b {
+        0.0
+    } else {
+        (a - b).abs() / scale.max(1e-30)
+    }
+}
+
+/// Compares a tap summary with its golden one; `Some(check)` with ratio > 1 when over tolerance.
+pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Check {
+    let fail = |detail: String| Check {
+        item: old.tap.clone(),
+        ratio: f64::INFINITY,
+        detail,
+    };
+    if new.shape != old.shape {
+        return fail(format!("shape {:?}, golden {:?}", new.shape, old.shape));
+    }
+    if new.nonfinite != old.nonfinite {
+        return fail(format!("{} non-finite values, golden {}", new.nonfinite, old.nonfinite));
+    }
+    let nulls_differ = new
+        .fingerprint
+        .iter()
+        .zip(&old.fingerprint)
+        .any(|(a, b)| a.is_some() != b.is_some());
+    if nulls_differ || new.fingerprint.len() != old.fingerprint.len() {
+        return fail("fingerprint has non-finite values where the golden has none (or the reverse)".into());
+    }
+    let (mut d2, mut b2) = (0f64, 0f64);
+    for (a, b) in new.fingerprint.iter().zip(&old.fingerprint) {
+        if let (Some(a), Some(b)) = (a, b) {
+            d2 += (*a as f64 - *b as f64).powi(2);
+            b2 += (*b as f64).powi(2);
+        }
+    }
+    let amax = old.max.abs().max(old.min.abs());
+    let measures = [
+        (
+            "fingerprint rel_l2",
+            if d2 == 0.0 {
+                0.0
+            } else {
+                d2.sqrt() / b2.sqrt().max(1e-30)
+            },
+        ),
+        ("norm", rel(new.norm, old.norm, old.norm)),
+        ("mean", rel(new.mean, old.mean, old.std)),
+        ("std", rel(new.std, old.std, old.std)),
+        ("min", rel(new.min, old.min, amax)),
+        ("max", rel(new.max, old.max, amax)),
+    ];
+    let (name, worst) = measures
+        .iter()
+        .copied()
+        .fold(("", 0.0f64), |acc, m| if m.1.is_nan() || m.1 > acc.1 { m } else { acc });
+    Check {
+        item: old.tap.clone(),
+        ratio: if worst.is_nan() {
+            f64::INFINITY
+        } else {
+            worst / t.tap_rel
+        },
+        detail: format!(
+            "{name} {worst:.3e} > {:.0e} (norm {:.6e}, golden {:.6e})",
+            t.tap_rel, new.norm, old.norm
+        ),
+    }
+}
+
+/// Compares one position's distribution with its golden one.
+pub fn compare_position(pos_idx: usize, logp: &[f64], old: &PositionGolden, t: &GateThresholds) -> Check {
+    let h = entropy(logp);
+    let mut worst = (
+        rel(h, old.entropy, 1.0) / t.entropy_abs,
+        format!("entropy {h:.6}, golden {:.6}", old.entropy),
+    );
+    for &(id, lp) in &old.top {
+        let now = logp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY);
+        let r = (now - lp).abs() / t.logprob_abs;
+        if r.is_nan() || r > worst.0 {
+            worst = (
+                if r.is_nan() { f64::INFINITY } else { r },
+                format!("logprob of token {id} {now:.6}, golden {lp:.6}"),
+            );
+        }
+    }
+    let top1 = top_k(logp, 1).first().map(|x| x.0);
+    if let Some(&(want, _)) = old.top.first() {
+        if top1 != Some(want) {
+            worst = (
+                f64::INFINITY,
+                format!(
+                    "top-1 token {}, golden {want}; {}",
+                    top1.map_or("-".into(), |t| t.to_string()),
+                    worst.1
+                ),
+            );
+        }
+    }
+    Check {
+        item: format!("pos {pos_idx}"),
+        ratio: worst.0,
+        detail: worst.1,
+    }
+}
