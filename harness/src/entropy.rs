@@ -183,27 +183,42 @@ impl<'a> Runner<'a> {
         })
     }
 
-    /// Greedy continuation of up to `max_new` tokens, stopping after `stop`. The reference has no
-    /// KV cache, so it re-runs the growing sequence each step.
-    pub fn greedy(&mut self, prompt: &[u32], max_new: usize, stop: Option<u32>) -> anyhow::Result<Vec<u32>> {
-        match self {
-            Runner::Engine(e) => Ok(e.generate(prompt, max_new, stop)?),
-            Runner::Reference(r) => {
-                let v = r.config.vocab;
-                let mut seq = prompt.to_vec();
-                let mut out = Vec::new();
-                while out.len() < max_new {
-                    let logits = r.forward(&seq, &mut NoTap)?;
-                    let next = crate::logprobs::top_k(&log_softmax(&logits[logits.len() - v..]), 1)[0].0;
-                    out.push(next);
-                    seq.push(next);
-                    if Some(next) == stop {
-                        break;
-                    }
-                }
-                Ok(out)
-            }
+    /// Greedy continuation of up to `max_new` tokens, stopping after `stop`, and the logits rows
+    /// of the decode steps (`[len − 1, vocab]`: one row after feeding each generated token but the
+    /// last), so decode-only faults show in the KL statistics too. The engine decodes through its
+    /// KV cache; the reference has none and re-runs the growing sequence each step.
+    pub fn greedy(
+        &mut self,
+        prompt: &[u32],
+        max_new: usize,
+        stop: Option<u32>,
+    ) -> anyhow::Result<(Vec<u32>, Vec<f32>)> {
+        let mut out = Vec::new();
+        let mut rows = Vec::new();
+        if max_new == 0 {
+            return Ok((out, rows));
         }
+        let mut seq = prompt.to_vec();
+        let mut logits = self.logits(prompt, &mut NoTap)?;
+        loop {
+            let v = logits.len() / if out.is_empty() { prompt.len() } else { 1 };
+            let last = &logits[logits.len() - v..];
+            let next = crate::logprobs::top_k(&log_softmax(last), 1)[0].0;
+            out.push(next);
+            seq.push(next);
+            if out.len() == max_new || Some(next) == stop {
+                break;
+            }
+            logits = match self {
+                Runner::Engine(e) => e.decode(next, &mut NoTap)?,
+                Runner::Reference(r) => {
+                    let all = r.forward(&seq, &mut NoTap)?;
+                    all[all.len() - r.config.vocab..].to_vec()
+                }
+            };
+            rows.extend_from_slice(&logits);
+        }
+        Ok((out, rows))
     }
 }
 

@@ -66,16 +66,20 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         let pos = positions(&logits, vocab);
         let n = toks.len();
         let (recurrence, recurring) = top5_recurrence(&pos.top5);
-        let continuation = if a.max_new_tokens > 0 {
-            runner.greedy(toks, a.max_new_tokens, stop)?
-        } else {
-            Vec::new()
-        };
+        let (continuation, decode_rows) = runner.greedy(toks, a.max_new_tokens, stop)?;
         let kld = match &reference {
             Some(r) => {
-                let ref_logits = r.forward(toks, &mut NoTap)?;
-                let next: Vec<Option<u32>> = (0..n).map(|j| toks.get(j + 1).copied()).collect();
-                let k = kld_positions(&logits, &ref_logits, vocab, &next);
+                // The prompt's positions (prefill) and the continuation's (decode steps), against
+                // one reference pass over the prompt and all but the last generated token.
+                let mut seq = toks.clone();
+                seq.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
+                let ref_logits = r.forward(&seq, &mut NoTap)?;
+                let mut test = logits.clone();
+                test.extend_from_slice(&decode_rows);
+                let mut full = toks.clone();
+                full.extend_from_slice(&continuation);
+                let next: Vec<Option<u32>> = (0..seq.len()).map(|j| full.get(j + 1).copied()).collect();
+                let k = kld_positions(&test, &ref_logits, vocab, &next);
                 let stats = kld_stats(&k, thresholds.kld_position);
                 all_kld.extend(k);
                 Some(stats)
