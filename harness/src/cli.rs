@@ -28,6 +28,8 @@ pub enum Command {
     /// Run the engine beside the reference, compare every tap, and say where and why they part.
     #[command(name = "diff-layers", after_help = crate::cli::FAULT_HELP.as_str())]
     DiffLayers(DiffLayersArgs),
+    /// Re-render a saved diff-layers run document (--json-out) as a self-contained HTML report.
+    Report(ReportArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -198,4 +200,16 @@ pub struct DiffLayersArgs {
     /// Write an HTML report.
     #[arg(long)]
     pub html: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// The run document written by `diff-layers --json-out`.
+    pub run: PathBuf,
+    /// The HTML file to write (atomically: a temporary file, then a rename).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Print {"report", "bytes", "verdict"} as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }

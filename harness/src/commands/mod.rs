@@ -7,6 +7,7 @@ pub mod demo;
 pub mod diff_layers;
 pub mod inspect;
 pub mod logits;
+pub mod report;
 pub mod synth;
 pub mod tokenize;
 
@@ -17,6 +18,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logits(a) => logits::run(&a),
         Command::Tokenize(a) => tokenize::run(&a),
         Command::DiffLayers(a) => diff_layers::run(&a),
+        Command::Report(a) => report::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }
