@@ -66,7 +66,7 @@ section h2{font-size:16px;margin:0 0 4px}
 table{border-collapse:collapse;width:100%;font-size:12.5px}
 th,td{padding:3px 8px;border-bottom:1px solid #eef1f4;text-align:right;white-space:nowrap}
 th{background:#f0f3f6;position:sticky;top:0;cursor:pointer;user-select:none}
-td:nth-child(2),th:nth-child(2),td:nth-child(4),th:nth-child(4){text-align:left}
+td:nth-child(2),th:nth-child(2),td:nth-child(3),th:nth-child(3){text-align:left}
 td:nth-child(2){font-family:ui-monospace,Menlo,Consolas,monospace}
 tr.o td{color:var(--red)}
 tr.f td{background:#fde2e2;font-weight:700}

@@ -7,10 +7,12 @@
 //! - [`charts`]: the SVG charts, also usable on their own by other runs (the entropy run's
 //!   [`render_entropy_chart`] and [`render_kld_histogram`] take plain slices).
 //! - [`html`]: the page shell and escaping, for other pages built from these parts.
+//! - [`sample`]: synthetic run documents for tests and measurements.
 
 pub mod charts;
 pub mod diff_page;
 pub mod html;
+pub mod sample;
 pub mod schema;
 
 pub use charts::{render_entropy_chart, render_kld_histogram};
