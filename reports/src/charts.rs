@@ -443,9 +443,11 @@ pub fn rank_bars(groups: &[(String, Vec<Bar>)], thresholds: &[f64], width: u32) 
             .label_style((FONT, 13))
             .axis_desc_style((FONT, 14))
             .draw()?;
+        let bar_px = (chart.backend_coord(&(1.0, lo)).0 - chart.backend_coord(&(0.0, lo)).0).max(1);
         let mut x = 0.5;
         for (site, bars) in groups {
             let start = x;
+            let mut group_nonfinite = None;
             for b in bars {
                 let top = clamp_log(b.value, lo, hi);
                 let color = if !b.value.is_finite() {
@@ -461,7 +463,7 @@ pub fn rank_bars(groups: &[(String, Vec<Bar>)], thresholds: &[f64], width: u32) 
                     chart.draw_series(std::iter::once(Rectangle::new(rect, BLACK.stroke_width(3))))?;
                 }
                 let (px, py) = chart.backend_coord(&(x + 0.5, lo));
-                if bars.len() <= 8 {
+                if bar_px >= 18 {
                     put(
                         root,
                         &format!("r{}", b.rank),
@@ -472,7 +474,9 @@ pub fn rank_bars(groups: &[(String, Vec<Bar>)], thresholds: &[f64], width: u32) 
                         false,
                     )?;
                 }
-                if !b.value.is_finite() {
+                if !b.value.is_finite() && bar_px < 24 {
+                    group_nonfinite = Some(if b.value.is_nan() { "NaN" } else { "inf" });
+                } else if !b.value.is_finite() {
                     let (px, py) = chart.backend_coord(&(x + 0.5, top));
                     let what = if b.value.is_nan() { "NaN" } else { "inf" };
                     put(
@@ -488,7 +492,28 @@ pub fn rank_bars(groups: &[(String, Vec<Bar>)], thresholds: &[f64], width: u32) 
                 x += 1.0;
             }
             let (px, py) = chart.backend_coord(&((start + x) / 2.0, lo));
-            put(root, site, (px, py + 18), 12.0, BLACK, (HPos::Center, VPos::Top), true)?;
+            let below = if bar_px >= 18 { 18 } else { 6 };
+            put(
+                root,
+                site,
+                (px, py + below),
+                12.0,
+                BLACK,
+                (HPos::Center, VPos::Top),
+                true,
+            )?;
+            if let Some(what) = group_nonfinite {
+                let (px, py) = chart.backend_coord(&((start + x) / 2.0, hi / 2.0));
+                put(
+                    root,
+                    what,
+                    (px, py - 2),
+                    11.0,
+                    NONFINITE,
+                    (HPos::Center, VPos::Bottom),
+                    true,
+                )?;
+            }
             x += 1.0;
         }
         for &t in &thresholds {

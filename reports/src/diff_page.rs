@@ -268,8 +268,9 @@ pub fn read_heads(n: usize, cosine: &[f64], tp: usize) -> String {
     }
     let per_rank = if tp > 1 && n % tp == 0 { n / tp } else { n };
     let rank_of = |h: usize| h / per_rank.max(1);
-    // Runs of engine heads with the same offset (or no match).
-    let mut parts = Vec::new();
+    // Runs of engine heads within one rank with the same offset (or no match), then runs that
+    // land on the same reference heads merged (an unsharded kv_b: every rank has rank 0's heads).
+    let mut runs: Vec<(usize, usize, Option<(usize, usize)>)> = Vec::new();
     let mut i = 0;
     while i < n {
         let key = best[i].map(|b| b as i64 - i as i64);
@@ -277,27 +278,35 @@ pub fn read_heads(n: usize, cosine: &[f64], tp: usize) -> String {
         while j < n && best[j].map(|b| b as i64 - j as i64) == key && rank_of(j) == rank_of(i) {
             j += 1;
         }
-        let heads = if j - i == 1 {
-            format!("{i}")
-        } else {
-            format!("{i}–{}", j - 1)
-        };
-        let rank = if per_rank < n {
-            format!(" (rank {})", rank_of(i))
-        } else {
-            String::new()
-        };
-        match key {
-            Some(0) => {}
-            Some(off) => {
-                let (a, b) = ((i as i64 + off) as usize, (j as i64 - 1 + off) as usize);
-                let to = if a == b { format!("{a}") } else { format!("{a}–{b}") };
-                parts.push(format!("engine heads {heads}{rank} match reference heads {to}"));
+        if key != Some(0) {
+            let target = key.map(|off| ((i as i64 + off) as usize, (j as i64 - 1 + off) as usize));
+            match runs.last_mut() {
+                Some(last) if last.2 == target && last.1 + 1 == i => last.1 = j - 1,
+                _ => runs.push((i, j - 1, target)),
             }
-            None => parts.push(format!("engine heads {heads}{rank} match no reference head")),
         }
         i = j;
     }
+    let span = |a: usize, b: usize| if a == b { format!("{a}") } else { format!("{a}–{b}") };
+    let parts: Vec<String> = runs
+        .iter()
+        .map(|&(a, b, target)| {
+            let (ra, rb) = (rank_of(a), rank_of(b));
+            let ranks = match (per_rank < n, ra == rb) {
+                (false, _) => String::new(),
+                (true, true) => format!(" (rank {ra})"),
+                (true, false) => format!(" (ranks {ra}–{rb}, each)"),
+            };
+            match target {
+                Some((x, y)) => format!(
+                    "engine heads {}{ranks} match reference heads {}",
+                    span(a, b),
+                    span(x, y)
+                ),
+                None => format!("engine heads {}{ranks} match no reference head", span(a, b)),
+            }
+        })
+        .collect();
     format!("Off the diagonal: {}.", parts.join("; "))
 }
 
