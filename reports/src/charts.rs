@@ -235,25 +235,22 @@ pub fn layer_error_chart(c: &LayerChart) -> String {
                 vec![(*x, lo), (*x, hi)],
                 RED.stroke_width(2),
             )))?;
-            let anchor_right = *x > n / 2;
-            let style =
-                (FONT, 14)
-                    .into_font()
-                    .style(FontStyle::Bold)
-                    .color(&RED)
-                    .pos(plotters::style::text_anchor::Pos::new(
-                        if anchor_right {
-                            plotters::style::text_anchor::HPos::Right
-                        } else {
-                            plotters::style::text_anchor::HPos::Left
-                        },
-                        plotters::style::text_anchor::VPos::Top,
-                    ));
-            chart.draw_series(std::iter::once(Text::new(
-                format!("first divergence: {label}"),
-                (*x, hi / 6.0),
-                style,
-            )))?;
+            // At the top of the plot, on the side of the line with more room.
+            let (px, py) = chart.backend_coord(&(*x, hi));
+            let (dx, h) = if *x as f64 > n as f64 * 0.65 {
+                (-6, HPos::Right)
+            } else {
+                (6, HPos::Left)
+            };
+            put(
+                root,
+                &format!("first divergence: {label}"),
+                (px + dx, py + 24),
+                14.0,
+                RED,
+                (h, VPos::Top),
+                true,
+            )?;
         }
         Ok(())
     })
@@ -828,7 +825,7 @@ mod tests {
     #[test]
     fn log_bounds_cover_values_with_headroom() {
         let (lo, hi) = log_bounds([1e-7, 0.0, 3e-2, f64::NAN].into_iter(), &[5e-5]);
-        assert!(lo <= 1e-7 && lo >= 1e-9, "{lo}");
+        assert!((1e-9..=1e-7).contains(&lo), "{lo}");
         assert!(hi >= 3e-2 * 10.0, "{hi}");
     }
 

@@ -40,9 +40,9 @@ fn header(run: &DiffRun, out: &mut String) {
     } else {
         format!(" · injected <code>{}</code>", escape(&run.injected.join(" ")))
     };
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<header><h1>llmdiff divergence report</h1><div class=meta><code>{}</code> · engine {} TP {} against the reference · {} tokens{}</div></header>\n",
+        "<header><h1>llmdiff divergence report</h1><div class=meta><code>{}</code> · engine {} TP {} against the reference · {} tokens{}</div></header>",
         escape(&run.model),
         escape(&run.backend),
         run.tp,
@@ -108,9 +108,9 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
         "<div>Reproduce:</div><div class=repro><pre id=repro>{}</pre><button id=copy type=button>copy</button></div>",
         escape(&run.repro)
     );
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span><span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}</div></section>\n",
+        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span><span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}</div></section>",
         run.taps.len(),
         n_over,
         run.tp,
@@ -270,7 +270,9 @@ pub fn read_heads(n: usize, cosine: &[f64], tp: usize) -> String {
     let rank_of = |h: usize| h / per_rank.max(1);
     // Runs of engine heads within one rank with the same offset (or no match), then runs that
     // land on the same reference heads merged (an unsharded kv_b: every rank has rank 0's heads).
-    let mut runs: Vec<(usize, usize, Option<(usize, usize)>)> = Vec::new();
+    // (first engine head, last engine head, the reference heads they match).
+    type Run = (usize, usize, Option<(usize, usize)>);
+    let mut runs: Vec<Run> = Vec::new();
     let mut i = 0;
     while i < n {
         let key = best[i].map(|b| b as i64 - i as i64);
@@ -313,9 +315,9 @@ pub fn read_heads(n: usize, cosine: &[f64], tp: usize) -> String {
 fn heads(run: &DiffRun, out: &mut String) {
     let Some(h) = &run.heads else { return };
     let svg = charts::head_heatmap(h.n_heads, &h.cosine, run.tp);
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<section class=chart id=chart-heads><h2>Per-head cosine at <code>{}</code></h2><p class=how>Engine heads (rows) against reference heads (columns), rank blocks outlined. A healthy tap is a red diagonal; a head permutation or an unsharded kv_b moves it off the diagonal; a white row is a head the engine never produced.</p>{svg}<p class=reading id=heads-reading>{}</p></section>\n",
+        "<section class=chart id=chart-heads><h2>Per-head cosine at <code>{}</code></h2><p class=how>Engine heads (rows) against reference heads (columns), rank blocks outlined. A healthy tap is a red diagonal; a head permutation or an unsharded kv_b moves it off the diagonal; a white row is a head the engine never produced.</p>{svg}<p class=reading id=heads-reading>{}</p></section>",
         escape(&h.tap),
         escape(&read_heads(h.n_heads, &h.cosine, run.tp))
     );
@@ -349,9 +351,9 @@ fn ranks(run: &DiffRun, out: &mut String) {
     }
     let svg = charts::rank_bars(&groups, &thresholds, CHART_W);
     let layer = f.layer.map_or("the global taps".to_string(), |l| format!("layer {l}"));
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<section class=chart id=chart-ranks><h2>Per rank in {layer}</h2><p class=how>rel_l2 of every rank-local tap in the divergent layer, one group per site. Green is under threshold, red over, purple non-finite; the first divergence is outlined. A fault on one rank stands alone; a fault on every rank is a shared cause.</p>{svg}</section>\n"
+        "<section class=chart id=chart-ranks><h2>Per rank in {layer}</h2><p class=how>rel_l2 of every rank-local tap in the divergent layer, one group per site. Green is under threshold, red over, purple non-finite; the first divergence is outlined. A fault on one rank stands alone; a fault on every rank is a shared cause.</p>{svg}</section>"
     );
 }
 
@@ -377,9 +379,9 @@ fn canary(run: &DiffRun, n_layers: u32, out: &mut String) {
     }
     let any = rows.iter().flat_map(|r| r.1.iter()).any(|c| c.is_some_and(|v| v > 0.0));
     let svg = charts::canary_grid(&rows, &layers, CHART_W);
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<section class=chart id=chart-canary><h2>Canary coverage of the custom ops</h2><p class=how>Before a custom op runs, its output buffer is filled with a NaN canary; a cell is the share still holding it afterwards. Green everywhere means every op wrote its whole output.{}</p>{svg}</section>\n",
+        "<section class=chart id=chart-canary><h2>Canary coverage of the custom ops</h2><p class=how>Before a custom op runs, its output buffer is filled with a NaN canary; a cell is the share still holding it afterwards. Green everywhere means every op wrote its whole output.{}</p>{svg}</section>",
         if any {
             " The first red cell is the op that did not write; later red cells carry its canary downstream."
         } else {
@@ -394,9 +396,9 @@ fn routing(run: &DiffRun, out: &mut String) {
     }
     let layers: Vec<(u32, f64)> = run.routing.iter().map(|r| (r.layer, r.agree_frac)).collect();
     let svg = charts::routing_bars(&layers, CHART_W);
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<section class=chart id=chart-routing><h2>MoE routing agreement</h2><p class=how>Share of tokens whose set of experts is identical in engine and reference, per MoE layer. Below 100 % the two sides run different experts for some tokens.</p>{svg}</section>\n"
+        "<section class=chart id=chart-routing><h2>MoE routing agreement</h2><p class=how>Share of tokens whose set of experts is identical in engine and reference, per MoE layer. Below 100 % the two sides run different experts for some tokens.</p>{svg}</section>"
     );
 }
 
@@ -412,9 +414,9 @@ fn tap_row(out: &mut String, idx: usize, t: &TapRow, first: bool) {
     } else {
         format!("{:.1}", m.sqnr_db)
     };
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<tr{class}><td>{idx}<td>{}<td>{}<td>{}x{}<td>{}<td>{:.6}<td>{}<td>{sqnr}<td>{}<td>{:.0}%<td>{}\n",
+        "<tr{class}><td>{idx}<td>{}<td>{}<td>{}x{}<td>{}<td>{:.6}<td>{}<td>{sqnr}<td>{}<td>{:.0}%<td>{}",
         escape(&t.tap),
         escape(&t.site),
         t.shape[0],
@@ -445,9 +447,9 @@ fn tables(run: &DiffRun, out: &mut String) {
     let first = run.first_divergence.as_ref().map(|f| f.tap.as_str());
     let over: Vec<(usize, &TapRow)> = run.taps.iter().enumerate().filter(|(_, t)| t.over).collect();
     if !over.is_empty() {
-        let _ = write!(
+        let _ = writeln!(
             out,
-            "<section id=over-taps><h2>Taps over threshold ({}{})</h2><p class=how>In execution order; the first divergence is highlighted. Click a column to sort.</p><div class=scroll><table class=sort>{THEAD}<tbody>\n",
+            "<section id=over-taps><h2>Taps over threshold ({}{})</h2><p class=how>In execution order; the first divergence is highlighted. Click a column to sort.</p><div class=scroll><table class=sort>{THEAD}<tbody>",
             over.len(),
             if over.len() > MAX_OVER_ROWS {
                 format!(", first {MAX_OVER_ROWS} shown")
@@ -460,9 +462,9 @@ fn tables(run: &DiffRun, out: &mut String) {
         }
         out.push_str("</tbody></table></div></section>\n");
     }
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<section id=all-taps><details{}><summary>All {} taps</summary><p class=how>Click a column to sort.</p><div class=scroll><table class=sort>{THEAD}<tbody>\n",
+        "<section id=all-taps><details{}><summary>All {} taps</summary><p class=how>Click a column to sort.</p><div class=scroll><table class=sort>{THEAD}<tbody>",
         if over.is_empty() { " open" } else { "" },
         run.taps.len()
     );

@@ -77,9 +77,8 @@ pub fn diverged_run(n_layers: u32, tp: u32, fault_layer: u32) -> DiffRun {
             let ranked = !matches!(site, "attn_proj" | "ffn_out");
             if ranked {
                 for r in 0..tp {
-                    let (rel, canary) = if l == fault_layer && site == "attn_out" && r == bad_rank {
-                        (f64::NAN, 1.0)
-                    } else if broken && !(l == fault_layer && site == "attn_out") {
+                    let at_fault = l == fault_layer && site == "attn_out";
+                    let (rel, canary) = if (at_fault && r == bad_rank) || (broken && !at_fault) {
                         (f64::NAN, 1.0)
                     } else {
                         (healthy * jitter(), 0.0)

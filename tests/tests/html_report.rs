@@ -112,7 +112,12 @@ fn check_in_browser(bin: &str, name: &str, run: &DiffRun, expect_charts: &[&str]
         .split("<pre id=\"llmdiff-check\">")
         .nth(1)
         .and_then(|s| s.split("</pre>").next())
-        .unwrap_or_else(|| panic!("{name}: the check script did not run; DOM tail: {}", &dom[dom.len().saturating_sub(500)..]));
+        .unwrap_or_else(|| {
+            panic!(
+                "{name}: the check script did not run; DOM tail: {}",
+                &dom[dom.len().saturating_sub(500)..]
+            )
+        });
     println!("{name}:\n{report}");
     let console_errors: Vec<&str> = log
         .lines()
@@ -120,7 +125,10 @@ fn check_in_browser(bin: &str, name: &str, run: &DiffRun, expect_charts: &[&str]
         .collect();
     assert!(console_errors.is_empty(), "{name}: console errors: {console_errors:?}");
     assert!(report.contains("\nERRORS 0 "), "{name}: script errors: {report}");
-    assert!(report.contains("\nSORTED true"), "{name}: the tap table did not sort: {report}");
+    assert!(
+        report.contains("\nSORTED true"),
+        "{name}: the tap table did not sort: {report}"
+    );
     let charts_line = report.lines().next().unwrap();
     for id in expect_charts {
         let size = charts_line
@@ -132,7 +140,11 @@ fn check_in_browser(bin: &str, name: &str, run: &DiffRun, expect_charts: &[&str]
         assert!(w > 50.0 && h > 50.0, "{name}: chart {id} laid out at {w}x{h}");
     }
     if let Some(d) = &run.diagnosis {
-        let text = d.explanation.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+        let text = d
+            .explanation
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;");
         assert!(report.contains(&text), "{name}: diagnosis not in the DOM: {report}");
     }
 
@@ -141,7 +153,10 @@ fn check_in_browser(bin: &str, name: &str, run: &DiffRun, expect_charts: &[&str]
     browse(
         bin,
         &page,
-        &[format!("--screenshot={}", shot.display()), "--window-size=1400,2000".into()],
+        &[
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1400,2000".into(),
+        ],
     );
     let bytes = std::fs::metadata(&shot).map(|m| m.len()).unwrap_or(0);
     assert!(bytes > 20_000, "{name}: screenshot {} is {bytes} bytes", shot.display());
@@ -151,7 +166,9 @@ fn check_in_browser(bin: &str, name: &str, run: &DiffRun, expect_charts: &[&str]
 
 fn diff_run(model: &Path, tp: usize, fault: &str) -> DiffRun {
     let file = open_model(model).unwrap();
-    let tokens: Vec<u32> = vec![107, 104, 111, 111, 114, 35, 122, 114, 117, 111, 103, 47, 35, 119, 107, 108];
+    let tokens: Vec<u32> = vec![
+        107, 104, 111, 111, 114, 35, 122, 114, 117, 111, 103, 47, 35, 119, 107, 108,
+    ];
     let plan = DiffPlan {
         file: &file,
         model_name: model.file_name().unwrap().to_string_lossy().into_owned(),
@@ -176,7 +193,14 @@ fn reports_render_in_headless_chromium() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("deepseek-v3-mini.gguf");
     write_spec(&preset("deepseek-v3-mini").unwrap(), 0, &model, false).unwrap();
-    let all = ["chart-layers", "chart-weights", "chart-heads", "chart-ranks", "chart-canary", "chart-routing"];
+    let all = [
+        "chart-layers",
+        "chart-weights",
+        "chart-heads",
+        "chart-ranks",
+        "chart-canary",
+        "chart-routing",
+    ];
 
     let run = diff_run(&model, 2, "phantom-attn-out@1:1");
     assert_eq!(run.diagnosis.as_ref().unwrap().class, "unwritten-output");
