@@ -41,6 +41,8 @@ pub enum Command {
     Gate(GateArgs),
     /// Write golden files for `gate`.
     Golden(GoldenArgs),
+    /// Re-render a saved diff-layers run document (--json-out) as a self-contained HTML report.
+    Report(ReportArgs),
     /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
     Demo(DemoArgs),
 }
@@ -366,6 +368,18 @@ pub struct BlessArgs {
     /// Output file, golden/gate-NAME.json.
     #[arg(short, long)]
     pub output: Option<PathBuf>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// The run document written by `diff-layers --json-out`.
+    pub run: PathBuf,
+    /// The HTML file to write (atomically: a temporary file, then a rename).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// Print {"report", "bytes", "verdict"} as JSON on stdout.
     #[arg(long)]
     pub json: bool,
 }

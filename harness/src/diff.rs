@@ -9,7 +9,7 @@ use references::config::ModelConfig;
 use references::forward::Reference;
 use references::tap::{rank_columns, weight_in_columns, Site, TapKey, WeightKind};
 use references::GgufFile;
-use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, TapRow, Timings, DIFF_FORMAT};
+use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, RoutingAgreement, TapRow, Timings, DIFF_FORMAT};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -120,6 +120,8 @@ struct Comparator<'a> {
     frozen_eng: Store,
     frozen_ref: Store,
     compare_s: f64,
+    /// Per MoE layer: the lowest share of tokens with identical expert sets over its moe_topk taps.
+    routing: BTreeMap<u32, f64>,
 }
 
 impl Comparator<'_> {
@@ -176,6 +178,11 @@ impl Comparator<'_> {
                 canary_left: 0.0,
             }
         };
+        if let (Site::MoeTopk, Some(layer)) = (key.site, key.layer) {
+            let agree = routing_agreement(&e.data, &want, e.shape[1]);
+            let slot = self.routing.entry(layer).or_insert(agree);
+            *slot = slot.min(agree);
+        }
         let threshold = self.plan.tolerances.threshold(key, self.plan.dtype);
         // NaN rel_l2 counts as over.
         let over = m.rel_l2.is_nan() || m.rel_l2 > threshold || m.canary_left > 0.0;
@@ -288,6 +295,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         frozen_eng: Store::new(),
         frozen_ref: Store::new(),
         compare_s: 0.0,
+        routing: BTreeMap::new(),
     };
     let tokens = &plan.tokens;
     let n_prefill = tokens
@@ -344,7 +352,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
                 .expect("first divergence has a row");
             let diagnosis = diagnose(&ctx, &k, row);
             let isolation = isolate(&reference, &ctx, &k)?;
-            let heads = head_matrix(&ctx, &k);
+            let heads = heads_at_divergence(&ctx, &k);
             let loc = Location {
                 tap: k.to_string(),
                 layer: k.layer,
@@ -370,6 +378,11 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         taps: rows,
         unmatched,
         repro: plan.repro.clone(),
+        routing: cmp
+            .routing
+            .iter()
+            .map(|(&layer, &agree_frac)| RoutingAgreement { layer, agree_frac })
+            .collect(),
         timings_s: Timings {
             engine: e.seconds,
             reference: r.seconds,
@@ -413,6 +426,41 @@ fn isolate(reference: &Reference, ctx: &DiagContext, key: &TapKey) -> anyhow::Re
         });
     }
     Ok(out)
+}
+
+/// Share of tokens (rows of `k` expert ids) whose expert sets agree, order ignored.
+fn routing_agreement(eng: &[f32], reference: &[f32], k: usize) -> f64 {
+    let k = k.max(1);
+    if eng.len() != reference.len() || eng.is_empty() {
+        return 0.0;
+    }
+    let sorted = |c: &[f32]| {
+        let mut v = c.to_vec();
+        v.sort_by(f32::total_cmp);
+        v
+    };
+    let n = eng.len() / k;
+    let same = eng
+        .chunks(k)
+        .zip(reference.chunks(k))
+        .filter(|(a, b)| sorted(a) == sorted(b))
+        .count();
+    same as f64 / n as f64
+}
+
+/// The head matrix for the report: at the divergent tap itself, or, when it has none (a weight
+/// whose shape differs, a non-attention site), at the first over-threshold attention tap of the
+/// same layer, where a head permutation or an unsharded kv_b shows as a shifted diagonal.
+fn heads_at_divergence(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
+    head_matrix(ctx, key).or_else(|| {
+        let attn = [Site::Q, Site::K, Site::V, Site::AttnOut];
+        ctx.rows
+            .iter()
+            .filter(|r| r.over && r.layer == key.layer)
+            .filter_map(|r| r.tap.parse::<TapKey>().ok())
+            .filter(|k| attn.contains(&k.site))
+            .find_map(|k| head_matrix(ctx, &k))
+    })
 }
 
 /// The per-head cosine matrix at an attention tap or the kv_b / q weights.

@@ -1,35 +1,20 @@
 //! `reports`: the versioned report schema (serde types) that harness fills, and the pure
 //! rendering of a report into one self-contained HTML string with inline SVG charts.
 //! Data in, a string out: no file I/O, no CLI.
+//!
+//! - [`schema`]: the run documents ([`DiffRun`]).
+//! - [`render_diff`]: a diff-layers run as a page.
+//! - [`charts`]: the SVG charts, also usable on their own by other runs (the entropy run's
+//!   [`render_entropy_chart`] and [`render_kld_histogram`] take plain slices).
+//! - [`html`]: the page shell and escaping, for other pages built from these parts.
+//! - [`sample`]: synthetic run documents for tests and measurements.
 
+pub mod charts;
+pub mod diff_page;
+pub mod html;
+pub mod sample;
 pub mod schema;
 
+pub use charts::{render_entropy_chart, render_kld_histogram};
+pub use diff_page::render_diff;
 pub use schema::*;
-
-/// Renders a diff run as one self-contained HTML page (a plain summary until the chart work lands).
-pub fn render_diff(run: &DiffRun) -> String {
-    let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
-    let mut rows = String::new();
-    for t in &run.taps {
-        rows.push_str(&format!(
-            "<tr{}><td>{}</td><td>{:.3e}</td><td>{:.6}</td><td>{:.0}%</td></tr>",
-            if t.over { " class=over" } else { "" },
-            esc(&t.tap),
-            t.metrics.rel_l2,
-            t.metrics.cosine,
-            t.metrics.canary_left * 100.0
-        ));
-    }
-    let diag = match &run.diagnosis {
-        Some(d) => format!("<p><b>{}</b>: {}</p>", esc(&d.class), esc(&d.explanation)),
-        None => "<p>every tap within tolerance</p>".to_string(),
-    };
-    format!(
-        "<!doctype html><html><head><meta charset=utf-8><title>llmdiff: {}</title><style>.over{{color:#b00}}td{{padding:0 8px}}</style></head><body><h1>{}</h1><div id=diagnosis>{}</div><pre>{}</pre><table><tr><th>tap</th><th>rel_l2</th><th>cosine</th><th>canary</th></tr>{}</table></body></html>",
-        esc(&run.model),
-        esc(&run.verdict),
-        diag,
-        esc(&run.repro),
-        rows
-    )
-}

@@ -1,5 +1,10 @@
 //! The run documents llmdiff writes with `--json` and renders to HTML. Versioned: readers check
 //! `format` against [`DIFF_FORMAT`] and refuse other versions with a regeneration hint.
+//!
+//! JSON has no inf or NaN: serde_json writes a non-finite float as `null`. Every float field here
+//! therefore reads `null` back as NaN (see [`lenient`]), so a saved run with a canary or a shape
+//! mismatch in it re-renders instead of failing to parse. Fields added after format 1 are optional
+//! (`#[serde(default)]`), so older documents of the same format still read.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,12 +16,18 @@ pub const DIFF_FORMAT: u32 = 1;
 /// nonfinite = count of non-finite values in a; canary_left = fraction of a still holding the canary.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics {
+    #[serde(deserialize_with = "lenient::f64")]
     pub cosine: f64,
+    #[serde(deserialize_with = "lenient::f64")]
     pub rel_l2: f64,
+    #[serde(deserialize_with = "lenient::f64")]
     pub max_abs: f64,
+    #[serde(deserialize_with = "lenient::f64")]
     pub nmse: f64,
+    #[serde(deserialize_with = "lenient::f64")]
     pub sqnr_db: f64,
     pub nonfinite: u64,
+    #[serde(deserialize_with = "lenient::f64")]
     pub canary_left: f64,
 }
 
@@ -31,6 +42,7 @@ pub struct TapRow {
     pub shape: [usize; 2],
     pub metrics: Metrics,
     /// The rel_l2 threshold this tap was held to.
+    #[serde(deserialize_with = "lenient::f64")]
     pub threshold: f64,
     pub over: bool,
 }
@@ -49,8 +61,10 @@ pub struct Location {
 pub struct Isolation {
     pub tap: String,
     /// Error of the engine output against the reference run end to end.
+    #[serde(deserialize_with = "lenient::f64")]
     pub end_to_end_rel_l2: f64,
     /// Error of the engine output against the reference op on the engine's inputs.
+    #[serde(deserialize_with = "lenient::f64")]
     pub isolated_rel_l2: f64,
     /// "introduced" when the op itself is wrong, "propagated" when only its inputs were.
     pub verdict: String,
@@ -62,6 +76,7 @@ pub struct HeadMatrix {
     pub tap: String,
     pub n_heads: usize,
     /// Row-major `[engine_head][reference_head]`.
+    #[serde(deserialize_with = "lenient::vec_f64")]
     pub cosine: Vec<f64>,
 }
 
@@ -95,6 +110,19 @@ pub struct DiffRun {
     pub unmatched: Vec<String>,
     pub repro: String,
     pub timings_s: Timings,
+    /// MoE routing agreement per MoE layer, from the moe_topk taps (empty for dense models and
+    /// for runs written before this field existed).
+    #[serde(default)]
+    pub routing: Vec<RoutingAgreement>,
+}
+
+/// How many tokens pick the same experts on both sides at one MoE layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RoutingAgreement {
+    pub layer: u32,
+    /// Share of tokens whose expert set (order ignored) is identical in engine and reference.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub agree_frac: f64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -199,4 +227,20 @@ pub struct EntropyRun {
     /// With --against-reference: over all positions of all prompts.
     pub kld: Option<KldStats>,
     pub seconds: f64,
+}
+
+/// Deserializers that read JSON `null` (serde_json's form of inf and NaN) back as NaN.
+pub mod lenient {
+    use serde::{Deserialize, Deserializer};
+
+    pub fn f64<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
+
+    pub fn vec_f64<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+        Ok(Vec::<Option<f64>>::deserialize(d)?
+            .into_iter()
+            .map(|v| v.unwrap_or(f64::NAN))
+            .collect())
+    }
 }

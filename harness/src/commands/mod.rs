@@ -12,6 +12,7 @@ pub mod golden;
 pub mod inspect;
 pub mod kernels;
 pub mod logits;
+pub mod report;
 pub mod synth;
 pub mod tokenize;
 
@@ -27,6 +28,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Entropy(a) => entropy::run(&a),
         Command::Gate(a) => gate::run(&a),
         Command::Golden(a) => golden::run(&a),
+        Command::Report(a) => report::run(&a),
         Command::Demo(a) => demo::run(&a),
     }
 }
