@@ -134,13 +134,14 @@ fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> s
     }
 }
 
-/// The one-token GEMV's settings: rows per block step, the Q4_K mode, and an optional cap on
+/// The one-token GEMV's settings: rows per block step (by default 4 for Q8_0 and Q4_K, 2 for
+/// F16/BF16, as measured on an H200), the Q4_K mode, and an optional cap on
 /// blocks per SM (environment `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_Q4K_MODE`, `LLMDIFF_GEMV_BPS`,
 /// for benchmarking variants; `LLMDIFF_GEMV=0` turns it off, back to the warp-per-row matvec).
 #[derive(Clone, Copy, Debug)]
 struct GemvConfig {
     on: bool,
-    r: usize,
+    r: Option<usize>,
     q4k_mode: usize,
     bps: Option<u32>,
 }
@@ -150,7 +151,7 @@ impl GemvConfig {
         let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         GemvConfig {
             on: get("LLMDIFF_GEMV") != Some(0),
-            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4].contains(r)).unwrap_or(2),
+            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4].contains(r)),
             q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
@@ -319,10 +320,14 @@ impl CudaBackend {
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt)?;
         let mode = if w.ty == GgmlType::Q4K { self.gemv.q4k_mode } else { 0 };
+        let r = self.gemv.r.unwrap_or(match w.ty {
+            GgmlType::Q8_0 | GgmlType::Q4K => 4,
+            _ => 2,
+        });
         GEMV_VARIANTS
             .iter()
             .copied()
-            .find(|v| v.ty == w.ty && v.r == self.gemv.r && v.upt == upt && v.mode == mode)
+            .find(|v| v.ty == w.ty && v.r == r && v.upt == upt && v.mode == mode)
     }
 
     /// Launches GEMV variant `v` (n = 1): block of ⌈units/UPT⌉ threads (whole warps), a grid of
@@ -340,7 +345,10 @@ impl CudaBackend {
     ) {
         let units = cols / GemvVariant::unit_values(v.ty);
         let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
-        assert!(threads as usize <= GemvVariant::max_threads(v.ty), "gemv: block too large");
+        assert!(
+            threads as usize <= GemvVariant::max_threads(v.ty),
+            "gemv: block too large"
+        );
         let name = v.entry();
         let f = self.func(&name);
         let occ = {
@@ -760,7 +768,11 @@ impl CudaBackend {
                 let mut g = vec![f32::NAN; rows];
                 self.linear_with(&x, 1, w, &mut g, Some(*v));
                 out.push(compare(
-                    format!("GEMV(type={},ne=[{cols},{rows}],variant={})", type_suffix(ty).unwrap_or("?"), v.entry()),
+                    format!(
+                        "GEMV(type={},ne=[{cols},{rows}],variant={})",
+                        type_suffix(ty).unwrap_or("?"),
+                        v.entry()
+                    ),
                     &g,
                     &c,
                     1e-5,

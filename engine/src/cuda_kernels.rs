@@ -167,18 +167,20 @@ mod tests {
         for id in KernelId::ALL {
             let src = id.full_source();
             for f in id.functions() {
-                let defined = src.contains(&format!("void {f}(")) || {
-                    // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
-                    let (kind, ty) = f.split_once('_').unwrap();
-                    ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
-                } || {
-                    // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...).
-                    f.strip_prefix("gemv_").is_some_and(|rest| {
-                        let (ty, tail) = rest.split_once("_r").unwrap();
-                        let m = tail.rsplit_once("_m").unwrap().1;
-                        src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, "))
-                    })
-                };
+                let defined = src.contains(&format!("void {f}("))
+                    || {
+                        // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
+                        let (kind, ty) = f.split_once('_').unwrap();
+                        ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
+                    }
+                    || {
+                        // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...).
+                        f.strip_prefix("gemv_").is_some_and(|rest| {
+                            let (ty, tail) = rest.split_once("_r").unwrap();
+                            let m = tail.rsplit_once("_m").unwrap().1;
+                            src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, "))
+                        })
+                    };
                 assert!(defined, "{f} not defined in {}", id.file());
             }
         }
