@@ -107,14 +107,16 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
             *p1 = -1;
             return;
         }
-        const u8* b = row + (size_t)blk * bb;
-        float d = f16_to_f32(ld16(b));
         if constexpr (TY == TY_Q8_0) {
-            const i8* qs = (const i8*)(b + 2);
+            // Repacked rows (see the GEMV below): cols quant bytes, then cols/32 f16 scales.
+            float d = f16_to_f32(ld16(row + cols + 2 * blk));
+            const i8* qs = (const i8*)(row + (size_t)blk * 32);
 #pragma unroll
             for (int k = 0; k < 8; k++) w[k] = d * qs[sub * 8 + k];
             *p0 = blk * 32 + sub * 8;
         } else {
+            const u8* b = row + (size_t)blk * bb;
+            float d = f16_to_f32(ld16(b));
             float m = 0.0f;
             if constexpr (TY == TY_Q4_1 || TY == TY_Q5_1) m = f16_to_f32(ld16(b + 2));
             const int qs_off = TY == TY_Q4_0 ? 2 : TY == TY_Q4_1 ? 4 : TY == TY_Q5_0 ? 6 : 8;
@@ -245,3 +247,248 @@ MATMUL_ENTRY(q8_0, TY_Q8_0)
 MATMUL_ENTRY(q4_k, TY_Q4_K)
 MATMUL_ENTRY(q5_k, TY_Q5_K)
 MATMUL_ENTRY(q6_k, TY_Q6_K)
+
+// ---------------------------------------------------------------------------------------------
+// GEMV for one token (n = 1), x-stationary: F16, BF16, Q8_0 and Q4_K.
+//
+// The row is cut into units of V values (F16/BF16: 8, one 16-byte load; Q8_0: 16, one 16-byte
+// load of quants plus the block's f16 scale; Q4_K: 64, the 32 quant bytes of one 64-value chunk
+// of a super-block, two 16-byte loads, plus the 16-byte super-block header). Thread t of a block
+// owns units t, t + T, ... (UPT of them) for every row: it loads its slice of x into registers
+// once (and, for Q4_K, the slice's per-sub-block sums of x), then the block walks groups of R
+// rows (grid-stride), loading the next group's weights while it computes the current one, and
+// reduces each row over the block in a fixed order (deterministic).
+//
+// Quants become floats without I2F: a byte is placed in the mantissa of an exponent word with
+// PRMT (2^23 + q, then one exact subtraction). Q4_K MODE 1 instead forms 1 + q/128 (no
+// subtraction) and recovers Σx·q = 128·(Σx·(1 + q/128) − Σx): one op less per weight, ~4 bits less
+// headroom in that partial sum. MODE 0 is the default.
+//
+// Q8_0 rows are repacked on upload (see `crate::cuda`): a row is its cols quant bytes, then its
+// cols/32 f16 scales (same row_bytes), so the quants are 16-byte aligned when row_bytes is.
+
+#define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
+
+__device__ __forceinline__ uint4 ldg16(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Byte b (0..3) of w as an exact float (w's bytes are unsigned), minus `bias`.
+template <int B>
+__device__ __forceinline__ float byte_f(u32 w, float bias) {
+    return __int_as_float(__byte_perm(w, GEMV_MAGIC, 0x7440u + B)) - bias;
+}
+
+template <int TY>
+struct WFrag {
+    uint4 a, b, h;
+};
+
+template <int TY>
+__host__ __device__ constexpr int gemv_vals() {
+    return TY == TY_Q4_K ? 64 : TY == TY_Q8_0 ? 16 : 8;
+}
+
+template <int TY>
+__device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<TY>& f) {
+    if constexpr (TY == TY_F16 || TY == TY_BF16) {
+        f.a = ldg16(row + 16 * u);
+    } else if constexpr (TY == TY_Q8_0) {
+        f.a = ldg16(row + 16 * u);
+        f.h.x = *(const u16*)(row + cols + 2 * (u >> 1));
+    } else {
+        const u8* b = row + (size_t)(u >> 2) * 144;
+        f.h = ldg16(b);
+        f.a = ldg16(b + 16 + 32 * (u & 3));
+        f.b = ldg16(b + 32 + 32 * (u & 3));
+    }
+}
+
+// One unit's dot with its x slice xv (V values) and, for Q4_K, xs = the two 32-value sums.
+template <int TY, int MODE>
+__device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, const float* xs, int u) {
+    if constexpr (TY == TY_F16 || TY == TY_BF16) {
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float lo, hi;
+            if constexpr (TY == TY_F16) {
+                lo = f16_to_f32((u16)(w[k] & 0xFFFF));
+                hi = f16_to_f32((u16)(w[k] >> 16));
+            } else {
+                lo = __uint_as_float(w[k] << 16);
+                hi = __uint_as_float(w[k] & 0xFFFF0000u);
+            }
+            s0 = fmaf(lo, xv[2 * k], s0);
+            s1 = fmaf(hi, xv[2 * k + 1], s1);
+        }
+        return s0 + s1;
+    } else if constexpr (TY == TY_Q8_0) {
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        float s0 = 0.0f, s1 = 0.0f;
+        const float bias = 8388736.0f;  // 2^23 + 128: the bytes are q + 128 after the xor
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 v = w[k] ^ 0x80808080u;
+            s0 = fmaf(byte_f<0>(v, bias), xv[4 * k], s0);
+            s1 = fmaf(byte_f<1>(v, bias), xv[4 * k + 1], s1);
+            s0 = fmaf(byte_f<2>(v, bias), xv[4 * k + 2], s0);
+            s1 = fmaf(byte_f<3>(v, bias), xv[4 * k + 3], s1);
+        }
+        return f16_to_f32((u16)f.h.x) * (s0 + s1);
+    } else {
+        // xv[0..32): sub-block 2j (low nibbles), xv[32..64): sub-block 2j+1 (high nibbles);
+        // word k of a (k < 4) or b (k >= 4) holds positions 4k .. 4k+3 of both.
+        const u32 w[8] = {f.a.x, f.a.y, f.a.z, f.a.w, f.b.x, f.b.y, f.b.z, f.b.w};
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            if constexpr (MODE == 0) {
+                u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+                const float bias = 8388608.0f;
+                s0 = fmaf(byte_f<0>(lo, bias), xv[4 * k], s0);
+                s0 = fmaf(byte_f<1>(lo, bias), xv[4 * k + 1], s0);
+                s0 = fmaf(byte_f<2>(lo, bias), xv[4 * k + 2], s0);
+                s0 = fmaf(byte_f<3>(lo, bias), xv[4 * k + 3], s0);
+                s1 = fmaf(byte_f<0>(hi, bias), xv[32 + 4 * k], s1);
+                s1 = fmaf(byte_f<1>(hi, bias), xv[32 + 4 * k + 1], s1);
+                s1 = fmaf(byte_f<2>(hi, bias), xv[32 + 4 * k + 2], s1);
+                s1 = fmaf(byte_f<3>(hi, bias), xv[32 + 4 * k + 3], s1);
+            } else {
+                // Each byte 1000qqqq placed as bits 16..23 under exponent byte 0x3F: 1 + q/128.
+                u32 lo = (w[k] & 0x0F0F0F0Fu) | 0x80808080u, hi = ((w[k] >> 4) & 0x0F0F0F0Fu) | 0x80808080u;
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    s0 = fmaf(__int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044u + (b << 8))), xv[4 * k + b], s0);
+                    s1 = fmaf(__int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044u + (b << 8))), xv[32 + 4 * k + b],
+                              s1);
+                }
+            }
+        }
+        if constexpr (MODE == 1) {
+            s0 = 128.0f * (s0 - xs[0]);
+            s1 = 128.0f * (s1 - xs[1]);
+        }
+        // 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4), two at a time.
+        int j = u & 3, sh = (j & 1) * 16;
+        u32 a = f.h.y >> sh, bq = f.h.z >> sh, c = f.h.w >> sh;
+        u32 sc = j < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
+        u32 mn = j < 2 ? (bq & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((bq >> 2) & 0x3030u));
+        float d = f16_to_f32((u16)(f.h.x & 0xFFFF)), dmin = f16_to_f32((u16)(f.h.x >> 16));
+        float sc0 = byte_f<0>(sc, 8388608.0f), sc1 = byte_f<1>(sc, 8388608.0f);
+        float m0 = byte_f<0>(mn, 8388608.0f), m1 = byte_f<1>(mn, 8388608.0f);
+        return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xs[0] + m1 * xs[1]);
+    }
+}
+
+template <int TY, int R, int UPT>
+__device__ __forceinline__ void gemv_load_group(const u8* __restrict__ W, int g, int rows, int row_bytes, int cols,
+                                                const int* us, WFrag<TY> (&f)[R][UPT]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int row = min(g * R + r, rows - 1);
+        const u8* rp = W + (size_t)row * row_bytes;
+#pragma unroll
+        for (int k = 0; k < UPT; k++) gemv_load<TY>(rp, us[k], cols, f[r][k]);
+    }
+}
+
+template <int TY, int R, int UPT, int MODE>
+__device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float* __restrict__ x,
+                                          float* __restrict__ out, int rows, int cols, int row_bytes) {
+    constexpr int V = gemv_vals<TY>();
+    __shared__ float red[2][32][R];
+    const int T = blockDim.x, t = threadIdx.x, lane = t & 31, warp = t >> 5, n_warps = T >> 5;
+    const int n_units = cols / V, n_groups = (rows + R - 1) / R;
+    int g = blockIdx.x;
+    if (g >= n_groups) return;
+    int us[UPT];
+    float live[UPT];
+#pragma unroll
+    for (int k = 0; k < UPT; k++) {
+        int u = t + k * T;
+        live[k] = u < n_units ? 1.0f : 0.0f;
+        us[k] = u < n_units ? u : 0;
+    }
+    WFrag<TY> cur[R][UPT], nxt[R][UPT];
+    gemv_load_group<TY, R, UPT>(W, g, rows, row_bytes, cols, us, cur);
+    float xv[UPT][V], xs[UPT][2];
+#pragma unroll
+    for (int k = 0; k < UPT; k++) {
+        const float4* xp = (const float4*)(x + (size_t)V * us[k]);
+#pragma unroll
+        for (int i = 0; i < V / 4; i++) {
+            float4 v = xp[i];
+            xv[k][4 * i] = v.x;
+            xv[k][4 * i + 1] = v.y;
+            xv[k][4 * i + 2] = v.z;
+            xv[k][4 * i + 3] = v.w;
+        }
+        if constexpr (TY == TY_Q4_K) {
+            float a = 0.0f, b = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                a += xv[k][i];
+                b += xv[k][32 + i];
+            }
+            xs[k][0] = a;
+            xs[k][1] = b;
+        }
+    }
+    int buf = 0;
+    for (;;) {
+        int gn = g + gridDim.x;
+        bool more = gn < n_groups;
+        if (more) gemv_load_group<TY, R, UPT>(W, gn, rows, row_bytes, cols, us, nxt);
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            acc[r] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < UPT; k++) acc[r] = fmaf(live[k], gemv_dot<TY, MODE>(cur[r][k], xv[k], xs[k], us[k]), acc[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = warp_sum(acc[r]);
+            if (lane == 0) red[buf][warp][r] = v;
+        }
+        __syncthreads();
+        if (t < R) {
+            float s = 0.0f;
+            for (int w = 0; w < n_warps; w++) s += red[buf][w][t];
+            int row = g * R + t;
+            if (row < rows) out[row] = s;
+        }
+        if (!more) break;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+#pragma unroll
+            for (int k = 0; k < UPT; k++) cur[r][k] = nxt[r][k];
+        g = gn;
+        buf ^= 1;
+    }
+}
+
+// Entry points gemv_<type>_r<R>_u<UPT>_m<MODE>; MAXT bounds the block (registers per thread).
+#define GEMV_ENTRY(NAME, TY, R, U, M, MAXT)                                                               \
+    extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
+        gemv_##NAME##_r##R##_u##U##_m##M(const u8* W, const float* x, float* out, int rows, int cols,     \
+                                          int row_bytes) {                                                \
+        gemv_body<TY, R, U, M>(W, x, out, rows, cols, row_bytes);                                         \
+    }
+#define GEMV_RU(NAME, TY, M, MAXT)        \
+    GEMV_ENTRY(NAME, TY, 2, 1, M, MAXT)   \
+    GEMV_ENTRY(NAME, TY, 2, 2, M, MAXT)   \
+    GEMV_ENTRY(NAME, TY, 2, 4, M, MAXT)   \
+    GEMV_ENTRY(NAME, TY, 4, 1, M, MAXT)   \
+    GEMV_ENTRY(NAME, TY, 4, 2, M, MAXT)   \
+    GEMV_ENTRY(NAME, TY, 4, 4, M, MAXT)
+
+GEMV_RU(f16, TY_F16, 0, 512)
+GEMV_RU(bf16, TY_BF16, 0, 512)
+GEMV_RU(q8_0, TY_Q8_0, 0, 512)
+GEMV_RU(q4_k, TY_Q4_K, 0, 256)
+GEMV_RU(q4_k, TY_Q4_K, 1, 256)

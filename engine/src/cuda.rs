@@ -20,7 +20,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, CpuBackend};
-use crate::cuda_kernels::{type_suffix, KernelId};
+use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
@@ -102,8 +102,60 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
 /// A weight resident on the device.
 struct DevWeight {
     data: CudaSlice<u8>,
+    /// The device layout's type (F32 for types dequantized on upload).
+    ty: GgmlType,
     suffix: &'static str,
     row_bytes: usize,
+}
+
+/// Q8_0 rows as the device keeps them: each row's quant bytes (cols of them, 16-byte aligned
+/// when the row is), then its f16 scales; the same bytes and row length as the ggml row.
+fn repack_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    let n_blocks = row_bytes / 34;
+    let cols = n_blocks * 32;
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
+        for (b, blk) in src.chunks_exact(34).enumerate() {
+            dst[b * 32..b * 32 + 32].copy_from_slice(&blk[2..]);
+            dst[cols + 2 * b..cols + 2 * b + 2].copy_from_slice(&blk[..2]);
+        }
+    }
+    out
+}
+
+/// The device bytes of a ggml weight of a type with a register decoder.
+fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> std::borrow::Cow<'_, [u8]> {
+    if ty == GgmlType::Q8_0 {
+        std::borrow::Cow::Owned(repack_q8_0(bytes, rows, row_bytes))
+    } else {
+        std::borrow::Cow::Borrowed(bytes)
+    }
+}
+
+/// The one-token GEMV's settings: rows per block step (by default 4 for Q8_0 and Q4_K, 2 for
+/// F16/BF16, as measured on an H200), the Q4_K mode, and an optional cap on
+/// blocks per SM (environment `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_Q4K_MODE`, `LLMDIFF_GEMV_BPS`,
+/// for benchmarking variants; `LLMDIFF_GEMV=0` turns it off, back to the warp-per-row matvec).
+#[derive(Clone, Copy, Debug)]
+struct GemvConfig {
+    on: bool,
+    r: Option<usize>,
+    q4k_mode: usize,
+    bps: Option<u32>,
+}
+
+impl GemvConfig {
+    fn from_env() -> GemvConfig {
+        let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
+        GemvConfig {
+            on: get("LLMDIFF_GEMV") != Some(0),
+            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4].contains(r)),
+            q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
+            bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
+        }
+    }
 }
 
 /// The GPU backend: one context on device 0, its kernels, a stream per rank thread, and the
@@ -115,6 +167,10 @@ pub struct CudaBackend {
     funcs: HashMap<String, CudaFunction>,
     streams: Mutex<HashMap<ThreadId, Arc<CudaStream>>>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
+    sms: u32,
+    gemv: GemvConfig,
+    /// Resident blocks per SM of a GEMV entry at a block size.
+    occupancy: Mutex<HashMap<(String, u32), u32>>,
 }
 
 impl CudaBackend {
@@ -134,6 +190,10 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().map_err(drv("compute capability"))?;
         let arch = arch_name(major, minor);
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("SM count"))?
+            .max(1) as u32;
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
             let ptx = compile(id, arch)?;
@@ -154,6 +214,9 @@ impl CudaBackend {
             funcs,
             streams: Mutex::new(HashMap::new()),
             weights: Mutex::new(HashMap::new()),
+            sms,
+            gemv: GemvConfig::from_env(),
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 
@@ -190,13 +253,15 @@ impl CudaBackend {
                 let bytes = unsafe { std::slice::from_raw_parts(m.data.as_ptr() as *const u8, m.data.len() * 4) };
                 DevWeight {
                     data: ok(s.clone_htod(bytes)),
+                    ty: GgmlType::F32,
                     suffix: "f32",
                     row_bytes: cols * 4,
                 }
             }
             WeightRef::Quant(q) => match type_suffix(q.ty) {
                 Some(suffix) => DevWeight {
-                    data: ok(s.clone_htod(q.bytes)),
+                    data: ok(s.clone_htod(&*device_layout(q.ty, q.bytes, rows, q.row_bytes))),
+                    ty: q.ty,
                     suffix,
                     row_bytes: q.row_bytes,
                 },
@@ -208,6 +273,7 @@ impl CudaBackend {
                     let bytes = unsafe { std::slice::from_raw_parts(f.as_ptr() as *const u8, f.len() * 4) };
                     DevWeight {
                         data: ok(s.clone_htod(bytes)),
+                        ty: GgmlType::F32,
                         suffix: "f32",
                         row_bytes: cols * 4,
                     }
@@ -231,6 +297,99 @@ impl CudaBackend {
         n: usize,
         out: &mut CudaSlice<f32>,
     ) {
+        self.launch_linear_with(s, w, rows, cols, x, n, out, None)
+    }
+
+    /// The GEMV variant a one-token product of `w` takes by default, if any.
+    fn gemv_variant(&self, w: &DevWeight, cols: usize) -> Option<GemvVariant> {
+        if !self.gemv.on {
+            return None;
+        }
+        let ok_shape = match w.ty {
+            GgmlType::F16 | GgmlType::BF16 => cols % 8 == 0,
+            GgmlType::Q8_0 => w.row_bytes % 16 == 0 && cols % 32 == 0,
+            GgmlType::Q4K => cols % 256 == 0 && w.row_bytes == cols / 256 * 144,
+            _ => false,
+        };
+        if !ok_shape || cols == 0 {
+            return None;
+        }
+        let units = cols / GemvVariant::unit_values(w.ty);
+        let maxt = GemvVariant::max_threads(w.ty);
+        let upt = [1usize, 2, 4]
+            .into_iter()
+            .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt)?;
+        let mode = if w.ty == GgmlType::Q4K { self.gemv.q4k_mode } else { 0 };
+        let r = self.gemv.r.unwrap_or(match w.ty {
+            GgmlType::Q8_0 | GgmlType::Q4K => 4,
+            _ => 2,
+        });
+        GEMV_VARIANTS
+            .iter()
+            .copied()
+            .find(|v| v.ty == w.ty && v.r == r && v.upt == upt && v.mode == mode)
+    }
+
+    /// Launches GEMV variant `v` (n = 1): block of ⌈units/UPT⌉ threads (whole warps), a grid of
+    /// at most the resident blocks, each walking groups of R rows.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gemv(
+        &self,
+        s: &Arc<CudaStream>,
+        w: &DevWeight,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        v: GemvVariant,
+    ) {
+        let units = cols / GemvVariant::unit_values(v.ty);
+        let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
+        assert!(
+            threads as usize <= GemvVariant::max_threads(v.ty),
+            "gemv: block too large"
+        );
+        let name = v.entry();
+        let f = self.func(&name);
+        let occ = {
+            let mut m = self.occupancy.lock().expect("occupancy map");
+            *m.entry((name, threads))
+                .or_insert_with(|| ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)).max(1))
+        };
+        let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
+        let groups = rows.div_ceil(v.r);
+        let grid = groups.min((self.sms * per_sm) as usize).max(1) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
+        let mut b = s.launch_builder(f);
+        b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
+        // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
+        // device layout, x has cols floats, out rows floats.
+        ok(unsafe { b.launch(cfg) });
+    }
+
+    /// `launch_linear`, with the one-token GEMV variant forced (`Some`) or chosen by default.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_linear_with(
+        &self,
+        s: &Arc<CudaStream>,
+        w: &DevWeight,
+        rows: usize,
+        cols: usize,
+        x: &CudaSlice<f32>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+        force: Option<GemvVariant>,
+    ) {
+        if n == 1 {
+            if let Some(v) = force.or_else(|| self.gemv_variant(w, cols)) {
+                return self.launch_gemv(s, w, rows, cols, x, out, v);
+            }
+        }
         let (kind, nt) = if n == 1 { ("matvec", 1) } else { ("matmul", 8) };
         let f = self.func(&format!("{kind}_{}", w.suffix));
         let cfg = LaunchConfig {
@@ -244,6 +403,24 @@ impl CudaBackend {
         // SAFETY: the arguments match matvec_*/matmul_* in kernels/quant.cu; buffers are sized
         // rows·row_bytes, n·cols and n·rows.
         ok(unsafe { b.launch(cfg) });
+    }
+
+    /// `Backend::linear`, with the one-token GEMV variant forced (`Some`) or chosen by default.
+    fn linear_with(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32], force: Option<GemvVariant>) {
+        let (rows, cols) = (w.rows(), w.cols());
+
+        assert_eq!(x.len(), n * cols, "linear: x is not [n, in]");
+        assert_eq!(out.len(), n * rows, "linear: out is not [n, out]");
+        if rows == 0 || n == 0 {
+            return;
+        }
+        let s = self.stream();
+        let dw = self.weight(w, &s);
+        let xd = ok(s.clone_htod(x));
+        // SAFETY: every element is written by the kernel before it is read back.
+        let mut od = ok(unsafe { s.alloc::<f32>(n * rows) });
+        self.launch_linear_with(&s, &dw, rows, cols, &xd, n, &mut od, force);
+        self.download(&s, &od, out);
     }
 
     fn download(&self, s: &Arc<CudaStream>, src: &CudaSlice<f32>, dst: &mut [f32]) {
@@ -266,19 +443,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
-        let (rows, cols) = (w.rows(), w.cols());
-        assert_eq!(x.len(), n * cols, "linear: x is not [n, in]");
-        assert_eq!(out.len(), n * rows, "linear: out is not [n, out]");
-        if rows == 0 || n == 0 {
-            return;
-        }
-        let s = self.stream();
-        let dw = self.weight(w, &s);
-        let xd = ok(s.clone_htod(x));
-        // SAFETY: every element is written by the kernel before it is read back.
-        let mut od = ok(unsafe { s.alloc::<f32>(n * rows) });
-        self.launch_linear(&s, &dw, rows, cols, &xd, n, &mut od);
-        self.download(&s, &od, out);
+        self.linear_with(x, n, w, out, None)
     }
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -579,6 +744,42 @@ impl CudaBackend {
             // The test bytes die here; a later type's may reuse their address and length.
             self.weights.lock().expect("weight map").clear();
         }
+        // Every compiled one-token GEMV variant, on shapes whose rows end in a partial warp of
+        // units and whose row count is not a multiple of R.
+        for ty in [GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K] {
+            let cols = match ty {
+                GgmlType::Q8_0 => 768,
+                GgmlType::Q4K => 1280,
+                _ => 1032,
+            };
+            let wf = noise(rows * cols, 40 + ty as u64);
+            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
+            let w = WeightRef::Quant(QMat {
+                ty,
+                bytes: &bytes,
+                rows,
+                cols,
+                row_bytes: bytes.len() / rows,
+            });
+            let x = noise(cols, 41);
+            let mut c = vec![0f32; rows];
+            cpu.linear(&x, 1, w, &mut c);
+            for v in GEMV_VARIANTS.iter().filter(|v| v.ty == ty) {
+                let mut g = vec![f32::NAN; rows];
+                self.linear_with(&x, 1, w, &mut g, Some(*v));
+                out.push(compare(
+                    format!(
+                        "GEMV(type={},ne=[{cols},{rows}],variant={})",
+                        type_suffix(ty).unwrap_or("?"),
+                        v.entry()
+                    ),
+                    &g,
+                    &c,
+                    1e-5,
+                ));
+            }
+            self.weights.lock().expect("weight map").clear();
+        }
         for (n, d) in [(1usize, 576usize), (7, 1000), (3, 64)] {
             let x = noise(n * d, 11);
             let wt = noise(d, 12);
@@ -774,10 +975,12 @@ impl CudaBackend {
         let copies = (512usize << 20).div_ceil(w_bytes).clamp(1, 64);
         let s = self.ctx.new_stream().map_err(drv("stream"))?;
         let host = random_blocks(ty, w_bytes);
+        let host = device_layout(ty, &host, rows, row_bytes);
         let mut ws = Vec::new();
         for _ in 0..copies {
             ws.push(DevWeight {
-                data: s.clone_htod(&host).map_err(drv("upload"))?,
+                data: s.clone_htod(&*host).map_err(drv("upload"))?,
+                ty,
                 suffix,
                 row_bytes,
             });

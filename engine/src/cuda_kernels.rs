@@ -53,6 +53,7 @@ impl KernelId {
                     let s = type_suffix(t).expect("GPU_TYPES have suffixes");
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
+                .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
                 .collect(),
             KernelId::Ops => ["rms_norm", "rope", "swiglu", "all_reduce_sum"]
                 .map(String::from)
@@ -61,6 +62,67 @@ impl KernelId {
         }
     }
 }
+
+/// One compiled variant of the x-stationary one-token GEMV in `kernels/quant.cu`
+/// (`gemv_<type>_r<R>_u<UPT>_m<MODE>`): R rows per block step, UPT units per thread, MODE the
+/// Q4_K integer-to-float form (0 exact, 1 offset), MAXT the block-size bound it was compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemvVariant {
+    pub ty: GgmlType,
+    pub r: usize,
+    pub upt: usize,
+    pub mode: usize,
+}
+
+impl GemvVariant {
+    pub fn entry(self) -> String {
+        let s = type_suffix(self.ty).expect("GEMV types have suffixes");
+        format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode)
+    }
+
+    /// Values per unit (one thread's share of a row per step).
+    pub fn unit_values(ty: GgmlType) -> usize {
+        match ty {
+            GgmlType::Q4K => 64,
+            GgmlType::Q8_0 => 16,
+            _ => 8,
+        }
+    }
+
+    /// The largest block the variant was compiled for (`__launch_bounds__`).
+    pub fn max_threads(ty: GgmlType) -> usize {
+        if ty == GgmlType::Q4K {
+            256
+        } else {
+            512
+        }
+    }
+}
+
+const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
+    GemvVariant { ty, r, upt, mode }
+}
+
+/// Every compiled GEMV variant (the `GEMV_RU` lines of `kernels/quant.cu`).
+pub const GEMV_VARIANTS: [GemvVariant; 30] = {
+    let tys = [
+        (GgmlType::F16, 0),
+        (GgmlType::BF16, 0),
+        (GgmlType::Q8_0, 0),
+        (GgmlType::Q4K, 0),
+        (GgmlType::Q4K, 1),
+    ];
+    let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 30];
+    let mut i = 0;
+    while i < 30 {
+        let (ty, m) = tys[i / 6];
+        let (r, u) = ru[i % 6];
+        out[i] = gv(ty, r, u, m);
+        i += 1;
+    }
+    out
+};
 
 /// The weight types decoded in registers by `kernels/quant.cu`. Others (Q2_K, Q3_K) are
 /// dequantized to f32 on the host when uploaded.
@@ -105,11 +167,20 @@ mod tests {
         for id in KernelId::ALL {
             let src = id.full_source();
             for f in id.functions() {
-                let defined = src.contains(&format!("void {f}(")) || {
-                    // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
-                    let (kind, ty) = f.split_once('_').unwrap();
-                    ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
-                };
+                let defined = src.contains(&format!("void {f}("))
+                    || {
+                        // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
+                        let (kind, ty) = f.split_once('_').unwrap();
+                        ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
+                    }
+                    || {
+                        // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...).
+                        f.strip_prefix("gemv_").is_some_and(|rest| {
+                            let (ty, tail) = rest.split_once("_r").unwrap();
+                            let m = tail.rsplit_once("_m").unwrap().1;
+                            src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, "))
+                        })
+                    };
                 assert!(defined, "{f} not defined in {}", id.file());
             }
         }
