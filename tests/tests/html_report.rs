@@ -179,6 +179,7 @@ fn diff_run(model: &Path, tp: usize, fault: &str) -> DiffRun {
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
+        backend: engine::BackendKind::Cpu,
         repro: format!("llmdiff diff-layers {} --tp {tp} --inject {fault}", model.display()),
     };
     run_diff(&plan).unwrap()
