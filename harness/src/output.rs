@@ -91,7 +91,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .unwrap_or(Path::new("."));
     let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot write in {}", dir.display()))?;
     tmp.write_all(bytes)?;
-    // Temp files are created 0600; results are meant to be shared (bug attachments, CI artifacts).
+    persist(tmp, path)
+}
+
+/// Renames a finished temp file over `path`. Temp files are created 0600; results are meant to be
+/// shared (bug attachments, CI artifacts, models), so they become 0644 first.
+pub fn persist(tmp: tempfile::NamedTempFile, path: &Path) -> anyhow::Result<()> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -1,7 +1,7 @@
 //! `llmdiff synth`: deterministic random-weight GGUF models from a preset or explicit dims.
 
 use crate::cli::{DimArgs, SynthArgs};
-use crate::output::{config_json, progress_bar};
+use crate::output::{config_json, persist, progress_bar};
 use anyhow::{bail, Context};
 use references::synth::{preset, write_model, SynthSpec, PRESETS};
 use references::GgmlType;
@@ -59,8 +59,7 @@ pub fn write_spec(spec: &SynthSpec, seed: u64, out: &Path, show_progress: bool) 
     )
     .with_context(|| format!("writing {}", out.display()))?;
     bar.finish_and_clear();
-    tmp.persist(out)
-        .with_context(|| format!("cannot create {}", out.display()))?;
+    persist(tmp, out)?;
     Ok(bytes)
 }
 
