@@ -2,7 +2,7 @@
 //! reassembled from attn_k_b/attn_v_b, then a dense SwiGLU FFN (leading layers) or a routed MoE
 //! with a shared expert. Written from model-facts.md and HF's modeling_deepseek_v3.py.
 
-use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
+use super::{dense_ffn, emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
 use crate::config::{Gating, MoeConfig};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
@@ -30,23 +30,7 @@ pub(super) fn layer(
     emit(tap, TapKey::layer(l, Site::FfnNorm), &h, n);
     let out = match &c.moe {
         Some(moe) if c.is_moe_layer(l) => moe_ffn(r, l, moe, &h, n, tap)?,
-        _ => {
-            let f = c.ffn_dim;
-            let gate = r.matrix(&name("ffn_gate"), f, d)?;
-            let up = r.matrix(&name("ffn_up"), f, d)?;
-            let down = r.matrix(&name("ffn_down"), d, f)?;
-            for (kind, w) in [
-                (WeightKind::Gate, &gate),
-                (WeightKind::Up, &up),
-                (WeightKind::Down, &down),
-            ] {
-                emit_weight(tap, l, kind, w);
-            }
-            let (g, u, out) = swiglu_ffn(&h, n, &gate, &up, &down);
-            emit(tap, TapKey::layer(l, Site::FfnGate), &g, n);
-            emit(tap, TapKey::layer(l, Site::FfnUp), &u, n);
-            out
-        }
+        _ => dense_ffn(r, l, &h, n, tap)?,
     };
     emit(tap, TapKey::layer(l, Site::FfnOut), &out, n);
     let x = ops::add(&x, &out);

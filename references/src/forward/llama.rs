@@ -1,6 +1,6 @@
 //! One llama block: RMSNorm, q/k/v, NORM RoPE, causal GQA, o_proj, residual, SwiGLU FFN.
 
-use super::{emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Reference};
+use super::{dense_ffn, emit, emit_weight, linear, ops, ForwardError, Reference};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
 pub(super) fn layer(
@@ -51,22 +51,9 @@ pub(super) fn layer(
     let x = ops::add(&x, &proj);
     emit(tap, key(Site::ResidAttn), &x, n);
 
-    let f = c.ffn_dim;
-    let gate = r.matrix(&name("ffn_gate"), f, d)?;
-    let up = r.matrix(&name("ffn_up"), f, d)?;
-    let down = r.matrix(&name("ffn_down"), d, f)?;
-    for (kind, w) in [
-        (WeightKind::Gate, &gate),
-        (WeightKind::Up, &up),
-        (WeightKind::Down, &down),
-    ] {
-        emit_weight(tap, l, kind, w);
-    }
     let h = ops::rms_norm(&x, d, &r.vector(&name("ffn_norm"), d)?, c.rms_eps);
     emit(tap, key(Site::FfnNorm), &h, n);
-    let (g, u, out) = swiglu_ffn(&h, n, &gate, &up, &down);
-    emit(tap, key(Site::FfnGate), &g, n);
-    emit(tap, key(Site::FfnUp), &u, n);
+    let out = dense_ffn(r, l, &h, n, tap)?;
     emit(tap, key(Site::FfnOut), &out, n);
     let x = ops::add(&x, &out);
     emit(tap, key(Site::ResidOut), &x, n);

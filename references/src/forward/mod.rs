@@ -204,6 +204,33 @@ pub(crate) fn linear(x: &[f32], n: usize, w: &Mat) -> Vec<f32> {
     ops::matmul_t(x, n, w.cols, &w.data, w.rows)
 }
 
+/// Layer `l`'s dense FFN on `h` (the ffn_norm output): loads and taps its weights, taps gate and
+/// up, and returns the output (not tapped: the caller taps ffn_out).
+pub(crate) fn dense_ffn(
+    r: &Reference,
+    l: usize,
+    h: &[f32],
+    n: usize,
+    tap: &mut dyn Tap,
+) -> Result<Vec<f32>, ForwardError> {
+    let (d, f) = (r.config.d_model, r.config.ffn_dim);
+    let name = |s: &str| format!("blk.{l}.{s}.weight");
+    let gate = r.matrix(&name("ffn_gate"), f, d)?;
+    let up = r.matrix(&name("ffn_up"), f, d)?;
+    let down = r.matrix(&name("ffn_down"), d, f)?;
+    for (kind, w) in [
+        (WeightKind::Gate, &gate),
+        (WeightKind::Up, &up),
+        (WeightKind::Down, &down),
+    ] {
+        emit_weight(tap, l, kind, w);
+    }
+    let (g, u, out) = swiglu_ffn(h, n, &gate, &up, &down);
+    emit(tap, TapKey::layer(l, Site::FfnGate), &g, n);
+    emit(tap, TapKey::layer(l, Site::FfnUp), &u, n);
+    Ok(out)
+}
+
 /// The dense SwiGLU FFN (also used for shared and routed experts): returns (gate, up, out).
 pub(crate) fn swiglu_ffn(x: &[f32], n: usize, gate: &Mat, up: &Mat, down: &Mat) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let g = linear(x, n, gate);
