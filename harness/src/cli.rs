@@ -289,6 +289,9 @@ pub struct EntropyArgs {
     /// Override the per-position KLD threshold (nats) of --against-reference.
     #[arg(long)]
     pub kld_threshold: Option<f64>,
+    /// Write an HTML report (entropy per position, KLD histogram).
+    #[arg(long)]
+    pub html: Option<PathBuf>,
     /// Print the run document as JSON on stdout.
     #[arg(long)]
     pub json: bool,

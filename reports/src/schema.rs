@@ -205,6 +205,15 @@ pub struct PromptEntropy {
     /// Non-finite logits seen.
     pub nonfinite: u64,
     pub kld: Option<KldStats>,
+    /// Entropy (nats) at every prompt position, on the backend that ran.
+    #[serde(default)]
+    pub entropies: Vec<f64>,
+    /// With --against-reference: the reference's entropy at the same positions.
+    #[serde(default)]
+    pub reference_entropies: Vec<f64>,
+    /// With --against-reference: KLD at every compared position (prompt, then decode steps).
+    #[serde(default)]
+    pub kld_positions: Vec<f64>,
 }
 
 /// An `entropy` run.

@@ -67,6 +67,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         let n = toks.len();
         let (recurrence, recurring) = top5_recurrence(&pos.top5);
         let (continuation, decode_rows) = runner.greedy(toks, a.max_new_tokens, stop)?;
+        let (mut ref_entropies, mut kld_series) = (Vec::new(), Vec::new());
         let kld = match &reference {
             Some(r) => {
                 // The prompt's positions (prefill) and the continuation's (decode steps), against
@@ -80,6 +81,8 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 full.extend_from_slice(&continuation);
                 let next: Vec<Option<u32>> = (0..seq.len()).map(|j| full.get(j + 1).copied()).collect();
                 let k = kld_positions(&test, &ref_logits, vocab, &next);
+                ref_entropies = positions(&ref_logits[..n * vocab], vocab).entropies;
+                kld_series = k.iter().map(|p| p.kld).collect();
                 let stats = kld_stats(&k, thresholds.kld_position);
                 all_kld.extend(k);
                 Some(stats)
@@ -104,6 +107,9 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             continuation,
             nonfinite: pos.nonfinite,
             kld,
+            entropies: pos.entropies.clone(),
+            reference_entropies: ref_entropies,
+            kld_positions: kld_series,
         };
         let (v, reasons) = verdict(&pe, &thresholds);
         pe.verdict = v;
@@ -132,6 +138,10 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     };
     if let Some(p) = &a.json_out {
         write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
+    }
+    if let Some(p) = &a.html {
+        write_atomic(p, reports::render_entropy(&run).as_bytes())?;
+        eprintln!("report: {}", p.display());
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&run)?);
