@@ -315,6 +315,9 @@ pub struct GateArgs {
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
     pub junit: Option<PathBuf>,
+    /// Write an HTML report (per golden file: verdict, first failure, every case).
+    #[arg(long)]
+    pub html: Option<PathBuf>,
     /// Print the result as JSON on stdout.
     #[arg(long)]
     pub json: bool,

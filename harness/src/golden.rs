@@ -341,15 +341,8 @@ pub fn portable_path(model: &Path, root: &Path) -> anyhow::Result<String> {
     Ok(rel.to_string_lossy().into_owned())
 }
 
-/// How one compared item went.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Check {
-    /// What was compared, e.g. `blk.3.attn_out@r1` or `pos 4`.
-    pub item: String,
-    /// The worst measure / its threshold (≤ 1 passes).
-    pub ratio: f64,
-    pub detail: String,
-}
+/// How one compared item went (the report schema's type).
+pub use reports::GateCheck as Check;
 
 fn rel(a: f64, b: f64, scale: f64) -> f64 {
     if a == b {

@@ -12,6 +12,7 @@
 pub mod charts;
 pub mod diff_page;
 pub mod entropy_page;
+pub mod gate_page;
 pub mod html;
 pub mod sample;
 pub mod schema;
@@ -19,4 +20,5 @@ pub mod schema;
 pub use charts::{render_entropy_chart, render_kld_histogram};
 pub use diff_page::render_diff;
 pub use entropy_page::render_entropy;
+pub use gate_page::render_gate;
 pub use schema::*;

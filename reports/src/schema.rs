@@ -253,3 +253,41 @@ pub mod lenient {
             .collect())
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// `gate` run documents: one suite per golden file, one case per tap group and per prompt.
+
+/// How one compared item went.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateCheck {
+    /// What was compared, e.g. `blk.3.attn_out@r1` or `pos 4`.
+    pub item: String,
+    /// The worst measure / its threshold (≤ 1 passes).
+    pub ratio: f64,
+    pub detail: String,
+}
+
+/// One case: a tap group (embed, a layer, output) or one prompt's positions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateCase {
+    pub name: String,
+    pub passed: bool,
+    pub skipped: bool,
+    /// Worst measure / threshold over the case.
+    pub worst_ratio: f64,
+    pub failures: Vec<GateCheck>,
+}
+
+/// The outcome of one golden file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateSuite {
+    pub golden: String,
+    /// "pass" or "fail".
+    pub verdict: String,
+    pub backend: String,
+    pub tp: usize,
+    /// One line on the first failure in execution order, with the bless hint.
+    pub message: Option<String>,
+    pub cases: Vec<GateCase>,
+    pub seconds: f64,
+}

@@ -12,34 +12,12 @@ use crate::output::write_atomic;
 use anyhow::bail;
 use engine::FaultSpec;
 use references::ModelConfig;
-use serde::Serialize;
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
-/// The outcome of one golden file.
-#[derive(Serialize)]
-struct SuiteResult {
-    golden: String,
-    verdict: &'static str,
-    backend: String,
-    tp: usize,
-    /// One line on the first failure in execution order, with the bless hint.
-    message: Option<String>,
-    cases: Vec<CaseResult>,
-    seconds: f64,
-}
-
-#[derive(Serialize)]
-struct CaseResult {
-    name: String,
-    passed: bool,
-    skipped: bool,
-    /// Worst measure / threshold over the case.
-    worst_ratio: f64,
-    failures: Vec<Check>,
-}
+use reports::{GateCase as CaseResult, GateSuite as SuiteResult};
 
 /// The tap group a tap belongs to: `embed`, `blk.N` or `output`.
 fn group_of(tap: &str) -> String {
@@ -72,6 +50,10 @@ pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
         write_atomic(p, crate::junit::render(&suites).as_bytes())?;
         eprintln!("junit: {}", p.display());
     }
+    if let Some(p) = &a.html {
+        write_atomic(p, reports::render_gate(&results).as_bytes())?;
+        eprintln!("report: {}", p.display());
+    }
     let pass = results.iter().all(|r| r.verdict == "pass");
     if a.json {
         let doc = serde_json::json!({"verdict": if pass { "pass" } else { "fail" }, "suites": results});
@@ -98,7 +80,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     let overridden = backend.is_some_and(|b| (b != BackendArg::Reference) != (g.backend != "reference"));
     let mut result = SuiteResult {
         golden: name,
-        verdict: "pass",
+        verdict: "pass".to_string(),
         backend: if engine { "cpu".into() } else { "reference".into() },
         tp: g.tp,
         message: None,
@@ -126,7 +108,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
                 detail: msg.clone(),
             }],
         });
-        result.verdict = "fail";
+        result.verdict = "fail".to_string();
         result.message = Some(msg);
         result.seconds = t0.elapsed().as_secs_f64();
         return Ok(result);
@@ -214,7 +196,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     }
     if let Some(f) = first_fail {
         let n_fail = result.cases.iter().filter(|c| !c.passed).count();
-        result.verdict = "fail";
+        result.verdict = "fail".to_string();
         result.message = Some(format!(
             "{n_fail} of {} cases failed; first in execution order: {f}; if the change is intended, re-bless: {hint}",
             result.cases.len()
