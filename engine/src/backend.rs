@@ -53,6 +53,15 @@ pub trait Backend: Send + Sync {
     fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
         crate::engine::all_reduce(partials)
     }
+    /// One line on how the ranks are placed (device, ranks per GPU, collective), for the terminal.
+    fn describe(&self) -> String {
+        self.name().to_string()
+    }
+    /// Time spent in the all-reduce since the last reset, where the backend keeps it.
+    fn comm_stats(&self) -> Option<CommStats> {
+        None
+    }
+    fn reset_comm_stats(&self) {}
     /// Embedding gather: row `rows[t]` of `w` decoded into `out[t]`, or zeros for `None` (a token
     /// outside this rank's vocab range).
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
@@ -105,4 +114,63 @@ impl Backend for CpuBackend {
     ) {
         kernels::mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
     }
+}
+
+/// Wall time spent in the all-reduce: `total` is the whole call (uploads of the partials, the
+/// collective, the download of the sum); `collective` is the part between the launch of the
+/// collective and its completion (NCCL only; zero for the simulated ranks' device sum).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommStats {
+    pub calls: u64,
+    pub total_s: f64,
+    pub collective_s: f64,
+}
+
+/// A thread-safe accumulator of [`CommStats`].
+#[derive(Debug, Default)]
+pub struct CommClock {
+    calls: std::sync::atomic::AtomicU64,
+    total_ns: std::sync::atomic::AtomicU64,
+    collective_ns: std::sync::atomic::AtomicU64,
+}
+
+impl CommClock {
+    pub fn add(&self, total: std::time::Duration, collective: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        self.total_ns.fetch_add(total.as_nanos() as u64, Relaxed);
+        self.collective_ns.fetch_add(collective.as_nanos() as u64, Relaxed);
+    }
+    pub fn read(&self) -> CommStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        CommStats {
+            calls: self.calls.load(Relaxed),
+            total_s: self.total_ns.load(Relaxed) as f64 * 1e-9,
+            collective_s: self.collective_ns.load(Relaxed) as f64 * 1e-9,
+        }
+    }
+    pub fn reset(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.store(0, Relaxed);
+        self.total_ns.store(0, Relaxed);
+        self.collective_ns.store(0, Relaxed);
+    }
+}
+
+thread_local! {
+    static CURRENT_RANK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` as rank `rank_idx`: a backend with one device per rank (`cuda-nccl`) sends the ops
+/// that `f` issues on this thread to that rank's GPU. Backends with one device ignore it.
+pub fn as_rank<T>(rank_idx: usize, f: impl FnOnce() -> T) -> T {
+    let prev = CURRENT_RANK.with(|c| c.replace(rank_idx));
+    let out = f();
+    CURRENT_RANK.with(|c| c.set(prev));
+    out
+}
+
+/// The rank the calling thread works for (see [`as_rank`]).
+pub fn current_rank() -> usize {
+    CURRENT_RANK.with(|c| c.get())
 }

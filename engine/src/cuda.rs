@@ -19,7 +19,7 @@
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
 //! since the [`Backend`] ops are infallible.
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::EngineError;
@@ -171,17 +171,30 @@ pub struct CudaBackend {
     gemv: GemvConfig,
     /// Resident blocks per SM of a GEMV entry at a block size.
     occupancy: Mutex<HashMap<(String, u32), u32>>,
+    /// Wall time in the all-reduce.
+    clock: CommClock,
 }
 
 impl CudaBackend {
     /// Opens device 0 and compiles every kernel module for it.
     pub fn new() -> Result<CudaBackend, EngineError> {
+        CudaBackend::on_device(0)
+    }
+
+    /// The number of CUDA devices (0 where there is no driver).
+    pub fn device_count() -> usize {
+        guarded("CUDA driver", || CudaContext::device_count().map_err(drv("CUDA driver")))
+            .map_or(0, |n| n.max(0) as usize)
+    }
+
+    /// Opens device `ordinal` and compiles every kernel module for it.
+    pub fn on_device(ordinal: usize) -> Result<CudaBackend, EngineError> {
         let ctx = guarded("CUDA driver", || {
             let n = CudaContext::device_count().map_err(drv("CUDA driver"))?;
-            if n < 1 {
-                return Err(EngineError::Cuda("no CUDA device found".into()));
+            if (n.max(0) as usize) <= ordinal {
+                return Err(EngineError::Cuda(format!("no CUDA device {ordinal} ({n} found)")));
             }
-            CudaContext::new(0).map_err(drv("CUDA device 0"))
+            CudaContext::new(ordinal).map_err(drv("CUDA device"))
         })?;
         // Every op synchronizes its own stream before returning; no cross-stream tracking needed.
         // SAFETY: no slice is shared between streams while work on it is in flight (weights are
@@ -217,7 +230,12 @@ impl CudaBackend {
             sms,
             gemv: GemvConfig::from_env(),
             occupancy: Mutex::new(HashMap::new()),
+            clock: CommClock::default(),
         })
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// The device's name and the arch the kernels were compiled for.
@@ -441,6 +459,12 @@ impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
     }
+    fn describe(&self) -> String {
+        format!(
+            "cuda: simulated ranks, all on one GPU ({}), a stream each; fixed-order device-side all-reduce",
+            self.device
+        )
+    }
 
     fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
         self.linear_with(x, n, w, out, None)
@@ -596,6 +620,28 @@ impl Backend for CudaBackend {
     }
 
     fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
+        let t0 = std::time::Instant::now();
+        let out = self.all_reduce_device(partials);
+        self.clock.add(t0.elapsed(), std::time::Duration::ZERO);
+        out
+    }
+
+    fn comm_stats(&self) -> Option<CommStats> {
+        Some(self.clock.read())
+    }
+
+    fn reset_comm_stats(&self) {
+        self.clock.reset()
+    }
+
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+        self.embed_rows_device(w, rows, out)
+    }
+}
+
+impl CudaBackend {
+    /// The fixed-order device-side sum of the simulated ranks' partials.
+    fn all_reduce_device(&self, partials: &[Vec<f32>]) -> Vec<f32> {
         let len = partials[0].len();
         let mut out = vec![0f32; len];
         if len == 0 {
@@ -615,7 +661,7 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+    fn embed_rows_device(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
         let cols = w.cols();
         if rows.is_empty() || cols == 0 {
             return;

@@ -9,7 +9,7 @@
 //! o_proj (+ all-reduce) and FFN/MoE (+ all-reduce); then output_norm and the lm_head slice
 //! (+ gather).
 
-use crate::backend::{Backend, BackendKind, CpuBackend};
+use crate::backend::{as_rank, Backend, BackendKind, CommStats, CpuBackend};
 use crate::fault::{Fault, FaultSet, FaultSpec};
 use crate::rank::{PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
@@ -188,7 +188,7 @@ impl Engine {
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => Box::new(crate::cuda::CudaBackend::new()?),
+            BackendKind::Cuda => crate::cuda_nccl::cuda_backend(opts.tp)?,
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
                 return Err(EngineError::Cuda(
@@ -252,6 +252,20 @@ impl Engine {
 
     pub fn backend_name(&self) -> &'static str {
         self.backend.name()
+    }
+
+    /// How the ranks are placed, in one line (e.g. "cuda-nccl: 2 ranks on 2 GPUs, ...").
+    pub fn backend_description(&self) -> String {
+        self.backend.describe()
+    }
+
+    /// All-reduce time since the last [`Engine::reset_comm_stats`], where the backend keeps it.
+    pub fn comm_stats(&self) -> Option<CommStats> {
+        self.backend.comm_stats()
+    }
+
+    pub fn reset_comm_stats(&self) {
+        self.backend.reset_comm_stats()
     }
 
     /// Tokens in the KV cache.
@@ -334,7 +348,11 @@ impl Engine {
         let (n, d) = (tokens.len(), c.d_model);
 
         // Vocab-parallel embedding, then all-reduce.
-        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| r.embed(&ctx, tokens)).collect();
+        let outs: Vec<PhaseOut> = self
+            .ranks
+            .par_iter()
+            .map(|r| as_rank(r.idx, || r.embed(&ctx, tokens)))
+            .collect();
         let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
         let x = self.backend.all_reduce(&partials);
@@ -349,9 +367,12 @@ impl Engine {
                 let outs: Vec<PhaseOut> = self
                     .ranks
                     .par_iter_mut()
-                    .map(|r| match phase_site {
-                        Site::AttnProj => r.attn_block(&ctx, layer_idx),
-                        _ => r.ffn_block(&ctx, layer_idx),
+                    .map(|r| {
+                        let idx = r.idx;
+                        as_rank(idx, || match phase_site {
+                            Site::AttnProj => r.attn_block(&ctx, layer_idx),
+                            _ => r.ffn_block(&ctx, layer_idx),
+                        })
                     })
                     .collect();
                 let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
@@ -379,7 +400,7 @@ impl Engine {
         }
 
         // output_norm and the vocab-parallel lm_head, then gather.
-        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| r.head(&ctx)).collect();
+        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| as_rank(r.idx, || r.head(&ctx))).collect();
         let (slices, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
         let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();

@@ -11,6 +11,8 @@
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_nccl;
 pub mod cuda_kernels;
 pub mod dequant;
 pub mod engine;
@@ -22,7 +24,7 @@ pub mod rank;
 pub mod taps;
 pub mod weights;
 
-pub use backend::{Backend, BackendKind, CpuBackend};
+pub use backend::{Backend, BackendKind, CommStats, CpuBackend};
 pub use engine::{valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};

@@ -174,6 +174,10 @@ pub struct LogitsArgs {
     /// How many top tokens to show per position.
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
+    /// Also write the raw logits `[n_tokens, vocab]` as little-endian f32 to this file (for
+    /// comparing two runs element by element).
+    #[arg(long)]
+    pub dump_f32: Option<PathBuf>,
     #[arg(long)]
     pub json: bool,
 }

@@ -283,6 +283,11 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         ..EngineOptions::default()
     };
     let mut engine = Engine::load(engine_file, opts)?;
+    if engine.backend_name() != "cpu" {
+        // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
+        // that --json output stays one document.
+        eprintln!("backend: {}", engine.backend_description());
+    }
     let config = reference.config.clone();
     let mut cmp = Comparator {
         plan,

@@ -36,6 +36,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         }
         Ok(best)
     };
+    let mut engine_backend = None;
+    let mut comm = serde_json::Value::Null;
     let (prefill_s, decode_s) = match a.backend {
         BackendArg::Reference => {
             let r = Reference::new(&file)?;
@@ -53,21 +55,46 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                     ..EngineOptions::default()
                 },
             )?;
+            engine_backend = Some(e.backend_name());
+            if e.backend_name() != "cpu" {
+                eprintln!("backend: {}", e.backend_description());
+            }
+            e.reset_comm_stats();
             let prefill = best(&mut || e.prefill(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?;
+            let prefill_comm = e.comm_stats();
             let decode = if a.n_decode > 0 {
                 let mut best_decode = f64::INFINITY;
                 for _ in 0..a.reps {
                     e.prefill(&tokens, &mut NoTap)?;
+                    e.reset_comm_stats();
                     let t0 = Instant::now();
                     for i in 0..a.n_decode as u32 {
                         e.decode((i * 31 + 7) % vocab, &mut NoTap)?;
                     }
-                    best_decode = best_decode.min(t0.elapsed().as_secs_f64() / a.n_decode as f64);
+                    let wall = t0.elapsed().as_secs_f64();
+                    if wall / (a.n_decode as f64) < best_decode {
+                        best_decode = wall / a.n_decode as f64;
+                        // The all-reduce share of the best decode rep: whole calls (uploads of the
+                        // partials, the collective, the download) and the collective alone.
+                        if let Some(c) = e.comm_stats() {
+                            comm["decode_allreduce_calls"] = json!(c.calls);
+                            comm["decode_allreduce_s"] = json!(c.total_s);
+                            comm["decode_collective_s"] = json!(c.collective_s);
+                            comm["decode_allreduce_share"] = json!(c.total_s / wall);
+                            comm["decode_collective_share"] = json!(c.collective_s / wall);
+                        }
+                    }
                 }
                 Some(best_decode)
             } else {
                 None
             };
+            if let Some(c) = prefill_comm {
+                // Summed over the reps; per rep below.
+                let reps = a.reps as f64;
+                comm["prefill_allreduce_s"] = json!(c.total_s / reps);
+                comm["prefill_collective_s"] = json!(c.collective_s / reps);
+            }
             (prefill, decode)
         }
     };
@@ -77,7 +104,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         "threads": rayon::current_num_threads(), "n_prompt": a.n_prompt, "prefill_s": prefill_s,
         "prefill_tok_s": a.n_prompt as f64 / prefill_s, "n_decode": a.n_decode,
         "decode_s_per_token": decode_s, "decode_tok_s": decode_s.map(|s| 1.0 / s), "peak_rss_kib": rss,
-        "model_bytes": file.file_size(),
+        "model_bytes": file.file_size(), "engine_backend": engine_backend, "comm": comm,
     });
     if a.json {
         println!("{doc}");
@@ -90,6 +117,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         );
         if let Some(d) = decode_s {
             println!("decode: {:.2} ms/token ({:.1} tok/s)", d * 1e3, 1.0 / d);
+        }
+        if let Some(share) = comm.get("decode_allreduce_share").and_then(|v| v.as_f64()) {
+            let coll = comm["decode_collective_share"].as_f64().unwrap_or(0.0);
+            println!(
+                "decode all-reduce: {:.1} % of decode wall time ({:.1} % in the collective itself)",
+                share * 100.0,
+                coll * 100.0
+            );
         }
         if let Some(r) = rss {
             println!(

@@ -48,6 +48,10 @@ pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
             e.prefill(&tokens, &mut NoTap)?
         }
     };
+    if let Some(p) = &a.dump_f32 {
+        let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        crate::output::write_atomic(p, &bytes)?;
+    }
     let vocab = logits.len() / tokens.len();
     let positions: Vec<_> = logits
         .chunks(vocab)

@@ -1,0 +1,214 @@
+//! Multi-GPU tensor parallelism (feature `cuda`): one rank per GPU in one process, the
+//! all-reduce through NCCL (cudarc's bindings, `ncclCommInitAll` over devices 0..tp).
+//!
+//! [`cuda_backend`] picks the mode for `--backend cuda --tp N`:
+//! - `cuda-nccl` (real ranks) when 1 < N ≤ the device count: rank r's ops run on GPU r (the
+//!   engine tags each rank's work with [`crate::backend::as_rank`]), so rank r's weight shards are
+//!   uploaded to GPU r only (each GPU holds only its part), and the all-reduce is an NCCL sum.
+//! - `cuda` (simulated ranks) otherwise: every rank on GPU 0, separate streams, the fixed-order
+//!   device-side sum (see [`crate::cuda`]).
+//!
+//! `LLMDIFF_CUDA_RANKS=simulated` forces simulated ranks; `LLMDIFF_CUDA_RANKS=nccl` forces real
+//! ranks (also at TP 1: an NCCL communicator of one rank), and fails if there are too few GPUs.
+//!
+//! What stays the same: activations round-trip through the host between ops exactly as with
+//! simulated ranks, so taps (per rank, copied from that rank's GPU), the canary and every fault
+//! run through the same model code. The all-reduce uploads each rank's partial to its GPU, runs
+//! one grouped `ncclAllReduce(sum)`, and downloads the sum from GPU 0 (every rank's copy is the
+//! same). The logits gather stays on the host (the lm_head slices come back to the host anyway).
+//! At TP 2 the NCCL sum is `p0 + p1` (fp addition commutes), bitwise the simulated ranks' sum; at
+//! TP > 2 NCCL's ring order may differ from rank order by an ulp.
+//!
+//! NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is set before the communicator is made
+//! unless the environment already sets it.
+
+use crate::backend::{current_rank, Backend, CommClock, CommStats};
+use crate::cuda::CudaBackend;
+use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use crate::EngineError;
+use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+fn ok<T>(r: Result<T, cudarc::driver::DriverError>) -> T {
+    r.unwrap_or_else(|e| panic!("cuda: {e}"))
+}
+
+fn nccl<T>(r: Result<T, cudarc::nccl::result::NcclError>) -> T {
+    r.unwrap_or_else(|e| panic!("nccl: {e:?}"))
+}
+
+/// The communicators, one per rank. NCCL communicators are used from one thread at a time here
+/// (the engine's driver thread, under the mutex).
+struct Comms(Vec<Comm>);
+// SAFETY: a communicator is a handle NCCL lets any thread use, one thread at a time; the mutex
+// around `Comms` gives that.
+unsafe impl Send for Comms {}
+
+/// Which mode `--backend cuda` runs in, from `LLMDIFF_CUDA_RANKS` and the device count.
+fn wants_real_ranks(tp: usize, n_devices: usize) -> Result<bool, EngineError> {
+    match std::env::var("LLMDIFF_CUDA_RANKS").ok().as_deref() {
+        Some("simulated") => Ok(false),
+        Some("nccl") if tp <= n_devices => Ok(true),
+        Some("nccl") => Err(EngineError::Cuda(format!(
+            "LLMDIFF_CUDA_RANKS=nccl wants one GPU per rank: TP {tp} but {n_devices} device(s)"
+        ))),
+        None | Some("") | Some("auto") => Ok(tp > 1 && tp <= n_devices),
+        Some(other) => Err(EngineError::Cuda(format!(
+            "LLMDIFF_CUDA_RANKS={other}: expected simulated, nccl or auto"
+        ))),
+    }
+}
+
+/// The cuda backend for TP `tp`: real ranks over NCCL or simulated ranks on one GPU (see the
+/// module docs).
+pub fn cuda_backend(tp: usize) -> Result<Box<dyn Backend>, EngineError> {
+    let n = CudaBackend::device_count();
+    if wants_real_ranks(tp, n)? {
+        Ok(Box::new(NcclBackend::new(tp)?))
+    } else {
+        Ok(Box::new(CudaBackend::new()?))
+    }
+}
+
+/// One rank per GPU; the all-reduce over NCCL.
+pub struct NcclBackend {
+    devs: Vec<CudaBackend>,
+    comms: Mutex<Comms>,
+    clock: CommClock,
+    describe: String,
+}
+
+impl NcclBackend {
+    /// Opens devices 0..tp, compiles the kernels on each, and makes the communicators.
+    pub fn new(tp: usize) -> Result<NcclBackend, EngineError> {
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            // Before NCCL reads its environment; NVLink multicast must stay off on shared hosts.
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+        let devs = (0..tp).map(CudaBackend::on_device).collect::<Result<Vec<_>, _>>()?;
+        let streams = devs
+            .iter()
+            .map(|d| d.context().new_stream())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| EngineError::Cuda(format!("NCCL streams: {e}")))?;
+        let comms = std::panic::catch_unwind(|| Comm::from_devices(streams))
+            .map_err(|_| EngineError::Cuda("NCCL: libnccl not found (is NCCL installed?)".into()))?
+            .map_err(|e| EngineError::Cuda(format!("NCCL init over {tp} GPU(s): {e:?}")))?;
+        let (name, _) = devs[0].device();
+        let describe = format!(
+            "cuda-nccl: {tp} rank(s), one per GPU ({tp} x {name}), all-reduce over NCCL (NCCL_NVLS_ENABLE={})",
+            std::env::var("NCCL_NVLS_ENABLE").unwrap_or_default()
+        );
+        Ok(NcclBackend {
+            devs,
+            comms: Mutex::new(Comms(comms)),
+            clock: CommClock::default(),
+            describe,
+        })
+    }
+
+    /// The calling rank's GPU.
+    fn dev(&self) -> &CudaBackend {
+        &self.devs[current_rank().min(self.devs.len() - 1)]
+    }
+
+    /// Sum over NCCL; returns the sum and the time from the collective's launch to its end.
+    fn nccl_sum(&self, partials: &[Vec<f32>]) -> (Vec<f32>, Duration) {
+        let len = partials[0].len();
+        let mut out = vec![0f32; len];
+        if len == 0 {
+            return (out, Duration::ZERO);
+        }
+        let comms = self.comms.lock().expect("nccl comms");
+        let mut bufs = Vec::with_capacity(comms.0.len());
+        for (c, p) in comms.0.iter().zip(partials) {
+            let s = c.stream();
+            let send = ok(s.clone_htod(p));
+            let recv = ok(s.alloc_zeros::<f32>(len));
+            bufs.push((send, recv));
+        }
+        for c in &comms.0 {
+            ok(c.stream().synchronize());
+        }
+        let t0 = Instant::now();
+        nccl(group_start());
+        for (c, (send, recv)) in comms.0.iter().zip(bufs.iter_mut()) {
+            nccl(c.all_reduce(send, recv, &ReduceOp::Sum));
+        }
+        nccl(group_end());
+        for c in &comms.0 {
+            ok(c.stream().synchronize());
+        }
+        let collective = t0.elapsed();
+        ok(comms.0[0].stream().memcpy_dtoh(&bufs[0].1, &mut out));
+        (out, collective)
+    }
+}
+
+impl Backend for NcclBackend {
+    fn name(&self) -> &'static str {
+        "cuda-nccl"
+    }
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+        self.dev().linear(x, n, w, out)
+    }
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        self.dev().rms_norm(x, weight, eps, out)
+    }
+    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+        self.dev().rope(x, layout, pos0, base, style)
+    }
+    fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
+        self.dev().swiglu(gate, up)
+    }
+    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]) {
+        self.dev().gqa_attention(q, k, v, pos0, shape, out)
+    }
+    fn mla_attention(
+        &self,
+        q: &[f32],
+        k_nope: &[f32],
+        k_pe: &[f32],
+        v: &[f32],
+        pos0: usize,
+        shape: MlaShape,
+        out: &mut [f32],
+    ) {
+        self.dev().mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
+    }
+    fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
+        let t0 = Instant::now();
+        let (out, collective) = self.nccl_sum(partials);
+        self.clock.add(t0.elapsed(), collective);
+        out
+    }
+    fn comm_stats(&self) -> Option<CommStats> {
+        Some(self.clock.read())
+    }
+    fn reset_comm_stats(&self) {
+        self.clock.reset()
+    }
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+        self.dev().embed_rows(w, rows, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wants_real_ranks;
+
+    #[test]
+    fn mode_selection() {
+        // Only the default (no LLMDIFF_CUDA_RANKS in the test environment) is checked here.
+        if std::env::var_os("LLMDIFF_CUDA_RANKS").is_none() {
+            assert!(!wants_real_ranks(1, 2).unwrap());
+            assert!(wants_real_ranks(2, 2).unwrap());
+            assert!(!wants_real_ranks(4, 2).unwrap());
+            assert!(!wants_real_ranks(2, 0).unwrap());
+        }
+    }
+}
