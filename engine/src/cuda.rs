@@ -183,8 +183,10 @@ impl CudaBackend {
 
     /// The number of CUDA devices (0 where there is no driver).
     pub fn device_count() -> usize {
-        guarded("CUDA driver", || CudaContext::device_count().map_err(drv("CUDA driver")))
-            .map_or(0, |n| n.max(0) as usize)
+        guarded("CUDA driver", || {
+            CudaContext::device_count().map_err(drv("CUDA driver"))
+        })
+        .map_or(0, |n| n.max(0) as usize)
     }
 
     /// Opens device `ordinal` and compiles every kernel module for it.

@@ -11,9 +11,9 @@
 pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cuda_kernels;
 #[cfg(feature = "cuda")]
 pub mod cuda_nccl;
-pub mod cuda_kernels;
 pub mod dequant;
 pub mod engine;
 mod error;
