@@ -4,13 +4,13 @@
 use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{columns, head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
+use anyhow::bail;
 use engine::{Engine, EngineOptions, FaultSpec};
 use references::config::ModelConfig;
 use references::forward::Reference;
 use references::tap::{rank_columns, weight_in_columns, Site, TapKey, WeightKind};
 use references::GgufFile;
 use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, RoutingAgreement, TapRow, Timings, DIFF_FORMAT};
-use anyhow::bail;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -407,9 +407,10 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     run.missing = missing;
     if let Some(d) = run.diagnosis.as_mut() {
         if d.class == "stale-output" {
+            // A dump has no canary: "never written" and "written as zeros" look the same.
+            let at = run.first_divergence.as_ref().map_or("", |f| f.tap.as_str());
             d.explanation = format!(
-                "{} (for a dumped candidate: the op's output as the dump recorded it is all zeros where the reference's is not: the op wrote zeros, or was skipped and its buffer read unwritten)",
-                d.explanation
+                "every value of {at} is 0 in the dump while the reference's is not: the op's output was zeroed, or never written and read as a zero-initialized buffer (a dump carries no canary, so the two cannot be told apart); the op's inputs in the dump agree, so look at the op itself"
             );
         }
     }

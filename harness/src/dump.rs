@@ -65,9 +65,12 @@ pub struct Dump {
 }
 
 fn meta<'a>(m: &'a std::collections::HashMap<String, String>, k: &str, p: &Path) -> anyhow::Result<&'a str> {
-    m.get(k)
-        .map(String::as_str)
-        .with_context(|| format!("{}: dump metadata lacks {k:?} (see README, Foreign engines)", p.display()))
+    m.get(k).map(String::as_str).with_context(|| {
+        format!(
+            "{}: dump metadata lacks {k:?} (see README, Foreign engines)",
+            p.display()
+        )
+    })
 }
 
 impl Dump {
@@ -109,7 +112,10 @@ impl Dump {
         let m = metadata.metadata().as_ref().unwrap_or(&empty);
         let format = meta(m, "llmdiff.format", p)?;
         if format != DUMP_FORMAT {
-            bail!("{}: dump format {format:?}, this llmdiff reads format {DUMP_FORMAT:?}", p.display());
+            bail!(
+                "{}: dump format {format:?}, this llmdiff reads format {DUMP_FORMAT:?}",
+                p.display()
+            );
         }
         let tokens: Vec<u32> = serde_json::from_str(meta(m, "tokens", p)?)
             .with_context(|| format!("{}: metadata \"tokens\" is not a JSON list of token ids", p.display()))?;
@@ -143,27 +149,47 @@ impl Dump {
         }
         self.mapping.extend(mapping);
         for (site, l) in layout {
-            let s = Site::parse(&site).with_context(|| format!("{}: layout names unknown site {site:?}", p.display()))?;
-            let l = Layout::parse(&l)
-                .with_context(|| format!("{}: unknown layout {l:?} for {site} (known: gguf, hf-rotate-half)", p.display()))?;
+            let s =
+                Site::parse(&site).with_context(|| format!("{}: layout names unknown site {site:?}", p.display()))?;
+            let l = Layout::parse(&l).with_context(|| {
+                format!(
+                    "{}: unknown layout {l:?} for {site} (known: gguf, hf-rotate-half)",
+                    p.display()
+                )
+            })?;
             if l == Layout::HfRotateHalf && !matches!(s, Site::Q | Site::K) {
-                bail!("{}: layout hf-rotate-half applies to q and k only, not {site}", p.display());
+                bail!(
+                    "{}: layout hf-rotate-half applies to q and k only, not {site}",
+                    p.display()
+                );
             }
             self.layout.insert(s, l);
         }
         let n = self.tokens.len();
         for (name, info) in metadata.tensors() {
-            let key: TapKey = name.parse().map_err(|e: String| anyhow::anyhow!("{}: tensor {e}", p.display()))?;
+            let key: TapKey = name
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("{}: tensor {e}", p.display()))?;
             if matches!(key.site, Site::Weight(_)) {
-                bail!("{}: tensor {name}: weight taps are not part of dump format 1", p.display());
+                bail!(
+                    "{}: tensor {name}: weight taps are not part of dump format 1",
+                    p.display()
+                );
             }
             let esize = match info.dtype {
                 Dtype::F32 => 4,
                 Dtype::BF16 | Dtype::F16 => 2,
-                other => bail!("{}: tensor {name} is {other:?}; dumps hold f32, bf16 or f16", p.display()),
+                other => bail!(
+                    "{}: tensor {name} is {other:?}; dumps hold f32, bf16 or f16",
+                    p.display()
+                ),
             };
             let &[rows, width] = info.shape.as_slice() else {
-                bail!("{}: tensor {name} has shape {:?}; dumps hold [n_tokens, width]", p.display(), info.shape);
+                bail!(
+                    "{}: tensor {name} has shape {:?}; dumps hold [n_tokens, width]",
+                    p.display(),
+                    info.shape
+                );
             };
             if rows != n {
                 bail!(
@@ -198,7 +224,10 @@ impl Dump {
 
     /// One tap as f32, normalized to llmdiff's layout by the dump's declared layouts.
     pub fn tensor(&self, key: &TapKey, c: &ModelConfig) -> anyhow::Result<Captured> {
-        let e = self.entries.get(key).with_context(|| format!("dump has no tensor {key}"))?;
+        let e = self
+            .entries
+            .get(key)
+            .with_context(|| format!("dump has no tensor {key}"))?;
         let bytes = &self.maps[e.file][e.bytes.clone()];
         let mut data: Vec<f32> = match e.dtype {
             Dtype::F32 => bytes
