@@ -58,7 +58,7 @@ fn zeroed_attention_output_is_localized() {
     assert_eq!(first.tap, "blk.1.attn_out");
     let d = run.diagnosis.as_ref().unwrap();
     assert_eq!(d.class, "stale-output", "{d:?}");
-    assert!(d.explanation.contains("dumped candidate"), "{}", d.explanation);
+    assert!(d.explanation.contains("no canary"), "{}", d.explanation);
     let iso = run
         .isolation
         .iter()

@@ -103,10 +103,10 @@ fn emit(a: &DiffLayersArgs, run: &DiffRun) -> anyhow::Result<ExitCode> {
     if a.json {
         println!("{}", serde_json::to_string_pretty(&run)?);
     } else {
-        print_summary(&run);
+        print_summary(run);
     }
     if let Some(p) = &a.html {
-        write_atomic(p, reports::render_diff(&run).as_bytes())?;
+        write_atomic(p, reports::render_diff(run).as_bytes())?;
         eprintln!("report: {}", p.display());
     }
     Ok(if run.verdict == "agree" {
