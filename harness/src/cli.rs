@@ -160,6 +160,33 @@ pub struct InputArgs {
     pub tokens: Option<Vec<u32>>,
 }
 
+/// diff-layers' prompt: as [`InputArgs`], but optional, since `--candidate` brings its tokens.
+#[derive(Args, Debug, Clone)]
+#[group(required = false, multiple = false)]
+pub struct DiffInputArgs {
+    /// Prompt text, tokenized with the model's own tokenizer (special tokens parsed). Optional
+    /// with --candidate; if given, it must match the dump's tokens.
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Comma-separated token ids, e.g. 1,2,3 (optional with --candidate: must then match the dump's).
+    #[arg(long, value_delimiter = ',')]
+    pub tokens: Option<Vec<u32>>,
+}
+
+impl DiffInputArgs {
+    /// The same input as the required-group form.
+    pub fn as_input(&self) -> InputArgs {
+        InputArgs {
+            prompt: self.prompt.clone(),
+            tokens: self.tokens.clone(),
+        }
+    }
+    /// True when neither --prompt nor --tokens was given.
+    pub fn is_empty(&self) -> bool {
+        self.prompt.is_none() && self.tokens.is_none()
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct LogitsArgs {
     /// The GGUF model.
@@ -211,7 +238,12 @@ pub struct DiffLayersArgs {
     /// The GGUF model.
     pub model: PathBuf,
     #[command(flatten)]
-    pub input: InputArgs,
+    pub input: DiffInputArgs,
+    /// Diff a foreign engine's tensor dump (safetensors, tap keys as names; one file per rank is
+    /// fine) instead of running our engine: the tokens come from the dump. Write one from
+    /// PyTorch with harness/adapters/llmdiff_dump.py (README: Foreign engines).
+    #[arg(long, value_name = "DUMP", num_args = 1.., conflicts_with_all = ["inject", "decode_steps", "tp", "backend"])]
+    pub candidate: Vec<PathBuf>,
     /// Where the engine runs.
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     pub backend: BackendArg,

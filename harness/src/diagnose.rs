@@ -41,7 +41,7 @@ fn found(class: &str, confidence: &str, explanation: String) -> Diagnosis {
 
 fn ranges(ids: &[usize]) -> String {
     match (ids.first(), ids.last()) {
-        (Some(a), Some(b)) if b - a + 1 == ids.len() && ids.len() > 1 => format!("{a}..{b}"),
+        (Some(a), Some(b)) if b >= a && b - a + 1 == ids.len() && ids.len() > 1 => format!("{a}..{b}"),
         _ => format!("{ids:?}"),
     }
 }

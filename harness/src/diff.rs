@@ -4,6 +4,7 @@
 use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{columns, head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
+use anyhow::bail;
 use engine::{Engine, EngineOptions, FaultSpec};
 use references::config::ModelConfig;
 use references::forward::Reference;
@@ -122,9 +123,31 @@ struct Comparator<'a> {
     compare_s: f64,
     /// Per MoE layer: the lowest share of tokens with identical expert sets over its moe_topk taps.
     routing: BTreeMap<u32, f64>,
+    /// Every key the reference emitted (for the candidate's `missing` list).
+    ref_keys: Vec<TapKey>,
+    /// Taps whose size differs from the reference's slice, as `key: engine [r, w] vs n values`.
+    shape_errors: Vec<String>,
 }
 
-impl Comparator<'_> {
+impl<'a> Comparator<'a> {
+    fn new(plan: &'a DiffPlan<'a>, config: &'a ModelConfig) -> Self {
+        Comparator {
+            plan,
+            config,
+            eng: Store::new(),
+            refs: Store::new(),
+            waiting: Vec::new(),
+            rows: Vec::new(),
+            first_over: None,
+            frozen_eng: Store::new(),
+            frozen_ref: Store::new(),
+            compare_s: 0.0,
+            routing: BTreeMap::new(),
+            ref_keys: Vec::new(),
+            shape_errors: Vec::new(),
+        }
+    }
+
     fn on_tap(&mut self, side: Side, c: Captured) -> bool {
         let t0 = Instant::now();
         let key = c.key;
@@ -140,6 +163,7 @@ impl Comparator<'_> {
                 }
             }
             Side::Reference => {
+                self.ref_keys.push(key);
                 self.refs.insert(key, c);
                 let ready: Vec<TapKey> = self.waiting.iter().filter(|k| k.unranked() == key).copied().collect();
                 self.waiting.retain(|k| k.unranked() != key);
@@ -168,6 +192,12 @@ impl Comparator<'_> {
         let m = if want.len() == e.data.len() {
             metrics(&e.data, &want)
         } else {
+            self.shape_errors.push(format!(
+                "{key} is {:?} where the reference's is {} values ({} per token)",
+                e.shape,
+                want.len(),
+                want.len() / e.shape[0].max(1)
+            ));
             Metrics {
                 cosine: 0.0,
                 rel_l2: f64::INFINITY,
@@ -289,19 +319,6 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         eprintln!("backend: {}", engine.backend_description());
     }
     let config = reference.config.clone();
-    let mut cmp = Comparator {
-        plan,
-        config: &config,
-        eng: Store::new(),
-        refs: Store::new(),
-        waiting: Vec::new(),
-        rows: Vec::new(),
-        first_over: None,
-        frozen_eng: Store::new(),
-        frozen_ref: Store::new(),
-        compare_s: 0.0,
-        routing: BTreeMap::new(),
-    };
     let tokens = &plan.tokens;
     let n_prefill = tokens
         .len()
@@ -314,6 +331,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
                 tokens.len()
             )
         })?;
+    let mut cmp = Comparator::new(plan, &config);
     let (e, r) = lockstep(
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
@@ -332,31 +350,116 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     );
     e.result?;
     r.result?;
+    let engine_config = cmp
+        .first_over
+        .map(|k| engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize));
+    let sides = Sides {
+        backend: engine.backend_name().to_string(),
+        engine_config,
+        engine_s: e.seconds,
+        reference_s: r.seconds,
+        n_prefill,
+        t0,
+    };
+    finish(plan, &reference, cmp, sides)
+}
+
+/// Diffs a foreign engine's tensor dump (see [`crate::dump`]) against the reference on the dump's
+/// tokens (`plan.tokens`, `plan.tp` must be the dump's). The dump's tensors are fed, in execution
+/// order, into the same comparator as the engine's taps; the run's backend is "candidate".
+/// Reference activation taps the dump lacks are listed in `missing`; a tap whose width differs
+/// from the reference's is a format error. There is no engine config, so config drift is not checked.
+pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::Result<DiffRun> {
+    let t0 = Instant::now();
+    let reference = Reference::new(plan.file)?;
+    let config = reference.config.clone();
+    let tokens = &plan.tokens;
+    let mut cmp = Comparator::new(plan, &config);
+    let (e, r) = lockstep(
+        |tap| -> anyhow::Result<()> {
+            for key in dump.keys() {
+                if tap.wants(key) {
+                    let c = dump.tensor(key, &config)?;
+                    tap.record(key, &c.data, c.shape);
+                }
+            }
+            Ok(())
+        },
+        |tap| reference.forward(tokens, tap).map(|_| ()),
+        |side, c| cmp.on_tap(side, c),
+    );
+    e.result?;
+    r.result?;
+    if let Some(bad) = cmp.shape_errors.first() {
+        bail!("candidate dump: {bad} (wrong shape for this model)");
+    }
+    let have: std::collections::BTreeSet<TapKey> = dump.keys().map(|k| k.unranked()).collect();
+    let missing: Vec<String> = cmp
+        .ref_keys
+        .iter()
+        .filter(|k| !matches!(k.site, Site::Weight(_)) && !have.contains(k))
+        .map(|k| k.to_string())
+        .collect();
+    let sides = Sides {
+        backend: "candidate".to_string(),
+        engine_config: Some(config.clone()),
+        engine_s: e.seconds,
+        reference_s: r.seconds,
+        n_prefill: tokens.len(),
+        t0,
+    };
+    let mut run = finish(plan, &reference, cmp, sides)?;
+    run.missing = missing;
+    if let Some(d) = run.diagnosis.as_mut() {
+        if d.class == "stale-output" {
+            // A dump has no canary: "never written" and "written as zeros" look the same.
+            let at = run.first_divergence.as_ref().map_or("", |f| f.tap.as_str());
+            d.explanation = format!(
+                "every value of {at} is 0 in the dump while the reference's is not: the op's output was zeroed, or never written and read as a zero-initialized buffer (a dump carries no canary, so the two cannot be told apart); the op's inputs in the dump agree, so look at the op itself"
+            );
+        }
+    }
+    Ok(run)
+}
+
+/// What the engine side left for [`finish`].
+struct Sides {
+    backend: String,
+    /// The engine's config at the first divergence (config drift), if it diverged.
+    engine_config: Option<ModelConfig>,
+    engine_s: f64,
+    reference_s: f64,
+    n_prefill: usize,
+    t0: Instant,
+}
+
+/// Localizes, diagnoses and isolates the first divergence and builds the run document.
+fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Sides) -> anyhow::Result<DiffRun> {
+    let config = cmp.config;
+    let tokens = &plan.tokens;
     cmp.evict();
     let mut rows = std::mem::take(&mut cmp.rows);
     rows.sort_by_key(|r| r.tap.parse::<TapKey>().expect("printed keys parse"));
     let unmatched: Vec<String> = cmp.waiting.iter().map(|k| k.to_string()).collect();
     let n = tokens.len();
-    let (first, diagnosis, isolation, heads) = match cmp.first_over {
-        None => (None, None, Vec::new(), None),
-        Some(k) => {
-            let engine_config = engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize);
+    let (first, diagnosis, isolation, heads) = match (cmp.first_over, &sides.engine_config) {
+        (Some(k), Some(engine_config)) => {
             let ctx = DiagContext {
-                config: &config,
-                engine_config: &engine_config,
+                config,
+                engine_config,
                 tp: plan.tp,
                 eng: &cmp.frozen_eng,
                 refs: &cmp.frozen_ref,
                 rows: &rows,
                 n_tokens: n,
-                n_prefill,
+                n_prefill: sides.n_prefill,
             };
             let row = rows
                 .iter()
                 .find(|r| r.tap == k.to_string())
                 .expect("first divergence has a row");
             let diagnosis = diagnose(&ctx, &k, row);
-            let isolation = isolate(&reference, &ctx, &k)?;
+            let isolation = isolate(reference, &ctx, &k)?;
             let heads = heads_at_divergence(&ctx, &k);
             let loc = Location {
                 tap: k.to_string(),
@@ -366,12 +469,13 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             };
             (Some(loc), Some(diagnosis), isolation, heads)
         }
+        _ => (None, None, Vec::new(), None),
     };
     Ok(DiffRun {
         format: DIFF_FORMAT,
         llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
         model: plan.model_name.clone(),
-        backend: engine.backend_name().to_string(),
+        backend: sides.backend,
         tp: plan.tp,
         tokens: tokens.clone(),
         injected: plan.faults.iter().map(|f| f.to_string()).collect(),
@@ -382,6 +486,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         heads,
         taps: rows,
         unmatched,
+        missing: Vec::new(),
         repro: plan.repro.clone(),
         routing: cmp
             .routing
@@ -389,10 +494,10 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             .map(|(&layer, &agree_frac)| RoutingAgreement { layer, agree_frac })
             .collect(),
         timings_s: Timings {
-            engine: e.seconds,
-            reference: r.seconds,
+            engine: sides.engine_s,
+            reference: sides.reference_s,
             compare: cmp.compare_s,
-            total: t0.elapsed().as_secs_f64(),
+            total: sides.t0.elapsed().as_secs_f64(),
         },
     })
 }

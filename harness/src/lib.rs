@@ -7,6 +7,7 @@ pub mod commands;
 pub mod compare;
 pub mod diagnose;
 pub mod diff;
+pub mod dump;
 pub mod entropy;
 pub mod golden;
 pub mod junit;

@@ -110,7 +110,7 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span><span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}</div></section>",
+        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span><span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}{}</div></section>",
         run.taps.len(),
         n_over,
         run.tp,
@@ -121,6 +121,15 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
             String::new()
         } else {
             format!("<span>unmatched: <code>{}</code></span>", escape(&run.unmatched.join(", ")))
+        },
+        if run.missing.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "<span>missing from the candidate ({}): <code>{}</code></span>",
+                run.missing.len(),
+                escape(&run.missing.join(", "))
+            )
         }
     );
 }

@@ -108,6 +108,10 @@ pub struct DiffRun {
     pub taps: Vec<TapRow>,
     /// Taps one side emitted that the other did not (listed, never guessed).
     pub unmatched: Vec<String>,
+    /// Reference activation taps the candidate dump lacks (`--candidate` runs only; listed, not
+    /// guessed). Empty for engine runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub missing: Vec<String>,
     pub repro: String,
     pub timings_s: Timings,
     /// MoE routing agreement per MoE layer, from the moe_topk taps (empty for dense models and

@@ -4,7 +4,8 @@
 use crate::cli::{BackendArg, DiffLayersArgs};
 use crate::commands::logits::input_tokens;
 use crate::compare::{ActDtype, Tolerances};
-use crate::diff::{run_diff, DiffPlan};
+use crate::diff::{run_diff, run_diff_candidate, DiffPlan};
+use crate::dump::Dump;
 use crate::output::{open_model, write_atomic};
 use anyhow::{bail, Context};
 use engine::FaultSpec;
@@ -14,7 +15,10 @@ use std::process::ExitCode;
 
 pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&a.model)?;
-    let tokens = input_tokens(&file, &a.input)?;
+    if !a.candidate.is_empty() {
+        return run_candidate(a, &file);
+    }
+    let tokens = input_tokens(&file, &a.input.as_input())?;
     if a.backend == BackendArg::Reference {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
@@ -23,14 +27,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
         .collect::<Result<_, _>>()?;
-    let mut tolerances = Tolerances::default();
-    if let Some(p) = &a.tolerance_file {
-        let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
-        tolerances.load_json(&text).with_context(|| p.display().to_string())?;
-    }
-    for t in &a.tolerance {
-        tolerances.set(t)?;
-    }
+    let tolerances = tolerances(a)?;
     let plan = DiffPlan {
         file: &file,
         model_name: a.model.display().to_string(),
@@ -45,16 +42,71 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         repro: repro(a, &tokens),
     };
     let run = run_diff(&plan)?;
+    emit(a, &run)
+}
+
+fn tolerances(a: &DiffLayersArgs) -> anyhow::Result<Tolerances> {
+    let mut tolerances = Tolerances::default();
+    if let Some(p) = &a.tolerance_file {
+        let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+        tolerances.load_json(&text).with_context(|| p.display().to_string())?;
+    }
+    for t in &a.tolerance {
+        tolerances.set(t)?;
+    }
+    Ok(tolerances)
+}
+
+/// `--candidate`: the dump's tokens (checked against --prompt/--tokens when given), the dump's tp.
+fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Result<ExitCode> {
+    let dump = Dump::open(&a.candidate)?;
+    if !a.input.is_empty() {
+        let given = input_tokens(file, &a.input.as_input())?;
+        if given != dump.tokens {
+            bail!(
+                "--prompt/--tokens give {} tokens {:?} but the dump was run on {} tokens {:?}; drop --prompt/--tokens to use the dump's",
+                given.len(),
+                given,
+                dump.tokens.len(),
+                dump.tokens
+            );
+        }
+    }
+    let mut repro = format!("llmdiff diff-layers {}", a.model.display());
+    for p in &a.candidate {
+        repro.push_str(&format!(" --candidate {}", p.display()));
+    }
+    for t in &a.tolerance {
+        repro.push_str(&format!(" --tolerance {t}"));
+    }
+    let plan = DiffPlan {
+        file,
+        model_name: a.model.display().to_string(),
+        tokens: dump.tokens.clone(),
+        tp: dump.tp,
+        backend: engine::BackendKind::default(),
+        faults: Vec::new(),
+        tolerances: tolerances(a)?,
+        dtype: ActDtype::F32,
+        stop_at_first: a.stop_at_first,
+        decode_steps: 0,
+        repro,
+    };
+    let run = run_diff_candidate(&plan, &dump)?;
+    emit(a, &run)
+}
+
+fn emit(a: &DiffLayersArgs, run: &DiffRun) -> anyhow::Result<ExitCode> {
     if let Some(p) = &a.json_out {
         write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&run)?);
     } else {
-        print_summary(&run);
+        print_summary(run);
     }
     if let Some(p) = &a.html {
-        write_atomic(p, reports::render_diff(&run).as_bytes())?;
+        write_atomic(p, reports::render_diff(run).as_bytes())?;
         eprintln!("report: {}", p.display());
     }
     Ok(if run.verdict == "agree" {
@@ -95,9 +147,10 @@ pub fn print_summary(run: &DiffRun) {
         }
     };
     println!(
-        "{}: {} taps compared, engine {} TP {}, {} tokens{}",
+        "{}: {} taps compared, {} {} TP {}, {} tokens{}",
         run.model,
         run.taps.len(),
+        if run.backend == "candidate" { "dump" } else { "engine" },
         run.backend,
         run.tp,
         run.tokens.len(),
@@ -154,9 +207,25 @@ pub fn print_summary(run: &DiffRun) {
     if !run.unmatched.is_empty() {
         println!("  taps without a counterpart: {}", run.unmatched.join(", "));
     }
+    if !run.missing.is_empty() {
+        println!(
+            "  {} reference taps missing from the candidate (not compared): {}",
+            run.missing.len(),
+            abbreviate(&run.missing, 12)
+        );
+    }
     println!("\n  reproduce: {}", run.repro);
     println!(
         "  time: engine {:.2}s, reference {:.2}s, compare {:.2}s, total {:.2}s",
         run.timings_s.engine, run.timings_s.reference, run.timings_s.compare, run.timings_s.total
     );
+}
+
+/// The first `n` items and a count of the rest.
+fn abbreviate(items: &[String], n: usize) -> String {
+    if items.len() <= n {
+        items.join(", ")
+    } else {
+        format!("{}, ... ({} more)", items[..n].join(", "), items.len() - n)
+    }
 }

@@ -1,0 +1,190 @@
+"""llmdiff tensor dumps from PyTorch engines (format 1; README "Foreign engines: tensor dumps").
+
+    from llmdiff_dump import Dumper
+    with Dumper(model, layers=None) as d:          # registers forward hooks by module name
+        model(torch.tensor([tokens]))
+    d.save("dump.safetensors", tokens, model="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+then `llmdiff diff-layers MODEL.gguf --candidate dump.safetensors`.
+
+Hooks CLONE every tensor at hook time (fused kernels may later mutate the buffer in place) and
+store it as [n_tokens, width] f32 (batch 1). A dump names each tensor by its tap key
+(`blk.3.attn_out`); rank-local values (`blk.3.attn_out@r1`) go in one file per rank.
+
+Module maps: HF_LLAMA and HF_DEEPSEEK_V3 run here (tests/peers/hf_dump_smollm2.py).
+VLLM_LLAMA and VLLM_DEEPSEEK_V2 are offered for users to try and were NOT run here (no vLLM on
+these machines): vLLM fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so those are split by
+width, and its rotary runs in place inside the attention op.
+"""
+import json
+import re
+
+import torch
+
+FORMAT = "1"
+
+# Tap site -> (module name pattern with {i} for the layer, "in" | "out"): the tensor taken is the
+# module's first input ("in", a forward pre-hook) or its output ("out").
+HF_LLAMA = {
+    "embed": ("model.embed_tokens", "out"),
+    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
+    "v": ("model.layers.{i}.self_attn.v_proj", "out"),
+    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
+    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
+    "resid_attn": ("model.layers.{i}.post_attention_layernorm", "in"),
+    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
+    "ffn_gate": ("model.layers.{i}.mlp.gate_proj", "out"),
+    "ffn_up": ("model.layers.{i}.mlp.up_proj", "out"),
+    "ffn_out": ("model.layers.{i}.mlp", "out"),
+    "resid_out": ("model.layers.{i}", "out"),
+    "output_norm": ("model.norm", "out"),
+    "logits": ("lm_head", "out"),
+}
+# q and k after RoPE have no module of their own in HF: the adapter wraps the modeling file's
+# apply_rotary_pos_emb (see _RopeTap) and records them in HF's rotate_half layout, declared as
+# layout "hf-rotate-half" so llmdiff permutes them back to GGUF's per-head interleaved order.
+HF_ROPE_SITES = {"q": "model.layers.{i}.self_attn:apply_rotary_pos_emb[0]",
+                 "k": "model.layers.{i}.self_attn:apply_rotary_pos_emb[1]"}
+
+HF_DEEPSEEK_V3 = {
+    "embed": ("model.embed_tokens", "out"),
+    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
+    "q_a": ("model.layers.{i}.self_attn.q_a_proj", "out"),
+    "kv_latent": ("model.layers.{i}.self_attn.kv_a_layernorm", "out"),
+    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
+    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
+    "resid_attn": ("model.layers.{i}.post_attention_layernorm", "in"),
+    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
+    "ffn_out": ("model.layers.{i}.mlp", "out"),
+    "resid_out": ("model.layers.{i}", "out"),
+    "output_norm": ("model.norm", "out"),
+    "logits": ("lm_head", "out"),
+}
+
+# Not run here (no vLLM on these machines). qkv_proj / gate_up_proj outputs are fused: split them
+# yourself or leave q/k/v/ffn_gate/ffn_up out (they are then listed as missing, not guessed).
+VLLM_LLAMA = {
+    "embed": ("model.embed_tokens", "out"),
+    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
+    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
+    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
+    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
+    "ffn_out": ("model.layers.{i}.mlp", "out"),
+    "output_norm": ("model.norm", "out"),
+}
+VLLM_DEEPSEEK_V2 = {
+    "embed": ("model.embed_tokens", "out"),
+    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
+    "q_a": ("model.layers.{i}.self_attn.q_a_proj", "out"),
+    "kv_latent": ("model.layers.{i}.self_attn.kv_a_layernorm", "out"),
+    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
+    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
+    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
+    "ffn_out": ("model.layers.{i}.mlp", "out"),
+    "output_norm": ("model.norm", "out"),
+}
+
+GLOBAL = {"embed", "output_norm", "logits"}
+
+
+def _first(x):
+    while isinstance(x, (tuple, list)):
+        x = x[0]
+    return x
+
+
+def _rows(t):
+    """[1, n, w] or [n, w] or [1, H, n, hd] (heads first) -> a [n, width] f32 clone."""
+    t = t.detach()
+    if t.dim() == 4:  # [b, heads, n, hd]
+        t = t[0].transpose(0, 1).reshape(t.shape[2], -1)
+    elif t.dim() == 3:
+        t = t[0]
+    return t.to(torch.float32).clone().contiguous()
+
+
+class Dumper:
+    def __init__(self, model, mapping=None, layers=None, rank=None, rope=True):
+        self.model = model
+        self.mapping = mapping if mapping is not None else HF_LLAMA
+        self.layers = layers
+        self.rank = rank
+        self.rope = rope
+        self.tensors = {}
+        self.used = {}
+        self.handles = []
+        self._layer = None
+        self._patched = None
+
+    def _key(self, site, layer):
+        k = site if layer is None else f"blk.{layer}.{site}"
+        return k if self.rank is None else f"{k}@r{self.rank}"
+
+    def _put(self, key, t):
+        self.tensors[key] = _rows(t)
+
+    def __enter__(self):
+        names = dict(self.model.named_modules())
+        n_layers = sum(1 for n in names if re.fullmatch(r"model\.layers\.\d+", n))
+        layers = range(n_layers) if self.layers is None else self.layers
+        for site, (pattern, where) in self.mapping.items():
+            for layer in ([None] if site in GLOBAL else layers):
+                name = pattern.format(i=layer)
+                mod = names.get(name)
+                if mod is None:
+                    continue
+                key = self._key(site, layer)
+                self.used[key] = f"{name}:{'input' if where == 'in' else 'output'}"
+                if where == "in":
+                    h = mod.register_forward_pre_hook(lambda m, a, key=key: self._put(key, _first(a)))
+                else:
+                    h = mod.register_forward_hook(lambda m, a, o, key=key: self._put(key, _first(o)))
+                self.handles.append(h)
+        if self.rope and getattr(getattr(self.model, "config", None), "model_type", None) == "llama":
+            self._hook_rope(names, layers)
+        return self
+
+    def _hook_rope(self, names, layers):
+        from transformers.models.llama import modeling_llama
+        for layer in layers:
+            attn = names.get(f"model.layers.{layer}.self_attn")
+            if attn is None:
+                continue
+            for site, src in HF_ROPE_SITES.items():
+                self.used[self._key(site, layer)] = src.format(i=layer)
+            self.handles.append(attn.register_forward_pre_hook(lambda m, a, l=layer: setattr(self, "_layer", l)))
+            self.handles.append(attn.register_forward_hook(lambda m, a, o: setattr(self, "_layer", None)))
+        orig = modeling_llama.apply_rotary_pos_emb
+
+        def tapped(q, k, *a, **kw):
+            q2, k2 = orig(q, k, *a, **kw)
+            if self._layer is not None:
+                self._put(self._key("q", self._layer), q2)
+                self._put(self._key("k", self._layer), k2)
+            return q2, k2
+
+        modeling_llama.apply_rotary_pos_emb = tapped
+        self._patched = (modeling_llama, orig)
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        if self._patched:
+            mod, orig = self._patched
+            mod.apply_rotary_pos_emb = orig
+            self._patched = None
+
+    def save(self, path, tokens, model, tp=1, layout=None):
+        from safetensors.torch import save_file
+        if layout is None and any(re.search(r"\.(q|k)(@r\d+)?$", k) for k in self.used):
+            layout = {"q": "hf-rotate-half", "k": "hf-rotate-half"}
+        meta = {
+            "llmdiff.format": FORMAT,
+            "tokens": json.dumps([int(t) for t in tokens]),
+            "model": str(model),
+            "tp": str(tp),
+            "mapping": json.dumps(self.used),
+            "layout": json.dumps(layout or {}),
+        }
+        save_file(self.tensors, path, metadata=meta)

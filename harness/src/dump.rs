@@ -1,0 +1,286 @@
+//! Foreign-engine tensor dumps (format 1, README "Foreign engines: tensor dumps"): safetensors
+//! files whose tensor names are tap keys, read memory-mapped, validated, and normalized by the
+//! layouts the dump declares, so a PyTorch engine's taps can stand where our engine's do.
+//!
+//! A dump is one file per rank (or one file for everything); every tensor is `[n_tokens, width]`
+//! in f32, bf16 or f16, and `__metadata__` holds `llmdiff.format` (`"1"`), `tokens` (a JSON list
+//! of ids), `model` (name or sha256), `tp`, `mapping` (JSON: tap key → the module it came from)
+//! and optionally `layout` (JSON: site → declared layout, see [`Layout`]). Format errors (missing
+//! metadata, bad names, shapes or dtypes, truncation) are errors; non-finite values are data and
+//! are compared like any other (they show as a `nonfinite` divergence).
+
+use crate::capture::Captured;
+use anyhow::{bail, Context};
+use memmap2::Mmap;
+use references::config::ModelConfig;
+use references::tap::{Site, TapKey};
+use safetensors::{Dtype, SafeTensors};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The dump format this build reads.
+pub const DUMP_FORMAT: &str = "1";
+
+/// A declared, legitimate layout difference and the normalization applied before comparing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Already in llmdiff's (GGUF / llama.cpp) layout.
+    Gguf,
+    /// HF transformers' q/k after `apply_rotary_pos_emb`: per head, rotate_half (NEOX) order
+    /// `[x0..x_{hd/2}, y0..y_{hd/2}]`, while llama.cpp's converter permutes the q/k weights so the
+    /// GGUF (and so the reference) holds the pairs interleaved `[x0, y0, x1, y1, ...]`. The
+    /// inverse permutation per head is `gguf[2j + t] = hf[t·hd/2 + j]`.
+    HfRotateHalf,
+}
+
+impl Layout {
+    fn parse(s: &str) -> Option<Layout> {
+        match s {
+            "gguf" => Some(Layout::Gguf),
+            "hf-rotate-half" => Some(Layout::HfRotateHalf),
+            _ => None,
+        }
+    }
+}
+
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: [usize; 2],
+    bytes: std::ops::Range<usize>,
+}
+
+/// An opened, validated dump (one or more files).
+pub struct Dump {
+    maps: Vec<Mmap>,
+    pub paths: Vec<PathBuf>,
+    pub tokens: Vec<u32>,
+    pub model: String,
+    pub tp: usize,
+    /// Tap key → module, as the dump declared it.
+    pub mapping: BTreeMap<String, String>,
+    /// Site → declared layout.
+    pub layout: BTreeMap<Site, Layout>,
+    entries: BTreeMap<TapKey, Entry>,
+}
+
+fn meta<'a>(m: &'a std::collections::HashMap<String, String>, k: &str, p: &Path) -> anyhow::Result<&'a str> {
+    m.get(k).map(String::as_str).with_context(|| {
+        format!(
+            "{}: dump metadata lacks {k:?} (see README, Foreign engines)",
+            p.display()
+        )
+    })
+}
+
+impl Dump {
+    /// Opens and validates every file; they must agree on tokens, model and tp.
+    pub fn open(paths: &[PathBuf]) -> anyhow::Result<Dump> {
+        if paths.is_empty() {
+            bail!("--candidate needs at least one dump file");
+        }
+        let mut d = Dump {
+            maps: Vec::new(),
+            paths: paths.to_vec(),
+            tokens: Vec::new(),
+            model: String::new(),
+            tp: 1,
+            mapping: BTreeMap::new(),
+            layout: BTreeMap::new(),
+            entries: BTreeMap::new(),
+        };
+        for (i, p) in paths.iter().enumerate() {
+            let f = std::fs::File::open(p).with_context(|| format!("cannot open dump {}", p.display()))?;
+            // SAFETY: the file is only read; a dump modified while we run is the user's race, as
+            // with the GGUF model, and at worst gives wrong numbers, never unsoundness in our code
+            // beyond what memmap2 documents.
+            let map = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map dump {}", p.display()))?;
+            d.read_file(i, p, &map)?;
+            d.maps.push(map);
+        }
+        if d.entries.is_empty() {
+            bail!("{}: the dump holds no tensors", paths[0].display());
+        }
+        Ok(d)
+    }
+
+    fn read_file(&mut self, file: usize, p: &Path, buf: &[u8]) -> anyhow::Result<()> {
+        let (header_len, metadata) = SafeTensors::read_metadata(buf)
+            .map_err(|e| anyhow::anyhow!("{}: not a readable safetensors file ({e:?})", p.display()))?;
+        let data_start = 8 + header_len;
+        let empty = std::collections::HashMap::new();
+        let m = metadata.metadata().as_ref().unwrap_or(&empty);
+        let format = meta(m, "llmdiff.format", p)?;
+        if format != DUMP_FORMAT {
+            bail!(
+                "{}: dump format {format:?}, this llmdiff reads format {DUMP_FORMAT:?}",
+                p.display()
+            );
+        }
+        let tokens: Vec<u32> = serde_json::from_str(meta(m, "tokens", p)?)
+            .with_context(|| format!("{}: metadata \"tokens\" is not a JSON list of token ids", p.display()))?;
+        if tokens.is_empty() {
+            bail!("{}: metadata \"tokens\" is empty", p.display());
+        }
+        let model = meta(m, "model", p)?.to_string();
+        let tp: usize = meta(m, "tp", p)?
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&t| t > 0)
+            .with_context(|| format!("{}: metadata \"tp\" is not a positive integer", p.display()))?;
+        let mapping: BTreeMap<String, String> = serde_json::from_str(meta(m, "mapping", p)?)
+            .with_context(|| format!("{}: metadata \"mapping\" is not a JSON object of strings", p.display()))?;
+        let layout: BTreeMap<String, String> = match m.get("layout") {
+            Some(s) => serde_json::from_str(s)
+                .with_context(|| format!("{}: metadata \"layout\" is not a JSON object of strings", p.display()))?,
+            None => BTreeMap::new(),
+        };
+        if file == 0 {
+            self.tokens = tokens;
+            self.model = model;
+            self.tp = tp;
+        } else if tokens != self.tokens || tp != self.tp || model != self.model {
+            bail!(
+                "{}: tokens, model or tp differ from {}'s (one run's files only)",
+                p.display(),
+                self.paths[0].display()
+            );
+        }
+        self.mapping.extend(mapping);
+        for (site, l) in layout {
+            let s =
+                Site::parse(&site).with_context(|| format!("{}: layout names unknown site {site:?}", p.display()))?;
+            let l = Layout::parse(&l).with_context(|| {
+                format!(
+                    "{}: unknown layout {l:?} for {site} (known: gguf, hf-rotate-half)",
+                    p.display()
+                )
+            })?;
+            if l == Layout::HfRotateHalf && !matches!(s, Site::Q | Site::K) {
+                bail!(
+                    "{}: layout hf-rotate-half applies to q and k only, not {site}",
+                    p.display()
+                );
+            }
+            self.layout.insert(s, l);
+        }
+        let n = self.tokens.len();
+        for (name, info) in metadata.tensors() {
+            let key: TapKey = name
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("{}: tensor {e}", p.display()))?;
+            if matches!(key.site, Site::Weight(_)) {
+                bail!(
+                    "{}: tensor {name}: weight taps are not part of dump format 1",
+                    p.display()
+                );
+            }
+            let esize = match info.dtype {
+                Dtype::F32 => 4,
+                Dtype::BF16 | Dtype::F16 => 2,
+                other => bail!(
+                    "{}: tensor {name} is {other:?}; dumps hold f32, bf16 or f16",
+                    p.display()
+                ),
+            };
+            let &[rows, width] = info.shape.as_slice() else {
+                bail!(
+                    "{}: tensor {name} has shape {:?}; dumps hold [n_tokens, width]",
+                    p.display(),
+                    info.shape
+                );
+            };
+            if rows != n {
+                bail!(
+                    "{}: tensor {name} has {rows} rows but the dump's tokens are {n} (expected [n_tokens, width])",
+                    p.display()
+                );
+            }
+            let (a, b) = info.data_offsets;
+            if b - a != rows * width * esize || data_start + b > buf.len() {
+                bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
+            }
+            if self.entries.contains_key(&key) {
+                bail!("{}: tensor {name} appears in two dump files", p.display());
+            }
+            self.entries.insert(
+                key,
+                Entry {
+                    file,
+                    dtype: info.dtype,
+                    shape: [rows, width],
+                    bytes: data_start + a..data_start + b,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Every tap key in the dump, in execution order.
+    pub fn keys(&self) -> impl Iterator<Item = &TapKey> {
+        self.entries.keys()
+    }
+
+    /// One tap as f32, normalized to llmdiff's layout by the dump's declared layouts.
+    pub fn tensor(&self, key: &TapKey, c: &ModelConfig) -> anyhow::Result<Captured> {
+        let e = self
+            .entries
+            .get(key)
+            .with_context(|| format!("dump has no tensor {key}"))?;
+        let bytes = &self.maps[e.file][e.bytes.clone()];
+        let mut data: Vec<f32> = match e.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        if self.layout.get(&key.site) == Some(&Layout::HfRotateHalf) {
+            let hd = c.head_dim;
+            if c.mla.is_some() || c.rope_dim != hd || hd % 2 != 0 {
+                bail!("{key}: layout hf-rotate-half is defined for llama attention with full-width RoPE only");
+            }
+            if e.shape[1] % hd != 0 {
+                bail!("{key}: width {} is not a whole number of {hd}-wide heads", e.shape[1]);
+            }
+            data = unrotate_half(&data, hd);
+        }
+        Ok(Captured {
+            key: *key,
+            shape: e.shape,
+            data,
+        })
+    }
+}
+
+/// HF rotate_half order to GGUF's interleaved order, per `hd`-wide head: `out[2j + t] = in[t·hd/2 + j]`.
+pub fn unrotate_half(x: &[f32], hd: usize) -> Vec<f32> {
+    let half = hd / 2;
+    let mut out = vec![0f32; x.len()];
+    for (src, dst) in x.chunks_exact(hd).zip(out.chunks_exact_mut(hd)) {
+        for j in 0..half {
+            dst[2 * j] = src[j];
+            dst[2 * j + 1] = src[half + j];
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unrotate_half_interleaves_each_head() {
+        let x = [0., 1., 2., 3., 10., 11., 12., 13.];
+        assert_eq!(unrotate_half(&x, 4), [0., 2., 1., 3., 10., 12., 11., 13.]);
+    }
+}
