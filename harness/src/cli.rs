@@ -300,8 +300,35 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug)]
 pub struct EntropyArgs {
-    /// The GGUF model.
-    pub model: PathBuf,
+    /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
+    /// and, with --against-reference, the reference).
+    #[arg(required_unless_present = "server")]
+    pub model: Option<PathBuf>,
+    /// Check a live OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000) from its
+    /// top-k logprobs instead of running a backend here.
+    #[arg(long)]
+    pub server: Option<String>,
+    /// The model name to send to --server.
+    #[arg(long, default_value = "default")]
+    pub served_model: String,
+    /// Bearer API key for --server (default: the OPENAI_API_KEY environment variable).
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Requests in flight at once to --server.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// top_logprobs asked of --server per position.
+    #[arg(long, default_value_t = 20)]
+    pub top_logprobs: usize,
+    /// Per-request timeout for --server, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
+    #[arg(long, default_value_t = 3)]
+    pub retries: u32,
+    /// Vocabulary size for --server without MODEL.gguf (bounds the entropy and normalizes H / ln V).
+    #[arg(long)]
+    pub vocab: Option<usize>,
     /// One prompt per line, or JSONL of {"prompt": TEXT} / {"tokens": [ids]}.
     #[arg(long)]
     pub prompts: PathBuf,

@@ -13,3 +13,5 @@ pub mod golden;
 pub mod junit;
 pub mod logprobs;
 pub mod output;
+pub mod server;
+pub mod topk;

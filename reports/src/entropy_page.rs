@@ -93,6 +93,9 @@ mod tests {
             entropies: vec![1.0, 2.0, 0.5],
             reference_entropies: vec![1.0, 1.5, 0.5],
             kld_positions: vec![0.0, 0.3, 1e-6],
+            entropy_upper: None,
+            topk_residual: None,
+            overlap: None,
         };
         let run = EntropyRun {
             format: 1,
@@ -115,6 +118,8 @@ mod tests {
             prompts: vec![prompt],
             kld: None,
             seconds: 0.0,
+            overlap: None,
+            server: None,
         };
         let html = render_entropy(&run);
         assert!(html.contains("DEGENERATE"));

@@ -218,6 +218,55 @@ pub struct PromptEntropy {
     /// With --against-reference: KLD at every compared position (prompt, then decode steps).
     #[serde(default)]
     pub kld_positions: Vec<f64>,
+    /// From a server's top-k logprobs only (`--server`): `mean_entropy` and `min_entropy` are then
+    /// lower bounds and this is the mean upper bound (the mass outside the top-k spread uniformly).
+    #[serde(default)]
+    pub entropy_upper: Option<f64>,
+    /// From a server: the mean probability mass outside the returned top-k (1 − Σ p_i).
+    #[serde(default)]
+    pub topk_residual: Option<f64>,
+    /// From a server with `--against-reference`: top-k set agreement with the reference.
+    #[serde(default)]
+    pub overlap: Option<TopkOverlap>,
+}
+
+/// How the server's top-k sets overlap the reference's, and the first position whose top-1 differs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TopkOverlap {
+    pub k: usize,
+    /// Mean |S_server ∩ S_ref| / k over positions.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub overlap_at_k: f64,
+    /// Mean |S_server ∩ S_ref| / |S_server ∪ S_ref|.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub jaccard: f64,
+    /// The first position (row index into the sequence) whose top-1 token differs, with both tokens.
+    pub first_top1_disagreement: Option<TokenDisagreement>,
+}
+
+/// One position where the server's top-1 token is not the reference's.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenDisagreement {
+    /// 1-based prompt number (0 in a per-prompt record).
+    pub prompt: usize,
+    pub position: usize,
+    pub server_token: String,
+    pub reference_token: String,
+}
+
+/// Where an `entropy --server` run's figures came from.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerSource {
+    pub url: String,
+    pub served_model: String,
+    /// top_logprobs requested per position.
+    pub top_k: usize,
+    /// How the server's logprob entries were aligned to positions: "openai" (entry i is the
+    /// distribution that predicted token i) or "shifted" (entry i is the distribution after token
+    /// i, as llama-cpp-python's echo gives it for a model without BOS).
+    pub alignment: String,
+    /// How the top-k KLD is normalized (e.g. "server_topk").
+    pub kld_support: String,
 }
 
 /// An `entropy` run.
@@ -240,6 +289,12 @@ pub struct EntropyRun {
     /// With --against-reference: over all positions of all prompts.
     pub kld: Option<KldStats>,
     pub seconds: f64,
+    /// With `--server`: the deployment checked.
+    #[serde(default)]
+    pub server: Option<ServerSource>,
+    /// With `--server --against-reference`: over all positions of all prompts.
+    #[serde(default)]
+    pub overlap: Option<TopkOverlap>,
 }
 
 /// Deserializers that read JSON `null` (serde_json's form of inf and NaN) back as NaN.

@@ -28,7 +28,13 @@ pub fn load_thresholds(path: &Path) -> anyhow::Result<EntropyThresholds> {
 }
 
 pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
+    if a.server.is_some() {
+        return crate::commands::entropy_server::run(a);
+    }
     let t0 = Instant::now();
+    let Some(model) = a.model.as_ref() else {
+        bail!("MODEL.gguf is required without --server")
+    };
     // Validate everything before any forward pass.
     let prompts = read_prompts(&a.prompts)?;
     let faults: Vec<FaultSpec> = a
@@ -46,7 +52,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     if let Some(k) = a.kld_threshold {
         thresholds.kld_position = k;
     }
-    let file = open_model(&a.model)?;
+    let file = open_model(model)?;
     let config = ModelConfig::from_header(&file.header)?;
     let vocab = config.vocab;
     let tokens = tokenize_prompts(&file, &prompts, vocab)?;
@@ -110,6 +116,9 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             entropies: pos.entropies.clone(),
             reference_entropies: ref_entropies,
             kld_positions: kld_series,
+            entropy_upper: None,
+            topk_residual: None,
+            overlap: None,
         };
         let (v, reasons) = verdict(&pe, &thresholds);
         pe.verdict = v;
@@ -123,7 +132,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let run = EntropyRun {
         format: ENTROPY_FORMAT,
         llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
-        model: a.model.display().to_string(),
+        model: model.display().to_string(),
         backend: runner.backend_name().to_string(),
         tp: a.tp,
         injected: faults.iter().map(|f| f.to_string()).collect(),
@@ -135,6 +144,8 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         prompts: out,
         kld,
         seconds: t0.elapsed().as_secs_f64(),
+        server: None,
+        overlap: None,
     };
     if let Some(p) = &a.json_out {
         write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
@@ -152,7 +163,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
 }
 
-fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
+pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
     let ln_v = (run.vocab as f64).ln();
     println!(
         "{}: {} prompts, {} TP {}{}; ln V = {:.2}",

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod demo;
 pub mod diff_layers;
 pub mod entropy;
+pub mod entropy_server;
 pub mod gate;
 pub mod golden;
 pub mod inspect;

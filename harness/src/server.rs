@@ -1,0 +1,300 @@
+//! The OpenAI-compatible client of `entropy --server`: one legacy `/v1/completions` request per
+//! prompt (`echo: true`, `logprobs: K`, temperature 0, `max_tokens`), with timeouts, retries with
+//! exponential backoff on connection errors, 429 and 5xx, a concurrency limit (a fixed pool of
+//! std threads pulling prompt indices), and an optional bearer API key. Every failure is one line
+//! naming the URL and the prompt, so `main` turns it into exit 2.
+//!
+//! The client is `ureq` 2 with default features off: blocking (no async runtime for a handful of
+//! requests), small, and no TLS stack compiled in by default; `--features tls` adds rustls for
+//! `https://` deployments.
+
+use anyhow::{anyhow, bail};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// How to reach the server.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// Base URL, e.g. `http://127.0.0.1:8000` (a trailing `/v1` is accepted).
+    pub url: String,
+    pub model: String,
+    pub api_key: Option<String>,
+    pub top_k: usize,
+    pub max_tokens: usize,
+    pub timeout: Duration,
+    /// Retries after the first attempt.
+    pub retries: u32,
+    /// First backoff; doubled on each retry.
+    pub backoff: Duration,
+    pub concurrency: usize,
+}
+
+/// What a prompt is sent as.
+#[derive(Clone, Debug)]
+pub enum PromptBody {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// One logprob entry of the response (a token of the echoed prompt or of the continuation).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub token: String,
+    /// Character offset of the token in the echoed text, when the server gives it.
+    pub text_offset: Option<usize>,
+    pub logprob: Option<f64>,
+    /// The top-k (token string, logprob) pairs, highest first; `None` where the server gives null
+    /// (the first echoed token).
+    pub top: Option<Vec<(String, f64)>>,
+}
+
+/// A parsed completion.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The echoed prompt and the continuation.
+    pub text: String,
+    pub entries: Vec<Entry>,
+    pub prompt_tokens: Option<usize>,
+}
+
+/// The completions endpoint for a base URL.
+pub fn endpoint(url: &str) -> String {
+    let base = url.trim_end_matches('/');
+    let base = base.strip_suffix("/v1").unwrap_or(base);
+    format!("{base}/v1/completions")
+}
+
+/// The request body.
+pub fn request_body(o: &ServerOptions, prompt: &PromptBody) -> Value {
+    let p = match prompt {
+        PromptBody::Text(t) => json!(t),
+        PromptBody::Tokens(ids) => json!(ids),
+    };
+    json!({
+        "model": o.model,
+        "prompt": p,
+        // llama-cpp-python reads max_tokens <= 0 as "until the context is full".
+        "max_tokens": o.max_tokens.max(1),
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "logprobs": o.top_k,
+        "echo": true,
+        "stream": false,
+    })
+}
+
+/// Parses a `/v1/completions` response body (the first choice).
+pub fn parse_completion(body: &str) -> anyhow::Result<Completion> {
+    let v: Value = serde_json::from_str(body).map_err(|e| anyhow!("malformed response body: not JSON ({e})"))?;
+    let choice = v
+        .get("choices")
+        .and_then(|c| c.get(0))
+        .ok_or_else(|| anyhow!("malformed response body: no choices[0]"))?;
+    let text = choice
+        .get("text")
+        .and_then(Value::as_str)
+        .ok_or_else(|| anyhow!("malformed response body: choices[0].text missing"))?
+        .to_string();
+    let lp = match choice.get("logprobs") {
+        Some(l) if l.is_object() => l,
+        _ => bail!("the response has no logprobs (does the server support legacy completions logprobs with echo?)"),
+    };
+    let tokens = lp
+        .get("tokens")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("the response has no logprobs.tokens"))?;
+    let tops = lp
+        .get("top_logprobs")
+        .and_then(Value::as_array)
+        .ok_or_else(|| anyhow!("the response has no logprobs.top_logprobs"))?;
+    let lps = lp.get("token_logprobs").and_then(Value::as_array);
+    let offs = lp.get("text_offset").and_then(Value::as_array);
+    if tops.len() != tokens.len() {
+        bail!(
+            "malformed logprobs: {} tokens but {} top_logprobs",
+            tokens.len(),
+            tops.len()
+        );
+    }
+    let mut entries = Vec::with_capacity(tokens.len());
+    for (i, (t, top)) in tokens.iter().zip(tops).enumerate() {
+        let token = t
+            .as_str()
+            .ok_or_else(|| anyhow!("malformed logprobs: tokens[{i}] is not a string"))?
+            .to_string();
+        let top = match top {
+            Value::Null => None,
+            Value::Object(m) => {
+                let mut pairs = Vec::with_capacity(m.len());
+                for (k, x) in m {
+                    let lp = x
+                        .as_f64()
+                        .ok_or_else(|| anyhow!("malformed logprobs: top_logprobs[{i}][{k:?}] is not a number"))?;
+                    pairs.push((k.clone(), lp));
+                }
+                pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
+                Some(pairs)
+            }
+            _ => bail!("malformed logprobs: top_logprobs[{i}] is not an object"),
+        };
+        entries.push(Entry {
+            token,
+            text_offset: offs.and_then(|o| o.get(i)).and_then(Value::as_u64).map(|x| x as usize),
+            logprob: lps.and_then(|l| l.get(i)).and_then(Value::as_f64),
+            top,
+        });
+    }
+    if entries.iter().all(|e| e.top.is_none()) {
+        bail!("the response's top_logprobs are all null");
+    }
+    let prompt_tokens = v
+        .get("usage")
+        .and_then(|u| u.get("prompt_tokens"))
+        .and_then(Value::as_u64)
+        .map(|x| x as usize);
+    Ok(Completion {
+        text,
+        entries,
+        prompt_tokens,
+    })
+}
+
+/// A failed attempt: retry or give up.
+enum Attempt {
+    Retry(String),
+    Fatal(String),
+}
+
+fn one_line(s: &str, max: usize) -> String {
+    let s: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if s.chars().count() > max {
+        format!("{}…", s.chars().take(max).collect::<String>())
+    } else {
+        s
+    }
+}
+
+fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> Result<Completion, Attempt> {
+    let mut req = agent.post(url).set("Content-Type", "application/json");
+    if let Some(k) = &o.api_key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.send_string(&body.to_string()) {
+        Ok(resp) => {
+            let text = resp
+                .into_string()
+                .map_err(|e| Attempt::Retry(format!("reading the response: {e}")))?;
+            parse_completion(&text).map_err(|e| Attempt::Fatal(format!("{e:#}")))
+        }
+        Err(ureq::Error::Status(code, resp)) => {
+            let text = resp.into_string().unwrap_or_default();
+            let msg = format!("HTTP {code}: {}", one_line(&text, 200));
+            if code == 429 || code >= 500 {
+                Err(Attempt::Retry(msg))
+            } else {
+                Err(Attempt::Fatal(msg))
+            }
+        }
+        Err(ureq::Error::Transport(t)) => {
+            let kind = match t.kind() {
+                ureq::ErrorKind::ConnectionFailed => "connection refused or failed".to_string(),
+                ureq::ErrorKind::Dns => "cannot resolve the host".to_string(),
+                ureq::ErrorKind::Io => format!("I/O error ({})", one_line(&t.to_string(), 160)),
+                _ => one_line(&t.to_string(), 200),
+            };
+            Err(Attempt::Retry(kind))
+        }
+    }
+}
+
+/// Sends one prompt with retries.
+fn complete_one(agent: &ureq::Agent, o: &ServerOptions, prompt: &PromptBody) -> anyhow::Result<Completion> {
+    let url = endpoint(&o.url);
+    let body = request_body(o, prompt);
+    let mut wait = o.backoff;
+    let mut tries = 0u32;
+    loop {
+        match attempt(agent, o, &url, &body) {
+            Ok(c) => return Ok(c),
+            Err(Attempt::Fatal(m)) => bail!("{url}: {m}"),
+            Err(Attempt::Retry(m)) if tries >= o.retries => {
+                bail!("{url}: {m} (after {} attempts)", tries + 1)
+            }
+            Err(Attempt::Retry(_)) => {
+                std::thread::sleep(wait);
+                wait = wait.saturating_mul(2);
+                tries += 1;
+            }
+        }
+    }
+}
+
+/// Sends every prompt, at most `concurrency` at a time; results in prompt order. The first
+/// failing prompt (by index) is the error, naming the prompt.
+pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result<Vec<Completion>> {
+    if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
+        bail!("--server {}: expected an http:// or https:// URL", o.url);
+    }
+    let agent = ureq::AgentBuilder::new()
+        .timeout_connect(o.timeout.min(Duration::from_secs(10)))
+        .timeout(o.timeout)
+        .build();
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<anyhow::Result<Completion>>>> =
+        Mutex::new((0..prompts.len()).map(|_| None).collect());
+    let workers = o.concurrency.clamp(1, prompts.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= prompts.len() {
+                    break;
+                }
+                let r = complete_one(&agent, o, &prompts[i]);
+                let failed = r.is_err();
+                if let Ok(mut g) = results.lock() {
+                    g[i] = Some(r);
+                }
+                if failed {
+                    // Stop handing out work; the prompts already in flight finish.
+                    next.store(prompts.len(), Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().map_err(|_| anyhow!("a request thread panicked"))?;
+    let mut out = Vec::with_capacity(prompts.len());
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Some(Ok(c)) => out.push(c),
+            Some(Err(e)) => return Err(e.context(format!("prompt {}", i + 1))),
+            None => {}
+        }
+    }
+    if out.len() != prompts.len() {
+        bail!("requests stopped after an error");
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_and_parse() {
+        assert_eq!(endpoint("http://h:1/"), "http://h:1/v1/completions");
+        assert_eq!(endpoint("http://h:1/v1"), "http://h:1/v1/completions");
+        let body = r#"{"choices":[{"text":"ab","logprobs":{"tokens":["a","b"],"text_offset":[0,1],
+            "token_logprobs":[null,-0.5],"top_logprobs":[null,{"b":-0.5,"c":-1.5}]}}],
+            "usage":{"prompt_tokens":1}}"#;
+        let c = parse_completion(body).unwrap();
+        assert_eq!(c.entries.len(), 2);
+        assert_eq!(c.entries[1].top.as_ref().unwrap()[0].0, "b");
+        assert!(parse_completion("{").is_err());
+        let e = parse_completion(r#"{"choices":[{"text":"x","logprobs":null}]}"#).unwrap_err();
+        assert!(e.to_string().contains("no logprobs"), "{e}");
+    }
+}

@@ -1,0 +1,259 @@
+//! `entropy --server` against a tiny in-process fake OpenAI server (a `TcpListener` on 127.0.0.1:0
+//! answering canned JSON, bounded by a request count and a deadline): a healthy parse, 500 retried
+//! then exit 2, a malformed body, missing logprobs, connection refused. The run against a real
+//! llama.cpp server (llama-cpp-python) is opt-in: `LLMDIFF_LIVE_SERVER=1`.
+
+use harness::cli::Cli;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn run(args: &[String]) -> anyhow::Result<ExitCode> {
+    let cli =
+        <Cli as clap::Parser>::try_parse_from(std::iter::once("llmdiff".to_string()).chain(args.iter().cloned()))?;
+    harness::commands::run(cli)
+}
+
+/// Serves up to `max` requests (or until 30 s pass), each answered with `status` and `body`.
+/// Returns the base URL and the count of requests seen.
+fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while count.load(Ordering::SeqCst) < max && Instant::now() < deadline {
+            let Ok((mut s, _)) = listener.accept() else {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            // Read the headers, then Content-Length bytes of body.
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 4096];
+            let mut need: Option<usize> = None;
+            while let Ok(n) = s.read(&mut chunk) {
+                if n == 0 {
+                    break;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                if need.is_none() {
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        let len = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        need = Some(end + 4 + len);
+                    }
+                }
+                if need.is_some_and(|n| buf.len() >= n) {
+                    break;
+                }
+            }
+            count.fetch_add(1, Ordering::SeqCst);
+            let reply = format!(
+                "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(reply.as_bytes());
+        }
+    });
+    (url, seen)
+}
+
+/// A completion of "A b c d" + " e f g h" in OpenAI alignment: every token is its own entry's
+/// top-1 at logprob −0.1, with four distinct runners-up per position.
+fn healthy_body() -> String {
+    let toks = ["A", " b", " c", " d", " e", " f", " g", " h"];
+    let mut offs = Vec::new();
+    let mut o = 0;
+    for t in toks {
+        offs.push(o);
+        o += t.len();
+    }
+    let tops: Vec<Value> = toks
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if i == 0 {
+                return Value::Null;
+            }
+            let mut m = serde_json::Map::new();
+            m.insert(t.to_string(), json!(-0.1));
+            for j in 1..5 {
+                m.insert(format!("x{i}_{j}"), json!(-3.0 - 0.5 * j as f64));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    let lps: Vec<Value> = (0..toks.len())
+        .map(|i| if i == 0 { Value::Null } else { json!(-0.1) })
+        .collect();
+    json!({
+        "id": "cmpl-1", "object": "text_completion", "model": "fake",
+        "choices": [{"text": toks.concat(), "index": 0, "finish_reason": "length",
+            "logprobs": {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    })
+    .to_string()
+}
+
+fn prompts(dir: &std::path::Path) -> String {
+    let p = dir.join("p.txt");
+    std::fs::write(&p, "A b c d\n").unwrap();
+    p.display().to_string()
+}
+
+fn args(url: &str, prompts: &str, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "entropy",
+        "--server",
+        url,
+        "--prompts",
+        prompts,
+        "--vocab",
+        "1000",
+        "--max-new-tokens",
+        "4",
+        "--top-logprobs",
+        "5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn one_line_error(r: anyhow::Result<ExitCode>) -> String {
+    let e = r.expect_err("expected an error (exit 2)");
+    let msg = format!("{e:#}");
+    assert!(!msg.contains('\n'), "not one line: {msg}");
+    msg
+}
+
+#[test]
+fn healthy_fake_server_parses() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, seen) = fake_server(200, healthy_body(), 1);
+    let out = dir.path().join("run.json");
+    let code = run(&args(&url, &p, &["--json-out", out.to_str().unwrap()])).unwrap();
+    assert_eq!(code, ExitCode::SUCCESS);
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    let doc: reports::EntropyRun = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(doc.verdict, "healthy");
+    let s = doc.server.as_ref().unwrap();
+    assert_eq!(s.alignment, "openai");
+    let pe = &doc.prompts[0];
+    assert_eq!(pe.continuation.len(), 4);
+    assert_eq!(pe.continuation_text.as_deref(), Some(" e f g h"));
+    // The bracket: lower ≤ upper, and the residual is what the top-5 leave.
+    assert!(pe.mean_entropy <= pe.entropy_upper.unwrap());
+    let listed: f64 = [-0.1f64, -3.5, -4.0, -4.5, -5.0].iter().map(|l| l.exp()).sum();
+    assert!((pe.topk_residual.unwrap() - (1.0 - listed)).abs() < 1e-9);
+}
+
+#[test]
+fn server_500_retries_then_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, seen) = fake_server(500, "{\"error\":\"boom\"}".into(), 10);
+    let msg = one_line_error(run(&args(&url, &p, &["--retries", "2"])));
+    assert!(msg.contains("HTTP 500") && msg.contains("after 3 attempts"), "{msg}");
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
+}
+
+#[test]
+fn malformed_body_is_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, _) = fake_server(200, "this is not json".into(), 1);
+    let msg = one_line_error(run(&args(&url, &p, &[])));
+    assert!(msg.contains("malformed response body"), "{msg}");
+}
+
+#[test]
+fn missing_logprobs_is_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let body = json!({"choices": [{"text": "A b c d e", "index": 0}]}).to_string();
+    let (url, _) = fake_server(200, body, 1);
+    let msg = one_line_error(run(&args(&url, &p, &[])));
+    assert!(msg.contains("no logprobs"), "{msg}");
+}
+
+#[test]
+fn connection_refused_is_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let msg = one_line_error(run(&args(&url, &p, &["--retries", "1"])));
+    assert!(msg.contains("connection refused"), "{msg}");
+}
+
+/// Opt-in: `LLMDIFF_LIVE_SERVER=1` starts `python -m llama_cpp.server` on the real SmolLM2 and
+/// checks it is healthy and agrees with the reference within 1 nat per position.
+#[test]
+fn live_llama_cpp_server() {
+    if std::env::var("LLMDIFF_LIVE_SERVER").ok().as_deref() != Some("1") {
+        eprintln!("LLMDIFF_LIVE_SERVER=1 not set: live llama.cpp server test skipped");
+        return;
+    }
+    let model = llmdiff_tests::fixtures::smollm2();
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut child = std::process::Command::new("python3")
+        .args(["-m", "llama_cpp.server", "--model"])
+        .arg(model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("python3 -m llama_cpp.server");
+    let url = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.txt");
+    std::fs::write(&p, "The capital of France is\nOnce upon a time, there was a little\n").unwrap();
+    let out = dir.path().join("run.json");
+    let r = run(&[
+        "entropy".into(),
+        model.display().to_string(),
+        "--server".into(),
+        url,
+        "--prompts".into(),
+        p.display().to_string(),
+        "--max-new-tokens".into(),
+        "8".into(),
+        "--against-reference".into(),
+        "--kld-threshold".into(),
+        "1.0".into(),
+        "--json-out".into(),
+        out.display().to_string(),
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(r.unwrap(), ExitCode::SUCCESS);
+    let doc: reports::EntropyRun = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(doc.verdict, "healthy");
+    assert!(doc.overlap.unwrap().overlap_at_k > 0.8);
+}
