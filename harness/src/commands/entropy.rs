@@ -147,17 +147,23 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         server: None,
         overlap: None,
     };
+    finish(a, &run, || print_summary(&run, tokenizer.as_ref()))
+}
+
+/// Writes `--json-out` and `--html`, prints the JSON or the human summary, and maps the verdict to
+/// the exit code (0 healthy and agreeing, 1 otherwise). Shared by the local and `--server` checks.
+pub fn finish(a: &EntropyArgs, run: &EntropyRun, print_human: impl FnOnce()) -> anyhow::Result<ExitCode> {
     if let Some(p) = &a.json_out {
-        write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
+        write_atomic(p, serde_json::to_string_pretty(run)?.as_bytes())?;
     }
     if let Some(p) = &a.html {
-        write_atomic(p, reports::render_entropy(&run).as_bytes())?;
+        write_atomic(p, reports::render_entropy(run).as_bytes())?;
         eprintln!("report: {}", p.display());
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&run)?);
+        println!("{}", serde_json::to_string_pretty(run)?);
     } else {
-        print_summary(&run, tokenizer.as_ref());
+        print_human();
     }
     let ok = run.verdict == "healthy" && run.agreement.as_deref() != Some("diverged");
     Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })

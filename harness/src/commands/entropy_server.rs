@@ -14,7 +14,7 @@ use crate::commands::entropy::{load_thresholds, print_summary};
 use crate::entropy::{default_thresholds, kld_stats, overall, read_prompts, repetition, top5_recurrence, verdict};
 use crate::entropy::{KldPosition, PromptInput};
 use crate::logprobs::{log_softmax, top_k};
-use crate::output::{open_model, write_atomic};
+use crate::output::open_model;
 use crate::server::{complete_all, Completion, PromptBody, ServerOptions};
 use crate::topk::{entropy_bracket, overlap, topk_kld};
 use anyhow::{bail, Context};
@@ -444,17 +444,10 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         }),
         overlap: overlap_all,
     };
-    if let Some(p) = &a.json_out {
-        write_atomic(p, serde_json::to_string_pretty(&run)?.as_bytes())?;
-    }
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&run)?);
-    } else {
+    crate::commands::entropy::finish(a, &run, || {
         print_summary(&run, tokenizer.as_ref());
         print_server_summary(&run);
-    }
-    let ok = run.verdict == "healthy" && run.agreement.as_deref() != Some("diverged");
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    })
 }
 
 fn print_server_summary(run: &EntropyRun) {
