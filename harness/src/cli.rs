@@ -43,7 +43,7 @@ pub enum Command {
     Golden(GoldenArgs),
     /// Re-render a saved diff-layers run document (--json-out) as a self-contained HTML report.
     Report(ReportArgs),
-    /// The embedded default: synthesize a miniature model and show what llmdiff sees in it.
+    /// The embedded default: synthesize a miniature MLA+MoE model, diff a healthy and a faulty TP 2 engine, write llmdiff-demo.html.
     Demo(DemoArgs),
 }
 
