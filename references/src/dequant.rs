@@ -17,6 +17,7 @@
 
 use crate::ggml_type::{GgmlType, QK_K};
 use half::f16;
+use rayon::prelude::*;
 
 /// Why a buffer could not be dequantized.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -79,12 +80,18 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
         GgmlType::Q5K => block_q5_k,
         GgmlType::Q6K => block_q6_k,
     };
-    for (x, y) in src
-        .chunks_exact(ty.block_bytes())
-        .zip(dst.chunks_exact_mut(ty.block_elems()))
-    {
-        block(x, y);
-    }
+    // Blocks are independent: runs of them go to rayon tasks, each decoded one block at a time.
+    const BLOCKS_PER_TASK: usize = 64;
+    src.par_chunks(BLOCKS_PER_TASK * ty.block_bytes())
+        .zip(dst.par_chunks_mut(BLOCKS_PER_TASK * ty.block_elems()))
+        .for_each(|(src, dst)| {
+            for (x, y) in src
+                .chunks_exact(ty.block_bytes())
+                .zip(dst.chunks_exact_mut(ty.block_elems()))
+            {
+                block(x, y);
+            }
+        });
     Ok(())
 }
 

@@ -92,10 +92,8 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
             linear(h, n, &wq)
         }
     };
-    for t in 0..n {
-        for head in q[t * nh * dq..(t + 1) * nh * dq].chunks_mut(dq) {
-            ops::rope_norm(&mut head[nope..], t, rope, c.rope_base);
-        }
+    for (t, q_t) in q.chunks_mut(nh * dq).enumerate() {
+        ops::rope_norm(q_t, dq, nope, t, rope, c.rope_base);
     }
     emit(tap, key(Site::Q), &q, n);
 
@@ -108,7 +106,7 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
     for (t, row) in kva.chunks(kvl + rope).enumerate() {
         latent.extend_from_slice(&row[..kvl]);
         let mut pe = row[kvl..].to_vec();
-        ops::rope_norm(&mut pe, t, rope, c.rope_base);
+        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
         k_pe.extend(pe);
     }
     let latent = ops::rms_norm(&latent, kvl, &r.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps);

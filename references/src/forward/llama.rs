@@ -33,13 +33,9 @@ pub(super) fn layer(
     let mut q = linear(&h, n, &wq);
     let mut k = linear(&h, n, &wk);
     let v = linear(&h, n, &wv);
-    for t in 0..n {
-        for head in q[t * nh * hd..(t + 1) * nh * hd].chunks_mut(hd) {
-            ops::rope_norm(&mut head[..c.rope_dim], t, c.rope_dim, c.rope_base);
-        }
-        for head in k[t * nkv * hd..(t + 1) * nkv * hd].chunks_mut(hd) {
-            ops::rope_norm(&mut head[..c.rope_dim], t, c.rope_dim, c.rope_base);
-        }
+    for (t, (q_t, k_t)) in q.chunks_mut(nh * hd).zip(k.chunks_mut(nkv * hd)).enumerate() {
+        ops::rope_norm(q_t, hd, 0, t, c.rope_dim, c.rope_base);
+        ops::rope_norm(k_t, hd, 0, t, c.rope_dim, c.rope_base);
     }
     emit(tap, key(Site::Q), &q, n);
     emit(tap, key(Site::K), &k, n);

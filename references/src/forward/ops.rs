@@ -1,107 +1,174 @@
 //! The reference's numeric building blocks: f32 storage, f64 accumulation.
 //!
 //! Every dot product sums in f64 over eight fixed lanes (element i goes to lane i mod 8), then
-//! adds the lanes pairwise. The order is fixed by the code, so results do not depend on the
-//! instruction set: the AVX2 build of [`matmul_t`] is the same Rust, only compiled wider.
+//! adds the lanes pairwise ([`dot64`] is the definition). The order is fixed by the code, so
+//! results do not depend on the instruction set. The inputs are f32 values widened to f64, so
+//! each product is exact in f64 (24 + 24 significant bits < 53): a fused multiply-add rounds
+//! exactly as a multiply-then-add does. The AVX-512 build of [`matmul_t`] uses FMA, the others
+//! do not, and the tests hold every build to [`dot64`] bit for bit.
+//!
+//! Speed comes only from doing many such sums at once: a block of [`ROWS`] weight rows ×
+//! [`TOKENS`] tokens keeps its lanes in registers while k runs, so each widened weight chunk
+//! feeds eight tokens and each token chunk feeds three rows.
 
 use rayon::prelude::*;
+
+/// Weight rows per register block (3 rows × 8 tokens: 24 of the 32 AVX-512 registers).
+const ROWS: usize = 3;
+/// Tokens per register block (then 4, then 1 for the remainder).
+const TOKENS: usize = 8;
+/// Weight rows per rayon task.
+const ROWS_PER_TASK: usize = 24;
 
 /// `x [n, k] · wᵀ` for `w [m, k]` (torch layout), giving `[n, m]`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * k, "matmul_t: x is not [n, k]");
     assert_eq!(w.len(), m * k, "matmul_t: w is not [m, k]");
+    if k == 0 || n == 0 {
+        return vec![0.0; n * m];
+    }
     let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-    // Output transposed ([m, n]) so each task owns whole rows; transposed back at the end.
-    let mut out_t = vec![0f32; m * n];
-    const ROWS_PER_TASK: usize = 16;
-    out_t
-        .par_chunks_mut(ROWS_PER_TASK * n)
-        .enumerate()
-        .for_each(|(task_idx, chunk)| {
-            let row0 = task_idx * ROWS_PER_TASK;
-            for (i, out_row) in chunk.chunks_mut(n).enumerate() {
-                let w_row = &w[(row0 + i) * k..(row0 + i + 1) * k];
-                dot_rows(&x64, k, w_row, out_row);
+    // Each task fills a `[n, ROWS_PER_TASK]` block for its rows, so the scatter into `[n, m]`
+    // below copies whole 64-byte rows.
+    let mut blocks = vec![0f32; m.div_ceil(ROWS_PER_TASK) * n * ROWS_PER_TASK];
+    blocks
+        .par_chunks_mut(n * ROWS_PER_TASK)
+        .zip(w.par_chunks(ROWS_PER_TASK * k))
+        .for_each(|(block, w_rows)| {
+            let mut r = 0;
+            let n_rows = w_rows.len() / k;
+            while r + ROWS <= n_rows {
+                token_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
+                r += ROWS;
+            }
+            for r in r..n_rows {
+                token_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
             }
         });
     let mut out = vec![0f32; n * m];
-    for r in 0..m {
-        for t in 0..n {
-            out[t * m + r] = out_t[r * n + t];
+    for (p, block) in blocks.chunks_exact(n * ROWS_PER_TASK).enumerate() {
+        let rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
+        let cols = p * ROWS_PER_TASK..p * ROWS_PER_TASK + rows;
+        for (out_t, block_t) in out.chunks_exact_mut(m).zip(block.chunks_exact(ROWS_PER_TASK)) {
+            out_t[cols.clone()].copy_from_slice(&block_t[..rows]);
         }
     }
     out
 }
 
-/// `out[t] = x64[t] · w_row` for every token t, dispatching to a wider build where available.
-fn dot_rows(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
+/// `block[t][r0 + r] = x64[t] · w_rows[r]` for the `R` rows and every token t, in tiles of 8,
+/// 4 and 1 tokens.
+fn token_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], r0: usize, block: &mut [f32]) {
+    let mut t = 0;
+    let mut tile = |t: usize, sums: &[[f64; R]]| {
+        for (u, s) in sums.iter().enumerate() {
+            for (r, &v) in s.iter().enumerate() {
+                block[(t + u) * ROWS_PER_TASK + r0 + r] = v as f32;
+            }
+        }
+    };
+    while t + TOKENS <= n {
+        tile(t, &dot_block::<R, TOKENS>(&x64[t * k..(t + TOKENS) * k], k, w_rows));
+        t += TOKENS;
+    }
+    while t + 4 <= n {
+        tile(t, &dot_block::<R, 4>(&x64[t * k..(t + 4) * k], k, w_rows));
+        t += 4;
+    }
+    for t in t..n {
+        tile(t, &dot_block::<R, 1>(&x64[t * k..(t + 1) * k], k, w_rows));
+    }
+}
+
+/// `sums[u][r] = x[u] · w[r]` for `T` token rows of `x` and `R` weight rows of `w`, each equal to
+/// [`dot64`]: the 8 lanes of the whole chunks (on the widest build the CPU has), then the tail
+/// into lanes 0.., then the pairwise lane sum.
+#[inline(always)]
+fn dot_block<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> [[f64; R]; T] {
+    let k8 = k - k % 8;
+    let mut lanes = chunk_lanes::<R, T>(x, k, w);
+    std::array::from_fn(|u| {
+        std::array::from_fn(|r| {
+            let l = &mut lanes[u][r];
+            for (j, i) in (k8..k).enumerate() {
+                l[j] += x[u * k + i] * w[r * k + i] as f64;
+            }
+            reduce_lanes(l)
+        })
+    })
+}
+
+type Lanes<const R: usize, const T: usize> = [[[f64; 8]; R]; T];
+
+#[inline(always)]
+fn chunk_lanes<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { dot_rows_avx512(x64, k, w_row, out) };
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX-512F and FMA, checked just above.
+            return unsafe { chunk_lanes_avx512::<R, T>(x, k, w) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { dot_rows_avx2(x64, k, w_row, out) };
+            return unsafe { chunk_lanes_avx2::<R, T>(x, k, w) };
         }
     }
-    dot_rows_portable(x64, k, w_row, out)
+    chunk_lanes_portable::<R, T>(x, k, w)
 }
 
+/// AVX-512: lane j of register (u, r) is lane j of that sum; per chunk, R widened weight loads
+/// and T token loads feed R·T fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_rows_avx512(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
-    dot_rows_portable(x64, k, w_row, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn dot_rows_avx2(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
-    dot_rows_portable(x64, k, w_row, out)
-}
-
-/// Tokens in tiles of 8, then 4, then one at a time share each widened weight chunk (8 tiles
-/// keep 8 independent f64 add chains in flight, which hides the add latency). Every token's sum
-/// keeps the 8-lane order of [`dot64`], so the result equals one `dot64` per token.
-#[inline(always)]
-fn dot_rows_portable(x64: &[f64], k: usize, w_row: &[f32], out: &mut [f32]) {
-    let n = out.len();
-    let mut t = 0;
-    while t + 8 <= n {
-        dot_tile::<8>(x64, k, w_row, t, out);
-        t += 8;
-    }
-    while t + 4 <= n {
-        dot_tile::<4>(x64, k, w_row, t, out);
-        t += 4;
-    }
-    for (u, o) in out.iter_mut().enumerate().skip(t) {
-        *o = dot64(&x64[u * k..(u + 1) * k], w_row) as f32;
-    }
-}
-
-/// `out[t0 + u] = x64[t0 + u] · w_row` for the `T` tokens of one tile.
-#[inline(always)]
-fn dot_tile<const T: usize>(x64: &[f64], k: usize, w_row: &[f32], t0: usize, out: &mut [f32]) {
-    let k8 = k - k % 8;
-    let xs: [&[f64]; T] = std::array::from_fn(|u| &x64[(t0 + u) * k..(t0 + u + 1) * k]);
-    let mut lanes = [[0f64; 8]; T];
-    for (c, w) in w_row[..k8].chunks_exact(8).enumerate() {
-        let w: [f64; 8] = std::array::from_fn(|j| w[j] as f64);
-        for (acc, x) in lanes.iter_mut().zip(&xs) {
-            let x: &[f64; 8] = x[c * 8..c * 8 + 8].try_into().expect("8 lanes");
-            for j in 0..8 {
-                acc[j] += x[j] * w[j];
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
+    use std::arch::x86_64::*;
+    assert!(x.len() >= T * k && w.len() >= R * k);
+    let mut acc = [[_mm512_setzero_pd(); R]; T];
+    for c in (0..k - k % 8).step_by(8) {
+        // SAFETY: c + 8 ≤ k, and every row start is below the lengths asserted above.
+        let wv: [__m512d; R] =
+            std::array::from_fn(|r| unsafe { _mm512_cvtps_pd(_mm256_loadu_ps(w.as_ptr().add(r * k + c))) });
+        for (u, acc_u) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let xv = unsafe { _mm512_loadu_pd(x.as_ptr().add(u * k + c)) };
+            for (a, wr) in acc_u.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_pd(xv, *wr, *a);
             }
         }
     }
-    for (u, (acc, x)) in lanes.iter_mut().zip(&xs).enumerate() {
-        for (j, idx) in (k8..k).enumerate() {
-            acc[j] += x[idx] * w_row[idx] as f64;
+    let mut lanes = [[[0f64; 8]; R]; T];
+    for (l_u, a_u) in lanes.iter_mut().zip(&acc) {
+        for (l, a) in l_u.iter_mut().zip(a_u) {
+            // SAFETY: `l` is 8 f64.
+            unsafe { _mm512_storeu_pd(l.as_mut_ptr(), *a) };
         }
-        out[t0 + u] = reduce_lanes(acc) as f32;
     }
+    lanes
+}
+
+/// AVX2: the portable code, compiled wider.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn chunk_lanes_avx2<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
+    chunk_lanes_portable::<R, T>(x, k, w)
+}
+
+/// The lanes of the whole 8-element chunks, multiply then add.
+#[inline(always)]
+fn chunk_lanes_portable<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
+    let mut lanes = [[[0f64; 8]; R]; T];
+    for c in (0..k - k % 8).step_by(8) {
+        let wv: [[f64; 8]; R] = std::array::from_fn(|r| std::array::from_fn(|j| w[r * k + c + j] as f64));
+        for (u, l_u) in lanes.iter_mut().enumerate() {
+            let xv: &[f64] = &x[u * k + c..u * k + c + 8];
+            for (l, wr) in l_u.iter_mut().zip(&wv) {
+                for j in 0..8 {
+                    l[j] += xv[j] * wr[j];
+                }
+            }
+        }
+    }
+    lanes
 }
 
 #[inline(always)]
@@ -109,19 +176,19 @@ fn reduce_lanes(l: &[f64; 8]) -> f64 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 
-/// Σ a·b in f64 with the fixed 8-lane order described in the module doc.
+/// Σ a·b in f64 with the fixed 8-lane order described in the module doc (`a` in f32 or f64).
 #[inline(always)]
-pub fn dot64(a: &[f64], b: &[f32]) -> f64 {
+pub fn dot64<A: Copy + Into<f64>>(a: &[A], b: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let mut ca = a.chunks_exact(8);
     let mut cb = b.chunks_exact(8);
     for (xa, xb) in (&mut ca).zip(&mut cb) {
         for i in 0..8 {
-            lanes[i] += xa[i] * xb[i] as f64;
+            lanes[i] += xa[i].into() * xb[i] as f64;
         }
     }
     for (i, (&xa, &xb)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
-        lanes[i] += xa * xb as f64;
+        lanes[i] += xa.into() * xb as f64;
     }
     reduce_lanes(&lanes)
 }
@@ -139,15 +206,18 @@ pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
-/// RoPE, llama.cpp's NORM style, in place on `v` (one head's rotary part, even length):
-/// pairs (2i, 2i+1) rotate by pos·base^(−2i/n_dims).
-pub fn rope_norm(v: &mut [f32], pos: usize, n_dims: usize, base: f32) {
-    for i in 0..n_dims / 2 {
-        let theta = pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64);
-        let (sin, cos) = theta.sin_cos();
-        let (x0, x1) = (v[2 * i] as f64, v[2 * i + 1] as f64);
-        v[2 * i] = (x0 * cos - x1 * sin) as f32;
-        v[2 * i + 1] = (x0 * sin + x1 * cos) as f32;
+/// RoPE, llama.cpp's NORM style, in place on one row of heads: in each `head_dim` chunk of
+/// `row`, the `n_dims` values from `offset` rotate in pairs (2i, 2i+1) by pos·base^(−2i/n_dims).
+pub fn rope_norm(row: &mut [f32], head_dim: usize, offset: usize, pos: usize, n_dims: usize, base: f32) {
+    let angles: Vec<(f64, f64)> = (0..n_dims / 2)
+        .map(|i| (pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64)).sin_cos())
+        .collect();
+    for head in row.chunks_mut(head_dim) {
+        for (pair, &(sin, cos)) in head[offset..offset + n_dims].chunks_exact_mut(2).zip(&angles) {
+            let (x0, x1) = (pair[0] as f64, pair[1] as f64);
+            pair[0] = (x0 * cos - x1 * sin) as f32;
+            pair[1] = (x0 * sin + x1 * cos) as f32;
+        }
     }
 }
 
@@ -204,7 +274,7 @@ pub fn causal_attention(
             let qh = &q[(t * n_heads + h) * dk..(t * n_heads + h + 1) * dk];
             for (s, score) in scores.iter_mut().enumerate() {
                 let kh = &k[(s * n_kv_heads + kvh) * dk..(s * n_kv_heads + kvh + 1) * dk];
-                *score = qh.iter().zip(kh).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale;
+                *score = dot64(qh, kh) * scale;
             }
             softmax(&mut scores);
             acc.iter_mut().for_each(|a| *a = 0.0);
@@ -241,29 +311,72 @@ mod tests {
     }
 
     #[test]
-    fn token_tiles_equal_single_dots() {
-        // 13 tokens: one tile of 8, one of 4, one single.
-        let (n, k, m) = (13, 37, 3);
-        let x: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.731).sin() * 3.0).collect();
-        let w: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.277).cos()).collect();
-        let y = matmul_t(&x, n, k, &w, m);
-        for t in 0..n {
-            let xt: Vec<f64> = x[t * k..(t + 1) * k].iter().map(|&v| v as f64).collect();
-            for r in 0..m {
-                assert_eq!(y[t * m + r], dot64(&xt, &w[r * k..(r + 1) * k]) as f32);
+    fn every_sum_equals_dot64_bit_for_bit() {
+        // Shapes with partial token tiles and partial panels; values spanning many binades so a
+        // different summation order would show in the low bits.
+        for (n, k, m) in [(1, 5, 1), (13, 37, 3), (8, 64, 16), (17, 576, 35), (3, 1536, 20)] {
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| (i as f32 * 0.731).sin() * 10f32.powi((i % 9) as i32 - 4))
+                .collect();
+            let w: Vec<f32> = (0..m * k)
+                .map(|i| (i as f32 * 0.277).cos() * (1 + i % 5) as f32)
+                .collect();
+            let y = matmul_t(&x, n, k, &w, m);
+            for t in 0..n {
+                let xt: Vec<f64> = x[t * k..(t + 1) * k].iter().map(|&v| v as f64).collect();
+                for r in 0..m {
+                    assert_eq!(
+                        y[t * m + r],
+                        dot64(&xt, &w[r * k..(r + 1) * k]) as f32,
+                        "n {n} k {k} t {t} r {r}"
+                    );
+                }
             }
         }
+        assert_eq!(matmul_t(&[], 2, 0, &[], 3), vec![0.0; 6]);
+    }
+
+    #[test]
+    fn every_build_gives_the_same_lanes() {
+        let (k, r, t) = (77, 3, 8);
+        let x: Vec<f64> = (0..t * k).map(|i| ((i as f32 * 0.731).sin() * 1e3) as f64).collect();
+        let w: Vec<f32> = (0..r * k)
+            .map(|i| (i as f32 * 0.277).cos() / (1 + i % 7) as f32)
+            .collect();
+        let portable = chunk_lanes_portable::<3, 8>(&x, k, &w);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+                // SAFETY: checked just above.
+                assert_eq!(unsafe { chunk_lanes_avx512::<3, 8>(&x, k, &w) }, portable);
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: checked just above.
+                assert_eq!(unsafe { chunk_lanes_avx2::<3, 8>(&x, k, &w) }, portable);
+            }
+        }
+        assert_eq!(chunk_lanes::<3, 8>(&x, k, &w), portable);
     }
 
     #[test]
     fn rope_rotates_pairs_and_keeps_norm() {
-        let mut v = vec![1.0f32, 0.0, 0.5, 0.5];
-        rope_norm(&mut v, 3, 4, 10000.0);
-        assert!((v[0] - 3f32.cos()).abs() < 1e-6 && (v[1] - 3f32.sin()).abs() < 1e-6);
-        let n2: f32 = v[2] * v[2] + v[3] * v[3];
-        assert!((n2 - 0.5).abs() < 1e-6);
+        // Two heads of 5: one value left alone, then 4 rotated (pairs at angles 3 and 3/100).
+        let mut v = vec![9.0f32, 1.0, 0.0, 0.5, 0.5, 9.0, 0.0, 1.0, 0.5, 0.5];
+        rope_norm(&mut v, 5, 1, 3, 4, 10000.0);
+        for head in v.chunks(5) {
+            assert_eq!(head[0], 9.0);
+            let n1 = head[1] * head[1] + head[2] * head[2];
+            assert!((n1 - 1.0).abs() < 1e-6 && (head[3] * head[3] + head[4] * head[4] - 0.5).abs() < 1e-6);
+        }
+        assert!((v[1] - 3f32.cos()).abs() < 1e-6 && (v[2] - 3f32.sin()).abs() < 1e-6);
+        assert!((v[6] + 3f32.sin()).abs() < 1e-6 && (v[7] - 3f32.cos()).abs() < 1e-6);
+        let (a, b) = (
+            0.5 * 0.03f32.cos() - 0.5 * 0.03f32.sin(),
+            0.5 * 0.03f32.sin() + 0.5 * 0.03f32.cos(),
+        );
+        assert!((v[3] - a).abs() < 1e-6 && (v[4] - b).abs() < 1e-6);
         let mut z = vec![1.0f32, 2.0];
-        rope_norm(&mut z, 0, 2, 10000.0);
+        rope_norm(&mut z, 2, 0, 0, 2, 10000.0);
         assert_eq!(z, vec![1.0, 2.0]);
     }
 

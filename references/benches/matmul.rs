@@ -1,0 +1,108 @@
+//! The reference matmul (`references::forward::ops::matmul_t`, f64 accumulation) in GFLOP/s on
+//! SmolLM2-135M's shapes at 64 tokens, against this machine's f64 FMA peak measured in the same
+//! run (independent FMA chains on every rayon thread: the physical bound for f64 accumulation).
+//! After criterion's report a best-of-20 table prints the ratio. `cargo bench -p references
+//! --bench matmul -- NONE` prints only the table.
+
+use criterion::{black_box, criterion_group, Criterion, Throughput};
+use references::forward::ops::matmul_t;
+use std::time::{Duration, Instant};
+
+/// (name, k, m): the SmolLM2-135M projections (d 576, kv 192, ffn 1536) and a vocab chunk.
+const SHAPES: [(&str, usize, usize); 5] = [
+    ("q/o 576x576", 576, 576),
+    ("k/v 576x192", 576, 192),
+    ("gate/up 576x1536", 576, 1536),
+    ("down 1536x576", 1536, 576),
+    ("lm_head chunk 576x8192", 576, 8192),
+];
+const N_TOKENS: usize = 64;
+
+fn data(len: usize, seed: u32) -> Vec<f32> {
+    (0..len).map(|i| ((i as u32 ^ seed) as f32 * 0.618).sin()).collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("reference-matmul");
+    g.sample_size(20).measurement_time(Duration::from_secs(3));
+    for (name, k, m) in SHAPES {
+        let (x, w) = (data(N_TOKENS * k, 1), data(m * k, 2));
+        g.throughput(Throughput::Elements((2 * N_TOKENS * k * m) as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| matmul_t(black_box(&x), N_TOKENS, k, black_box(&w), m))
+        });
+    }
+    g.finish();
+}
+
+/// Seconds for `iters` rounds of 16 independent 8-lane f64 FMAs on one thread.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn fma_loop_avx512(iters: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_pd(1.0); 16];
+    let (a, b) = (_mm512_set1_pd(0.999_999), _mm512_set1_pd(1e-9));
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        for r in acc.iter_mut() {
+            *r = _mm512_fmadd_pd(*r, a, b);
+        }
+    }
+    black_box(acc);
+    t0.elapsed().as_secs_f64()
+}
+
+/// The f64 FMA peak in GFLOP/s over all rayon threads (AVX-512 builds only; None elsewhere).
+fn fma_peak_gflops() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+        let iters = 20_000_000;
+        // SAFETY: the CPU supports AVX-512F and FMA, checked just above.
+        let best = |_: rayon::BroadcastContext<'_>| {
+            (0..5)
+                .map(|_| unsafe { fma_loop_avx512(iters) })
+                .fold(f64::MAX, f64::min)
+        };
+        let secs: Vec<f64> = rayon::broadcast(best);
+        let flops = (iters * 16 * 8 * 2) as f64;
+        return Some(secs.iter().map(|s| flops / s).sum::<f64>() / 1e9);
+    }
+    None
+}
+
+fn table() {
+    let peak = fma_peak_gflops();
+    println!(
+        "\nreference matmul, {N_TOKENS} tokens, best of 20, {} threads",
+        rayon::current_num_threads()
+    );
+    match peak {
+        Some(p) => println!("f64 FMA peak (measured now): {p:.1} GFLOP/s"),
+        None => println!("f64 FMA peak: not measured (no AVX-512 here)"),
+    }
+    println!(
+        "{:<24} {:>10} {:>10} {:>8}",
+        "shape (k x m)", "ms", "GFLOP/s", "of peak"
+    );
+    for (name, k, m) in SHAPES {
+        let (x, w) = (data(N_TOKENS * k, 1), data(m * k, 2));
+        let best = (0..20)
+            .map(|_| {
+                let t0 = Instant::now();
+                black_box(matmul_t(&x, N_TOKENS, k, &w, m));
+                t0.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
+        let gf = (2 * N_TOKENS * k * m) as f64 / best / 1e9;
+        let share = peak.map_or("-".into(), |p| format!("{:.0} %", 100.0 * gf / p));
+        println!("{name:<24} {:>10.3} {gf:>10.1} {share:>8}", best * 1e3);
+    }
+}
+
+criterion_group!(benches, bench);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    table();
+}
