@@ -80,18 +80,12 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
         GgmlType::Q5K => block_q5_k,
         GgmlType::Q6K => block_q6_k,
     };
-    // Blocks are independent: runs of them go to rayon tasks, each decoded one block at a time.
-    const BLOCKS_PER_TASK: usize = 64;
-    src.par_chunks(BLOCKS_PER_TASK * ty.block_bytes())
-        .zip(dst.par_chunks_mut(BLOCKS_PER_TASK * ty.block_elems()))
-        .for_each(|(src, dst)| {
-            for (x, y) in src
-                .chunks_exact(ty.block_bytes())
-                .zip(dst.chunks_exact_mut(ty.block_elems()))
-            {
-                block(x, y);
-            }
-        });
+    for (x, y) in src
+        .chunks_exact(ty.block_bytes())
+        .zip(dst.chunks_exact_mut(ty.block_elems()))
+    {
+        block(x, y);
+    }
     Ok(())
 }
 
@@ -106,7 +100,11 @@ pub fn dequantize_to_vec(ty: GgmlType, src: &[u8]) -> Result<Vec<f32>, DequantEr
         });
     }
     let mut out = vec![0.0f32; src.len() / ty.block_bytes() * ty.block_elems()];
-    dequantize(ty, src, &mut out)?;
+    // Blocks are independent: runs of them go to rayon tasks.
+    const BLOCKS_PER_TASK: usize = 64;
+    src.par_chunks(BLOCKS_PER_TASK * ty.block_bytes())
+        .zip(out.par_chunks_mut(BLOCKS_PER_TASK * ty.block_elems()))
+        .try_for_each(|(src, dst)| dequantize(ty, src, dst))?;
     Ok(out)
 }
 

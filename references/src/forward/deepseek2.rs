@@ -41,7 +41,14 @@ pub(super) fn layer(
 /// kv_b `[H·(nope+v), kv_lora]` from the llama.cpp split: k_b is stored per head transposed,
 /// torch `[H, kv_lora, nope]` (ne {nope, kv_lora, H}); v_b is torch `[H, v, kv_lora]`.
 /// kv_b = cat([k_bᵀ, v_b], dim=1).reshape(H·(nope+v), kv_lora).
-pub fn reassemble_kv_b(k_b: &[f32], v_b: &[f32], n_heads: usize, nope: usize, v: usize, kv_lora: usize) -> Mat {
+pub fn reassemble_kv_b(
+    k_b: &[f32],
+    v_b: &[f32],
+    n_heads: usize,
+    nope: usize,
+    v: usize,
+    kv_lora: usize,
+) -> Mat<'static> {
     let rows_per_head = nope + v;
     let mut data = vec![0f32; n_heads * rows_per_head * kv_lora];
     for h in 0..n_heads {
@@ -57,11 +64,7 @@ pub fn reassemble_kv_b(k_b: &[f32], v_b: &[f32], n_heads: usize, nope: usize, v:
             data[dst..dst + kv_lora].copy_from_slice(&v_b[src..src + kv_lora]);
         }
     }
-    Mat {
-        rows: n_heads * rows_per_head,
-        cols: kv_lora,
-        data,
-    }
+    Mat::from_f32(n_heads * rows_per_head, kv_lora, data)
 }
 
 /// Multi-head latent attention; returns the attention output `[n, H·v]` (before o_proj).
@@ -217,8 +220,8 @@ pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Routing {
 }
 
 /// One expert's SwiGLU matrices, sliced out of the stacked `*_exps` tensors.
-fn expert(r: &Reference, l: usize, e: usize, d: usize, eff: usize) -> Result<[Mat; 3], ForwardError> {
-    let slice = |s: &str, rows: usize, cols: usize| -> Result<Mat, ForwardError> {
+fn expert<'a>(r: &Reference<'a>, l: usize, e: usize, d: usize, eff: usize) -> Result<[Mat<'a>; 3], ForwardError> {
+    let slice = |s: &str, rows: usize, cols: usize| -> Result<Mat<'a>, ForwardError> {
         let t = r.tensor(&format!("blk.{l}.{s}.weight"))?;
         let want = [cols as u64, rows as u64, t.ne.get(2).copied().unwrap_or(0)];
         if t.ne.len() != 3 || t.ne[..2] != want[..2] || (want[2] as usize) <= e {
@@ -227,11 +230,7 @@ fn expert(r: &Reference, l: usize, e: usize, d: usize, eff: usize) -> Result<[Ma
                 msg: format!("dims {:?}, expert {e}", t.ne),
             });
         }
-        Ok(Mat {
-            rows,
-            cols,
-            data: r.rows(t, e * rows, rows)?,
-        })
+        r.stored_rows(t, e * rows, rows)
     };
     Ok([
         slice("ffn_gate_exps", eff, d)?,
@@ -315,11 +314,12 @@ mod tests {
         let m = reassemble_kv_b(&k_b, &v_b, nh, nope, v, kvl);
         assert_eq!((m.rows, m.cols), (6, 3));
         // Head 0, k row j=1: k_b[0][c][1] for c = 0..3 = 1, 3, 5.
-        assert_eq!(&m.data[3..6], &[1.0, 3.0, 5.0]);
+        let data = m.to_f32();
+        assert_eq!(&data[3..6], &[1.0, 3.0, 5.0]);
         // Head 0, v row: v_b[0][0][:].
-        assert_eq!(&m.data[6..9], &[100.0, 101.0, 102.0]);
+        assert_eq!(&data[6..9], &[100.0, 101.0, 102.0]);
         // Head 1, k row j=0: k_b[1][c][0] = 6, 8, 10.
-        assert_eq!(&m.data[9..12], &[6.0, 8.0, 10.0]);
+        assert_eq!(&data[9..12], &[6.0, 8.0, 10.0]);
     }
 
     fn moe(groups: usize, used_groups: usize) -> MoeConfig {

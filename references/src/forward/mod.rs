@@ -2,8 +2,9 @@
 //! positions at once, tapping every site in execution order.
 //!
 //! Obviously correct before fast: f32 storage, f64 accumulation in dot products, norms and
-//! softmax; weights dequantized by the scalar reference dequantizer one layer at a time, so peak
-//! memory is about one layer's f32 weights plus activations, never the model.
+//! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
+//! the scalar reference dequantizer ([`Mat`]), and the pages of a finished layer are released,
+//! so peak memory is the activations plus about one layer of the file, never the model in f32.
 
 mod deepseek2;
 mod llama;
@@ -11,7 +12,8 @@ pub mod ops;
 pub mod replay;
 
 use crate::config::{Arch, ModelConfig};
-use crate::dequant::dequantize_to_vec;
+use crate::dequant::{dequantize, dequantize_to_vec};
+use crate::ggml_type::GgmlType;
 use crate::gguf::{GgufFile, TensorInfo};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
@@ -29,11 +31,53 @@ pub enum ForwardError {
     Empty,
 }
 
-/// A weight matrix in torch layout `[rows, cols]` (`rows` = out features), dequantized to f32.
-pub struct Mat {
+/// A weight matrix in torch layout `[rows, cols]` (`rows` = out features).
+pub struct Mat<'a> {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<f32>,
+    data: MatData<'a>,
+}
+
+enum MatData<'a> {
+    /// f32 the reference built itself (kv_b, reassembled from k_b and v_b).
+    F32(Vec<f32>),
+    /// The file's bytes: `rows` rows of `ty`, `row_bytes` each. Products dequantize them with the
+    /// reference dequantizer a task's rows at a time, so a weight is never held whole in f32.
+    Stored {
+        ty: GgmlType,
+        bytes: &'a [u8],
+        row_bytes: usize,
+    },
+}
+
+impl Mat<'_> {
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Mat<'static> {
+        assert_eq!(data.len(), rows * cols, "Mat::from_f32: data is not [rows, cols]");
+        Mat {
+            rows,
+            cols,
+            data: MatData::F32(data),
+        }
+    }
+
+    /// Rows `first..first + out.len() / cols`, as f32, into `out`.
+    pub fn rows_into(&self, first: usize, out: &mut [f32]) {
+        let n_rows = out.len() / self.cols.max(1);
+        match &self.data {
+            MatData::F32(d) => out.copy_from_slice(&d[first * self.cols..(first + n_rows) * self.cols]),
+            MatData::Stored { ty, bytes, row_bytes } => {
+                dequantize(*ty, &bytes[first * row_bytes..(first + n_rows) * row_bytes], out)
+                    .expect("row sizes are checked when a stored Mat is made")
+            }
+        }
+    }
+
+    /// The whole matrix in f32 (for weight taps).
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        self.rows_into(0, &mut out);
+        out
+    }
 }
 
 /// The reference model over an open GGUF file.
@@ -110,28 +154,38 @@ impl<'a> Reference<'a> {
         dequantize_to_vec(t.ty, self.file.tensor_data(t)).map_err(|e| Self::bad(name, e.to_string()))
     }
 
-    /// A 2-D weight stored ne = {cols, rows}: torch `[rows, cols]`.
-    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Mat, ForwardError> {
+    /// A 2-D weight stored ne = {cols, rows}: torch `[rows, cols]`, read from the file as needed.
+    pub(crate) fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, ForwardError> {
+        let t = self.tensor(name)?;
+        let ne: Vec<usize> = t.ne.iter().map(|&d| d as usize).collect();
+        if ne != [cols, rows] {
+            return Err(Self::bad(name, format!("dims {ne:?}, expected {:?}", [cols, rows])));
+        }
+        self.stored_rows(t, 0, rows)
+    }
+
+    /// Rows `first..first + n_rows` of a tensor whose rows are ne[0] long, as a stored [`Mat`].
+    pub(crate) fn stored_rows(&self, t: &TensorInfo, first: usize, n_rows: usize) -> Result<Mat<'a>, ForwardError> {
+        let cols = t.ne[0] as usize;
+        let row_bytes = t.ty.bytes_for(cols as u64).expect("validated at open") as usize;
+        let bytes = self
+            .file
+            .tensor_data(t)
+            .get(first * row_bytes..(first + n_rows) * row_bytes)
+            .ok_or_else(|| Self::bad(&t.name, format!("rows {first}..{} out of range", first + n_rows)))?;
         Ok(Mat {
-            rows,
+            rows: n_rows,
             cols,
-            data: self.load(name, &[cols, rows])?,
+            data: MatData::Stored {
+                ty: t.ty,
+                bytes,
+                row_bytes,
+            },
         })
     }
 
     pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
         self.load(name, &[len])
-    }
-
-    /// Rows `first..first + n_rows` of a tensor whose rows are ne[0] long.
-    pub(crate) fn rows(&self, t: &TensorInfo, first: usize, n_rows: usize) -> Result<Vec<f32>, ForwardError> {
-        let row_elems = t.ne[0] as usize;
-        let row_bytes = t.ty.bytes_for(row_elems as u64).expect("validated at open") as usize;
-        let data = self.file.tensor_data(t);
-        let bytes = data
-            .get(first * row_bytes..(first + n_rows) * row_bytes)
-            .ok_or_else(|| Self::bad(&t.name, format!("rows {first}..{} out of range", first + n_rows)))?;
-        dequantize_to_vec(t.ty, bytes).map_err(|e| Self::bad(&t.name, e.to_string()))
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
@@ -145,13 +199,12 @@ impl<'a> Reference<'a> {
         }
         let mut x = Vec::with_capacity(tokens.len() * c.d_model);
         for &id in tokens {
-            x.extend(self.rows(t, id as usize, 1)?);
+            x.extend(self.stored_rows(t, id as usize, 1)?.to_f32());
         }
         Ok(x)
     }
 
-    /// Logits through the output matrix (or the tied embeddings), dequantized in row chunks so
-    /// the vocab matrix is never held whole.
+    /// Logits through the output matrix (or the tied embeddings).
     fn logits(&self, h: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let name = if c.tied_embeddings {
@@ -166,19 +219,7 @@ impl<'a> Reference<'a> {
                 format!("dims {:?}, expected [{}, {}]", t.ne, c.d_model, c.vocab),
             ));
         }
-        const CHUNK_ROWS: usize = 8192;
-        let mut logits = vec![0f32; n * c.vocab];
-        let mut first = 0;
-        while first < c.vocab {
-            let n_rows = CHUNK_ROWS.min(c.vocab - first);
-            let w = self.rows(t, first, n_rows)?;
-            let part = ops::matmul_t(h, n, c.d_model, &w, n_rows);
-            for tok in 0..n {
-                logits[tok * c.vocab + first..tok * c.vocab + first + n_rows]
-                    .copy_from_slice(&part[tok * n_rows..(tok + 1) * n_rows]);
-            }
-            first += n_rows;
-        }
+        let logits = linear(h, n, &self.stored_rows(t, 0, c.vocab)?);
         self.file.release(t);
         Ok(logits)
     }
@@ -195,13 +236,13 @@ pub(crate) fn emit(tap: &mut dyn Tap, key: TapKey, data: &[f32], n: usize) {
 pub(crate) fn emit_weight(tap: &mut dyn Tap, layer_idx: usize, kind: WeightKind, w: &Mat) {
     let key = TapKey::layer(layer_idx, Site::Weight(kind));
     if tap.wants(&key) {
-        tap.record(&key, &w.data, [w.rows, w.cols]);
+        tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
     }
 }
 
 /// `x [n, cols] · wᵀ`.
 pub(crate) fn linear(x: &[f32], n: usize, w: &Mat) -> Vec<f32> {
-    ops::matmul_t(x, n, w.cols, &w.data, w.rows)
+    ops::matmul_t_with(x, n, w.cols, w.rows, |first, out| w.rows_into(first, out))
 }
 
 /// Layer `l`'s dense FFN on `h` (the ffn_norm output): loads and taps its weights, taps gate and

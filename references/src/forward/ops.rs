@@ -22,21 +22,31 @@ const ROWS_PER_TASK: usize = 24;
 
 /// `x [n, k] · wᵀ` for `w [m, k]` (torch layout), giving `[n, m]`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
-    assert_eq!(x.len(), n * k, "matmul_t: x is not [n, k]");
     assert_eq!(w.len(), m * k, "matmul_t: w is not [m, k]");
+    matmul_t_with(x, n, k, m, |first, out| {
+        out.copy_from_slice(&w[first * k..first * k + out.len()])
+    })
+}
+
+/// [`matmul_t`] for a `w [m, k]` given by `fill(first, out)`, which writes rows `first..` of `w`
+/// (`out.len() / k` of them) as f32: each task asks for its own rows, so a stored weight is
+/// dequantized a few rows at a time, into a buffer that stays in cache, and never whole.
+pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    assert_eq!(x.len(), n * k, "matmul_t: x is not [n, k]");
     if k == 0 || n == 0 {
         return vec![0.0; n * m];
     }
     let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     // Each task fills a `[n, ROWS_PER_TASK]` block for its rows, so the scatter into `[n, m]`
-    // below copies whole 64-byte rows.
+    // below copies whole 96-byte rows.
     let mut blocks = vec![0f32; m.div_ceil(ROWS_PER_TASK) * n * ROWS_PER_TASK];
-    blocks
-        .par_chunks_mut(n * ROWS_PER_TASK)
-        .zip(w.par_chunks(ROWS_PER_TASK * k))
-        .for_each(|(block, w_rows)| {
+    blocks.par_chunks_mut(n * ROWS_PER_TASK).enumerate().for_each_init(
+        || vec![0f32; ROWS_PER_TASK * k],
+        |w_rows, (p, block)| {
+            let n_rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
+            let w_rows = &mut w_rows[..n_rows * k];
+            fill(p * ROWS_PER_TASK, w_rows);
             let mut r = 0;
-            let n_rows = w_rows.len() / k;
             while r + ROWS <= n_rows {
                 token_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
                 r += ROWS;
@@ -44,7 +54,8 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
             for r in r..n_rows {
                 token_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
             }
-        });
+        },
+    );
     let mut out = vec![0f32; n * m];
     for (p, block) in blocks.chunks_exact(n * ROWS_PER_TASK).enumerate() {
         let rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
