@@ -298,17 +298,14 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
-#[derive(Args, Debug)]
-pub struct EntropyArgs {
-    /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
-    /// and, with --against-reference, the reference).
-    #[arg(required_unless_present = "server")]
-    pub model: Option<PathBuf>,
-    /// Check a live OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000) from its
-    /// top-k logprobs instead of running a backend here.
+/// How to reach a live OpenAI-compatible server (`entropy --server`, `gate --server`).
+#[derive(Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Check a live OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000 or
+    /// https://host/v1) from its top-k logprobs instead of running a backend here.
     #[arg(long)]
     pub server: Option<String>,
-    /// The model name to send to --server.
+    /// The model name to send to --server (vLLM: the --served-model-name; llama.cpp: any).
     #[arg(long, default_value = "default")]
     pub served_model: String,
     /// Bearer API key for --server (default: the OPENAI_API_KEY environment variable).
@@ -317,7 +314,7 @@ pub struct EntropyArgs {
     /// Requests in flight at once to --server.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
-    /// top_logprobs asked of --server per position.
+    /// top_logprobs asked of --server per position (vLLM's default cap, --max-logprobs, is 20).
     #[arg(long, default_value_t = 20)]
     pub top_logprobs: usize,
     /// Per-request timeout for --server, seconds.
@@ -326,6 +323,37 @@ pub struct EntropyArgs {
     /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
     #[arg(long, default_value_t = 3)]
     pub retries: u32,
+}
+
+impl ServerArgs {
+    /// The client options, asking for `max_tokens` greedy tokens per prompt.
+    pub fn options(&self, max_tokens: usize) -> crate::server::ServerOptions {
+        crate::server::ServerOptions {
+            url: self.server.clone().unwrap_or_default(),
+            model: self.served_model.clone(),
+            api_key: self
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("OPENAI_API_KEY").ok())
+                .filter(|k| !k.is_empty()),
+            top_k: self.top_logprobs,
+            max_tokens,
+            timeout: std::time::Duration::from_secs_f64(self.timeout.clamp(0.1, 86_400.0)),
+            retries: self.retries,
+            backoff: std::time::Duration::from_millis(500),
+            concurrency: self.concurrency.max(1),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct EntropyArgs {
+    /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
+    /// and, with --against-reference, the reference).
+    #[arg(required_unless_present = "server")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub live: ServerArgs,
     /// Vocabulary size for --server without MODEL.gguf (bounds the entropy and normalizes H / ln V).
     #[arg(long)]
     pub vocab: Option<usize>,
