@@ -403,6 +403,21 @@ pub struct GateArgs {
     /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (to see the gate fail).
     #[arg(long = "inject", value_name = "FAULT")]
     pub inject: Vec<String>,
+    /// Gate a live server instead of a local run (with the --server options below).
+    #[command(flatten)]
+    pub live: ServerArgs,
+    /// With --server: the per-position top-k KLD tolerance (nats; default: the golden file's,
+    /// 0.25).
+    #[arg(long)]
+    pub kld_threshold: Option<f64>,
+    /// With --server: send the golden prompts as token ids (exact; vLLM, SGLang and llama.cpp's
+    /// own server take them, llama-cpp-python's does not) instead of their text.
+    #[arg(long)]
+    pub send_tokens: bool,
+    /// With --server: the least share of positions whose top-1 is the golden's, in percent
+    /// (default: the golden file's, 90).
+    #[arg(long)]
+    pub min_top1: Option<f64>,
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
     pub junit: Option<PathBuf>,
@@ -452,6 +467,13 @@ pub struct BlessArgs {
     /// Keep at most this many tokens of each prompt (gate runs stay quick).
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
+    /// Greedy continuation tokens to record per prompt (`gate --server` checks them).
+    #[arg(long, default_value_t = crate::golden::GOLDEN_CONTINUATION)]
+    pub continuation: usize,
+    /// Record no tap summaries: a small positions-only file (top-k, entropy, continuation), for
+    /// gating a server or a long prompt list.
+    #[arg(long)]
+    pub no_taps: bool,
     #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
     pub backend: BackendArg,
     #[arg(long, default_value_t = 1)]
