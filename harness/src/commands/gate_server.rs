@@ -35,8 +35,9 @@ struct Compared {
     same_top1: bool,
     /// The golden's logprob gap between its top-1 and the server's top-1 (0 when they agree).
     gap: f64,
-    server_top1: u32,
     golden_top1: u32,
+    /// The server's own text of its top-1.
+    server_top1_text: String,
     overlap_at_k: f64,
     jaccard: f64,
 }
@@ -50,7 +51,7 @@ fn golden_logprob(g: &PositionGolden, id: u32) -> f64 {
         .map_or(f64::NEG_INFINITY, |t| t.1)
 }
 
-fn compare(server: &[(u32, f64)], g: &PositionGolden) -> Option<Compared> {
+fn compare(server: &[(u32, f64)], server_top1_text: &str, g: &PositionGolden) -> Option<Compared> {
     let (set, lps): (Vec<u32>, Vec<f64>) = server.iter().copied().unzip();
     let (&server_top1, &golden_top1) = (set.first()?, &g.top.first()?.0);
     let golden_top: Vec<u32> = g.top.iter().take(set.len()).map(|t| t.0).collect();
@@ -59,8 +60,8 @@ fn compare(server: &[(u32, f64)], g: &PositionGolden) -> Option<Compared> {
         kld: topk_kld(&set, &lps, |id| golden_logprob(g, id)),
         same_top1: server_top1 == golden_top1,
         gap: g.top[0].1 - golden_logprob(g, server_top1),
-        server_top1,
         golden_top1,
+        server_top1_text: server_top1_text.to_string(),
         overlap_at_k,
         jaccard,
     })
@@ -179,7 +180,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                     server.push((id, *lp));
                 }
             }
-            let Some(cmp) = compare(&server, golden) else { continue };
+            let Some(cmp) = compare(&server, &top[0].0, golden) else { continue };
             all.push(KldPosition {
                 kld: cmp.kld,
                 same_top1: cmp.same_top1,
@@ -192,7 +193,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 first_dis = Some(TokenDisagreement {
                     prompt: pi + 1,
                     position: seen - 1,
-                    server_token: text(cmp.server_top1),
+                    server_token: cmp.server_top1_text.clone(),
                     reference_token: text(cmp.golden_top1),
                 });
             }
@@ -202,7 +203,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 let tie = cmp.gap < th.tie_margin;
                 detail = format!(
                     "top-1 {:?}, golden {:?} ({} gap {:.3} nats in the golden, tie margin {}); {detail}",
-                    text(cmp.server_top1),
+                    cmp.server_top1_text,
                     text(cmp.golden_top1),
                     if tie { "a near-tie:" } else { "not a near-tie:" },
                     cmp.gap,
@@ -237,10 +238,10 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 ratio: gap / th.tie_margin,
                 detail: format!(
                     "greedy token {n_same} is {:?}, golden {:?} (gap {gap:.3} nats in the golden; a near-tie within {} passes); server continuation {:?}",
-                    text(s),
+                    c.entries[n + n_same].token,
                     text(want),
                     th.tie_margin,
-                    server_cont.iter().map(|&t| text(t)).collect::<String>()
+                    c.entries[n..].iter().map(|e| e.token.as_str()).collect::<String>()
                 ),
             }
         } else {
