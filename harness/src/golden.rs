@@ -231,7 +231,10 @@ pub fn golden_json(g: &Golden) -> anyhow::Result<String> {
             serde_json::to_string(&p.tokens)?,
             serde_json::to_string(&p.continuation)?
         );
-        for (name, list) in [("positions", &p.positions), ("continuation_positions", &p.continuation_positions)] {
+        for (name, list) in [
+            ("positions", &p.positions),
+            ("continuation_positions", &p.continuation_positions),
+        ] {
             let _ = writeln!(s, "      \"{name}\": [");
             for (i, pos) in list.iter().enumerate() {
                 let sep = if i + 1 < list.len() { "," } else { "" };

@@ -172,7 +172,8 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
             for (s, lp) in top.iter().take(k) {
                 // "" stands for the golden's likeliest control token here.
                 let control = g.control_tokens.iter().copied();
-                let id = match control.max_by(|&a, &b| golden_logprob(golden, a).total_cmp(&golden_logprob(golden, b))) {
+                let id = match control.max_by(|&a, &b| golden_logprob(golden, a).total_cmp(&golden_logprob(golden, b)))
+                {
                     Some(c) if s.is_empty() => c,
                     _ => space.id(s),
                 };
@@ -180,7 +181,9 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                     server.push((id, *lp));
                 }
             }
-            let Some(cmp) = compare(&server, &top[0].0, golden) else { continue };
+            let Some(cmp) = compare(&server, &top[0].0, golden) else {
+                continue;
+            };
             all.push(KldPosition {
                 kld: cmp.kld,
                 same_top1: cmp.same_top1,
@@ -221,7 +224,11 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 pi + 1
             );
         }
-        cases.push(case_of(format!("prompt {} / server positions", pi + 1), pos_checks, false));
+        cases.push(case_of(
+            format!("prompt {} / server positions", pi + 1),
+            pos_checks,
+            false,
+        ));
 
         // The greedy continuation.
         let compared = server_cont.len().min(p.continuation.len());
@@ -251,7 +258,11 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 detail: format!("{compared} greedy tokens equal the golden's"),
             }
         };
-        cases.push(case_of(format!("prompt {} / greedy continuation", pi + 1), vec![greedy], false));
+        cases.push(case_of(
+            format!("prompt {} / greedy continuation", pi + 1),
+            vec![greedy],
+            false,
+        ));
 
         // The entropy verdict from the server's top-k, as `entropy --server` gives it.
         let signals = topk_signals(c, n, align, k, g.vocab, &mut space);

@@ -72,9 +72,10 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
             .get("n_continuation")
             .and_then(|n| n.as_u64())
             .map_or(GOLDEN_CONTINUATION, |n| n as usize);
-        let taps = field("prompts")?
-            .as_array()
-            .is_some_and(|ps| ps.iter().any(|p| p.get("taps").and_then(|t| t.as_array()).is_some_and(|t| !t.is_empty())));
+        let taps = field("prompts")?.as_array().is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p.get("taps").and_then(|t| t.as_array()).is_some_and(|t| !t.is_empty()))
+        });
         return Ok(BlessPlan {
             out: path.clone(),
             root: repo_root_of(path)?,
@@ -190,7 +191,11 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
         });
     }
     let used = prompts.iter().flat_map(|p| {
-        let tops = p.positions.iter().chain(&p.continuation_positions).flat_map(|x| x.top.iter().map(|t| t.0));
+        let tops = p
+            .positions
+            .iter()
+            .chain(&p.continuation_positions)
+            .flat_map(|x| x.top.iter().map(|t| t.0));
         p.tokens.iter().chain(&p.continuation).copied().chain(tops)
     });
     let token_text = match &tokenizer {
