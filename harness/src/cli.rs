@@ -36,8 +36,9 @@ pub enum Command {
     /// Flag flat or degenerate next-token distributions on prompts; KL statistics against the reference.
     #[command(after_help = crate::cli::FAULT_HELP.as_str())]
     Entropy(EntropyArgs),
-    /// Re-run what golden files describe and compare within their thresholds (CI regression gate).
-    #[command(after_help = crate::cli::FAULT_HELP.as_str())]
+    /// Re-run what golden files describe and compare within their thresholds (CI regression gate),
+    /// or gate a live OpenAI-compatible server against them (--server).
+    #[command(after_help = crate::cli::GATE_HELP.as_str())]
     Gate(GateArgs),
     /// Write golden files for `gate`.
     Golden(GoldenArgs),
@@ -222,6 +223,30 @@ pub struct TokenizeArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+/// `gate --help`: examples, what --server checks, then the fault catalog.
+pub static GATE_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "Examples:
+  # this build against every committed golden file (what .ci/run does)
+  llmdiff gate --golden golden/gate-smollm2-reference.json --golden golden/gate-smollm2-cpu-tp3.json --junit gate.xml
+  # a live deployment (vLLM, SGLang, llama.cpp server) against golden files; no model file needed
+  llmdiff gate --server http://127.0.0.1:8000 --served-model smollm2 --golden golden/gate-smollm2-server.json --junit gate.xml
+  llmdiff gate --server https://llm.example.com/v1 --api-key $KEY --send-tokens --golden golden/gate-smollm2-server.json --html gate.html
+  # a golden file for a server gate: positions only, 8 greedy tokens per prompt
+  llmdiff golden bless --model .cache/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'The capital of France is' --no-taps -o golden/gate-NAME.json
+
+With --server, per golden prompt (sent as text, or as token ids with --send-tokens; the echo must
+give the golden's tokens back): every position's KLD(golden || server) over the server's top-k,
+both renormalized, within --kld-threshold (0.25 nats); its top-1 the golden's unless a near-tie
+(within 0.5 nats in the golden); the greedy continuation the golden's up to a near-tie; the entropy
+verdict healthy. Per golden file: mean KLD within 0.02 nats, same top-1 at >= --min-top1 (90) %.
+Connection, HTTP and format errors exit 2.
+
+{}",
+        FAULT_HELP.as_str()
+    )
+});
 
 /// The fault catalog, one line each, for `--help`.
 pub static FAULT_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {

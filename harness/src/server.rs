@@ -203,7 +203,10 @@ fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> R
         }
         Err(ureq::Error::Transport(t)) => {
             let kind = match t.kind() {
-                ureq::ErrorKind::ConnectionFailed => "connection refused or failed".to_string(),
+                // A refused port, or (https) a failed TLS handshake: say which.
+                ureq::ErrorKind::ConnectionFailed => {
+                    format!("connection refused or failed ({})", one_line(&t.to_string(), 160))
+                }
                 ureq::ErrorKind::Dns => "cannot resolve the host".to_string(),
                 ureq::ErrorKind::Io => format!("I/O error ({})", one_line(&t.to_string(), 160)),
                 _ => one_line(&t.to_string(), 200),

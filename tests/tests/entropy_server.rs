@@ -136,6 +136,12 @@ fn args(url: &str, prompts: &str, extra: &[&str]) -> Vec<String> {
     v
 }
 
+/// A loopback URL nothing listens on (a port just bound and released).
+fn refused_url() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
 fn one_line_error(r: anyhow::Result<ExitCode>) -> String {
     let e = r.expect_err("expected an error (exit 2)");
     let msg = format!("{e:#}");
@@ -198,11 +204,7 @@ fn missing_logprobs_is_exit_2() {
 fn connection_refused_is_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let p = prompts(dir.path());
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let url = format!("http://127.0.0.1:{port}");
+    let url = refused_url();
     let msg = one_line_error(run(&args(&url, &p, &["--retries", "1"])));
     assert!(msg.contains("connection refused"), "{msg}");
 }
@@ -438,11 +440,7 @@ fn gate_server_flat_logprobs_fail_the_entropy_case() {
 #[test]
 fn gate_server_connection_refused_is_exit_2() {
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let url = format!("http://127.0.0.1:{port}");
+    let url = refused_url();
     let msg = one_line_error(run(&gate_args(&url, &dir.path().join("j.xml"), &["--retries", "0"])));
     assert!(msg.contains("connection refused"), "{msg}");
 }

@@ -291,11 +291,13 @@ fn print_suite(r: &SuiteResult) {
         .filter(|c| c.worst_ratio.is_finite())
         .max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio));
     println!(
-        "{} {}: {} TP {}, {}/{} cases pass{}  ({:.1}s)",
+        "{} {}: {}, {}/{} cases pass{}  ({:.1}s)",
         if r.verdict == "pass" { "PASS" } else { "FAIL" },
         r.golden,
-        r.backend,
-        r.tp,
+        match &r.server {
+            Some(_) => r.backend.clone(),
+            None => format!("{} TP {}", r.backend, r.tp),
+        },
         n_pass,
         r.cases.len(),
         worst.map_or(String::new(), |w| format!(
