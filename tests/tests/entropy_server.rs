@@ -210,7 +210,8 @@ fn connection_refused_is_exit_2() {
 }
 
 /// Opt-in: `LLMDIFF_LIVE_SERVER=1` starts `python -m llama_cpp.server` on the real SmolLM2 and
-/// checks it is healthy and agrees with the reference within 1 nat per position.
+/// checks it is healthy and agrees with the reference within 1 nat per position, and that
+/// `gate --server` passes it against `golden/gate-smollm2-server.json`.
 #[test]
 fn live_llama_cpp_server() {
     if std::env::var("LLMDIFF_LIVE_SERVER").ok().as_deref() != Some("1") {
@@ -231,6 +232,7 @@ fn live_llama_cpp_server() {
         .spawn()
         .expect("python3 -m llama_cpp.server");
     let url = format!("http://127.0.0.1:{port}");
+    let url_gate = url.clone();
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
@@ -254,12 +256,30 @@ fn live_llama_cpp_server() {
         "--json-out".into(),
         out.display().to_string(),
     ]);
+    // The same server gated against the committed server golden file.
+    let junit = dir.path().join("gate.xml");
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/gate-smollm2-server.json");
+    let g = run(&[
+        "gate".into(),
+        "--server".into(),
+        url_gate,
+        "--golden".into(),
+        golden.display().to_string(),
+        "--junit".into(),
+        junit.display().to_string(),
+    ]);
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(r.unwrap(), ExitCode::SUCCESS);
     let doc: reports::EntropyRun = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(doc.verdict, "healthy");
     assert!(doc.overlap.unwrap().overlap_at_k > 0.8);
+    assert_eq!(
+        g.unwrap(),
+        ExitCode::SUCCESS,
+        "gate --server on the healthy live server"
+    );
+    assert_eq!(junit_failures(&junit).0, 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -382,17 +402,28 @@ fn junit_failures(path: &std::path::Path) -> (usize, Vec<String>) {
     (n, names)
 }
 
-#[test]
-fn gate_server_healthy_fake_passes() {
+/// Gates the golden file against a fake answering `fake`: the exit code, the failed JUnit cases,
+/// the JUnit text, and how many requests the fake saw.
+fn gate_fake(fake: Fake, extra: &[&str]) -> (ExitCode, Vec<String>, String, usize) {
     let dir = tempfile::tempdir().unwrap();
     let junit = dir.path().join("junit.xml");
-    let (url, seen) = fake_server(200, golden_body(Fake::Healthy), 1);
-    let code = run(&gate_args(&url, &junit, &[])).unwrap();
+    let (url, seen) = fake_server(200, golden_body(fake), 1);
+    let code = run(&gate_args(&url, &junit, extra)).unwrap();
+    let (_, failed) = junit_failures(&junit);
+    (
+        code,
+        failed,
+        std::fs::read_to_string(&junit).unwrap(),
+        seen.load(Ordering::SeqCst),
+    )
+}
+
+#[test]
+fn gate_server_healthy_fake_passes() {
+    let (code, failed, xml, seen) = gate_fake(Fake::Healthy, &[]);
     assert_eq!(code, ExitCode::SUCCESS);
-    assert_eq!(seen.load(Ordering::SeqCst), 1);
-    let (n_failed, _) = junit_failures(&junit);
-    assert_eq!(n_failed, 0);
-    let xml = std::fs::read_to_string(&junit).unwrap();
+    assert_eq!(seen, 1);
+    assert!(failed.is_empty(), "{failed:?}");
     for case in [
         "prompt 1 / server positions",
         "prompt 1 / greedy continuation",
@@ -406,12 +437,9 @@ fn gate_server_healthy_fake_passes() {
 #[test]
 fn gate_server_permuted_logprobs_fail() {
     let dir = tempfile::tempdir().unwrap();
-    let junit = dir.path().join("junit.xml");
     let html = dir.path().join("gate.html");
-    let (url, _) = fake_server(200, golden_body(Fake::Permuted), 1);
-    let code = run(&gate_args(&url, &junit, &["--html", html.to_str().unwrap()])).unwrap();
+    let (code, failed, _, _) = gate_fake(Fake::Permuted, &["--html", html.to_str().unwrap()]);
     assert_eq!(code, ExitCode::from(1));
-    let (_, failed) = junit_failures(&junit);
     assert!(
         failed.contains(&"prompt 1 / server positions".to_string()),
         "{failed:?}"
@@ -428,12 +456,8 @@ fn gate_server_permuted_logprobs_fail() {
 
 #[test]
 fn gate_server_flat_logprobs_fail_the_entropy_case() {
-    let dir = tempfile::tempdir().unwrap();
-    let junit = dir.path().join("junit.xml");
-    let (url, _) = fake_server(200, golden_body(Fake::Flat), 1);
-    let code = run(&gate_args(&url, &junit, &[])).unwrap();
+    let (code, failed, _, _) = gate_fake(Fake::Flat, &[]);
     assert_eq!(code, ExitCode::from(1));
-    let (_, failed) = junit_failures(&junit);
     assert!(failed.contains(&"prompt 1 / entropy".to_string()), "{failed:?}");
 }
 
