@@ -36,8 +36,9 @@ pub enum Command {
     /// Flag flat or degenerate next-token distributions on prompts; KL statistics against the reference.
     #[command(after_help = crate::cli::FAULT_HELP.as_str())]
     Entropy(EntropyArgs),
-    /// Re-run what golden files describe and compare within their thresholds (CI regression gate).
-    #[command(after_help = crate::cli::FAULT_HELP.as_str())]
+    /// Re-run what golden files describe and compare within their thresholds (CI regression gate),
+    /// or gate a live OpenAI-compatible server against them (--server).
+    #[command(after_help = crate::cli::GATE_HELP.as_str())]
     Gate(GateArgs),
     /// Write golden files for `gate`.
     Golden(GoldenArgs),
@@ -223,6 +224,30 @@ pub struct TokenizeArgs {
     pub json: bool,
 }
 
+/// `gate --help`: examples, what --server checks, then the fault catalog.
+pub static GATE_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "Examples:
+  # this build against every committed golden file (what .ci/run does)
+  llmdiff gate --golden golden/gate-smollm2-reference.json --golden golden/gate-smollm2-cpu-tp3.json --junit gate.xml
+  # a live deployment (vLLM, SGLang, llama.cpp server) against golden files; no model file needed
+  llmdiff gate --server http://127.0.0.1:8000 --served-model smollm2 --golden golden/gate-smollm2-server.json --junit gate.xml
+  llmdiff gate --server https://llm.example.com/v1 --api-key $KEY --send-tokens --golden golden/gate-smollm2-server.json --html gate.html
+  # a golden file for a server gate: positions only, 8 greedy tokens per prompt
+  llmdiff golden bless --model .cache/SmolLM2-135M-Instruct.Q4_1.gguf --prompt 'The capital of France is' --no-taps -o golden/gate-NAME.json
+
+With --server, per golden prompt (sent as text, or as token ids with --send-tokens; the echo must
+give the golden's tokens back): every position's KLD(golden || server) over the server's top-k,
+both renormalized, within --kld-threshold (0.25 nats); its top-1 the golden's unless a near-tie
+(within 0.5 nats in the golden); the greedy continuation the golden's up to a near-tie; the entropy
+verdict healthy. Per golden file: mean KLD within 0.02 nats, same top-1 at >= --min-top1 (90) %.
+Connection, HTTP and format errors exit 2.
+
+{}",
+        FAULT_HELP.as_str()
+    )
+});
+
 /// The fault catalog, one line each, for `--help`.
 pub static FAULT_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     let mut s = String::from("Faults for --inject NAME[@LAYER][:RANK] (NAME@L:R: layer L on rank R; NAME@L: every rank of layer L; NAME: every layer):\n");
@@ -298,17 +323,14 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
-#[derive(Args, Debug)]
-pub struct EntropyArgs {
-    /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
-    /// and, with --against-reference, the reference).
-    #[arg(required_unless_present = "server")]
-    pub model: Option<PathBuf>,
-    /// Check a live OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000) from its
-    /// top-k logprobs instead of running a backend here.
+/// How to reach a live OpenAI-compatible server (`entropy --server`, `gate --server`).
+#[derive(Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Check a live OpenAI-compatible server (base URL, e.g. http://127.0.0.1:8000 or
+    /// https://host/v1) from its top-k logprobs instead of running a backend here.
     #[arg(long)]
     pub server: Option<String>,
-    /// The model name to send to --server.
+    /// The model name to send to --server (vLLM: the --served-model-name; llama.cpp: any).
     #[arg(long, default_value = "default")]
     pub served_model: String,
     /// Bearer API key for --server (default: the OPENAI_API_KEY environment variable).
@@ -317,7 +339,7 @@ pub struct EntropyArgs {
     /// Requests in flight at once to --server.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
-    /// top_logprobs asked of --server per position.
+    /// top_logprobs asked of --server per position (vLLM's default cap, --max-logprobs, is 20).
     #[arg(long, default_value_t = 20)]
     pub top_logprobs: usize,
     /// Per-request timeout for --server, seconds.
@@ -326,6 +348,37 @@ pub struct EntropyArgs {
     /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
     #[arg(long, default_value_t = 3)]
     pub retries: u32,
+}
+
+impl ServerArgs {
+    /// The client options, asking for `max_tokens` greedy tokens per prompt.
+    pub fn options(&self, max_tokens: usize) -> crate::server::ServerOptions {
+        crate::server::ServerOptions {
+            url: self.server.clone().unwrap_or_default(),
+            model: self.served_model.clone(),
+            api_key: self
+                .api_key
+                .clone()
+                .or_else(|| std::env::var("OPENAI_API_KEY").ok())
+                .filter(|k| !k.is_empty()),
+            top_k: self.top_logprobs,
+            max_tokens,
+            timeout: std::time::Duration::from_secs_f64(self.timeout.clamp(0.1, 86_400.0)),
+            retries: self.retries,
+            backoff: std::time::Duration::from_millis(500),
+            concurrency: self.concurrency.max(1),
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+pub struct EntropyArgs {
+    /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
+    /// and, with --against-reference, the reference).
+    #[arg(required_unless_present = "server")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub live: ServerArgs,
     /// Vocabulary size for --server without MODEL.gguf (bounds the entropy and normalizes H / ln V).
     #[arg(long)]
     pub vocab: Option<usize>,
@@ -375,6 +428,21 @@ pub struct GateArgs {
     /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (to see the gate fail).
     #[arg(long = "inject", value_name = "FAULT")]
     pub inject: Vec<String>,
+    /// Gate a live server instead of a local run (with the --server options below).
+    #[command(flatten)]
+    pub live: ServerArgs,
+    /// With --server: the per-position top-k KLD tolerance (nats; default: the golden file's,
+    /// 0.25).
+    #[arg(long)]
+    pub kld_threshold: Option<f64>,
+    /// With --server: send the golden prompts as token ids (exact; vLLM, SGLang and llama.cpp's
+    /// own server take them, llama-cpp-python's does not) instead of their text.
+    #[arg(long)]
+    pub send_tokens: bool,
+    /// With --server: the least share of positions whose top-1 is the golden's, in percent
+    /// (default: the golden file's, 90).
+    #[arg(long)]
+    pub min_top1: Option<f64>,
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
     pub junit: Option<PathBuf>,
@@ -424,6 +492,13 @@ pub struct BlessArgs {
     /// Keep at most this many tokens of each prompt (gate runs stay quick).
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
+    /// Greedy continuation tokens to record per prompt (`gate --server` checks them).
+    #[arg(long, default_value_t = crate::golden::GOLDEN_CONTINUATION)]
+    pub continuation: usize,
+    /// Record no tap summaries: a small positions-only file (top-k, entropy, continuation), for
+    /// gating a server or a long prompt list.
+    #[arg(long)]
+    pub no_taps: bool,
     #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
     pub backend: BackendArg,
     #[arg(long, default_value_t = 1)]

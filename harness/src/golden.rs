@@ -2,6 +2,12 @@
 //! with provenance (model sha256, llmdiff version, backend, TP, tokens, thresholds), per-tap summary
 //! statistics with a fixed down-sampled fingerprint, and per-position top-k log-probabilities and
 //! entropy. `llmdiff golden bless` writes them (never by hand); `llmdiff gate` re-runs and compares.
+//!
+//! Format 2 (format 1 is still read) adds what a live server can be checked against without the
+//! model file (`gate --server`): top-20 instead of top-8 per position, each prompt's greedy
+//! continuation with the distribution that predicted each of its tokens, the vocabulary size, the
+//! text of every token id the file uses (a server's logprobs are keyed by token text), and the
+//! server-gate thresholds. A file may also hold no taps (`bless --no-taps`: positions only).
 
 use crate::entropy::Runner;
 use crate::logprobs::{entropy, log_softmax, top_k};
@@ -14,12 +20,16 @@ use std::path::{Path, PathBuf};
 
 /// The magic string every golden file starts with.
 pub const GOLDEN_MAGIC: &str = "llmdiff-golden";
-/// Version of [`Golden`]; bump on any incompatible change.
-pub const GOLDEN_FORMAT: u32 = 1;
+/// Version of [`Golden`] written by this llmdiff; bump on any incompatible change.
+pub const GOLDEN_FORMAT: u32 = 2;
+/// The oldest format still read (format 1 lacks what `gate --server` needs; the local gate reads it).
+pub const GOLDEN_FORMAT_MIN: u32 = 1;
 /// Values kept per tap: evenly spaced over the flattened tensor.
 pub const FINGERPRINT_LEN: usize = 64;
-/// Top-k kept per position.
-pub const GOLDEN_TOP_K: usize = 8;
+/// Top-k kept per position (format 1 kept 8; 20 matches vLLM's default `--max-logprobs`).
+pub const GOLDEN_TOP_K: usize = 20;
+/// Greedy continuation length blessed by default.
+pub const GOLDEN_CONTINUATION: usize = 8;
 
 /// Where the model comes from, portably: a path relative to the repository root, or a synth recipe.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -47,6 +57,9 @@ pub struct GateThresholds {
     pub logprob_abs: f64,
     /// Per position: |Δ entropy| (nats).
     pub entropy_abs: f64,
+    /// `gate --server` (format 2; defaults when absent).
+    #[serde(default)]
+    pub server: ServerGateThresholds,
 }
 
 impl Default for GateThresholds {
@@ -55,6 +68,34 @@ impl Default for GateThresholds {
             tap_rel: 1e-4,
             logprob_abs: 1e-3,
             entropy_abs: 1e-3,
+            server: ServerGateThresholds::default(),
+        }
+    }
+}
+
+/// What `gate --server` allows a deployment. A server is not the reference: llama.cpp quantizes
+/// activations to Q8 and keeps an f16 KV cache, vLLM runs bf16 kernels, so these are distribution
+/// tolerances, not bit tolerances (calibrated in README `gate --server`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ServerGateThresholds {
+    /// Per position: KLD(golden ‖ server) over the server's top-k set, both renormalized (nats).
+    pub kld_position: f64,
+    /// Per golden file: the mean of those KLDs (nats).
+    pub kld_mean: f64,
+    /// Per golden file: positions whose top-1 token is the golden's, in percent, at least.
+    pub min_top1_pct: f64,
+    /// A top-1 or greedy-token difference is a near-tie, not a failure, when the golden's logprob
+    /// of the server's token is within this many nats of the golden's top-1.
+    pub tie_margin: f64,
+}
+
+impl Default for ServerGateThresholds {
+    fn default() -> Self {
+        ServerGateThresholds {
+            kld_position: 0.25,
+            kld_mean: 0.02,
+            min_top1_pct: 90.0,
+            tie_margin: 0.5,
         }
     }
 }
@@ -86,8 +127,21 @@ pub struct PositionGolden {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GoldenPrompt {
     pub label: String,
+    /// Format 2: the prompt's text, decoded from `tokens` (what `gate --server` sends unless
+    /// `--send-tokens`; the server's echo must tokenize it back to `tokens`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
     pub tokens: Vec<u32>,
+    /// Format 2: the greedy continuation (stopped early at the end-of-sequence token).
+    #[serde(default)]
+    pub continuation: Vec<u32>,
+    /// Position i: the distribution after `tokens[..=i]`.
     pub positions: Vec<PositionGolden>,
+    /// Format 2: step t: the distribution that predicted `continuation[t]` (step 0 repeats the
+    /// last prompt position).
+    #[serde(default)]
+    pub continuation_positions: Vec<PositionGolden>,
+    /// Empty in a positions-only file (`bless --no-taps`).
     pub taps: Vec<TapSummary>,
 }
 
@@ -105,6 +159,21 @@ pub struct Golden {
     pub backend: String,
     pub tp: usize,
     pub thresholds: GateThresholds,
+    /// Format 2: the model's vocabulary size (bounds a server's entropy bracket).
+    #[serde(default)]
+    pub vocab: usize,
+    /// Format 2: the continuation length asked for at bless time.
+    #[serde(default)]
+    pub n_continuation: usize,
+    /// Format 2: the decoded text of each token id the file uses (prompts, top-k lists,
+    /// continuations) whose text names that token alone in the vocabulary; a server's logprobs
+    /// are keyed by token text, so `gate --server` needs no model file.
+    #[serde(default)]
+    pub token_text: std::collections::BTreeMap<u32, String>,
+    /// Format 2: the control tokens among them (`<|im_end|>`): a server may render those as
+    /// empty text (llama-cpp-python does), so `gate --server` reads "" as one of them.
+    #[serde(default)]
+    pub control_tokens: Vec<u32>,
     pub prompts: Vec<GoldenPrompt>,
 }
 
@@ -124,9 +193,9 @@ pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
         );
     }
     let format = v.get("format").and_then(|f| f.as_u64()).unwrap_or(0);
-    if format != GOLDEN_FORMAT as u64 {
+    if !(GOLDEN_FORMAT_MIN as u64..=GOLDEN_FORMAT as u64).contains(&format) {
         bail!(
-            "{}: golden format {format}, this llmdiff reads format {GOLDEN_FORMAT}; re-bless it: {}",
+            "{}: golden format {format}, this llmdiff reads formats {GOLDEN_FORMAT_MIN} to {GOLDEN_FORMAT}; re-bless it: {}",
             path.display(),
             bless_hint(path)
         );
@@ -153,15 +222,27 @@ pub fn golden_json(g: &Golden) -> anyhow::Result<String> {
     for (pi, p) in g.prompts.iter().enumerate() {
         let _ = write!(
             s,
-            "    {{\n      \"label\": {},\n      \"tokens\": {},\n      \"positions\": [\n",
+            "    {{\n      \"label\": {},\n{}      \"tokens\": {},\n      \"continuation\": {},\n",
             serde_json::to_string(&p.label)?,
-            serde_json::to_string(&p.tokens)?
+            match &p.text {
+                Some(t) => format!("      \"text\": {},\n", serde_json::to_string(t)?),
+                None => String::new(),
+            },
+            serde_json::to_string(&p.tokens)?,
+            serde_json::to_string(&p.continuation)?
         );
-        for (i, pos) in p.positions.iter().enumerate() {
-            let sep = if i + 1 < p.positions.len() { "," } else { "" };
-            let _ = writeln!(s, "        {}{sep}", serde_json::to_string(pos)?);
+        for (name, list) in [
+            ("positions", &p.positions),
+            ("continuation_positions", &p.continuation_positions),
+        ] {
+            let _ = writeln!(s, "      \"{name}\": [");
+            for (i, pos) in list.iter().enumerate() {
+                let sep = if i + 1 < list.len() { "," } else { "" };
+                let _ = writeln!(s, "        {}{sep}", serde_json::to_string(pos)?);
+            }
+            s.push_str("      ],\n");
         }
-        s.push_str("      ],\n      \"taps\": [\n");
+        s.push_str("      \"taps\": [\n");
         for (i, t) in p.taps.iter().enumerate() {
             let sep = if i + 1 < p.taps.len() { "," } else { "" };
             let _ = writeln!(s, "        {}{sep}", serde_json::to_string(t)?);
@@ -208,11 +289,13 @@ pub fn summarize(tap: &str, data: &[f32], shape: [usize; 2]) -> TapSummary {
 #[derive(Default)]
 pub struct SummaryTap {
     pub taps: Vec<TapSummary>,
+    /// Record nothing (a positions-only golden file).
+    pub off: bool,
 }
 
 impl Tap for SummaryTap {
     fn wants(&self, key: &TapKey) -> bool {
-        !matches!(key.site, Site::Weight(_))
+        !self.off && !matches!(key.site, Site::Weight(_))
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
         self.taps.push(summarize(&key.to_string(), data, shape));
@@ -222,21 +305,41 @@ impl Tap for SummaryTap {
 /// What one prompt's run gives: tap summaries, per-position goldens, per-position log-probabilities.
 pub type PromptRun = (Vec<TapSummary>, Vec<PositionGolden>, Vec<Vec<f64>>);
 
-/// Runs one prompt: tap summaries and per-position top-k and entropy.
-pub fn run_prompt(runner: &mut Runner, tokens: &[u32], vocab: usize) -> anyhow::Result<PromptRun> {
-    let mut tap = SummaryTap::default();
+/// One logits row as a golden position, and its log-probabilities.
+pub fn position_of(row: &[f32]) -> (PositionGolden, Vec<f64>) {
+    let lp = log_softmax(row);
+    let pos = PositionGolden {
+        entropy: entropy(&lp),
+        top: top_k(&lp, GOLDEN_TOP_K),
+    };
+    (pos, lp)
+}
+
+/// Runs one prompt: tap summaries (none when `taps` is false) and per-position top-k and entropy.
+pub fn run_prompt(runner: &mut Runner, tokens: &[u32], vocab: usize, taps: bool) -> anyhow::Result<PromptRun> {
+    let mut tap = SummaryTap {
+        off: !taps,
+        ..SummaryTap::default()
+    };
     let logits = runner.logits(tokens, &mut tap)?;
-    let mut positions = Vec::new();
-    let mut logps = Vec::new();
-    for row in logits.chunks(vocab) {
-        let lp = log_softmax(row);
-        positions.push(PositionGolden {
-            entropy: entropy(&lp),
-            top: top_k(&lp, GOLDEN_TOP_K),
-        });
-        logps.push(lp);
-    }
+    let (positions, logps) = logits.chunks(vocab).map(position_of).unzip();
     Ok((tap.taps, positions, logps))
+}
+
+/// The text of each id in `ids` that names that token alone in the vocabulary (what a server's
+/// logprobs are keyed by); ambiguous or undecodable ids are left out.
+pub fn token_texts(
+    tok: &references::tokenizer::Tokenizer,
+    vocab: usize,
+    ids: impl IntoIterator<Item = u32>,
+) -> std::collections::BTreeMap<u32, String> {
+    let space = crate::server_view::TokenSpace::new(Some(tok), vocab);
+    ids.into_iter()
+        .filter_map(|id| {
+            let text = tok.decode(&[id]).ok()?;
+            (space.model_id(&text) == Some(id)).then_some((id, text))
+        })
+        .collect()
 }
 
 /// sha256 of a file, hex.

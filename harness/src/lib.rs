@@ -14,4 +14,5 @@ pub mod junit;
 pub mod logprobs;
 pub mod output;
 pub mod server;
+pub mod server_view;
 pub mod topk;

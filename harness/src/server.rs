@@ -1,12 +1,12 @@
 //! The OpenAI-compatible client of `entropy --server`: one legacy `/v1/completions` request per
-//! prompt (`echo: true`, `logprobs: K`, temperature 0, `max_tokens`), with timeouts, retries with
+//! prompt (`echo: true`, `logprobs: K`, temperature 0, no repetition penalty, `max_tokens`), with timeouts, retries with
 //! exponential backoff on connection errors, 429 and 5xx, a concurrency limit (a fixed pool of
 //! std threads pulling prompt indices), and an optional bearer API key. Every failure is one line
 //! naming the URL and the prompt, so `main` turns it into exit 2.
 //!
-//! The client is `ureq` 2 with default features off: blocking (no async runtime for a handful of
-//! requests), small, and no TLS stack compiled in by default; `--features tls` adds rustls for
-//! `https://` deployments.
+//! The client is `ureq` 2: blocking (no async runtime for a handful of requests) and small, with
+//! its `tls` feature: rustls (pure Rust, no system OpenSSL) with the webpki root certificates, so
+//! `https://` deployments work on any machine.
 
 use anyhow::{anyhow, bail};
 use serde_json::{json, Value};
@@ -79,6 +79,10 @@ pub fn request_body(o: &ServerOptions, prompt: &PromptBody) -> Value {
         "max_tokens": o.max_tokens.max(1),
         "temperature": 0.0,
         "top_p": 1.0,
+        // Plain greedy: llama-cpp-python's completions default to repeat_penalty 1.1 (vLLM and
+        // SGLang spell it repetition_penalty, default 1.0); an unknown field is ignored.
+        "repeat_penalty": 1.0,
+        "repetition_penalty": 1.0,
         "logprobs": o.top_k,
         "echo": true,
         "stream": false,
@@ -199,7 +203,10 @@ fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> R
         }
         Err(ureq::Error::Transport(t)) => {
             let kind = match t.kind() {
-                ureq::ErrorKind::ConnectionFailed => "connection refused or failed".to_string(),
+                // A refused port, or (https) a failed TLS handshake: say which.
+                ureq::ErrorKind::ConnectionFailed => {
+                    format!("connection refused or failed ({})", one_line(&t.to_string(), 160))
+                }
                 ureq::ErrorKind::Dns => "cannot resolve the host".to_string(),
                 ureq::ErrorKind::Io => format!("I/O error ({})", one_line(&t.to_string(), 160)),
                 _ => one_line(&t.to_string(), 200),

@@ -66,25 +66,24 @@ pub fn entropy_bracket(logprobs: &[f64], k: usize, vocab: usize) -> EntropyBrack
 }
 
 /// KLD(ref ‖ server) restricted to the server's top-k ids `set`, both sides renormalized over that
-/// set. `server` holds the server's logprobs on `set` (same order); `reference` is the reference's
-/// full log-softmax row. The server's set is used (not the union) because the server's
-/// probabilities outside its own top-k are unknown.
-pub fn topk_kld(set: &[u32], server: &[f64], reference: &[f64]) -> f64 {
-    let lse = |v: &mut dyn Iterator<Item = f64>| -> f64 {
-        let v: Vec<f64> = v.collect();
+/// set. `server` holds the server's logprobs on `set` (same order); `reference(id)` is the
+/// reference's logprob of a token (its full log-softmax row, or a golden file's top-k with a bound
+/// for the rest). The server's set is used (not the union) because the server's probabilities
+/// outside its own top-k are unknown.
+pub fn topk_kld(set: &[u32], server: &[f64], reference: impl Fn(u32) -> f64) -> f64 {
+    let lse = |v: &[f64]| -> f64 {
         let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         if !m.is_finite() {
             return m;
         }
         m + v.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
     };
-    let zs = lse(&mut server.iter().copied());
-    let zr = lse(&mut set
-        .iter()
-        .map(|&i| reference.get(i as usize).copied().unwrap_or(f64::NEG_INFINITY)));
+    let lr: Vec<f64> = set.iter().map(|&id| reference(id)).collect();
+    let zs = lse(server);
+    let zr = lse(&lr);
     let mut kld = 0.0;
-    for (&id, &ls) in set.iter().zip(server) {
-        let lr = reference.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY) - zr;
+    for (&lr, &ls) in lr.iter().zip(server) {
+        let lr = lr - zr;
         if lr.is_finite() {
             kld += lr.exp() * (lr - (ls - zs));
         }
@@ -94,6 +93,11 @@ pub fn topk_kld(set: &[u32], server: &[f64], reference: &[f64]) -> f64 {
     } else {
         kld.max(0.0)
     }
+}
+
+/// A row lookup for [`topk_kld`]: `row[id]`, −∞ past its end (an id that names no model token).
+pub fn row_logprob(row: &[f64]) -> impl Fn(u32) -> f64 + '_ {
+    |id| row.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY)
 }
 
 /// |A ∩ B| / k and the Jaccard index |A ∩ B| / |A ∪ B| of two top-k id sets.
@@ -130,8 +134,8 @@ mod tests {
     #[test]
     fn kld_and_overlap() {
         let r = vec![-0.5f64, -1.5, -3.0, -4.0];
-        assert!(topk_kld(&[0, 1], &[-0.5, -1.5], &r).abs() < 1e-12);
-        assert!(topk_kld(&[0, 1], &[-1.5, -0.5], &r) > 0.1);
+        assert!(topk_kld(&[0, 1], &[-0.5, -1.5], row_logprob(&r)).abs() < 1e-12);
+        assert!(topk_kld(&[0, 1], &[-1.5, -0.5], row_logprob(&r)) > 0.1);
         assert_eq!(overlap(&[1, 2, 3], &[2, 3, 4], 3), (2.0 / 3.0, 0.5));
     }
 }

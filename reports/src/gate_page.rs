@@ -1,5 +1,6 @@
 //! The `gate` report: overall pass/fail, one section per golden file with its first failure and
-//! the bless hint, and a sortable table of its cases (worst measure / threshold).
+//! the bless hint, the server's agreement figures for `gate --server`, and a sortable table of its
+//! cases (worst measure / threshold).
 
 use crate::html::{escape, page};
 use crate::schema::GateSuite;
@@ -35,6 +36,24 @@ pub fn render_gate(suites: &[GateSuite]) -> String {
         ));
         if let Some(m) = &s.message {
             body.push_str(&format!("<p class=evidence>{}</p>", escape(m)));
+        }
+        if let Some(f) = &s.server {
+            body.push_str(&format!(
+                "<p class=evidence>server {} (model {}, top-{}, {} alignment): top-k KLD over {} positions mean {:.4}, p99 {:.4}, max {:.4}; same top-1 {:.1} %; overlap@k {:.3}; greedy {} of {} tokens equal; requests {:.1} s</p>",
+                escape(&f.source.url),
+                escape(&f.source.served_model),
+                f.source.top_k,
+                escape(&f.source.alignment),
+                f.kld.n_positions,
+                f.kld.mean,
+                f.kld.p99,
+                f.kld.max,
+                f.kld.same_top1_pct,
+                f.overlap.overlap_at_k,
+                f.n_greedy_equal,
+                f.n_greedy_compared,
+                f.request_seconds
+            ));
         }
         body.push_str(
             "<div class=scroll><table class=sort><thead><tr><th>case</th><th>result</th><th>worst / tolerance</th><th>first failure</th></tr></thead><tbody>",
@@ -88,6 +107,7 @@ mod tests {
                 }],
             }],
             seconds: 1.0,
+            server: None,
         };
         let html = render_gate(&[suite]);
         assert!(html.contains(">FAIL<"));

@@ -349,4 +349,23 @@ pub struct GateSuite {
     pub message: Option<String>,
     pub cases: Vec<GateCase>,
     pub seconds: f64,
+    /// `gate --server`: the deployment and its agreement figures with the golden file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server: Option<GateServerFigures>,
+}
+
+/// What `gate --server` measured against one golden file: top-k KLD statistics over every compared
+/// position (prompt positions, then greedy steps while the continuation agrees), top-k overlap with
+/// the golden's top-k and the first top-1 disagreement, and the greedy continuation's agreement.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GateServerFigures {
+    pub source: ServerSource,
+    pub kld: KldStats,
+    pub overlap: TopkOverlap,
+    /// Greedy tokens compared with the golden's continuation, and how many of them were equal
+    /// before the first difference.
+    pub n_greedy_compared: usize,
+    pub n_greedy_equal: usize,
+    /// Seconds spent waiting for the server.
+    pub request_seconds: f64,
 }

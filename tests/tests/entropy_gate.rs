@@ -119,7 +119,9 @@ fn bless_then_gate_synth_passes_and_fails_with_a_fault() {
     let xml = std::fs::read_to_string(&junit).unwrap();
     assert!(xml.contains("blk.1.resid_attn@r1"), "{xml}");
     // A golden file of another format is bad input with the bless hint.
-    std::fs::write(&g, text.replace("\"format\": 1", "\"format\": 99")).unwrap();
+    let current = format!("\"format\": {}", harness::golden::GOLDEN_FORMAT);
+    assert!(text.contains(&current), "blessed as the current format");
+    std::fs::write(&g, text.replace(&current, "\"format\": 99")).unwrap();
     let err = run(&["gate", "--golden", gs]).unwrap_err();
     assert!(format!("{err:#}").contains("golden bless --update"), "{err:#}");
 }

@@ -1,6 +1,8 @@
 //! `entropy --server` against a tiny in-process fake OpenAI server (a `TcpListener` on 127.0.0.1:0
 //! answering canned JSON, bounded by a request count and a deadline): a healthy parse, 500 retried
-//! then exit 2, a malformed body, missing logprobs, connection refused. The run against a real
+//! then exit 2, a malformed body, missing logprobs, connection refused, an https:// URL (rustls), and
+//! `gate --server` against a fake that answers from a golden file (healthy passes; permuted or flat
+//! logprobs fail, checked in the JUnit file). The run against a real
 //! llama.cpp server (llama-cpp-python) is opt-in: `LLMDIFF_LIVE_SERVER=1`.
 
 use harness::cli::Cli;
@@ -134,6 +136,12 @@ fn args(url: &str, prompts: &str, extra: &[&str]) -> Vec<String> {
     v
 }
 
+/// A loopback URL nothing listens on (a port just bound and released).
+fn refused_url() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
 fn one_line_error(r: anyhow::Result<ExitCode>) -> String {
     let e = r.expect_err("expected an error (exit 2)");
     let msg = format!("{e:#}");
@@ -196,17 +204,14 @@ fn missing_logprobs_is_exit_2() {
 fn connection_refused_is_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let p = prompts(dir.path());
-    let port = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let url = format!("http://127.0.0.1:{port}");
+    let url = refused_url();
     let msg = one_line_error(run(&args(&url, &p, &["--retries", "1"])));
     assert!(msg.contains("connection refused"), "{msg}");
 }
 
 /// Opt-in: `LLMDIFF_LIVE_SERVER=1` starts `python -m llama_cpp.server` on the real SmolLM2 and
-/// checks it is healthy and agrees with the reference within 1 nat per position.
+/// checks it is healthy and agrees with the reference within 1 nat per position, and that
+/// `gate --server` passes it against `golden/gate-smollm2-server.json`.
 #[test]
 fn live_llama_cpp_server() {
     if std::env::var("LLMDIFF_LIVE_SERVER").ok().as_deref() != Some("1") {
@@ -227,6 +232,7 @@ fn live_llama_cpp_server() {
         .spawn()
         .expect("python3 -m llama_cpp.server");
     let url = format!("http://127.0.0.1:{port}");
+    let url_gate = url.clone();
     let deadline = Instant::now() + Duration::from_secs(60);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
@@ -250,10 +256,266 @@ fn live_llama_cpp_server() {
         "--json-out".into(),
         out.display().to_string(),
     ]);
+    // The same server gated against the committed server golden file.
+    let junit = dir.path().join("gate.xml");
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/gate-smollm2-server.json");
+    let g = run(&[
+        "gate".into(),
+        "--server".into(),
+        url_gate,
+        "--golden".into(),
+        golden.display().to_string(),
+        "--junit".into(),
+        junit.display().to_string(),
+    ]);
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(r.unwrap(), ExitCode::SUCCESS);
     let doc: reports::EntropyRun = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(doc.verdict, "healthy");
     assert!(doc.overlap.unwrap().overlap_at_k > 0.8);
+    assert_eq!(
+        g.unwrap(),
+        ExitCode::SUCCESS,
+        "gate --server on the healthy live server"
+    );
+    assert_eq!(junit_failures(&junit).0, 0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// gate --server: the fake server answers from a committed golden file's own expectations.
+
+fn golden_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/gate-smollm2-reference.json")
+}
+
+/// How the fake deployment distorts the golden distributions.
+#[derive(Clone, Copy)]
+enum Fake {
+    /// The golden's own top-20 and greedy continuation (OpenAI alignment).
+    Healthy,
+    /// The same tokens with their logprobs reversed: the least likely listed token comes first.
+    Permuted,
+    /// Every listed token at −ln V: a flat distribution.
+    Flat,
+}
+
+/// A completion echoing the golden's first prompt and its continuation, each entry holding the
+/// golden distribution that predicted that token (entry 0: null), distorted by `fake`.
+fn golden_body(fake: Fake) -> String {
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let p = &g.prompts[0];
+    let name = |id: u32| {
+        g.token_text
+            .get(&id)
+            .cloned()
+            .unwrap_or_else(|| format!("<unknown {id}>"))
+    };
+    let seq: Vec<u32> = p.tokens.iter().chain(&p.continuation).copied().collect();
+    let n = p.tokens.len();
+    let mut text = String::new();
+    let (mut toks, mut offs, mut tops, mut lps) = (vec![], vec![], vec![], vec![]);
+    for (i, &id) in seq.iter().enumerate() {
+        toks.push(name(id));
+        offs.push(text.chars().count());
+        text.push_str(&name(id));
+        // The distribution that predicted token i: position i − 1, or continuation step i − n.
+        let golden = match i {
+            0 => None,
+            i if i <= n => Some(&p.positions[i - 1]),
+            i => p.continuation_positions.get(i - n),
+        };
+        let Some(golden) = golden else {
+            tops.push(Value::Null);
+            lps.push(Value::Null);
+            continue;
+        };
+        let listed: Vec<(u32, f64)> = golden
+            .top
+            .iter()
+            .copied()
+            .filter(|t| g.token_text.contains_key(&t.0))
+            .collect();
+        let mut m = serde_json::Map::new();
+        for (j, &(tid, lp)) in listed.iter().enumerate() {
+            let lp = match fake {
+                Fake::Healthy => lp,
+                Fake::Permuted => listed[listed.len() - 1 - j].1,
+                Fake::Flat => -(g.vocab as f64).ln(),
+            };
+            m.insert(name(tid), json!(lp));
+        }
+        lps.push(m.get(&name(id)).cloned().unwrap_or(Value::Null));
+        tops.push(Value::Object(m));
+    }
+    let prompt_chars = offs[n];
+    json!({
+        "id": "cmpl-g", "object": "text_completion", "model": "fake",
+        "choices": [{"text": text, "index": 0, "finish_reason": "length",
+            "logprobs": {"tokens": toks, "text_offset": offs, "token_logprobs": lps, "top_logprobs": tops}}],
+        "usage": {"prompt_tokens": n, "completion_tokens": seq.len() - n, "total_tokens": seq.len(), "prompt_chars": prompt_chars}
+    })
+    .to_string()
+}
+
+fn gate_args(url: &str, junit: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = ["gate", "--server", url, "--served-model", "smollm2", "--golden"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.push(golden_path().display().to_string());
+    v.extend(["--junit".to_string(), junit.display().to_string()]);
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// The `failures="N"` of the JUnit file's `<testsuites>` line, and the failed test case names.
+fn junit_failures(path: &std::path::Path) -> (usize, Vec<String>) {
+    let xml = std::fs::read_to_string(path).unwrap();
+    let head = xml.lines().find(|l| l.starts_with("<testsuites")).unwrap();
+    let n: usize = head
+        .split("failures=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut names = Vec::new();
+    let lines: Vec<&str> = xml.lines().collect();
+    for (i, l) in lines.iter().enumerate() {
+        if l.trim_start().starts_with("<failure") {
+            let case = lines[i - 1];
+            names.push(
+                case.split("name=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+    }
+    assert_eq!(n, names.len(), "{xml}");
+    (n, names)
+}
+
+/// Gates the golden file against a fake answering `fake`: the exit code, the failed JUnit cases,
+/// the JUnit text, and how many requests the fake saw.
+fn gate_fake(fake: Fake, extra: &[&str]) -> (ExitCode, Vec<String>, String, usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let junit = dir.path().join("junit.xml");
+    let (url, seen) = fake_server(200, golden_body(fake), 1);
+    let code = run(&gate_args(&url, &junit, extra)).unwrap();
+    let (_, failed) = junit_failures(&junit);
+    (
+        code,
+        failed,
+        std::fs::read_to_string(&junit).unwrap(),
+        seen.load(Ordering::SeqCst),
+    )
+}
+
+#[test]
+fn gate_server_healthy_fake_passes() {
+    let (code, failed, xml, seen) = gate_fake(Fake::Healthy, &[]);
+    assert_eq!(code, ExitCode::SUCCESS);
+    assert_eq!(seen, 1);
+    assert!(failed.is_empty(), "{failed:?}");
+    for case in [
+        "prompt 1 / server positions",
+        "prompt 1 / greedy continuation",
+        "prompt 1 / entropy",
+        "agreement",
+    ] {
+        assert!(xml.contains(&format!("name=\"{case}\"")), "no case {case:?}: {xml}");
+    }
+}
+
+#[test]
+fn gate_server_permuted_logprobs_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let html = dir.path().join("gate.html");
+    let (code, failed, _, _) = gate_fake(Fake::Permuted, &["--html", html.to_str().unwrap()]);
+    assert_eq!(code, ExitCode::from(1));
+    assert!(
+        failed.contains(&"prompt 1 / server positions".to_string()),
+        "{failed:?}"
+    );
+    assert!(failed.contains(&"agreement".to_string()), "{failed:?}");
+    // The greedy tokens are the golden's, so that case passes.
+    assert!(
+        !failed.contains(&"prompt 1 / greedy continuation".to_string()),
+        "{failed:?}"
+    );
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.contains(">FAIL<") && page.contains("same top-1"), "html report");
+}
+
+#[test]
+fn gate_server_flat_logprobs_fail_the_entropy_case() {
+    let (code, failed, _, _) = gate_fake(Fake::Flat, &[]);
+    assert_eq!(code, ExitCode::from(1));
+    assert!(failed.contains(&"prompt 1 / entropy".to_string()), "{failed:?}");
+}
+
+#[test]
+fn gate_server_connection_refused_is_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = refused_url();
+    let msg = one_line_error(run(&gate_args(&url, &dir.path().join("j.xml"), &["--retries", "0"])));
+    assert!(msg.contains("connection refused"), "{msg}");
+}
+
+#[test]
+fn gate_server_needs_a_format_2_golden_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(golden_path()).unwrap()).unwrap();
+    v["format"] = json!(1);
+    v.as_object_mut().unwrap().remove("token_text");
+    let old = dir.path().join("gate-old.json");
+    std::fs::write(&old, v.to_string()).unwrap();
+    let args: Vec<String> = [
+        "gate",
+        "--server",
+        "http://127.0.0.1:9",
+        "--golden",
+        old.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let msg = one_line_error(run(&args));
+    assert!(
+        msg.contains("format 1") && msg.contains("golden bless --update"),
+        "{msg}"
+    );
+}
+
+/// An `https://` URL reaches rustls: a port that does not speak TLS is a one-line transport error
+/// (exit 2), not "unknown scheme".
+#[test]
+fn https_url_is_accepted_by_the_client() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        // Accept, answer plain text to the ClientHello, close.
+        if let Ok((mut s, _)) = listener.accept() {
+            let mut buf = [0u8; 512];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let url = format!("https://127.0.0.1:{port}");
+    let msg = one_line_error(run(&args(&url, &p, &["--retries", "0"])));
+    assert!(
+        msg.contains(&format!("https://127.0.0.1:{port}/v1/completions")),
+        "{msg}"
+    );
+    let lower = msg.to_lowercase();
+    assert!(!lower.contains("scheme"), "the TLS stack is not compiled in: {msg}");
 }

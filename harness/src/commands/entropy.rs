@@ -28,7 +28,7 @@ pub fn load_thresholds(path: &Path) -> anyhow::Result<EntropyThresholds> {
 }
 
 pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
-    if a.server.is_some() {
+    if a.live.server.is_some() {
         return crate::commands::entropy_server::run(a);
     }
     let t0 = Instant::now();

@@ -1,5 +1,7 @@
 //! `llmdiff gate`: re-run what each golden file describes, compare every tap and position within
 //! the recorded thresholds, print a summary, and write JUnit XML. Exit 0 pass, 1 fail, 2 bad input.
+//! With `--server URL` the golden files gate a live deployment instead ([`super::gate_server`]);
+//! the outputs (summary, `--json`, `--junit`, `--html`) are the same.
 
 use crate::cli::{BackendArg, GateArgs};
 use crate::entropy::Runner;
@@ -36,14 +38,33 @@ pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
         .collect::<Result<_, _>>()?;
+    let server = a.live.server.is_some();
+    if server && (a.backend.is_some() || !faults.is_empty()) {
+        bail!("--backend and --inject apply to a local run, not to --server");
+    }
+    if !server && (a.kld_threshold.is_some() || a.min_top1.is_some()) {
+        bail!("--kld-threshold and --min-top1 apply to --server");
+    }
+    if server && a.live.top_logprobs == 0 {
+        bail!("--top-logprobs must be at least 1");
+    }
     if a.backend == Some(BackendArg::Cuda) {
         bail!("--backend cuda needs a build with --features cuda and a GPU");
     }
     // Read every golden file first: a bad one is bad input before any work.
     let goldens: Vec<Golden> = a.golden.iter().map(|p| read_golden(p)).collect::<anyhow::Result<_>>()?;
+    if server {
+        for (path, g) in a.golden.iter().zip(&goldens) {
+            crate::commands::gate_server::check_servable(path, g)?;
+        }
+    }
     let mut results = Vec::new();
     for (path, g) in a.golden.iter().zip(&goldens) {
-        results.push(gate_one(path, g, a.backend, &faults)?);
+        results.push(if server {
+            crate::commands::gate_server::gate_one(path, g, a)?
+        } else {
+            gate_one(path, g, a.backend, &faults)?
+        });
     }
     let suites: Vec<Suite> = results.iter().map(to_junit).collect();
     if let Some(p) = &a.junit {
@@ -86,6 +107,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
         message: None,
         cases: Vec::new(),
         seconds: 0.0,
+        server: None,
     };
     if sha != g.model_sha256 {
         let what = match &g.model {
@@ -120,7 +142,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     result.tp = tp;
     let mut first_fail: Option<String> = None;
     for (pi, p) in g.prompts.iter().enumerate() {
-        let (taps, _, logps) = run_prompt(&mut runner, &p.tokens, vocab)?;
+        let (taps, _, logps) = run_prompt(&mut runner, &p.tokens, vocab, !p.taps.is_empty())?;
         let new: HashMap<&str, &crate::golden::TapSummary> = taps.iter().map(|t| (t.tap.as_str(), t)).collect();
         // Tap groups in execution order (the golden's order).
         let mut groups: Vec<(String, Vec<Check>, bool)> = Vec::new();
@@ -206,7 +228,8 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     Ok(result)
 }
 
-fn case_of(name: String, checks: Vec<Check>, skipped: bool) -> CaseResult {
+/// A case from its checks: failed where a check is over its tolerance (ratio > 1 or NaN).
+pub(crate) fn case_of(name: String, checks: Vec<Check>, skipped: bool) -> CaseResult {
     let worst = checks.iter().map(|c| c.ratio).fold(0.0f64, f64::max);
     let failures: Vec<Check> = checks
         .into_iter()
@@ -268,11 +291,13 @@ fn print_suite(r: &SuiteResult) {
         .filter(|c| c.worst_ratio.is_finite())
         .max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio));
     println!(
-        "{} {}: {} TP {}, {}/{} cases pass{}  ({:.1}s)",
+        "{} {}: {}, {}/{} cases pass{}  ({:.1}s)",
         if r.verdict == "pass" { "PASS" } else { "FAIL" },
         r.golden,
-        r.backend,
-        r.tp,
+        match &r.server {
+            Some(_) => r.backend.clone(),
+            None => format!("{} TP {}", r.backend, r.tp),
+        },
         n_pass,
         r.cases.len(),
         worst.map_or(String::new(), |w| format!(

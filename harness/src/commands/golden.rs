@@ -1,11 +1,13 @@
 //! `llmdiff golden bless`: run a model (a repository file or a synth recipe) on a few short prompts
-//! and write a golden file for `gate`. `--update FILE` re-blesses a file from its own recipe.
+//! and write a golden file for `gate`: taps, top-k per position, a greedy continuation and the
+//! token texts `gate --server` maps a server's logprobs with. `--update FILE` re-blesses a file
+//! from its own recipe (a format 1 file comes back as format 2).
 
 use crate::cli::{BackendArg, BlessArgs, GoldenArgs, GoldenCommand};
 use crate::entropy::{tokenize_prompts, PromptInput, Runner};
 use crate::golden::{
-    golden_json, materialize, portable_path, repo_root_of, run_prompt, sha256_file, GateThresholds, Golden,
-    GoldenPrompt, ModelSource, SynthRecipe, GOLDEN_FORMAT, GOLDEN_MAGIC,
+    golden_json, materialize, portable_path, position_of, repo_root_of, run_prompt, sha256_file, token_texts,
+    GateThresholds, Golden, GoldenPrompt, ModelSource, SynthRecipe, GOLDEN_CONTINUATION, GOLDEN_FORMAT, GOLDEN_MAGIC,
 };
 use crate::output::write_atomic;
 use anyhow::{bail, Context};
@@ -29,6 +31,10 @@ struct BlessPlan {
     thresholds: GateThresholds,
     prompts: Vec<PromptInput>,
     max_tokens: usize,
+    /// Greedy continuation length.
+    n_continuation: usize,
+    /// Record tap summaries (false: a positions-only file).
+    taps: bool,
 }
 
 fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
@@ -61,6 +67,15 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // Format 1 files have no n_continuation (they get the default) and always have taps.
+        let n_continuation = v
+            .get("n_continuation")
+            .and_then(|n| n.as_u64())
+            .map_or(GOLDEN_CONTINUATION, |n| n as usize);
+        let taps = field("prompts")?.as_array().is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p.get("taps").and_then(|t| t.as_array()).is_some_and(|t| !t.is_empty()))
+        });
         return Ok(BlessPlan {
             out: path.clone(),
             root: repo_root_of(path)?,
@@ -70,6 +85,8 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
             thresholds,
             prompts,
             max_tokens: usize::MAX,
+            n_continuation,
+            taps,
         });
     }
     let Some(out) = &a.output else {
@@ -139,6 +156,8 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
         thresholds,
         prompts,
         max_tokens: a.max_tokens,
+        n_continuation: a.continuation,
+        taps: !a.no_taps,
     })
 }
 
@@ -149,18 +168,48 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
     let file = model.open()?;
     let vocab = ModelConfig::from_header(&file.header)?.vocab;
     let tokens = tokenize_prompts(&file, &p.prompts, vocab)?;
+    let tokenizer = references::tokenizer::Tokenizer::from_gguf(&file.header).ok();
+    let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
     let mut runner = Runner::new(&file, p.engine, p.tp, Vec::new())?;
     let mut prompts = Vec::new();
     for (input, toks) in p.prompts.iter().zip(tokens) {
         let toks: Vec<u32> = toks.into_iter().take(p.max_tokens).collect();
-        let (taps, positions, _) = run_prompt(&mut runner, &toks, vocab)?;
+        let (taps, positions, _) = run_prompt(&mut runner, &toks, vocab, p.taps)?;
+        // Step 0 was predicted by the last prompt position; step t ≥ 1 by decode row t − 1.
+        let (continuation, rows) = runner.greedy(&toks, p.n_continuation, stop)?;
+        let mut continuation_positions: Vec<_> = positions.last().cloned().into_iter().collect();
+        continuation_positions.extend(rows.chunks(vocab).map(|r| position_of(r).0));
+        continuation_positions.truncate(continuation.len());
         prompts.push(GoldenPrompt {
             label: input.label.clone(),
+            text: tokenizer.as_ref().and_then(|t| t.decode(&toks).ok()),
             tokens: toks,
+            continuation,
             positions,
+            continuation_positions,
             taps,
         });
     }
+    let used = prompts.iter().flat_map(|p| {
+        let tops = p
+            .positions
+            .iter()
+            .chain(&p.continuation_positions)
+            .flat_map(|x| x.top.iter().map(|t| t.0));
+        p.tokens.iter().chain(&p.continuation).copied().chain(tops)
+    });
+    let token_text = match &tokenizer {
+        Some(t) => token_texts(t, vocab, used.collect::<std::collections::BTreeSet<u32>>()),
+        None => Default::default(),
+    };
+    let control_tokens: Vec<u32> = match &tokenizer {
+        Some(t) => token_text
+            .keys()
+            .copied()
+            .filter(|&id| t.token_type(id) == Some(references::tokenizer::TokenType::Control))
+            .collect(),
+        None => Vec::new(),
+    };
     let rel_out = p
         .out
         .file_name()
@@ -176,6 +225,10 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
         backend: runner.backend_name().to_string(),
         tp: p.tp,
         thresholds: p.thresholds,
+        vocab,
+        n_continuation: p.n_continuation,
+        token_text,
+        control_tokens,
         prompts,
     };
     write_atomic(&p.out, golden_json(&g)?.as_bytes())?;

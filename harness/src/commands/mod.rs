@@ -9,6 +9,7 @@ pub mod diff_layers;
 pub mod entropy;
 pub mod entropy_server;
 pub mod gate;
+pub mod gate_server;
 pub mod golden;
 pub mod inspect;
 pub mod kernels;
