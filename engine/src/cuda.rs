@@ -14,11 +14,13 @@
 //!   logits, and for MoE models the router logits (routing runs on the host) and the picked rows'
 //!   ids and weights. A custom op's output buffer is the caller's, canary-filled on the device
 //!   when tapped, so an element the kernel never writes keeps the canary.
-//! - All of a device's work goes on one stream, in issue order: the simulated ranks (rayon
-//!   threads) enqueue their ops there, with their own buffers, and the all-reduce that follows
-//!   needs no host synchronization (only downloads wait). The all-reduce is a device-side sum in
-//!   fixed rank order.
+//! - All of a device's work goes on one stream, in issue order: the simulated ranks enqueue their
+//!   ops there in rank order from the driver thread ([`Backend::parallel_ranks`] is false), with
+//!   their own buffers, and the all-reduce that follows needs no host synchronization (only
+//!   downloads wait). The all-reduce is a device-side sum in fixed rank order.
 //! - KV caches grow by doubling their device capacity (old rows copied on the device).
+//! - Freed buffers go to a per-device pool by capacity and are reused (see [`BufPool`]), so a
+//!   decode step makes no allocation calls after the first.
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
@@ -167,10 +169,56 @@ fn attn_part(width: usize) -> usize {
 }
 
 /// A device buffer of f32: `len` values in use, `data.len()` allocated (capacity; KV caches
-/// grow into it).
+/// grow into it). Dropping it returns its memory to its backend's [`BufPool`].
 pub struct DevBuf {
-    data: CudaSlice<f32>,
+    data: std::mem::ManuallyDrop<CudaSlice<f32>>,
     len: usize,
+    pool: Arc<BufPool>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: `data` is not used after this.
+        let data = unsafe { std::mem::ManuallyDrop::take(&mut self.data) };
+        self.pool.put(data);
+    }
+}
+
+/// Freed device buffers kept for reuse, by capacity: a decode step allocates the same sizes as
+/// the last one, so after the first step its buffers come from here instead of a driver call
+/// each (launch overhead dominates small-model decode). Reuse is safe because all of a device's
+/// work is on one stream, in issue order: work enqueued after the reuse runs after the work
+/// that used the buffer before. At most `MAX_POOLED_BYTES` are kept; beyond that, buffers are
+/// freed (stream-ordered).
+#[derive(Default)]
+pub struct BufPool {
+    free: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    by_capacity: HashMap<usize, Vec<CudaSlice<f32>>>,
+    n_bytes: usize,
+}
+
+const MAX_POOLED_BYTES: usize = 2 << 30;
+
+impl BufPool {
+    fn take(&self, cap: usize) -> Option<CudaSlice<f32>> {
+        let mut g = self.free.lock().expect("buffer pool");
+        let s = g.by_capacity.get_mut(&cap)?.pop()?;
+        g.n_bytes -= cap * 4;
+        Some(s)
+    }
+
+    fn put(&self, s: CudaSlice<f32>) {
+        let cap = s.len();
+        let mut g = self.free.lock().expect("buffer pool");
+        if g.n_bytes + cap * 4 <= MAX_POOLED_BYTES {
+            g.n_bytes += cap * 4;
+            g.by_capacity.entry(cap).or_default().push(s);
+        }
+    }
 }
 
 impl DevBuf {
@@ -246,6 +294,8 @@ pub struct CudaBackend {
     occupancy: Mutex<HashMap<(String, u32), u32>>,
     /// Wall time in the all-reduce.
     clock: CommClock,
+    /// Freed activation buffers for reuse.
+    pool: Arc<BufPool>,
 }
 
 impl CudaBackend {
@@ -323,6 +373,7 @@ impl CudaBackend {
             gemv: GemvConfig::from_env(),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
+            pool: Arc::default(),
         })
     }
 
@@ -545,9 +596,17 @@ impl CudaBackend {
     fn new_buf(&self, len: usize) -> Buf {
         // SAFETY: the contents are unspecified by contract (Backend::alloc); at least one value
         // is allocated so every buffer has a device address.
-        let data = ok(unsafe { self.stream.alloc::<f32>(len.max(1)) });
+        let cap = len.max(1);
+        let data = match self.pool.take(cap) {
+            Some(d) => d,
+            None => ok(unsafe { self.stream.alloc::<f32>(cap) }),
+        };
         Buf {
-            repr: BufRepr::Dev(DevBuf { data, len }),
+            repr: BufRepr::Dev(DevBuf {
+                data: std::mem::ManuallyDrop::new(data),
+                len,
+                pool: self.pool.clone(),
+            }),
         }
     }
 

@@ -2,12 +2,14 @@
 //! model, then has every rank load its own shards; [`Engine::prefill`], [`Engine::decode`] and
 //! [`Engine::generate`] drive the ranks.
 //!
-//! A step runs bulk-synchronously, as TP engines do: the ranks run each phase concurrently (one
-//! rayon task per rank), then the driver all-reduces their partial sums with a fixed-order sum
-//! (rank 0 + rank 1 + ...; deterministic), and hands every rank the result for its residual
-//! replica. Phases per step: vocab-parallel embedding (+ all-reduce); per layer, attention up to
-//! o_proj (+ all-reduce) and FFN/MoE (+ all-reduce); then output_norm and the lm_head slice
-//! (+ gather).
+//! A step runs bulk-synchronously, as TP engines do: the ranks run each phase (concurrently, one
+//! rayon task per rank, on the CPU; in rank order on the driver thread where a device backend
+//! only enqueues work), then the driver all-reduces their partial sums with a fixed-order sum
+//! (rank 0 + rank 1 + ...; deterministic; at TP 1 the partial is the sum), and hands every rank
+//! the result for its residual replica. Activations are backend buffers ([`Buf`]): on a device
+//! backend they stay there, and only wanted taps and the logits are downloaded. Phases per step:
+//! vocab-parallel embedding (+ all-reduce); per layer, attention up to o_proj (+ all-reduce) and
+//! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
 
 use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend};
 use crate::fault::{Fault, FaultSet, FaultSpec};
