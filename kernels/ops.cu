@@ -54,3 +54,56 @@ extern "C" __global__ void all_reduce_sum(const float* parts, float* out, int n_
     for (int p = 1; p < n_parts; p++) s += parts[(size_t)p * len + i];
     out[i] = s;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Data movement for device-resident activations (the CPU engine's slice operations).
+
+// Every value of x[0..len) set to the bit pattern `bits` (the canary NaN, zeros).
+extern "C" __global__ void fill_u32(u32* x, u32 bits, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = bits;
+}
+
+// dst[r, 0..n_cols) = src[r, col0 .. col0 + n_cols) for rows of src_width.
+extern "C" __global__ void copy_cols(const float* __restrict__ src, float* __restrict__ dst, int rows, int src_width,
+                                     int col0, int n_cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * n_cols) return;
+    int r = (int)(i / n_cols), c = (int)(i % n_cols);
+    dst[i] = src[(size_t)r * src_width + col0 + c];
+}
+
+// x += a; then rounded through f16 (round to nearest even, inf on overflow) when f16_round.
+extern "C" __global__ void add_assign(float* x, const float* a, long long len, int f16_round) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float v = x[i] + a[i];
+    if (f16_round) {
+        unsigned short hb;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hb) : "f"(v));
+        v = f16_to_f32(hb);
+    }
+    x[i] = v;
+}
+
+// out[i, :] = x[rows[i], :] for rows of `width`.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, const int* __restrict__ rows,
+                                           float* __restrict__ out, int n, int width) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n * width) return;
+    int r = (int)(i / width), c = (int)(i % width);
+    out[i] = x[(size_t)rows[r] * width + c];
+}
+
+// out[rows[i], :] += weights[i] · y[i, :], for i in order (one thread per column walks the rows,
+// so a row picked twice adds in order, as on the CPU).
+extern "C" __global__ void add_rows_scaled(float* out, const float* __restrict__ y, const int* __restrict__ rows,
+                                           const float* __restrict__ weights, int n, int width) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    // __fmul_rn: no fused multiply-add, so the rounding is the CPU's (a product, then a sum).
+    for (int i = 0; i < n; i++) {
+        float* o = out + (size_t)rows[i] * width + c;
+        *o = *o + __fmul_rn(weights[i], y[(size_t)i * width + c]);
+    }
+}

@@ -49,11 +49,12 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
             w[k] = v;
         }
     } else if constexpr (TY == TY_Q4_K || TY == TY_Q5_K) {
-        const int bb = TY == TY_Q4_K ? 144 : 176;
-        const u8* b = row + (size_t)c * bb;
+        // Q4_K rows are repacked on upload (see below): the super-blocks' 128 quant bytes back to
+        // back, then their 16-byte headers (d, dmin, 12 scale bytes). Q5_K keeps ggml blocks.
+        const u8* b = TY == TY_Q4_K ? row + (size_t)(cols >> 8) * 128 + (size_t)c * 16 : row + (size_t)c * 176;
         float d = f16_to_f32(ld16(b)), dmin = f16_to_f32(ld16(b + 2));
         const u8* sc = b + 4;
-        const u8* qs = b + (TY == TY_Q4_K ? 16 : 48);
+        const u8* qs = TY == TY_Q4_K ? row + (size_t)c * 128 : b + 48;
         int j = lane >> 3, i0 = (lane & 7) * 4;
         int s1, m1, s2, m2;
         k4_scale_min(2 * j, sc, &s1, &m1);
@@ -252,8 +253,9 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // GEMV for one token (n = 1), x-stationary: F16, BF16, Q8_0 and Q4_K.
 //
 // The row is cut into units of V values (F16/BF16: 8, one 16-byte load; Q8_0: 16, one 16-byte
-// load of quants plus the block's f16 scale; Q4_K: 64, the 32 quant bytes of one 64-value chunk
-// of a super-block, two 16-byte loads, plus the 16-byte super-block header). Thread t of a block
+// load of quants plus the block's f16 scale; Q4_K: 32, one 16-byte load of quants, 16 values of
+// sub-block 2j in the low nibbles and the same 16 positions of sub-block 2j+1 in the high ones,
+// plus its super-block's 16-byte header, shared by 8 neighbouring threads). Thread t of a block
 // owns units t, t + T, ... (UPT of them) for every row: it loads its slice of x into registers
 // once (and, for Q4_K, the slice's per-sub-block sums of x), then the block walks groups of R
 // rows (grid-stride), loading the next group's weights while it computes the current one, and
@@ -266,6 +268,10 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 //
 // Q8_0 rows are repacked on upload (see `crate::cuda`): a row is its cols quant bytes, then its
 // cols/32 f16 scales (same row_bytes), so the quants are 16-byte aligned when row_bytes is.
+// Q4_K rows likewise: the 128 quant bytes of every super-block back to back, then the 16-byte
+// headers (same row_bytes: 144 per super-block), so unit u's quants are bytes 16u .. 16u+16 and
+// a warp's quant loads are one contiguous 512-byte run (the ggml layout interleaves a header
+// every 144 bytes, so those loads were 32-byte strided).
 
 #define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
 
@@ -283,12 +289,12 @@ __device__ __forceinline__ float byte_f(u32 w, float bias) {
 
 template <int TY>
 struct WFrag {
-    uint4 a, b, h;
+    uint4 a, h;
 };
 
 template <int TY>
 __host__ __device__ constexpr int gemv_vals() {
-    return TY == TY_Q4_K ? 64 : TY == TY_Q8_0 ? 16 : 8;
+    return TY == TY_Q4_K ? 32 : TY == TY_Q8_0 ? 16 : 8;
 }
 
 template <int TY>
@@ -299,10 +305,13 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
         f.a = ldg16(row + 16 * u);
         f.h.x = *(const u16*)(row + cols + 2 * (u >> 1));
     } else {
-        const u8* b = row + (size_t)(u >> 2) * 144;
-        f.h = ldg16(b);
-        f.a = ldg16(b + 16 + 32 * (u & 3));
-        f.b = ldg16(b + 32 + 32 * (u & 3));
+        // One header word per thread: the 8 threads of a super-block (units 8s .. 8s+7 are 8
+        // neighbouring lanes, since blocks are whole warps and cols % 256 == 0) load words 0..3
+        // twice over; gemv_dot gathers the four words with shuffles. 4 registers in flight per
+        // row instead of 16 leaves room for more rows per step.
+        f.a = ldg16(row + 16 * u);
+        const u8* hp = row + (size_t)(cols >> 8) * 128 + 16 * (u >> 3) + 4 * (u & 3);
+        asm("ld.global.nc.u32 %0, [%1];" : "=r"(f.h.x) : "l"(hp));
     }
 }
 
@@ -340,12 +349,12 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
         }
         return f16_to_f32((u16)f.h.x) * (s0 + s1);
     } else {
-        // xv[0..32): sub-block 2j (low nibbles), xv[32..64): sub-block 2j+1 (high nibbles);
-        // word k of a (k < 4) or b (k >= 4) holds positions 4k .. 4k+3 of both.
-        const u32 w[8] = {f.a.x, f.a.y, f.a.z, f.a.w, f.b.x, f.b.y, f.b.z, f.b.w};
+        // xv[0..16): 16 values of sub-block 2j (low nibbles), xv[16..32): the same positions of
+        // sub-block 2j+1 (high nibbles); word k holds positions 4k .. 4k+3 of both.
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < 4; k++) {
             if constexpr (MODE == 0) {
                 u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
                 const float bias = 8388608.0f;
@@ -353,17 +362,17 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
                 s0 = fmaf(byte_f<1>(lo, bias), xv[4 * k + 1], s0);
                 s0 = fmaf(byte_f<2>(lo, bias), xv[4 * k + 2], s0);
                 s0 = fmaf(byte_f<3>(lo, bias), xv[4 * k + 3], s0);
-                s1 = fmaf(byte_f<0>(hi, bias), xv[32 + 4 * k], s1);
-                s1 = fmaf(byte_f<1>(hi, bias), xv[32 + 4 * k + 1], s1);
-                s1 = fmaf(byte_f<2>(hi, bias), xv[32 + 4 * k + 2], s1);
-                s1 = fmaf(byte_f<3>(hi, bias), xv[32 + 4 * k + 3], s1);
+                s1 = fmaf(byte_f<0>(hi, bias), xv[16 + 4 * k], s1);
+                s1 = fmaf(byte_f<1>(hi, bias), xv[16 + 4 * k + 1], s1);
+                s1 = fmaf(byte_f<2>(hi, bias), xv[16 + 4 * k + 2], s1);
+                s1 = fmaf(byte_f<3>(hi, bias), xv[16 + 4 * k + 3], s1);
             } else {
                 // Each byte 1000qqqq placed as bits 16..23 under exponent byte 0x3F: 1 + q/128.
                 u32 lo = (w[k] & 0x0F0F0F0Fu) | 0x80808080u, hi = ((w[k] >> 4) & 0x0F0F0F0Fu) | 0x80808080u;
 #pragma unroll
                 for (int b = 0; b < 4; b++) {
                     s0 = fmaf(__int_as_float(__byte_perm(lo, 0x3F000000u, 0x7044u + (b << 8))), xv[4 * k + b], s0);
-                    s1 = fmaf(__int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044u + (b << 8))), xv[32 + 4 * k + b],
+                    s1 = fmaf(__int_as_float(__byte_perm(hi, 0x3F000000u, 0x7044u + (b << 8))), xv[16 + 4 * k + b],
                               s1);
                 }
             }
@@ -373,14 +382,29 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
             s1 = 128.0f * (s1 - xs[1]);
         }
         // 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4), two at a time.
-        int j = u & 3, sh = (j & 1) * 16;
-        u32 a = f.h.y >> sh, bq = f.h.z >> sh, c = f.h.w >> sh;
+        int j = (u & 7) >> 1, sh = (j & 1) * 16;
+        const int base = (threadIdx.x & 31) & ~7;
+        u32 h0 = __shfl_sync(0xffffffffu, f.h.x, base), h1 = __shfl_sync(0xffffffffu, f.h.x, base + 1);
+        u32 h2 = __shfl_sync(0xffffffffu, f.h.x, base + 2), h3 = __shfl_sync(0xffffffffu, f.h.x, base + 3);
+        u32 a = h1 >> sh, bq = h2 >> sh, c = h3 >> sh;
         u32 sc = j < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
         u32 mn = j < 2 ? (bq & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((bq >> 2) & 0x3030u));
-        float d = f16_to_f32((u16)(f.h.x & 0xFFFF)), dmin = f16_to_f32((u16)(f.h.x >> 16));
+        float d = f16_to_f32((u16)(h0 & 0xFFFF)), dmin = f16_to_f32((u16)(h0 >> 16));
         float sc0 = byte_f<0>(sc, 8388608.0f), sc1 = byte_f<1>(sc, 8388608.0f);
         float m0 = byte_f<0>(mn, 8388608.0f), m1 = byte_f<1>(mn, 8388608.0f);
         return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xs[0] + m1 * xs[1]);
+    }
+}
+
+// Where unit u's run r of 4 x values starts: contiguous for F16/BF16/Q8_0; for Q4_K (units of 32
+// values in two runs of 16, 32 apart) the low-nibble run then the high-nibble one.
+template <int TY>
+__device__ __forceinline__ int gemv_x_at(int u, int r) {
+    if constexpr (TY == TY_Q4_K) {
+        int base = 256 * (u >> 3) + 64 * ((u & 7) >> 1) + 16 * (u & 1);
+        return base + (r < 4 ? 4 * r : 32 + 4 * (r - 4));
+    } else {
+        return gemv_vals<TY>() * u + 4 * r;
     }
 }
 
@@ -418,10 +442,9 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
     float xv[UPT][V], xs[UPT][2];
 #pragma unroll
     for (int k = 0; k < UPT; k++) {
-        const float4* xp = (const float4*)(x + (size_t)V * us[k]);
 #pragma unroll
         for (int i = 0; i < V / 4; i++) {
-            float4 v = xp[i];
+            float4 v = *(const float4*)(x + gemv_x_at<TY>(us[k], i));
             xv[k][4 * i] = v.x;
             xv[k][4 * i + 1] = v.y;
             xv[k][4 * i + 2] = v.z;
@@ -430,9 +453,9 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
         if constexpr (TY == TY_Q4_K) {
             float a = 0.0f, b = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 32; i++) {
+            for (int i = 0; i < 16; i++) {
                 a += xv[k][i];
-                b += xv[k][32 + i];
+                b += xv[k][16 + i];
             }
             xs[k][0] = a;
             xs[k][1] = b;
@@ -490,5 +513,7 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
 GEMV_RU(f16, TY_F16, 0, 512)
 GEMV_RU(bf16, TY_BF16, 0, 512)
 GEMV_RU(q8_0, TY_Q8_0, 0, 512)
-GEMV_RU(q4_k, TY_Q4_K, 0, 256)
-GEMV_RU(q4_k, TY_Q4_K, 1, 256)
+GEMV_RU(q4_k, TY_Q4_K, 0, 512)
+GEMV_RU(q4_k, TY_Q4_K, 1, 512)
+GEMV_ENTRY(q4_k, TY_Q4_K, 6, 1, 0, 512)
+GEMV_ENTRY(q4_k, TY_Q4_K, 8, 1, 0, 512)

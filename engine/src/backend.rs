@@ -2,10 +2,21 @@
 //! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; `CudaBackend`
 //! (feature `cuda`, in `crate::cuda`) implements the same trait with NVRTC kernels from `kernels/`.
 //!
+//! Activations, KV caches and custom-op output buffers are [`Buf`]s: a tensor of f32 owned by the
+//! backend that made it (host memory for the CPU, device memory for CUDA), so a CUDA step keeps
+//! its data on the device between ops. Data crosses to the host only through
+//! [`Backend::upload`] and [`Backend::download`] (the token ids' embedding is gathered on the
+//! device; taps that are wanted, the logits, and the MoE router logits are downloaded).
+//!
+//! The trait stays object-safe (`dyn Backend`, one `Buf` type with a host and a device form)
+//! rather than generic over a buffer type: the engine picks its backend at run time from the
+//! CLI, and the model code in `rank.rs` stays one non-generic copy.
+//!
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
 use crate::kernels::{self, GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use half::f16;
 
 /// Which backend an engine runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -24,34 +35,132 @@ impl BackendKind {
     }
 }
 
-/// The primitive ops. Every op writes all of its `out`.
+/// A tensor of f32 owned by a backend. The default is an empty host buffer, which every backend
+/// accepts as "not allocated yet" (ops that size their output replace it).
+#[derive(Default)]
+pub struct Buf {
+    pub(crate) repr: BufRepr,
+}
+
+pub(crate) enum BufRepr {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Dev(crate::cuda::DevBuf),
+}
+
+impl Default for BufRepr {
+    fn default() -> Self {
+        BufRepr::Host(Vec::new())
+    }
+}
+
+impl Buf {
+    /// A host buffer holding `v`.
+    pub fn host(v: Vec<f32>) -> Buf {
+        Buf { repr: BufRepr::Host(v) }
+    }
+
+    pub fn len(&self) -> usize {
+        match &self.repr {
+            BufRepr::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            BufRepr::Dev(d) => d.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True for host memory.
+    pub fn is_host(&self) -> bool {
+        matches!(self.repr, BufRepr::Host(_))
+    }
+
+    /// The host values; panics on a device buffer (a backend mix-up is a bug, not an input).
+    pub fn as_host(&self) -> &[f32] {
+        match &self.repr {
+            BufRepr::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            BufRepr::Dev(_) => panic!("a device buffer used as a host one"),
+        }
+    }
+
+    /// The host vector; panics on a device buffer.
+    pub fn as_host_mut(&mut self) -> &mut Vec<f32> {
+        match &mut self.repr {
+            BufRepr::Host(v) => v,
+            #[cfg(feature = "cuda")]
+            BufRepr::Dev(_) => panic!("a device buffer used as a host one"),
+        }
+    }
+}
+
+/// The primitive ops. Every op writes all of its `out` unless it says otherwise; `out` buffers
+/// are sized by the caller ([`Backend::alloc`]).
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
+
+    /// A buffer of `len` values whose contents are unspecified (zeros on the host).
+    fn alloc(&self, len: usize) -> Buf;
+    /// A buffer of `len` zeros.
+    fn zeros(&self, len: usize) -> Buf {
+        let mut b = self.alloc(len);
+        self.fill(&mut b, 0.0);
+        b
+    }
+    /// True when the ranks' phases should run on threads of their own (the CPU, where each rank
+    /// computes); false when ranks only enqueue work on a device, which the driver thread does
+    /// in rank order without a thread hand-off per phase.
+    fn parallel_ranks(&self) -> bool {
+        true
+    }
+    /// A buffer holding a copy of `data`.
+    fn upload(&self, data: &[f32]) -> Buf;
+    /// The buffer's values on the host (waits for the work that writes them).
+    fn download(&self, b: &Buf) -> Vec<f32>;
+    /// Sets every value of `b` (the canary fill, zeroing).
+    fn fill(&self, b: &mut Buf, value: f32);
+    /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
+    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize);
+    /// Columns `col0 .. col0 + n_cols` of `src` `[rows, src_width]` into `dst` `[rows, n_cols]`.
+    fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf);
+    /// `x += a`, then each value rounded through f16 when `f16_round`.
+    fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool);
+    /// Rows `rows[i]` of `x` `[_, width]` stacked into `[rows.len(), width]`.
+    fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf;
+    /// `out[rows[i]] += weights[i] · y[i]` for each row i of `y` `[rows.len(), width]`, in order.
+    fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]);
+    /// KV-cache write: the cache keeps its first `pos0` rows of `width` and then holds
+    /// `pos0 + n` rows (rows nothing wrote are zero); the `n` rows of `new` land at row `slot0`.
+    fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize);
+
     /// `out[n, w.rows] = x[n, w.cols] · wᵀ`.
-    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]);
+    fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf);
     /// RMSNorm over rows of `weight.len()`.
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
     /// RoPE in place; row i is at position `pos0 + i`.
-    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
     /// `gate = silu(gate)·up`.
-    fn swiglu(&self, gate: &mut [f32], up: &[f32]);
+    fn swiglu(&self, gate: &mut Buf, up: &Buf);
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
-    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]);
+    fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
     #[allow(clippy::too_many_arguments)]
-    fn mla_attention(
-        &self,
-        q: &[f32],
-        k_nope: &[f32],
-        k_pe: &[f32],
-        v: &[f32],
-        pos0: usize,
-        shape: MlaShape,
-        out: &mut [f32],
-    );
-    /// Sum all-reduce of the ranks' partials in fixed order: rank 0 + rank 1 + ....
-    fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
-        crate::engine::all_reduce(partials)
+    fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);
+    /// Sum all-reduce of the ranks' partials in fixed order: rank 0 + rank 1 + .... Returns the
+    /// sum once per device holding ranks: one buffer when every rank shares a device, one per
+    /// rank (on that rank's device) otherwise; rank r reads `sums[r.min(sums.len() - 1)]`.
+    fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf>;
+    /// Embedding gather: row `rows[t]` of `w` decoded into `out[t]`, or zeros for `None` (a token
+    /// outside this rank's vocab range).
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
+
+    /// A copy of `b`.
+    fn dup(&self, b: &Buf) -> Buf {
+        let mut out = self.alloc(b.len());
+        self.copy(b, 0, &mut out, 0, b.len());
+        out
     }
     /// One line on how the ranks are placed (device, ranks per GPU, collective), for the terminal.
     fn describe(&self) -> String {
@@ -62,57 +171,113 @@ pub trait Backend: Send + Sync {
         None
     }
     fn reset_comm_stats(&self) {}
-    /// Embedding gather: row `rows[t]` of `w` decoded into `out[t]`, or zeros for `None` (a token
-    /// outside this rank's vocab range).
-    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
-        let cols = w.cols();
-        for (o, r) in out.chunks_exact_mut(cols.max(1)).zip(rows) {
-            match (r, w) {
-                (None, _) => o.fill(0.0),
-                (Some(r), WeightRef::F32(m)) => o.copy_from_slice(m.row(*r)),
-                (Some(r), WeightRef::Quant(q)) => {
-                    crate::dequant::dequantize(q.ty, &q.bytes[r * q.row_bytes..(r + 1) * q.row_bytes], o)
-                        .expect("weight shard lengths are checked at load")
-                }
-            }
-        }
-    }
 }
 
 /// The host backend: ranks are threads, ops are the rayon kernels.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
+fn h(b: &Buf) -> &[f32] {
+    b.as_host()
+}
+
+fn hm(b: &mut Buf) -> &mut Vec<f32> {
+    b.as_host_mut()
+}
+
+/// The host embedding gather (also the CUDA self-check's slow side).
+pub fn embed_rows_host(w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+    let cols = w.cols();
+    for (o, r) in out.chunks_exact_mut(cols.max(1)).zip(rows) {
+        match (r, w) {
+            (None, _) => o.fill(0.0),
+            (Some(r), WeightRef::F32(m)) => o.copy_from_slice(m.row(*r)),
+            (Some(r), WeightRef::Quant(q)) => {
+                crate::dequant::dequantize(q.ty, &q.bytes[r * q.row_bytes..(r + 1) * q.row_bytes], o)
+                    .expect("weight shard lengths are checked at load")
+            }
+        }
+    }
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
-        kernels::matmul_any(x, n, w, out)
+    fn alloc(&self, len: usize) -> Buf {
+        Buf::host(vec![0.0; len])
     }
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-        kernels::rms_norm(x, weight, eps, out)
+    fn upload(&self, data: &[f32]) -> Buf {
+        Buf::host(data.to_vec())
     }
-    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        kernels::rope(x, layout, pos0, base, style)
+    fn download(&self, b: &Buf) -> Vec<f32> {
+        h(b).to_vec()
     }
-    fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
-        kernels::swiglu(gate, up)
+    fn fill(&self, b: &mut Buf, value: f32) {
+        hm(b).fill(value)
     }
-    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]) {
-        kernels::gqa_attention(q, k, v, pos0, shape, out)
+    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
+        hm(dst)[dst_off..dst_off + len].copy_from_slice(&h(src)[src_off..src_off + len])
     }
-    fn mla_attention(
-        &self,
-        q: &[f32],
-        k_nope: &[f32],
-        k_pe: &[f32],
-        v: &[f32],
-        pos0: usize,
-        shape: MlaShape,
-        out: &mut [f32],
-    ) {
-        kernels::mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
+    fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf) {
+        for (row, o) in h(src).chunks_exact(src_width).zip(hm(dst).chunks_exact_mut(n_cols)) {
+            o.copy_from_slice(&row[col0..col0 + n_cols]);
+        }
+    }
+    fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool) {
+        for (xv, &av) in hm(x).iter_mut().zip(h(a)) {
+            *xv += av;
+            if f16_round {
+                *xv = f16::from_f32(*xv).to_f32();
+            }
+        }
+    }
+    fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf {
+        let x = h(x);
+        Buf::host(
+            rows.iter()
+                .flat_map(|&t| x[t * width..(t + 1) * width].to_vec())
+                .collect(),
+        )
+    }
+    fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]) {
+        let out = hm(out);
+        for ((&t, &w), yr) in rows.iter().zip(weights).zip(h(y).chunks_exact(width)) {
+            for (o, &v) in out[t * width..(t + 1) * width].iter_mut().zip(yr) {
+                *o += w * v;
+            }
+        }
+    }
+    fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize) {
+        let (c, new) = (hm(cache), h(new));
+        c.truncate(pos0 * width);
+        c.resize(pos0 * width + new.len(), 0.0);
+        c[slot0 * width..slot0 * width + new.len()].copy_from_slice(new);
+    }
+    fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
+        kernels::matmul_any(h(x), n, w, hm(out))
+    }
+    fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
+        kernels::rms_norm(h(x), weight, eps, hm(out))
+    }
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+        kernels::rope(hm(x), layout, pos0, base, style)
+    }
+    fn swiglu(&self, gate: &mut Buf, up: &Buf) {
+        kernels::swiglu(hm(gate), h(up))
+    }
+    fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
+        kernels::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))
+    }
+    fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
+        kernels::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
+    }
+    fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
+        let parts: Vec<&[f32]> = partials.iter().map(|p| h(p)).collect();
+        vec![Buf::host(crate::engine::all_reduce(&parts))]
+    }
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
+        embed_rows_host(w, rows, hm(out))
     }
 }
 

@@ -2,24 +2,31 @@
 //! (module list in [`crate::cuda_kernels`]), compiled at start-up for the device's arch and cached
 //! per process.
 //!
-//! What lives where in this first version:
+//! What lives where:
 //! - Weights are uploaded once, on first use, and stay on the device (keyed by their host address
 //!   and length, which are stable for an engine's lifetime). Types with a register decoder in
-//!   `kernels/quant.cu` keep their ggml blocks; Q2_K and Q3_K are dequantized to f32 on upload.
-//! - Activations and the KV cache stay on the host between ops: each op uploads its inputs, runs
-//!   its kernel on the calling rank's own stream (one stream per rank thread, own buffers), and
-//!   copies its output back. So taps, the canary and every fault run through the same model code
-//!   as on the CPU. A custom op's output buffer is the caller's: its contents (the canary when
-//!   tapped) go to the device with the inputs, and an element the kernel never writes comes back
-//!   unchanged.
-//! - The all-reduce is a device-side sum in fixed rank order over the ranks' partials.
-//! - MoE routing stays on the host (the expert matmuls run on the device).
+//!   `kernels/quant.cu` keep their ggml bytes (Q8_0 and Q4_K rows repacked for coalesced loads,
+//!   same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
+//!   same way.
+//! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
+//!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
+//!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
+//!   logits, and for MoE models the router logits (routing runs on the host) and the picked rows'
+//!   ids and weights. A custom op's output buffer is the caller's, canary-filled on the device
+//!   when tapped, so an element the kernel never writes keeps the canary.
+//! - All of a device's work goes on one stream, in issue order: the simulated ranks enqueue their
+//!   ops there in rank order from the driver thread ([`Backend::parallel_ranks`] is false), with
+//!   their own buffers, and the all-reduce that follows needs no host synchronization (only
+//!   downloads wait). The all-reduce is a device-side sum in fixed rank order.
+//! - KV caches grow by doubling their device capacity (old rows copied on the device).
+//! - Freed buffers go to a per-device pool by capacity and are reused (see [`BufPool`]), so a
+//!   decode step makes no allocation calls after the first.
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
 //! since the [`Backend`] ops are infallible.
 
-use crate::backend::{Backend, CommClock, CommStats, CpuBackend};
+use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::EngineError;
@@ -28,7 +35,6 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::thread::ThreadId;
 
 /// Runs `f`, turning a panic of cudarc's dynamic loader (no libcuda / libnvrtc) into an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
@@ -125,17 +131,132 @@ fn repack_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
     out
 }
 
+/// Q4_K rows as the device keeps them: the 128 quant bytes of every super-block back to back,
+/// then the super-blocks' 16-byte headers (d, dmin, 12 scale bytes); the same bytes and row
+/// length as the ggml row, 16-byte aligned throughout (144 = 9·16 bytes per super-block).
+fn repack_q4_k(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    let n_blocks = row_bytes / 144;
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
+        for (b, blk) in src.chunks_exact(144).enumerate() {
+            dst[b * 128..b * 128 + 128].copy_from_slice(&blk[16..]);
+            dst[n_blocks * 128 + 16 * b..n_blocks * 128 + 16 * b + 16].copy_from_slice(&blk[..16]);
+        }
+    }
+    out
+}
+
 /// The device bytes of a ggml weight of a type with a register decoder.
 fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> std::borrow::Cow<'_, [u8]> {
-    if ty == GgmlType::Q8_0 {
-        std::borrow::Cow::Owned(repack_q8_0(bytes, rows, row_bytes))
-    } else {
-        std::borrow::Cow::Borrowed(bytes)
+    match ty {
+        GgmlType::Q8_0 => std::borrow::Cow::Owned(repack_q8_0(bytes, rows, row_bytes)),
+        GgmlType::Q4K if row_bytes % 144 == 0 => std::borrow::Cow::Owned(repack_q4_k(bytes, rows, row_bytes)),
+        _ => std::borrow::Cow::Borrowed(bytes),
+    }
+}
+
+/// Threads per attention block (one block per token and head).
+const ATTN_THREADS: u32 = 256;
+
+/// Floats of shared memory for the attention kernels' G partial output rows of `width`
+/// (`attn_weighted_sum` in kernels/attention.cu).
+fn attn_part(width: usize) -> usize {
+    let t = ATTN_THREADS as usize;
+    let g = if t >= width { t / width.max(1) } else { 1 };
+    g * width
+}
+
+/// A device buffer of f32: `len` values in use, `data.len()` allocated (capacity; KV caches
+/// grow into it). Dropping it returns its memory to its backend's [`BufPool`].
+pub struct DevBuf {
+    data: std::mem::ManuallyDrop<CudaSlice<f32>>,
+    len: usize,
+    pool: Arc<BufPool>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: `data` is not used after this.
+        let data = unsafe { std::mem::ManuallyDrop::take(&mut self.data) };
+        self.pool.put(data);
+    }
+}
+
+/// Freed device buffers kept for reuse, by capacity: a decode step allocates the same sizes as
+/// the last one, so after the first step its buffers come from here instead of a driver call
+/// each (launch overhead dominates small-model decode). Reuse is safe because all of a device's
+/// work is on one stream, in issue order: work enqueued after the reuse runs after the work
+/// that used the buffer before. At most `MAX_POOLED_BYTES` are kept; beyond that, buffers are
+/// freed (stream-ordered).
+#[derive(Default)]
+pub struct BufPool {
+    free: Mutex<PoolState>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    by_capacity: HashMap<usize, Vec<CudaSlice<f32>>>,
+    n_bytes: usize,
+}
+
+const MAX_POOLED_BYTES: usize = 2 << 30;
+
+impl BufPool {
+    fn take(&self, cap: usize) -> Option<CudaSlice<f32>> {
+        let mut g = self.free.lock().expect("buffer pool");
+        let s = g.by_capacity.get_mut(&cap)?.pop()?;
+        g.n_bytes -= cap * 4;
+        Some(s)
+    }
+
+    fn put(&self, s: CudaSlice<f32>) {
+        let cap = s.len();
+        let mut g = self.free.lock().expect("buffer pool");
+        if g.n_bytes + cap * 4 <= MAX_POOLED_BYTES {
+            g.n_bytes += cap * 4;
+            g.by_capacity.entry(cap).or_default().push(s);
+        }
+    }
+}
+
+impl DevBuf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The values in use of a device buffer, as a view (for NCCL).
+pub(crate) fn dev_view(b: &Buf) -> cudarc::driver::CudaView<'_, f32> {
+    dev(b).slice(..b.len())
+}
+
+pub(crate) fn dev_view_mut(b: &mut Buf) -> cudarc::driver::CudaViewMut<'_, f32> {
+    let len = b.len();
+    dev_mut(b).slice_mut(..len)
+}
+
+fn dev(b: &Buf) -> &CudaSlice<f32> {
+    match &b.repr {
+        BufRepr::Dev(d) => &d.data,
+        BufRepr::Host(_) => panic!("cuda: a host buffer given to a device op"),
+    }
+}
+
+fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
+    match &mut b.repr {
+        BufRepr::Dev(d) => &mut d.data,
+        BufRepr::Host(_) => panic!("cuda: a host buffer given to a device op"),
     }
 }
 
 /// The one-token GEMV's settings: rows per block step (by default 4 for Q8_0 and Q4_K, 2 for
-/// F16/BF16, as measured on an H200), the Q4_K mode, and an optional cap on
+/// F16/BF16, as measured on an H200; Q4_K R 6 and 8 measured slower), the Q4_K mode, and an
+/// optional cap on
 /// blocks per SM (environment `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_Q4K_MODE`, `LLMDIFF_GEMV_BPS`,
 /// for benchmarking variants; `LLMDIFF_GEMV=0` turns it off, back to the warp-per-row matvec).
 #[derive(Clone, Copy, Debug)]
@@ -151,21 +272,21 @@ impl GemvConfig {
         let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         GemvConfig {
             on: get("LLMDIFF_GEMV") != Some(0),
-            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4].contains(r)),
+            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4, 6, 8].contains(r)),
             q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
     }
 }
 
-/// The GPU backend: one context on device 0, its kernels, a stream per rank thread, and the
-/// resident weights.
+/// The GPU backend: one context on a device, its kernels, its stream, and the resident weights.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     device: String,
     arch: &'static str,
     funcs: HashMap<String, CudaFunction>,
-    streams: Mutex<HashMap<ThreadId, Arc<CudaStream>>>,
+    /// The one stream all of this device's work goes on (see the module docs).
+    stream: Arc<CudaStream>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
@@ -173,6 +294,8 @@ pub struct CudaBackend {
     occupancy: Mutex<HashMap<(String, u32), u32>>,
     /// Wall time in the all-reduce.
     clock: CommClock,
+    /// Freed activation buffers for reuse.
+    pool: Arc<BufPool>,
 }
 
 impl CudaBackend {
@@ -198,10 +321,27 @@ impl CudaBackend {
             }
             CudaContext::new(ordinal).map_err(drv("CUDA device"))
         })?;
-        // Every op synchronizes its own stream before returning; no cross-stream tracking needed.
-        // SAFETY: no slice is shared between streams while work on it is in flight (weights are
-        // uploaded and synchronized before any rank reads them).
+        // All work goes on one stream (NCCL's streams join it explicitly); no per-slice tracking.
+        // SAFETY: no slice is used on another stream while work on it is in flight (weights are
+        // uploaded and synchronized before use; the NCCL path joins streams around the call).
         unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv("stream"))?;
+        // Activations are allocated and freed per op from the stream-ordered pool; by default the
+        // pool hands its memory back to the driver at every synchronization (each download), so
+        // the next step pays for mapping it again. Keep it.
+        // SAFETY: plain driver calls on this context's device; the value outlives the call.
+        unsafe {
+            use cudarc::driver::sys;
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+                let mut keep = u64::MAX;
+                let _ = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut keep as *mut u64 as *mut std::ffi::c_void,
+                );
+            }
+        }
         let (major, minor) = ctx.compute_capability().map_err(drv("compute capability"))?;
         let arch = arch_name(major, minor);
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
@@ -227,12 +367,13 @@ impl CudaBackend {
             device,
             arch,
             funcs,
-            streams: Mutex::new(HashMap::new()),
+            stream,
             weights: Mutex::new(HashMap::new()),
             sms,
             gemv: GemvConfig::from_env(),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
+            pool: Arc::default(),
         })
     }
 
@@ -251,11 +392,9 @@ impl CudaBackend {
             .unwrap_or_else(|| panic!("cuda: kernel {name} is not in the module list"))
     }
 
-    /// The calling thread's stream (each rank runs on its own thread, so its own stream).
-    fn stream(&self) -> Arc<CudaStream> {
-        let id = std::thread::current().id();
-        let mut m = self.streams.lock().expect("stream map");
-        m.entry(id).or_insert_with(|| ok(self.ctx.new_stream())).clone()
+    /// The device's stream.
+    pub(crate) fn stream(&self) -> Arc<CudaStream> {
+        self.stream.clone()
     }
 
     /// The device copy of a weight, uploaded on first use.
@@ -341,13 +480,17 @@ impl CudaBackend {
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt)?;
         let mode = if w.ty == GgmlType::Q4K { self.gemv.q4k_mode } else { 0 };
         let r = self.gemv.r.unwrap_or(match w.ty {
-            GgmlType::Q8_0 | GgmlType::Q4K => 4,
+            GgmlType::Q4K | GgmlType::Q8_0 => 4,
             _ => 2,
         });
-        GEMV_VARIANTS
-            .iter()
-            .copied()
-            .find(|v| v.ty == w.ty && v.r == r && v.upt == upt && v.mode == mode)
+        // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
+        let find = |r: usize| {
+            GEMV_VARIANTS
+                .iter()
+                .copied()
+                .find(|v| v.ty == w.ty && v.r == r && v.upt == upt && v.mode == mode)
+        };
+        find(r).or_else(|| find(4))
     }
 
     /// Launches GEMV variant `v` (n = 1): block of ⌈units/UPT⌉ threads (whole warps), a grid of
@@ -426,26 +569,45 @@ impl CudaBackend {
     }
 
     /// `Backend::linear`, with the one-token GEMV variant forced (`Some`) or chosen by default.
-    fn linear_with(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32], force: Option<GemvVariant>) {
+    fn linear_with(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf, force: Option<GemvVariant>) {
         let (rows, cols) = (w.rows(), w.cols());
-
         assert_eq!(x.len(), n * cols, "linear: x is not [n, in]");
         assert_eq!(out.len(), n * rows, "linear: out is not [n, out]");
         if rows == 0 || n == 0 {
             return;
         }
-        let s = self.stream();
-        let dw = self.weight(w, &s);
-        let xd = ok(s.clone_htod(x));
-        // SAFETY: every element is written by the kernel before it is read back.
-        let mut od = ok(unsafe { s.alloc::<f32>(n * rows) });
-        self.launch_linear_with(&s, &dw, rows, cols, &xd, n, &mut od, force);
-        self.download(&s, &od, out);
+        let s = &self.stream;
+        let dw = self.weight(w, s);
+        self.launch_linear_with(s, &dw, rows, cols, dev(x), n, dev_mut(out), force);
     }
 
-    fn download(&self, s: &Arc<CudaStream>, src: &CudaSlice<f32>, dst: &mut [f32]) {
-        ok(s.memcpy_dtoh(src, dst));
-        ok(s.synchronize());
+    /// The device copy of a small f32 parameter (a norm weight), uploaded on first use.
+    fn param(&self, v: &[f32]) -> Arc<DevWeight> {
+        self.weight(
+            WeightRef::F32(Mat {
+                data: v,
+                rows: 1,
+                cols: v.len(),
+            }),
+            &self.stream,
+        )
+    }
+
+    fn new_buf(&self, len: usize) -> Buf {
+        // SAFETY: the contents are unspecified by contract (Backend::alloc); at least one value
+        // is allocated so every buffer has a device address.
+        let cap = len.max(1);
+        let data = match self.pool.take(cap) {
+            Some(d) => d,
+            None => ok(unsafe { self.stream.alloc::<f32>(cap) }),
+        };
+        Buf {
+            repr: BufRepr::Dev(DevBuf {
+                data: std::mem::ManuallyDrop::new(data),
+                len,
+                pool: self.pool.clone(),
+            }),
+        }
     }
 
     fn elementwise_cfg(len: usize) -> LaunchConfig {
@@ -455,6 +617,14 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         }
     }
+
+    /// Uploads a small index array (routing, gathers).
+    fn upload_i32(&self, v: &[i32]) -> CudaSlice<i32> {
+        if v.is_empty() {
+            return ok(self.stream.alloc_zeros::<i32>(1));
+        }
+        ok(self.stream.clone_htod(v))
+    }
 }
 
 impl Backend for CudaBackend {
@@ -463,29 +633,176 @@ impl Backend for CudaBackend {
     }
     fn describe(&self) -> String {
         format!(
-            "cuda: simulated ranks, all on one GPU ({}), a stream each; fixed-order device-side all-reduce",
+            "cuda: simulated ranks, all on one GPU ({}), one stream, device-resident activations and KV cache; fixed-order device-side all-reduce",
             self.device
         )
     }
 
-    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+    fn alloc(&self, len: usize) -> Buf {
+        self.new_buf(len)
+    }
+
+    fn zeros(&self, len: usize) -> Buf {
+        let mut b = self.new_buf(len);
+        ok(self.stream.memset_zeros(dev_mut(&mut b)));
+        b
+    }
+
+    fn parallel_ranks(&self) -> bool {
+        false
+    }
+
+    fn upload(&self, data: &[f32]) -> Buf {
+        let mut b = self.new_buf(data.len());
+        if !data.is_empty() {
+            ok(self
+                .stream
+                .memcpy_htod(data, &mut dev_mut(&mut b).slice_mut(..data.len())));
+        }
+        b
+    }
+
+    fn download(&self, b: &Buf) -> Vec<f32> {
+        let mut out = vec![0f32; b.len()];
+        if !out.is_empty() {
+            ok(self.stream.memcpy_dtoh(&dev(b).slice(..b.len()), &mut out));
+            ok(self.stream.synchronize());
+        }
+        out
+    }
+
+    fn fill(&self, b: &mut Buf, value: f32) {
+        let len = b.len() as i64;
+        if len == 0 {
+            return;
+        }
+        let bits = value.to_bits();
+        let mut lb = self.stream.launch_builder(self.func("fill_u32"));
+        lb.arg(dev_mut(b)).arg(&bits).arg(&len);
+        // SAFETY: matches fill_u32 in kernels/ops.cu; the buffer holds len values.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
+        assert!(
+            src_off + len <= src.len() && dst_off + len <= dst.len(),
+            "copy: out of range"
+        );
+        let sv = dev(src).slice(src_off..src_off + len);
+        let mut dv = dev_mut(dst).slice_mut(dst_off..dst_off + len);
+        ok(self.stream.memcpy_dtod(&sv, &mut dv));
+    }
+
+    fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf) {
+        let rows = src.len() / src_width.max(1);
+        assert!(
+            col0 + n_cols <= src_width && dst.len() == rows * n_cols,
+            "copy_cols: bad shape"
+        );
+        if rows * n_cols == 0 {
+            return;
+        }
+        let args = [rows as i32, src_width as i32, col0 as i32, n_cols as i32];
+        let mut lb = self.stream.launch_builder(self.func("copy_cols"));
+        lb.arg(dev(src)).arg(dev_mut(dst));
+        for a in &args {
+            lb.arg(a);
+        }
+        // SAFETY: matches copy_cols in kernels/ops.cu.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(rows * n_cols)) });
+    }
+
+    fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool) {
+        assert_eq!(x.len(), a.len(), "add_assign: lengths differ");
+        let len = x.len() as i64;
+        if len == 0 {
+            return;
+        }
+        let f = f16_round as i32;
+        let mut lb = self.stream.launch_builder(self.func("add_assign"));
+        lb.arg(dev_mut(x)).arg(dev(a)).arg(&len).arg(&f);
+        // SAFETY: matches add_assign in kernels/ops.cu.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf {
+        let mut out = self.new_buf(rows.len() * width);
+        if rows.is_empty() || width == 0 {
+            return out;
+        }
+        let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idd = self.upload_i32(&ids);
+        let (n, w) = (rows.len() as i32, width as i32);
+        let mut lb = self.stream.launch_builder(self.func("gather_rows_f32"));
+        lb.arg(dev(x)).arg(&idd).arg(dev_mut(&mut out)).arg(&n).arg(&w);
+        // SAFETY: matches gather_rows_f32 in kernels/ops.cu; ids index rows of x.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(rows.len() * width)) });
+        out
+    }
+
+    fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]) {
+        if rows.is_empty() || width == 0 {
+            return;
+        }
+        let ids: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let idd = self.upload_i32(&ids);
+        let wd = ok(self.stream.clone_htod(weights));
+        let (n, w) = (rows.len() as i32, width as i32);
+        let mut lb = self.stream.launch_builder(self.func("add_rows_scaled"));
+        lb.arg(dev_mut(out)).arg(dev(y)).arg(&idd).arg(&wd).arg(&n).arg(&w);
+        // SAFETY: matches add_rows_scaled in kernels/ops.cu.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(width)) });
+    }
+
+    fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize) {
+        let keep = pos0 * width;
+        let total = keep + new.len();
+        let cap = match &cache.repr {
+            BufRepr::Dev(d) => d.data.len(),
+            BufRepr::Host(v) => {
+                assert!(v.is_empty(), "kv_write: a host cache");
+                0
+            }
+        };
+        if total > cap || cache.is_host() {
+            let mut grown = self.new_buf(total.max(2 * cap).max(64 * width.max(1)));
+            if keep > 0 {
+                let kept = cache.len().min(keep);
+                self.copy(cache, 0, &mut grown, 0, kept);
+            }
+            *cache = grown;
+        }
+        let BufRepr::Dev(d) = &mut cache.repr else {
+            unreachable!("the cache is on the device here")
+        };
+        d.len = total;
+        if slot0 != pos0 && total > keep {
+            // Rows nothing writes (the new token's own slot under an off-by-one mapping) are zero.
+            ok(self.stream.memset_zeros(&mut d.data.slice_mut(keep..total)));
+        }
+        self.copy(new, 0, cache, slot0 * width, new.len());
+    }
+
+    fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
         self.linear_with(x, n, w, out, None)
     }
 
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
         let d = weight.len();
         assert!(
             d > 0 && x.len() % d == 0 && x.len() == out.len(),
             "rms_norm: x is not [n, d]"
         );
-        let s = self.stream();
-        let xd = ok(s.clone_htod(x));
-        let wd = ok(s.clone_htod(weight));
-        // SAFETY: written whole by the kernel.
-        let mut od = ok(unsafe { s.alloc::<f32>(x.len()) });
+        if x.is_empty() {
+            return;
+        }
+        let wd = self.param(weight);
         let (di, n) = (d as i32, x.len() / d);
-        let mut b = s.launch_builder(self.func("rms_norm"));
-        b.arg(&xd).arg(&wd).arg(&mut od).arg(&di).arg(&eps);
+        let mut b = self.stream.launch_builder(self.func("rms_norm"));
+        b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -493,18 +810,15 @@ impl Backend for CudaBackend {
         };
         // SAFETY: matches rms_norm in kernels/ops.cu.
         ok(unsafe { b.launch(cfg) });
-        self.download(&s, &od, out);
     }
 
-    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
         let width = layout.n_heads * layout.head_stride;
         let half = layout.rope_dim / 2;
         if width == 0 || half == 0 || x.is_empty() {
             return;
         }
         let n = x.len() / width;
-        let s = self.stream();
-        let mut xd = ok(s.clone_htod(x));
         let args = [
             n as i32,
             layout.n_heads as i32,
@@ -517,87 +831,61 @@ impl Backend for CudaBackend {
             RopeStyle::Norm => 0i32,
             RopeStyle::Neox => 1,
         };
-        let mut b = s.launch_builder(self.func("rope"));
-        b.arg(&mut xd);
+        let mut b = self.stream.launch_builder(self.func("rope"));
+        b.arg(dev_mut(x));
         for a in &args {
             b.arg(a);
         }
         b.arg(&base).arg(&st);
         // SAFETY: matches rope in kernels/ops.cu; one thread per (row, head, pair).
         ok(unsafe { b.launch(Self::elementwise_cfg(n * layout.n_heads * half)) });
-        self.download(&s, &xd, x);
     }
 
-    fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
+    fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         if gate.is_empty() {
             return;
         }
-        let s = self.stream();
-        let mut gd = ok(s.clone_htod(gate));
-        let ud = ok(s.clone_htod(up));
         let len = gate.len() as i64;
-        let mut b = s.launch_builder(self.func("swiglu"));
-        b.arg(&mut gd).arg(&ud).arg(&len);
+        let mut b = self.stream.launch_builder(self.func("swiglu"));
+        b.arg(dev_mut(gate)).arg(dev(up)).arg(&len);
         // SAFETY: matches swiglu in kernels/ops.cu.
-        ok(unsafe { b.launch(Self::elementwise_cfg(gate.len())) });
-        self.download(&s, &gd, gate);
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
     }
 
-    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]) {
+    fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         let slots = out.len() / shape.head_dim.max(1);
         if slots == 0 {
             return;
         }
         let n = slots / shape.n_heads;
-        let s = self.stream();
-        let (qd, kd, vd) = (ok(s.clone_htod(q)), ok(s.clone_htod(k)), ok(s.clone_htod(v)));
-        // The caller's buffer, canary and all: an element the kernel skips comes back as it was.
-        let mut od = ok(s.clone_htod(&*out));
         let args = [
             pos0 as i32,
             shape.n_heads as i32,
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
         ];
-        let mut b = s.launch_builder(self.func("gqa_attention"));
-        b.arg(&qd).arg(&kd).arg(&vd).arg(&mut od);
+        let mut b = self.stream.launch_builder(self.func("gqa_attention"));
+        // The caller's buffer, canary and all: an element the kernel skips keeps what it held.
+        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
         for a in &args {
             b.arg(a);
         }
         b.arg(&shape.scale);
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: ((shape.head_dim + pos0 + n) * 4) as u32,
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: ((shape.head_dim + pos0 + n + attn_part(shape.head_dim)) * 4) as u32,
         };
         // SAFETY: matches gqa_attention in kernels/attention.cu; the caches hold pos0 + n rows.
         ok(unsafe { b.launch(cfg) });
-        self.download(&s, &od, out);
     }
 
-    fn mla_attention(
-        &self,
-        q: &[f32],
-        k_nope: &[f32],
-        k_pe: &[f32],
-        v: &[f32],
-        pos0: usize,
-        shape: MlaShape,
-        out: &mut [f32],
-    ) {
+    fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
         let slots = out.len() / shape.v_dim.max(1);
         if slots == 0 {
             return;
         }
         let n = slots / shape.n_heads;
-        let s = self.stream();
-        let (qd, knd, kpd, vd) = (
-            ok(s.clone_htod(q)),
-            ok(s.clone_htod(k_nope)),
-            ok(s.clone_htod(k_pe)),
-            ok(s.clone_htod(v)),
-        );
-        let mut od = ok(s.clone_htod(&*out));
         let args = [
             pos0 as i32,
             shape.n_heads as i32,
@@ -605,27 +893,34 @@ impl Backend for CudaBackend {
             shape.rope as i32,
             shape.v_dim as i32,
         ];
-        let mut b = s.launch_builder(self.func("mla_attention"));
-        b.arg(&qd).arg(&knd).arg(&kpd).arg(&vd).arg(&mut od);
+        let mut b = self.stream.launch_builder(self.func("mla_attention"));
+        b.arg(dev(q))
+            .arg(dev(k_nope))
+            .arg(dev(k_pe))
+            .arg(dev(v))
+            .arg(dev_mut(out));
         for a in &args {
             b.arg(a);
         }
         b.arg(&shape.scale);
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: ((shape.nope + shape.rope + pos0 + n) * 4) as u32,
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: ((shape.nope + shape.rope + pos0 + n + attn_part(shape.v_dim)) * 4) as u32,
         };
         // SAFETY: matches mla_attention in kernels/attention.cu.
         ok(unsafe { b.launch(cfg) });
-        self.download(&s, &od, out);
     }
 
-    fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
+    fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let t0 = std::time::Instant::now();
-        let out = self.all_reduce_device(partials);
+        // Fixed order, as on the CPU: ((p0 + p1) + p2) + ...
+        let mut sum = self.dup(partials[0]);
+        for p in &partials[1..] {
+            self.add_assign(&mut sum, p, false);
+        }
         self.clock.add(t0.elapsed(), std::time::Duration::ZERO);
-        out
+        vec![sum]
     }
 
     fn comm_stats(&self) -> Option<CommStats> {
@@ -636,47 +931,18 @@ impl Backend for CudaBackend {
         self.clock.reset()
     }
 
-    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
-        self.embed_rows_device(w, rows, out)
-    }
-}
-
-impl CudaBackend {
-    /// The fixed-order device-side sum of the simulated ranks' partials.
-    fn all_reduce_device(&self, partials: &[Vec<f32>]) -> Vec<f32> {
-        let len = partials[0].len();
-        let mut out = vec![0f32; len];
-        if len == 0 {
-            return out;
-        }
-        let s = self.stream();
-        let flat: Vec<f32> = partials.iter().flat_map(|p| p.iter().copied()).collect();
-        let pd = ok(s.clone_htod(&flat));
-        // SAFETY: written whole by the kernel.
-        let mut od = ok(unsafe { s.alloc::<f32>(len) });
-        let (np, l) = (partials.len() as i32, len as i64);
-        let mut b = s.launch_builder(self.func("all_reduce_sum"));
-        b.arg(&pd).arg(&mut od).arg(&np).arg(&l);
-        // SAFETY: matches all_reduce_sum in kernels/ops.cu; parts are back to back, len each.
-        ok(unsafe { b.launch(Self::elementwise_cfg(len)) });
-        self.download(&s, &od, &mut out);
-        out
-    }
-
-    fn embed_rows_device(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
         let cols = w.cols();
         if rows.is_empty() || cols == 0 {
             return;
         }
-        let s = self.stream();
-        let dw = self.weight(w, &s);
+        assert_eq!(out.len(), rows.len() * cols, "embed_rows: out is not [n, cols]");
+        let dw = self.weight(w, &self.stream);
         let ids: Vec<i32> = rows.iter().map(|r| r.map_or(-1, |r| r as i32)).collect();
-        let idd = ok(s.clone_htod(&ids));
-        // SAFETY: written whole by the kernel (zeros for masked rows).
-        let mut od = ok(unsafe { s.alloc::<f32>(rows.len() * cols) });
+        let idd = self.upload_i32(&ids);
         let (nn, c, rb) = (rows.len() as i32, cols as i32, dw.row_bytes as i32);
-        let mut b = s.launch_builder(self.func(&format!("gather_{}", dw.suffix)));
-        b.arg(&dw.data).arg(&idd).arg(&mut od).arg(&nn).arg(&c).arg(&rb);
+        let mut b = self.stream.launch_builder(self.func(&format!("gather_{}", dw.suffix)));
+        b.arg(&dw.data).arg(&idd).arg(dev_mut(out)).arg(&nn).arg(&c).arg(&rb);
         let cfg = LaunchConfig {
             grid_dim: (rows.len().div_ceil(4) as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -684,7 +950,6 @@ impl CudaBackend {
         };
         // SAFETY: matches gather_* in kernels/quant.cu.
         ok(unsafe { b.launch(cfg) });
-        self.download(&s, &od, out);
     }
 }
 
@@ -735,12 +1000,18 @@ fn noise(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// Runs `f` (which uploads its inputs, runs ops and downloads a result) on the GPU and the CPU.
+fn both(gpu: &dyn Backend, f: impl Fn(&dyn Backend) -> Vec<f32>) -> (Vec<f32>, Vec<f32>) {
+    (f(gpu), f(&CpuBackend))
+}
+
 impl CudaBackend {
     /// Runs every kernel against the CPU engine's on odd shapes (the fast/slow pairs of the
     /// CUDA backend): matmul/matvec and gather for every GPU weight type, RMSNorm, RoPE NORM and
-    /// NEOX, SwiGLU, GQA and MLA attention in prefill and decode, and the all-reduce.
+    /// NEOX, SwiGLU, GQA and MLA attention in prefill and decode, the all-reduce, and the data
+    /// movement ops (fill, column copy, residual add with and without f16 rounding, KV-cache
+    /// writes, row gather and scaled scatter-add).
     pub fn self_check(&self) -> Vec<KernelCheck> {
-        let cpu = CpuBackend;
         let mut out = Vec::new();
         let rows = 37;
         for ty in crate::cuda_kernels::GPU_TYPES {
@@ -765,9 +1036,11 @@ impl CudaBackend {
             };
             for n in [1usize, 5, 9, 17] {
                 let x = noise(n * cols, 100 + n as u64);
-                let (mut g, mut c) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-                self.linear(&x, n, w, &mut g);
-                cpu.linear(&x, n, w, &mut c);
+                let (g, c) = both(self, |be| {
+                    let mut o = be.alloc(n * rows);
+                    be.linear(&be.upload(&x), n, w, &mut o);
+                    be.download(&o)
+                });
                 let name = type_suffix(ty).unwrap_or("?");
                 out.push(compare(
                     format!("MUL_MAT(type={name},ne=[{cols},{rows}],n={n})"),
@@ -777,9 +1050,11 @@ impl CudaBackend {
                 ));
             }
             let ids = [Some(3), None, Some(36), Some(0), None];
-            let (mut g, mut c) = (vec![1f32; ids.len() * cols], vec![1f32; ids.len() * cols]);
-            self.embed_rows(w, &ids, &mut g);
-            cpu.embed_rows(w, &ids, &mut c);
+            let (g, c) = both(self, |be| {
+                let mut o = be.upload(&vec![1f32; ids.len() * cols]);
+                be.embed_rows(w, &ids, &mut o);
+                be.download(&o)
+            });
             out.push(compare(
                 format!(
                     "GET_ROWS(type={},ne=[{cols},{rows}],n=5)",
@@ -810,18 +1085,20 @@ impl CudaBackend {
                 row_bytes: bytes.len() / rows,
             });
             let x = noise(cols, 41);
-            let mut c = vec![0f32; rows];
-            cpu.linear(&x, 1, w, &mut c);
+            let mut c = CpuBackend.alloc(rows);
+            CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
+            let c = c.as_host().to_vec();
+            let xd = self.upload(&x);
             for v in GEMV_VARIANTS.iter().filter(|v| v.ty == ty) {
-                let mut g = vec![f32::NAN; rows];
-                self.linear_with(&x, 1, w, &mut g, Some(*v));
+                let mut g = self.upload(&vec![f32::NAN; rows]);
+                self.linear_with(&xd, 1, w, &mut g, Some(*v));
                 out.push(compare(
                     format!(
                         "GEMV(type={},ne=[{cols},{rows}],variant={})",
                         type_suffix(ty).unwrap_or("?"),
                         v.entry()
                     ),
-                    &g,
+                    &self.download(&g),
                     &c,
                     1e-5,
                 ));
@@ -831,11 +1108,14 @@ impl CudaBackend {
         for (n, d) in [(1usize, 576usize), (7, 1000), (3, 64)] {
             let x = noise(n * d, 11);
             let wt = noise(d, 12);
-            let (mut g, mut c) = (vec![0f32; n * d], vec![0f32; n * d]);
-            self.rms_norm(&x, &wt, 1e-5, &mut g);
-            cpu.rms_norm(&x, &wt, 1e-5, &mut c);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(n * d);
+                be.rms_norm(&be.upload(&x), &wt, 1e-5, &mut o);
+                be.download(&o)
+            });
             out.push(compare(format!("RMS_NORM(ne=[{d},{n}])"), &g, &c, 1e-6));
         }
+        self.weights.lock().expect("weight map").clear();
         for style in [RopeStyle::Norm, RopeStyle::Neox] {
             for (layout, pos0) in [
                 (
@@ -859,9 +1139,11 @@ impl CudaBackend {
             ] {
                 let n = 6;
                 let x = noise(n * layout.n_heads * layout.head_stride, 13);
-                let (mut g, mut c) = (x.clone(), x.clone());
-                self.rope(&mut g, layout, pos0, 10000.0, style);
-                cpu.rope(&mut c, layout, pos0, 10000.0, style);
+                let (g, c) = both(self, |be| {
+                    let mut b = be.upload(&x);
+                    be.rope(&mut b, layout, pos0, 10000.0, style);
+                    be.download(&b)
+                });
                 out.push(compare(
                     format!(
                         "ROPE(style={style:?},heads={},stride={},off={},dim={},pos0={pos0})",
@@ -876,27 +1158,38 @@ impl CudaBackend {
         {
             let gate = noise(1001, 14);
             let up = noise(1001, 15);
-            let (mut g, mut c) = (gate.clone(), gate.clone());
-            self.swiglu(&mut g, &up);
-            cpu.swiglu(&mut c, &up);
+            let (g, c) = both(self, |be| {
+                let mut b = be.upload(&gate);
+                be.swiglu(&mut b, &be.upload(&up));
+                be.download(&b)
+            });
             out.push(compare("SWIGLU(ne=[1001])".into(), &g, &c, 1e-6));
         }
-        for (pos0, n) in [(0usize, 7usize), (7, 1), (30, 3)] {
+        for (pos0, n, hd) in [
+            (0usize, 7usize, 40usize),
+            (7, 1, 40),
+            (30, 3, 40),
+            (517, 1, 128),
+            (0, 70, 64),
+            (300, 2, 37),
+        ] {
             let t = pos0 + n;
             let s = GqaShape {
                 n_heads: 6,
                 n_kv_heads: 2,
-                head_dim: 40,
-                scale: 1.0 / 40f32.sqrt(),
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
             };
-            let q = noise(n * 6 * 40, 16);
-            let k = noise(t * 2 * 40, 17);
-            let v = noise(t * 2 * 40, 18);
-            let (mut g, mut c) = (vec![0f32; n * 240], vec![0f32; n * 240]);
-            self.gqa_attention(&q, &k, &v, pos0, s, &mut g);
-            cpu.gqa_attention(&q, &k, &v, pos0, s, &mut c);
+            let q = noise(n * 6 * hd, 16);
+            let k = noise(t * 2 * hd, 17);
+            let v = noise(t * 2 * hd, 18);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(n * 6 * hd);
+                be.gqa_attention(&be.upload(&q), &be.upload(&k), &be.upload(&v), pos0, s, &mut o);
+                be.download(&o)
+            });
             out.push(compare(
-                format!("ATTN_GQA(H=6,KV=2,hd=40,pos0={pos0},n={n})"),
+                format!("ATTN_GQA(H=6,KV=2,hd={hd},pos0={pos0},n={n})"),
                 &g,
                 &c,
                 1e-5,
@@ -912,9 +1205,12 @@ impl CudaBackend {
             let kn = noise(t * 3 * 24, 20);
             let kp = noise(t * 8, 21);
             let v = noise(t * 3 * 20, 22);
-            let (mut g, mut c) = (vec![0f32; n * 60], vec![0f32; n * 60]);
-            self.mla_attention(&q, &kn, &kp, &v, pos0, m, &mut g);
-            cpu.mla_attention(&q, &kn, &kp, &v, pos0, m, &mut c);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(n * 60);
+                let (qd, knd, kpd, vd) = (be.upload(&q), be.upload(&kn), be.upload(&kp), be.upload(&v));
+                be.mla_attention(&qd, &knd, &kpd, &vd, pos0, m, &mut o);
+                be.download(&o)
+            });
             out.push(compare(
                 format!("ATTN_MLA(H=3,nope=24,rope=8,v=20,pos0={pos0},n={n})"),
                 &g,
@@ -924,9 +1220,80 @@ impl CudaBackend {
         }
         {
             let parts: Vec<Vec<f32>> = (0..8).map(|r| noise(999, 30 + r)).collect();
-            let g = self.all_reduce(&parts);
-            let c = cpu.all_reduce(&parts);
+            let (g, c) = both(self, |be| {
+                let bufs: Vec<Buf> = parts.iter().map(|p| be.upload(p)).collect();
+                let refs: Vec<&Buf> = bufs.iter().collect();
+                be.download(&be.all_reduce(&refs)[0])
+            });
             out.push(compare("ALL_REDUCE(ranks=8,ne=[999])".into(), &g, &c, 0.0));
+        }
+        // Data movement: exact (tolerance 0); the canary must survive bit for bit.
+        {
+            let (g, c) = both(self, |be| {
+                let mut b = be.upload(&noise(77, 50));
+                be.fill(&mut b, references::tap::canary());
+                be.download(&b)
+            });
+            let bits_ok = g.iter().all(|v| v.to_bits() == references::tap::canary().to_bits());
+            out.push(KernelCheck {
+                case: "FILL(canary,ne=[77])".into(),
+                rel_l2: 0.0,
+                max_abs: 0.0,
+                tol: 0.0,
+                pass: bits_ok && g.len() == c.len(),
+            });
+            let src = noise(9 * 13, 51);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(9 * 5);
+                be.copy_cols(&be.upload(&src), 13, 7, 5, &mut o);
+                be.download(&o)
+            });
+            out.push(compare("COPY_COLS(ne=[13,9],cols=7..12)".into(), &g, &c, 0.0));
+            for f16_round in [false, true] {
+                let (x, a) = (
+                    noise(501, 52),
+                    noise(501, 53).iter().map(|v| v * 3e3).collect::<Vec<_>>(),
+                );
+                let (g, c) = both(self, |be| {
+                    let mut b = be.upload(&x);
+                    be.add_assign(&mut b, &be.upload(&a), f16_round);
+                    be.download(&b)
+                });
+                out.push(compare(format!("ADD(f16_round={f16_round},ne=[501])"), &g, &c, 0.0));
+            }
+            for (pos0, slot0, n) in [(0usize, 0usize, 5usize), (5, 5, 1), (5, 4, 1), (70, 70, 3)] {
+                let width = 24;
+                let old = noise(pos0.max(1) * width + 48, 54);
+                let new = noise(n * width, 55);
+                let (g, c) = both(self, |be| {
+                    let mut cache = Buf::default();
+                    if pos0 > 0 {
+                        // A cache that held more rows than it keeps (a re-prefill truncates).
+                        be.kv_write(&mut cache, &be.upload(&old), width, 0, 0);
+                    }
+                    be.kv_write(&mut cache, &be.upload(&new), width, pos0, slot0);
+                    be.download(&cache)
+                });
+                out.push(compare(
+                    format!("KV_WRITE(width={width},pos0={pos0},slot0={slot0},n={n})"),
+                    &g,
+                    &c,
+                    0.0,
+                ));
+            }
+            let x = noise(6 * 33, 56);
+            let y = noise(4 * 33, 57);
+            let (rows_, weights) = ([4usize, 0, 4, 2], [0.5f32, -1.25, 2.0, 0.75]);
+            let (g, c) = both(self, |be| {
+                let xd = be.upload(&x);
+                let gathered = be.gather_rows(&xd, 33, &rows_);
+                let mut o = be.dup(&xd);
+                be.add_rows_scaled(&mut o, &be.upload(&y), 33, &rows_, &weights);
+                let mut v = be.download(&gathered);
+                v.extend(be.download(&o));
+                v
+            });
+            out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
         out
     }

@@ -12,7 +12,8 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 pub enum KernelId {
     /// Quantized matvec/matmul and the embedding gather (`kernels/quant.cu`).
     Quant,
-    /// RMSNorm, RoPE, SwiGLU, all-reduce sum (`kernels/ops.cu`).
+    /// RMSNorm, RoPE, SwiGLU, all-reduce sum, and the data movement of device-resident
+    /// activations (`kernels/ops.cu`).
     Ops,
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
     Attention,
@@ -55,9 +56,19 @@ impl KernelId {
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
                 .collect(),
-            KernelId::Ops => ["rms_norm", "rope", "swiglu", "all_reduce_sum"]
-                .map(String::from)
-                .to_vec(),
+            KernelId::Ops => [
+                "rms_norm",
+                "rope",
+                "swiglu",
+                "all_reduce_sum",
+                "fill_u32",
+                "copy_cols",
+                "add_assign",
+                "gather_rows_f32",
+                "add_rows_scaled",
+            ]
+            .map(String::from)
+            .to_vec(),
             KernelId::Attention => ["gqa_attention", "mla_attention"].map(String::from).to_vec(),
         }
     }
@@ -83,19 +94,15 @@ impl GemvVariant {
     /// Values per unit (one thread's share of a row per step).
     pub fn unit_values(ty: GgmlType) -> usize {
         match ty {
-            GgmlType::Q4K => 64,
+            GgmlType::Q4K => 32,
             GgmlType::Q8_0 => 16,
             _ => 8,
         }
     }
 
     /// The largest block the variant was compiled for (`__launch_bounds__`).
-    pub fn max_threads(ty: GgmlType) -> usize {
-        if ty == GgmlType::Q4K {
-            256
-        } else {
-            512
-        }
+    pub fn max_threads(_ty: GgmlType) -> usize {
+        512
     }
 }
 
@@ -103,8 +110,9 @@ const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
     GemvVariant { ty, r, upt, mode }
 }
 
-/// Every compiled GEMV variant (the `GEMV_RU` lines of `kernels/quant.cu`).
-pub const GEMV_VARIANTS: [GemvVariant; 30] = {
+/// Every compiled GEMV variant (the `GEMV_RU` and `GEMV_ENTRY` lines of `kernels/quant.cu`):
+/// R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6 and 8 at UPT 1.
+pub const GEMV_VARIANTS: [GemvVariant; 32] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -113,7 +121,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 30] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 30];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 32];
     let mut i = 0;
     while i < 30 {
         let (ty, m) = tys[i / 6];
@@ -121,6 +129,8 @@ pub const GEMV_VARIANTS: [GemvVariant; 30] = {
         out[i] = gv(ty, r, u, m);
         i += 1;
     }
+    out[30] = gv(GgmlType::Q4K, 6, 1, 0);
+    out[31] = gv(GgmlType::Q4K, 8, 1, 0);
     out
 };
 
@@ -174,11 +184,15 @@ mod tests {
                         ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
                     }
                     || {
-                        // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...).
+                        // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...) or
+                        // GEMV_ENTRY(<ty>, TY, <R>, <U>, <M>, ...).
                         f.strip_prefix("gemv_").is_some_and(|rest| {
                             let (ty, tail) = rest.split_once("_r").unwrap();
                             let m = tail.rsplit_once("_m").unwrap().1;
-                            src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, "))
+                            let (r, u) = tail.split_once("_u").unwrap();
+                            let u = u.split_once("_m").unwrap().0;
+                            (src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, ")))
+                                || src.contains(&format!("GEMV_ENTRY({ty}, TY_Q4_K, {r}, {u}, {m}, "))
                         })
                     };
                 assert!(defined, "{f} not defined in {}", id.file());

@@ -11,18 +11,19 @@
 //! `LLMDIFF_CUDA_RANKS=simulated` forces simulated ranks; `LLMDIFF_CUDA_RANKS=nccl` forces real
 //! ranks (also at TP 1: an NCCL communicator of one rank), and fails if there are too few GPUs.
 //!
-//! What stays the same: activations round-trip through the host between ops exactly as with
-//! simulated ranks, so taps (per rank, copied from that rank's GPU), the canary and every fault
-//! run through the same model code. The all-reduce uploads each rank's partial to its GPU, runs
-//! one grouped `ncclAllReduce(sum)`, and downloads the sum from GPU 0 (every rank's copy is the
-//! same). The logits gather stays on the host (the lm_head slices come back to the host anyway).
+//! What stays the same: the model code, taps (per rank, downloaded from that rank's GPU), the
+//! canary and every fault. Activations and KV caches stay on each rank's GPU (as with simulated
+//! ranks). The all-reduce runs one grouped `ncclAllReduce(sum)` over the ranks' device partials
+//! on NCCL's streams (each joined to its GPU's stream before and after, so no host round trip),
+//! and gives each rank the sum on its own GPU. The logits gather stays on the host (the lm_head
+//! slices come back to the host anyway).
 //! At TP 2 the NCCL sum is `p0 + p1` (fp addition commutes), bitwise the simulated ranks' sum; at
 //! TP > 2 NCCL's ring order may differ from rank order by an ulp.
 //!
 //! NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is set before the communicator is made
 //! unless the environment already sets it.
 
-use crate::backend::{current_rank, Backend, CommClock, CommStats};
+use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cuda::CudaBackend;
 use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
 use crate::EngineError;
@@ -113,36 +114,35 @@ impl NcclBackend {
         &self.devs[current_rank().min(self.devs.len() - 1)]
     }
 
-    /// Sum over NCCL; returns the sum and the time from the collective's launch to its end.
-    fn nccl_sum(&self, partials: &[Vec<f32>]) -> (Vec<f32>, Duration) {
+    /// Sum over NCCL into one new buffer per rank (on that rank's GPU); returns the sums and the
+    /// time from the collective's launch to its end (the NCCL streams are synchronized for the
+    /// figure, the GPUs' own streams are not).
+    fn nccl_sum(&self, partials: &[&Buf]) -> (Vec<Buf>, Duration) {
         let len = partials[0].len();
-        let mut out = vec![0f32; len];
+        let mut sums: Vec<Buf> = self.devs.iter().map(|d| d.alloc(len)).collect();
         if len == 0 {
-            return (out, Duration::ZERO);
+            return (sums, Duration::ZERO);
         }
         let comms = self.comms.lock().expect("nccl comms");
-        let mut bufs = Vec::with_capacity(comms.0.len());
-        for (c, p) in comms.0.iter().zip(partials) {
-            let s = c.stream();
-            let send = ok(s.clone_htod(p));
-            let recv = ok(s.alloc_zeros::<f32>(len));
-            bufs.push((send, recv));
-        }
-        for c in &comms.0 {
-            ok(c.stream().synchronize());
+        for (c, d) in comms.0.iter().zip(&self.devs) {
+            ok(c.stream().join(&d.stream()));
         }
         let t0 = Instant::now();
         nccl(group_start());
-        for (c, (send, recv)) in comms.0.iter().zip(bufs.iter_mut()) {
-            nccl(c.all_reduce(send, recv, &ReduceOp::Sum));
+        for ((c, p), out) in comms.0.iter().zip(partials).zip(sums.iter_mut()) {
+            let send = crate::cuda::dev_view(p);
+            let mut recv = crate::cuda::dev_view_mut(out);
+            nccl(c.all_reduce(&send, &mut recv, &ReduceOp::Sum));
         }
         nccl(group_end());
         for c in &comms.0 {
             ok(c.stream().synchronize());
         }
         let collective = t0.elapsed();
-        ok(comms.0[0].stream().memcpy_dtoh(&bufs[0].1, &mut out));
-        (out, collective)
+        for (c, d) in comms.0.iter().zip(&self.devs) {
+            ok(d.stream().join(&c.stream()));
+        }
+        (sums, collective)
     }
 }
 
@@ -153,34 +153,61 @@ impl Backend for NcclBackend {
     fn describe(&self) -> String {
         self.describe.clone()
     }
-    fn linear(&self, x: &[f32], n: usize, w: WeightRef<'_>, out: &mut [f32]) {
+    fn alloc(&self, len: usize) -> Buf {
+        self.dev().alloc(len)
+    }
+    fn zeros(&self, len: usize) -> Buf {
+        self.dev().zeros(len)
+    }
+    fn parallel_ranks(&self) -> bool {
+        false
+    }
+    fn upload(&self, data: &[f32]) -> Buf {
+        self.dev().upload(data)
+    }
+    fn download(&self, b: &Buf) -> Vec<f32> {
+        self.dev().download(b)
+    }
+    fn fill(&self, b: &mut Buf, value: f32) {
+        self.dev().fill(b, value)
+    }
+    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
+        self.dev().copy(src, src_off, dst, dst_off, len)
+    }
+    fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf) {
+        self.dev().copy_cols(src, src_width, col0, n_cols, dst)
+    }
+    fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool) {
+        self.dev().add_assign(x, a, f16_round)
+    }
+    fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf {
+        self.dev().gather_rows(x, width, rows)
+    }
+    fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]) {
+        self.dev().add_rows_scaled(out, y, width, rows, weights)
+    }
+    fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize) {
+        self.dev().kv_write(cache, new, width, pos0, slot0)
+    }
+    fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
         self.dev().linear(x, n, w, out)
     }
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
         self.dev().rms_norm(x, weight, eps, out)
     }
-    fn rope(&self, x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
         self.dev().rope(x, layout, pos0, base, style)
     }
-    fn swiglu(&self, gate: &mut [f32], up: &[f32]) {
+    fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         self.dev().swiglu(gate, up)
     }
-    fn gqa_attention(&self, q: &[f32], k: &[f32], v: &[f32], pos0: usize, shape: GqaShape, out: &mut [f32]) {
+    fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         self.dev().gqa_attention(q, k, v, pos0, shape, out)
     }
-    fn mla_attention(
-        &self,
-        q: &[f32],
-        k_nope: &[f32],
-        k_pe: &[f32],
-        v: &[f32],
-        pos0: usize,
-        shape: MlaShape,
-        out: &mut [f32],
-    ) {
+    fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
         self.dev().mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
     }
-    fn all_reduce(&self, partials: &[Vec<f32>]) -> Vec<f32> {
+    fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let t0 = Instant::now();
         let (out, collective) = self.nccl_sum(partials);
         self.clock.add(t0.elapsed(), collective);
@@ -192,7 +219,7 @@ impl Backend for NcclBackend {
     fn reset_comm_stats(&self) {
         self.clock.reset()
     }
-    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut [f32]) {
+    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
         self.dev().embed_rows(w, rows, out)
     }
 }

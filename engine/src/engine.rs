@@ -2,20 +2,21 @@
 //! model, then has every rank load its own shards; [`Engine::prefill`], [`Engine::decode`] and
 //! [`Engine::generate`] drive the ranks.
 //!
-//! A step runs bulk-synchronously, as TP engines do: the ranks run each phase concurrently (one
-//! rayon task per rank), then the driver all-reduces their partial sums with a fixed-order sum
-//! (rank 0 + rank 1 + ...; deterministic), and hands every rank the result for its residual
-//! replica. Phases per step: vocab-parallel embedding (+ all-reduce); per layer, attention up to
-//! o_proj (+ all-reduce) and FFN/MoE (+ all-reduce); then output_norm and the lm_head slice
-//! (+ gather).
+//! A step runs bulk-synchronously, as TP engines do: the ranks run each phase (concurrently, one
+//! rayon task per rank, on the CPU; in rank order on the driver thread where a device backend
+//! only enqueues work), then the driver all-reduces their partial sums with a fixed-order sum
+//! (rank 0 + rank 1 + ...; deterministic; at TP 1 the partial is the sum), and hands every rank
+//! the result for its residual replica. Activations are backend buffers ([`Buf`]): on a device
+//! backend they stay there, and only wanted taps and the logits are downloaded. Phases per step:
+//! vocab-parallel embedding (+ all-reduce); per layer, attention up to o_proj (+ all-reduce) and
+//! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
 
-use crate::backend::{as_rank, Backend, BackendKind, CommStats, CpuBackend};
+use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend};
 use crate::fault::{Fault, FaultSet, FaultSpec};
 use crate::rank::{PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
 use crate::weights::{Loader, WeightStorage};
 use crate::EngineError;
-use half::f16;
 use rayon::prelude::*;
 use references::tap::{NoTap, Site, Tap, TapKey};
 use references::{GgmlType, GgufFile, ModelConfig};
@@ -348,61 +349,65 @@ impl Engine {
         let (n, d) = (tokens.len(), c.d_model);
 
         // Vocab-parallel embedding, then all-reduce.
-        let outs: Vec<PhaseOut> = self
-            .ranks
-            .par_iter()
-            .map(|r| as_rank(r.idx, || r.embed(&ctx, tokens)))
-            .collect();
+        let be = self.backend.as_ref();
+        let parallel = be.parallel_ranks();
+        let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.embed(&ctx, tokens));
         let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
-        let x = self.backend.all_reduce(&partials);
-        record_if(tap, &plan, TapKey::global(Site::Embed), &x, d);
+        let sums = all_reduce_bufs(be, &partials);
         for r in &mut self.ranks {
-            r.x = x.clone();
+            let idx = r.idx;
+            as_rank(idx, || {
+                let x = sum_for(&sums, &partials, idx);
+                if idx == 0 {
+                    record_if(be, tap, &plan, TapKey::global(Site::Embed), x, d);
+                }
+                r.x = be.dup(x);
+            });
         }
 
         for layer_idx in 0..c.n_layers {
             self.weight_taps(tap, &plan, layer_idx);
             for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
-                let outs: Vec<PhaseOut> = self
-                    .ranks
-                    .par_iter_mut()
-                    .map(|r| {
-                        let idx = r.idx;
-                        as_rank(idx, || match phase_site {
-                            Site::AttnProj => r.attn_block(&ctx, layer_idx),
-                            _ => r.ffn_block(&ctx, layer_idx),
-                        })
-                    })
-                    .collect();
+                let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| match phase_site {
+                    Site::AttnProj => r.attn_block(&ctx, layer_idx),
+                    _ => r.ffn_block(&ctx, layer_idx),
+                });
                 let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
                 flush(tap, taps);
-                let sum = self.backend.all_reduce(&partials);
+                let sums = all_reduce_bufs(be, &partials);
                 for (rank_idx, r) in self.ranks.iter_mut().enumerate() {
-                    let skip = self.faults.active(Fault::AllreduceSkip, layer_idx, rank_idx);
-                    let reduced = if skip { &partials[rank_idx] } else { &sum };
-                    if rank_idx == 0 {
-                        record_if(tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);
-                    }
-                    let f16_resid = self.faults.active(Fault::F16Residual, layer_idx, rank_idx);
-                    for (xv, &a) in r.x.iter_mut().zip(reduced) {
-                        *xv += a;
-                        if f16_resid {
-                            *xv = f16::from_f32(*xv).to_f32();
+                    as_rank(rank_idx, || {
+                        let skip = self.faults.active(Fault::AllreduceSkip, layer_idx, rank_idx);
+                        let reduced = if skip {
+                            &partials[rank_idx]
+                        } else {
+                            sum_for(&sums, &partials, rank_idx)
+                        };
+                        if rank_idx == 0 {
+                            record_if(be, tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);
                         }
-                    }
-                    record_if(tap, &plan, TapKey::ranked(layer_idx, resid_site, rank_idx), &r.x, d);
-                    if rank_idx == 0 {
-                        record_if(tap, &plan, TapKey::layer(layer_idx, resid_site), &r.x, d);
-                    }
+                        let f16_resid = self.faults.active(Fault::F16Residual, layer_idx, rank_idx);
+                        be.add_assign(&mut r.x, reduced, f16_resid);
+                        record_if(be, tap, &plan, TapKey::ranked(layer_idx, resid_site, rank_idx), &r.x, d);
+                        if rank_idx == 0 {
+                            record_if(be, tap, &plan, TapKey::layer(layer_idx, resid_site), &r.x, d);
+                        }
+                    });
                 }
             }
         }
 
-        // output_norm and the vocab-parallel lm_head, then gather.
-        let outs: Vec<PhaseOut> = self.ranks.par_iter().map(|r| as_rank(r.idx, || r.head(&ctx))).collect();
+        // output_norm and the vocab-parallel lm_head, then gather (on the host: the logits are
+        // the step's result).
+        let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.head(&ctx));
         let (slices, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
+        let slices: Vec<Vec<f32>> = slices
+            .iter()
+            .enumerate()
+            .map(|(rank_idx, s)| as_rank(rank_idx, || be.download(s)))
+            .collect();
         let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
         let (logits, _) = gather_columns(&refs, n);
         // The gathered `logits` tap was recorded by `flush` if wanted.
@@ -426,19 +431,52 @@ impl Engine {
 }
 
 /// Sum all-reduce in a fixed order: rank 0 + rank 1 + ....
-pub fn all_reduce(partials: &[Vec<f32>]) -> Vec<f32> {
-    let mut sum = partials[0].clone();
+pub fn all_reduce(partials: &[&[f32]]) -> Vec<f32> {
+    let mut sum = partials[0].to_vec();
     for p in &partials[1..] {
-        for (s, &v) in sum.iter_mut().zip(p) {
+        for (s, &v) in sum.iter_mut().zip(p.iter()) {
             *s += v;
         }
     }
     sum
 }
 
-fn record_if(tap: &mut dyn Tap, plan: &TapPlan, key: TapKey, data: &[f32], width: usize) {
+/// Runs `f` for every rank (as that rank, see [`as_rank`]): one rayon task per rank when
+/// `parallel`, else in rank order on this thread.
+fn per_rank<'p, F>(parallel: bool, ranks: &mut [Rank], f: F) -> Vec<PhaseOut<'p>>
+where
+    F: Fn(&mut Rank) -> PhaseOut<'p> + Sync + Send,
+{
+    if parallel {
+        ranks.par_iter_mut().map(|r| as_rank(r.idx, || f(r))).collect()
+    } else {
+        ranks.iter_mut().map(|r| as_rank(r.idx, || f(r))).collect()
+    }
+}
+
+/// The backend's all-reduce over the ranks' partial buffers; `None` at TP 1, where the one
+/// partial is the sum (the caller reads it in place).
+fn all_reduce_bufs(be: &dyn Backend, partials: &[Buf]) -> Option<Vec<Buf>> {
+    if partials.len() == 1 {
+        return None;
+    }
+    let refs: Vec<&Buf> = partials.iter().collect();
+    Some(be.all_reduce(&refs))
+}
+
+/// Rank `rank_idx`'s view of the reduced sum.
+fn sum_for<'a>(sums: &'a Option<Vec<Buf>>, partials: &'a [Buf], rank_idx: usize) -> &'a Buf {
+    match sums {
+        Some(s) => &s[rank_idx.min(s.len() - 1)],
+        None => &partials[0],
+    }
+}
+
+/// Records `data` under `key` if it is wanted (downloaded only then).
+fn record_if(be: &dyn Backend, tap: &mut dyn Tap, plan: &TapPlan, key: TapKey, data: &Buf, width: usize) {
     if plan.wants(&key) {
-        tap.record(&key, data, [data.len() / width.max(1), width]);
+        let host = be.download(data);
+        tap.record(&key, &host, [host.len() / width.max(1), width]);
     }
 }
 

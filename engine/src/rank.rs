@@ -5,9 +5,10 @@
 //! Attention and the MoE mix are custom ops in vLLM's style: the caller allocates the output
 //! buffer and the op writes into it. When a tap wants an op's output, the buffer is filled with
 //! the canary first, so an unwritten element shows. The attention output buffers are a per-rank
-//! double buffer (layer l writes buffer l mod 2), reused across layers and steps.
+//! double buffer (layer l writes buffer l mod 2), reused across layers and steps. Every tensor
+//! here is a backend [`Buf`] (device memory on CUDA); taps download only what is wanted.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Buf};
 use crate::fault::{Fault, FaultSet};
 use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle};
 use crate::taps::{Emit, RankTaps, TapPlan};
@@ -75,38 +76,32 @@ impl StepCtx<'_> {
     }
 }
 
-/// A layer's KV cache on one rank. llama: `k`, `v` `[T, KV_r·hd]` (k after RoPE). MLA (expanded,
-/// after kv_b): `k` = k_nope `[T, H_r·nope]`, `k_pe` `[T, rope]`, `v` `[T, H_r·v]`.
+/// A layer's KV cache on one rank, in the backend's memory. llama: `k`, `v` `[T, KV_r·hd]` (k
+/// after RoPE). MLA (expanded, after kv_b): `k` = k_nope `[T, H_r·nope]`, `k_pe` `[T, rope]`,
+/// `v` `[T, H_r·v]`.
 #[derive(Default)]
 pub struct LayerCache {
-    pub k: Vec<f32>,
-    pub k_pe: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: Buf,
+    pub k_pe: Buf,
+    pub v: Buf,
 }
 
 /// Appends the rows of `new` (`[n, width]`) to `cache` at position `pos0`. Under
 /// `kv-slot-off-by-one` in a decode step, the row lands one slot early (overwriting the previous
 /// token's entry) and the slot of the new token stays zero.
-fn cache_write(cache: &mut Vec<f32>, new: &[f32], width: usize, pos0: usize, off_by_one: bool) {
-    cache.truncate(pos0 * width);
-    if off_by_one && pos0 > 0 {
-        cache.resize((pos0 + new.len() / width) * width, 0.0);
-        let at = (pos0 - 1) * width;
-        cache[at..at + new.len()].copy_from_slice(new);
-    } else {
-        cache.extend_from_slice(new);
-    }
+fn cache_write(be: &dyn Backend, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, off_by_one: bool) {
+    let slot0 = if off_by_one && pos0 > 0 { pos0 - 1 } else { pos0 };
+    be.kv_write(cache, new, width, pos0, slot0);
 }
 
-/// The output buffer for a custom op: sized `len`, canary-filled when a tap will look at it,
-/// otherwise holding whatever it held (as `torch.empty` memory does).
-fn prepare_out(buf: &mut Vec<f32>, len: usize, canary_fill: bool) {
+/// The output buffer for a custom op: sized `len` (zeros when first allocated), canary-filled
+/// when a tap will look at it, otherwise holding whatever it held.
+fn prepare_out(be: &dyn Backend, buf: &mut Buf, len: usize, canary_fill: bool) {
     if buf.len() != len {
-        buf.clear();
-        buf.resize(len, 0.0);
+        *buf = be.zeros(len);
     }
     if canary_fill {
-        buf.fill(canary());
+        be.fill(buf, canary());
     }
 }
 
@@ -115,16 +110,16 @@ pub struct Rank {
     pub shard: RankShard,
     pub cache: Vec<LayerCache>,
     /// This rank's replica of the residual stream `[n, d]`.
-    pub x: Vec<f32>,
+    pub x: Buf,
     /// The attention output double buffer.
-    pub attn_out: [Vec<f32>; 2],
+    pub attn_out: [Buf; 2],
     /// The FFN/MoE output buffer.
-    pub ffn_out: Vec<f32>,
+    pub ffn_out: Buf,
 }
 
 /// A rank's result from one phase: a partial sum (or slice) and its tap copies.
 pub struct PhaseOut<'p> {
-    pub data: Vec<f32>,
+    pub data: Buf,
     pub taps: RankTaps<'p>,
 }
 
@@ -134,9 +129,9 @@ impl Rank {
             idx: shard.rank_idx,
             shard,
             cache: (0..n_layers).map(|_| LayerCache::default()).collect(),
-            x: Vec::new(),
-            attn_out: [Vec::new(), Vec::new()],
-            ffn_out: Vec::new(),
+            x: Buf::default(),
+            attn_out: [Buf::default(), Buf::default()],
+            ffn_out: Buf::default(),
         }
     }
 
@@ -144,21 +139,22 @@ impl Rank {
         for c in &mut self.cache {
             *c = LayerCache::default();
         }
-        self.x.clear();
+        self.x = Buf::default();
     }
 
     /// Vocab-parallel embedding: rows of tokens in this rank's vocab range, zeros elsewhere.
     pub fn embed<'p>(&self, ctx: &StepCtx<'p>, tokens: &[u32]) -> PhaseOut<'p> {
+        let be = ctx.backend;
         let d = ctx.config.d_model;
-        let mut out = vec![0f32; tokens.len() * d];
+        let mut out = be.alloc(tokens.len() * d);
         let range = &self.shard.vocab_range;
         let rows: Vec<Option<usize>> = tokens
             .iter()
             .map(|&t| range.contains(&(t as usize)).then(|| t as usize - range.start))
             .collect();
-        ctx.backend.embed_rows(self.shard.embd.view(), &rows, &mut out);
+        be.embed_rows(self.shard.embd.view(), &rows, &mut out);
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
-        taps.emit(Site::Embed, &out, d, Emit::Partial);
+        taps.emit_buf(be, Site::Embed, &out, d, Emit::Partial);
         PhaseOut { data: out, taps }
     }
 
@@ -170,9 +166,9 @@ impl Rank {
         let hy = ctx.hyper(layer_idx, self.idx);
         let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
         let lw = &self.shard.layers[layer_idx];
-        let mut h = vec![0f32; n * d];
+        let mut h = be.alloc(n * d);
         be.rms_norm(&self.x, &lw.attn_norm, hy.rms_eps, &mut h);
-        taps.emit(Site::AttnNorm, &h, d, Emit::Replicated);
+        taps.emit_buf(be, Site::AttnNorm, &h, d, Emit::Replicated);
         let off_by_one = ctx.is_decode && ctx.faults.active(Fault::KvSlotOffByOne, layer_idx, self.idx);
         let cache = &mut self.cache[layer_idx];
         let phantom = ctx.faults.active(Fault::PhantomAttnOut, layer_idx, self.idx);
@@ -188,9 +184,9 @@ impl Rank {
             AttnShard::Gqa { q, k, v } => {
                 let hd = c.head_dim;
                 let (h_r, kv_r) = (q.rows / hd, k.rows / hd);
-                let mut qv = vec![0f32; n * q.rows];
-                let mut kv = vec![0f32; n * k.rows];
-                let mut vv = vec![0f32; n * v.rows];
+                let mut qv = be.alloc(n * q.rows);
+                let mut kv = be.alloc(n * k.rows);
+                let mut vv = be.alloc(n * v.rows);
                 be.linear(&h, n, q.view(), &mut qv);
                 be.linear(&h, n, k.view(), &mut kv);
                 be.linear(&h, n, v.view(), &mut vv);
@@ -202,11 +198,11 @@ impl Rank {
                 };
                 be.rope(&mut qv, layout(h_r), ctx.pos0, hy.rope_base, hy.rope_style);
                 be.rope(&mut kv, layout(kv_r), ctx.pos0, hy.rope_base, hy.rope_style);
-                taps.emit(Site::Q, &qv, q.rows, Emit::Column);
-                taps.emit(Site::K, &kv, k.rows, Emit::Column);
-                taps.emit(Site::V, &vv, v.rows, Emit::Column);
-                cache_write(&mut cache.k, &kv, k.rows, ctx.pos0, off_by_one);
-                cache_write(&mut cache.v, &vv, v.rows, ctx.pos0, off_by_one);
+                taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
+                taps.emit_buf(be, Site::K, &kv, k.rows, Emit::Column);
+                taps.emit_buf(be, Site::V, &vv, v.rows, Emit::Column);
+                cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, off_by_one);
+                cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, off_by_one);
                 out_width = h_r * hd;
                 let shape = GqaShape {
                     n_heads: h_r,
@@ -215,12 +211,12 @@ impl Rank {
                     scale: 1.0 / (hd as f32).sqrt(),
                 };
                 for buf in &mut self.attn_out {
-                    prepare_out(buf, n * out_width, false);
+                    prepare_out(be, buf, n * out_width, false);
                 }
-                prepare_out(&mut self.attn_out[write_idx], n * out_width, canary_fill);
-                let op = |out: &mut [f32]| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
+                prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
+                let op = |out: &mut Buf| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
                 if phantom {
-                    let mut scratch = vec![0f32; n * out_width];
+                    let mut scratch = be.alloc(n * out_width);
                     op(&mut scratch);
                 } else {
                     op(&mut self.attn_out[write_idx]);
@@ -238,34 +234,30 @@ impl Rank {
                 let (nope, rope, vd, kvl) = (m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank);
                 let qw = nope + rope;
                 let h_r = q.rows / qw;
+                let q_normed;
                 let q_in = match q_a {
                     Some((qa, qa_norm)) => {
-                        let mut a = vec![0f32; n * qa.rows];
+                        let mut a = be.alloc(n * qa.rows);
                         be.linear(&h, n, qa.view(), &mut a);
-                        taps.emit(Site::QA, &a, qa.rows, Emit::Replicated);
-                        let mut an = vec![0f32; a.len()];
+                        taps.emit_buf(be, Site::QA, &a, qa.rows, Emit::Replicated);
+                        let mut an = be.alloc(a.len());
                         be.rms_norm(&a, qa_norm, hy.rms_eps, &mut an);
-                        an
+                        q_normed = an;
+                        &q_normed
                     }
-                    None => h.clone(),
+                    None => &h,
                 };
-                let mut qv = vec![0f32; n * q.rows];
-                be.linear(&q_in, n, q.view(), &mut qv);
-                let mut ckv = vec![0f32; n * kv_a.rows];
+                let mut qv = be.alloc(n * q.rows);
+                be.linear(q_in, n, q.view(), &mut qv);
+                let mut ckv = be.alloc(n * kv_a.rows);
                 be.linear(&h, n, kv_a.view(), &mut ckv);
-                let mut latent = vec![0f32; n * kvl];
-                let mut k_pe = vec![0f32; n * rope];
-                for ((row, lat), kp) in ckv
-                    .chunks_exact(kvl + rope)
-                    .zip(latent.chunks_exact_mut(kvl))
-                    .zip(k_pe.chunks_exact_mut(rope))
-                {
-                    lat.copy_from_slice(&row[..kvl]);
-                    kp.copy_from_slice(&row[kvl..]);
-                }
-                let mut latent_n = vec![0f32; latent.len()];
+                let mut latent = be.alloc(n * kvl);
+                let mut k_pe = be.alloc(n * rope);
+                be.copy_cols(&ckv, kvl + rope, 0, kvl, &mut latent);
+                be.copy_cols(&ckv, kvl + rope, kvl, rope, &mut k_pe);
+                let mut latent_n = be.alloc(latent.len());
                 be.rms_norm(&latent, kv_a_norm, hy.rms_eps, &mut latent_n);
-                taps.emit(Site::KvLatent, &latent_n, kvl, Emit::Replicated);
+                taps.emit_buf(be, Site::KvLatent, &latent_n, kvl, Emit::Replicated);
                 be.rope(
                     &mut qv,
                     RopeLayout {
@@ -290,24 +282,22 @@ impl Rank {
                     hy.rope_base,
                     hy.rope_style,
                 );
-                taps.emit(Site::Q, &qv, q.rows, Emit::Column);
-                taps.emit(Site::KPe, &k_pe, rope, Emit::Replicated);
+                taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
+                taps.emit_buf(be, Site::KPe, &k_pe, rope, Emit::Replicated);
                 let used = kv_b.first_rows(*kv_b_rows_used);
-                let mut kvx = vec![0f32; n * used.rows()];
+                let mut kvx = be.alloc(n * used.rows());
                 be.linear(&latent_n, n, used, &mut kvx);
-                let mut k_nope = vec![0f32; n * h_r * nope];
-                let mut vv = vec![0f32; n * h_r * vd];
-                for (t, row) in kvx.chunks_exact(h_r * (nope + vd)).enumerate() {
-                    for (hh, head) in row.chunks_exact(nope + vd).enumerate() {
-                        k_nope[(t * h_r + hh) * nope..][..nope].copy_from_slice(&head[..nope]);
-                        vv[(t * h_r + hh) * vd..][..vd].copy_from_slice(&head[nope..]);
-                    }
-                }
-                taps.emit(Site::K, &k_nope, h_r * nope, Emit::Column);
-                taps.emit(Site::V, &vv, h_r * vd, Emit::Column);
-                cache_write(&mut cache.k, &k_nope, h_r * nope, ctx.pos0, off_by_one);
-                cache_write(&mut cache.k_pe, &k_pe, rope, ctx.pos0, off_by_one);
-                cache_write(&mut cache.v, &vv, h_r * vd, ctx.pos0, off_by_one);
+                // kvx rows are [head 0: nope | v][head 1: nope | v]...: as [n·H_r, nope + v] rows,
+                // k_nope [n, H_r·nope] and v [n, H_r·v] are its two column ranges.
+                let mut k_nope = be.alloc(n * h_r * nope);
+                let mut vv = be.alloc(n * h_r * vd);
+                be.copy_cols(&kvx, nope + vd, 0, nope, &mut k_nope);
+                be.copy_cols(&kvx, nope + vd, nope, vd, &mut vv);
+                taps.emit_buf(be, Site::K, &k_nope, h_r * nope, Emit::Column);
+                taps.emit_buf(be, Site::V, &vv, h_r * vd, Emit::Column);
+                cache_write(be, &mut cache.k, &k_nope, h_r * nope, ctx.pos0, off_by_one);
+                cache_write(be, &mut cache.k_pe, &k_pe, rope, ctx.pos0, off_by_one);
+                cache_write(be, &mut cache.v, &vv, h_r * vd, ctx.pos0, off_by_one);
                 out_width = h_r * vd;
                 let mut scale = 1.0 / (qw as f32).sqrt();
                 if let Some(y) = &c.yarn {
@@ -322,12 +312,12 @@ impl Rank {
                     scale,
                 };
                 for buf in &mut self.attn_out {
-                    prepare_out(buf, n * out_width, false);
+                    prepare_out(be, buf, n * out_width, false);
                 }
-                prepare_out(&mut self.attn_out[write_idx], n * out_width, canary_fill);
-                let op = |out: &mut [f32]| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
+                prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
+                let op = |out: &mut Buf| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
                 if phantom {
-                    let mut scratch = vec![0f32; n * out_width];
+                    let mut scratch = be.alloc(n * out_width);
                     op(&mut scratch);
                 } else {
                     op(&mut self.attn_out[write_idx]);
@@ -335,10 +325,10 @@ impl Rank {
             }
         }
         let attn_out = &self.attn_out[read_idx];
-        taps.emit(Site::AttnOut, attn_out, out_width, Emit::Column);
-        let mut partial = vec![0f32; n * d];
+        taps.emit_buf(be, Site::AttnOut, attn_out, out_width, Emit::Column);
+        let mut partial = be.alloc(n * d);
         be.linear(attn_out, n, lw.o.view(), &mut partial);
-        taps.emit(Site::AttnProj, &partial, d, Emit::Partial);
+        taps.emit_buf(be, Site::AttnProj, &partial, d, Emit::Partial);
         PhaseOut { data: partial, taps }
     }
 
@@ -350,27 +340,29 @@ impl Rank {
         let hy = ctx.hyper(layer_idx, self.idx);
         let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
         let lw = &self.shard.layers[layer_idx];
-        let mut h = vec![0f32; n * d];
+        let mut h = be.alloc(n * d);
         be.rms_norm(&self.x, &lw.ffn_norm, hy.rms_eps, &mut h);
-        taps.emit(Site::FfnNorm, &h, d, Emit::Replicated);
-        prepare_out(&mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
+        taps.emit_buf(be, Site::FfnNorm, &h, d, Emit::Replicated);
+        prepare_out(be, &mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
         match &lw.ffn {
             FfnShard::Dense(mlp) => {
                 let f_r = mlp.gate.rows;
-                let mut g = vec![0f32; n * f_r];
-                let mut u = vec![0f32; n * f_r];
+                let mut g = be.alloc(n * f_r);
+                let mut u = be.alloc(n * f_r);
                 be.linear(&h, n, mlp.gate.view(), &mut g);
                 be.linear(&h, n, mlp.up.view(), &mut u);
-                taps.emit(Site::FfnGate, &g, f_r, Emit::Column);
-                taps.emit(Site::FfnUp, &u, f_r, Emit::Column);
+                taps.emit_buf(be, Site::FfnGate, &g, f_r, Emit::Column);
+                taps.emit_buf(be, Site::FfnUp, &u, f_r, Emit::Column);
                 be.swiglu(&mut g, &u);
                 be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
             }
             FfnShard::Moe(moe) => {
                 let mc = c.moe.as_ref().expect("MoE weights on a non-MoE config");
                 let n_exp = moe.router.rows;
-                let mut logits = vec![0f32; n * n_exp];
-                be.linear(&h, n, moe.router.view(), &mut logits);
+                let mut logits_buf = be.alloc(n * n_exp);
+                be.linear(&h, n, moe.router.view(), &mut logits_buf);
+                // Routing runs on the host: the router logits [n, n_exp] come down.
+                let logits = be.download(&logits_buf);
                 taps.emit(Site::MoeLogits, &logits, n_exp, Emit::Replicated);
                 let routes = route(
                     &logits,
@@ -391,9 +383,9 @@ impl Rank {
                 moe_mix(be, &h, n, d, &routes, moe, &mut self.ffn_out);
             }
         }
-        taps.emit(Site::FfnOut, &self.ffn_out, d, Emit::Partial);
+        taps.emit_buf(be, Site::FfnOut, &self.ffn_out, d, Emit::Partial);
         PhaseOut {
-            data: self.ffn_out.clone(),
+            data: be.dup(&self.ffn_out),
             taps,
         }
     }
@@ -407,13 +399,13 @@ impl Rank {
             hy = hy.drifted();
         }
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
-        let mut h = vec![0f32; n * d];
+        let mut h = be.alloc(n * d);
         be.rms_norm(&self.x, &self.shard.output_norm, hy.rms_eps, &mut h);
-        taps.emit(Site::OutputNorm, &h, d, Emit::Replicated);
+        taps.emit_buf(be, Site::OutputNorm, &h, d, Emit::Replicated);
         let w = &self.shard.lm_head;
-        let mut logits = vec![0f32; n * w.rows];
+        let mut logits = be.alloc(n * w.rows);
         be.linear(&h, n, w.view(), &mut logits);
-        taps.emit(Site::Logits, &logits, w.rows, Emit::Column);
+        taps.emit_buf(be, Site::Logits, &logits, w.rows, Emit::Column);
         PhaseOut { data: logits, taps }
     }
 }
@@ -483,10 +475,10 @@ fn top_k(v: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-fn mlp(be: &dyn Backend, x: &[f32], n: usize, w: &MlpShard, out: &mut [f32]) {
+fn mlp(be: &dyn Backend, x: &Buf, n: usize, w: &MlpShard, out: &mut Buf) {
     let f_r = w.gate.rows;
-    let mut g = vec![0f32; n * f_r];
-    let mut u = vec![0f32; n * f_r];
+    let mut g = be.alloc(n * f_r);
+    let mut u = be.alloc(n * f_r);
     be.linear(x, n, w.gate.view(), &mut g);
     be.linear(x, n, w.up.view(), &mut u);
     be.swiglu(&mut g, &u);
@@ -495,35 +487,26 @@ fn mlp(be: &dyn Backend, x: &[f32], n: usize, w: &MlpShard, out: &mut [f32]) {
 
 /// The MoE mix custom op: writes `out` `[n, d]` = Σ_e w_e·expert_e(x) + shared(x), over this
 /// rank's slice of every expert. Tokens are grouped per expert so each expert runs one matmul.
-pub fn moe_mix(be: &dyn Backend, x: &[f32], n: usize, d: usize, routes: &[Route], moe: &MoeShard, out: &mut [f32]) {
-    out.fill(0.0);
+pub fn moe_mix(be: &dyn Backend, x: &Buf, n: usize, d: usize, routes: &[Route], moe: &MoeShard, out: &mut Buf) {
+    be.fill(out, 0.0);
     for (e_idx, expert) in moe.experts.iter().enumerate() {
-        let picked: Vec<(usize, f32)> = routes
+        let (tokens, weights): (Vec<usize>, Vec<f32>) = routes
             .iter()
             .enumerate()
             .filter_map(|(t, r)| r.experts.iter().position(|&e| e == e_idx).map(|p| (t, r.weights[p])))
-            .collect();
-        if picked.is_empty() {
+            .unzip();
+        if tokens.is_empty() {
             continue;
         }
-        let xs: Vec<f32> = picked
-            .iter()
-            .flat_map(|&(t, _)| x[t * d..(t + 1) * d].to_vec())
-            .collect();
-        let mut y = vec![0f32; picked.len() * d];
-        mlp(be, &xs, picked.len(), expert, &mut y);
-        for (&(t, w), yr) in picked.iter().zip(y.chunks_exact(d)) {
-            for (o, &v) in out[t * d..(t + 1) * d].iter_mut().zip(yr) {
-                *o += w * v;
-            }
-        }
+        let xs = be.gather_rows(x, d, &tokens);
+        let mut y = be.alloc(tokens.len() * d);
+        mlp(be, &xs, tokens.len(), expert, &mut y);
+        be.add_rows_scaled(out, &y, d, &tokens, &weights);
     }
     if let Some(sh) = &moe.shared {
-        let mut y = vec![0f32; n * d];
+        let mut y = be.alloc(n * d);
         mlp(be, x, n, sh, &mut y);
-        for (o, v) in out.iter_mut().zip(y) {
-            *o += v;
-        }
+        be.add_assign(out, &y, false);
     }
 }
 

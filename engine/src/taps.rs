@@ -3,6 +3,7 @@
 //! their own [`RankTaps`] at the moment they exist, and the driver records them in rank order
 //! after each phase, followed by the unranked forms it assembles (gathered columns, reduced sums).
 
+use crate::backend::{Backend, Buf};
 use references::tap::{Recorded, Site, Tap, TapKey, WeightKind};
 use std::collections::HashSet;
 
@@ -109,6 +110,27 @@ impl<'p> RankTaps<'p> {
     /// True when either form of `site` is wanted (e.g. to fill an output buffer with the canary).
     pub fn wants_site(&self, site: Site) -> bool {
         self.plan.wants(&self.key(site, true)) || self.plan.wants(&self.key(site, false))
+    }
+
+    /// True when some form of `site` will be recorded from this rank (the ranked form, or the
+    /// unranked one where this rank contributes to it).
+    fn records_site(&self, site: Site, how: Emit) -> bool {
+        self.plan.wants(&self.key(site, true))
+            || (self.plan.wants(&self.key(site, false))
+                && match how {
+                    Emit::Replicated => self.rank_idx == 0,
+                    Emit::Column => true,
+                    Emit::Partial => false,
+                })
+    }
+
+    /// [`RankTaps::emit`] for a backend buffer: downloaded only when a form of `site` is wanted
+    /// (the copy is made now, so later in-place ops do not change what is recorded).
+    pub fn emit_buf(&mut self, be: &dyn Backend, site: Site, data: &Buf, width: usize, how: Emit) {
+        if self.records_site(site, how) {
+            let host = be.download(data);
+            self.emit(site, &host, width, how);
+        }
     }
 
     /// Copies `data` (`[n_rows, width]`) for whichever forms of `site` are wanted.
