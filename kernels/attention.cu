@@ -66,12 +66,11 @@ __device__ __forceinline__ void attn_weighted_sum(const float* p, const float* _
 }
 
 // GQA: q [n, H·hd], k/v [T, KV·hd]; query head h reads kv head h / (H/KV); out [n, H·hd].
-extern "C" __global__ void gqa_attention(const float* __restrict__ q, const float* __restrict__ k,
-                                         const float* __restrict__ v, float* __restrict__ out, int pos0, int n_heads,
-                                         int n_kv_heads, int hd, float scale) {
+__device__ __forceinline__ void gqa_attention_at(const float* __restrict__ q, const float* __restrict__ k,
+                                                 const float* __restrict__ v, float* __restrict__ out, int pos0,
+                                                 int n_heads, int n_kv_heads, int hd, float scale, float* red,
+                                                 double* red64) {
     extern __shared__ float sm[];
-    __shared__ float red[32];
-    __shared__ double red64[32];
     int slot = blockIdx.x, tok = slot / n_heads, head = slot % n_heads;
     int group = n_heads / n_kv_heads, kv_off = (head / group) * hd, kvw = n_kv_heads * hd;
     int n_ctx = pos0 + tok + 1;
@@ -89,6 +88,25 @@ extern "C" __global__ void gqa_attention(const float* __restrict__ q, const floa
     }
     float inv = attn_softmax(p, n_ctx, mx, red, red64);
     attn_weighted_sum(p, v + kv_off, kvw, hd, n_ctx, inv, part, out + (size_t)slot * hd);
+}
+
+extern "C" __global__ void gqa_attention(const float* __restrict__ q, const float* __restrict__ k,
+                                         const float* __restrict__ v, float* __restrict__ out, int pos0, int n_heads,
+                                         int n_kv_heads, int hd, float scale) {
+    __shared__ float red[32];
+    __shared__ double red64[32];
+    gqa_attention_at(q, k, v, out, pos0, n_heads, n_kv_heads, hd, scale, red, red64);
+}
+
+// `gqa_attention` with pos0 read from device memory (*pos_dev), for a captured decode graph: its
+// dynamic shared memory is sized for the cache's capacity, so any position that fits works.
+extern "C" __global__ void gqa_attention_dpos(const float* __restrict__ q, const float* __restrict__ k,
+                                              const float* __restrict__ v, float* __restrict__ out,
+                                              const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd,
+                                              float scale) {
+    __shared__ float red[32];
+    __shared__ double red64[32];
+    gqa_attention_at(q, k, v, out, *pos_dev, n_heads, n_kv_heads, hd, scale, red, red64);
 }
 
 // MLA over the expanded cache: q [n, H·(nope+rope)] per head [q_nope | q_pe]; k_nope [T, H·nope];

@@ -17,8 +17,8 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 // RoPE in place on x [n, n_heads·head_stride]: row r at position pos0 + r; each head rotates
 // rope_dim dims from `offset`. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
 // One thread per (row, head, pair).
-extern "C" __global__ void rope(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim, int pos0,
-                                float base, int style) {
+__device__ __forceinline__ void rope_at(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim,
+                                        int pos0, float base, int style) {
     int half = rope_dim / 2;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)n * n_heads * half;
@@ -35,6 +35,18 @@ extern "C" __global__ void rope(float* x, int n, int n_heads, int head_stride, i
     float x0 = p[ia], x1 = p[ib];
     p[ia] = x0 * c - x1 * s;
     p[ib] = x0 * s + x1 * c;
+}
+
+extern "C" __global__ void rope(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim, int pos0,
+                                float base, int style) {
+    rope_at(x, n, n_heads, head_stride, offset, rope_dim, pos0, base, style);
+}
+
+// `rope` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
+// every position without a parameter update.
+extern "C" __global__ void rope_dpos(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim,
+                                     const int* __restrict__ pos_dev, float base, int style) {
+    rope_at(x, n, n_heads, head_stride, offset, rope_dim, *pos_dev, base, style);
 }
 
 // gate = silu(gate) · up.
@@ -107,3 +119,18 @@ extern "C" __global__ void add_rows_scaled(float* out, const float* __restrict__
         *o = *o + __fmul_rn(weights[i], y[(size_t)i * width + c]);
     }
 }
+
+// KV-cache append with the position in device memory: cache[*pos_dev · width + i] = src[i] for
+// i < len (the new rows; a decode graph's replacement for the position-dependent copy).
+extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict__ src, long long len, int width,
+                                          const int* __restrict__ pos_dev) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    cache[(size_t)(*pos_dev) * width + i] = src[i];
+}
+
+// *p = v (a decode graph's position, set before each replay).
+extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
+
+// Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).
+extern "C" __global__ void nop() {}

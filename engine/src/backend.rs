@@ -72,6 +72,26 @@ impl Buf {
         self.len() == 0
     }
 
+    /// Sets the number of values in use: a device buffer keeps its memory (`len` must fit its
+    /// capacity); a host one is resized (new values zero). For KV caches a replayed decode graph
+    /// appended to on the device.
+    pub(crate) fn set_len(&mut self, len: usize) {
+        match &mut self.repr {
+            BufRepr::Host(v) => v.resize(len, 0.0),
+            #[cfg(feature = "cuda")]
+            BufRepr::Dev(d) => d.set_len(len),
+        }
+    }
+
+    /// Values the buffer can hold without reallocating (its length for a host buffer).
+    pub(crate) fn capacity(&self) -> usize {
+        match &self.repr {
+            BufRepr::Host(v) => v.len(),
+            #[cfg(feature = "cuda")]
+            BufRepr::Dev(d) => d.capacity(),
+        }
+    }
+
     /// True for host memory.
     pub fn is_host(&self) -> bool {
         matches!(self.repr, BufRepr::Host(_))
@@ -156,6 +176,21 @@ pub trait Backend: Send + Sync {
     /// outside this rank's vocab range).
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
 
+    /// Starts recording the device work the calling thread issues next (a decode step after its
+    /// embedding) into a replayable graph, the step's token being at position `pos0`. Until
+    /// [`Backend::graph_end`] the work is recorded, not run, so nothing may be downloaded. Returns
+    /// false where the backend has no graphs (the CPU, the default) or they are turned off.
+    fn graph_begin(&self, _pos0: usize) -> bool {
+        false
+    }
+    /// Ends the recording that [`Backend::graph_begin`] started and runs the recorded work once
+    /// (the step's own result). Returns the graph for replay at later positions, or `None` when
+    /// the step could not be recorded for replay (it allocated, or used a position-dependent
+    /// path the graph cannot replay).
+    fn graph_end(&self) -> Option<Box<dyn StepGraph>> {
+        None
+    }
+
     /// A copy of `b`.
     fn dup(&self, b: &Buf) -> Buf {
         let mut out = self.alloc(b.len());
@@ -171,6 +206,18 @@ pub trait Backend: Send + Sync {
         None
     }
     fn reset_comm_stats(&self) {}
+}
+
+/// A decode step's device work, recorded once by [`Backend::graph_begin`]/[`Backend::graph_end`]
+/// and replayed: the same kernels on the same buffers, with the position read from device
+/// memory. Valid while the buffers it recorded stay where they are (the engine drops it on any
+/// other kind of step).
+pub trait StepGraph: Send {
+    /// Runs the recorded step again for the token at position `pos0` (its KV rows land there).
+    fn replay(&self, pos0: usize);
+    /// True when a step at `pos0` fits what was recorded (the KV caches' capacity and the
+    /// attention's shared memory); otherwise the engine records a new graph.
+    fn fits(&self, pos0: usize) -> bool;
 }
 
 /// The host backend: ranks are threads, ops are the rayon kernels.

@@ -66,10 +66,16 @@ impl KernelId {
                 "add_assign",
                 "gather_rows_f32",
                 "add_rows_scaled",
+                "rope_dpos",
+                "kv_append_dpos",
+                "set_i32",
+                "nop",
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Attention => ["gqa_attention", "mla_attention"].map(String::from).to_vec(),
+            KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }

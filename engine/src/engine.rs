@@ -10,8 +10,13 @@
 //! backend they stay there, and only wanted taps and the logits are downloaded. Phases per step:
 //! vocab-parallel embedding (+ all-reduce); per layer, attention up to o_proj (+ all-reduce) and
 //! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
+//!
+//! Decode graphs: where the backend has them (CUDA), a plain decode step (no tap, no fault, no MoE
+//! or MLA) after another plain one is recorded once, layers and head, and replayed for the next
+//! tokens with only the embedding launched on its own; logits are bitwise those of the op-by-op
+//! step. Any other step drops the recording.
 
-use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend};
+use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
 use crate::rank::{PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
@@ -52,6 +57,21 @@ pub struct Engine {
     backend: Box<dyn Backend>,
     ranks: Vec<Rank>,
     n_past: usize,
+    /// Record and replay plain decode steps as graphs where the backend can (`LLMDIFF_CUDA_GRAPH=0`
+    /// or [`Engine::set_decode_graphs`] turns it off).
+    decode_graphs: bool,
+    /// The last step was a plain decode step (its buffers are in the backend's pool, so the next
+    /// one allocates nothing and can be recorded).
+    graph_warm: bool,
+    /// The recorded decode step, with the logits buffers it writes.
+    graph: Option<DecodeGraph>,
+}
+
+/// A recorded decode step (layers and head; the embedding runs before it) and the ranks' logits
+/// slices it writes.
+struct DecodeGraph {
+    graph: Box<dyn StepGraph>,
+    logits: Vec<Buf>,
 }
 
 /// The divisibility constraints a TP degree must meet, as (what, count) pairs.
@@ -216,6 +236,9 @@ impl Engine {
             backend,
             ranks,
             n_past: 0,
+            decode_graphs: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
+            graph_warm: false,
+            graph: None,
             config,
         })
     }
@@ -276,10 +299,21 @@ impl Engine {
 
     /// Empties the KV cache.
     pub fn reset(&mut self) {
+        self.graph = None;
+        self.graph_warm = false;
         for r in &mut self.ranks {
             r.reset();
         }
         self.n_past = 0;
+    }
+
+    /// Turns decode graphs on or off (on by default where the backend has them): a decode step
+    /// with no tap, no fault and a dense attention-and-FFN model is recorded once (layers and
+    /// head) and replayed for the next tokens, one launch instead of one per op.
+    pub fn set_decode_graphs(&mut self, on: bool) {
+        self.decode_graphs = on;
+        self.graph = None;
+        self.graph_warm = false;
     }
 
     /// Resets the cache and runs `tokens` at positions 0..n. Returns logits `[n, vocab]`.
@@ -347,6 +381,17 @@ impl Engine {
             is_decode,
         };
         let (n, d) = (tokens.len(), c.d_model);
+        // A plain decode step: nothing tapped, no fault, no host round trip mid-step (MoE
+        // routing) and no attention without a device-position form (MLA).
+        let graphable = self.decode_graphs
+            && is_decode
+            && plan.is_empty()
+            && self.faults.specs().is_empty()
+            && c.moe.is_none()
+            && c.mla.is_none();
+        if !graphable {
+            self.graph = None;
+        }
 
         // Vocab-parallel embedding, then all-reduce.
         let be = self.backend.as_ref();
@@ -362,9 +407,36 @@ impl Engine {
                 if idx == 0 {
                     record_if(be, tap, &plan, TapKey::global(Site::Embed), x, d);
                 }
-                r.x = be.dup(x);
+                // In place when the size allows: a recorded decode step keeps reading r.x there.
+                if r.x.len() == x.len() {
+                    be.copy(x, 0, &mut r.x, 0, x.len());
+                } else {
+                    r.x = be.dup(x);
+                }
             });
         }
+
+        if graphable {
+            let pos0 = self.n_past;
+            match self.graph.as_ref().filter(|g| g.graph.fits(pos0)) {
+                Some(g) => {
+                    g.graph.replay(pos0);
+                    let logits = download_logits(be, &g.logits, n);
+                    for r in &mut self.ranks {
+                        r.cache_appended(pos0, n);
+                    }
+                    self.n_past += n;
+                    return Ok(logits);
+                }
+                None => self.graph = None,
+            }
+        }
+        // Recorded only when the caches need not grow (growing allocates); the next step then.
+        let recording = graphable
+            && self.graph_warm
+            && self.ranks.iter().all(|r| r.cache_fits(self.n_past, n))
+            && be.graph_begin(self.n_past);
+        self.graph_warm = graphable;
 
         for layer_idx in 0..c.n_layers {
             self.weight_taps(tap, &plan, layer_idx);
@@ -403,13 +475,11 @@ impl Engine {
         let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.head(&ctx));
         let (slices, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
-        let slices: Vec<Vec<f32>> = slices
-            .iter()
-            .enumerate()
-            .map(|(rank_idx, s)| as_rank(rank_idx, || be.download(s)))
-            .collect();
-        let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
-        let (logits, _) = gather_columns(&refs, n);
+        let graph = if recording { be.graph_end() } else { None };
+        let logits = download_logits(be, &slices, n);
+        if let Some(graph) = graph {
+            self.graph = Some(DecodeGraph { graph, logits: slices });
+        }
         // The gathered `logits` tap was recorded by `flush` if wanted.
         self.n_past += n;
         Ok(logits)
@@ -428,6 +498,17 @@ impl Engine {
             }
         }
     }
+}
+
+/// The ranks' logits slices, downloaded and gathered into `[n, vocab]`.
+fn download_logits(be: &dyn Backend, slices: &[Buf], n: usize) -> Vec<f32> {
+    let slices: Vec<Vec<f32>> = slices
+        .iter()
+        .enumerate()
+        .map(|(rank_idx, s)| as_rank(rank_idx, || be.download(s)))
+        .collect();
+    let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
+    gather_columns(&refs, n).0
 }
 
 /// Sum all-reduce in a fixed order: rank 0 + rank 1 + ....

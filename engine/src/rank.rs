@@ -142,6 +142,29 @@ impl Rank {
         self.x = Buf::default();
     }
 
+    /// Records that `n` rows were appended at `pos0` to every KV cache on the device (a replayed
+    /// decode graph wrote them): each cache's length goes from `pos0` rows to `pos0 + n`.
+    pub fn cache_appended(&mut self, pos0: usize, n: usize) {
+        for c in &mut self.cache {
+            for b in [&mut c.k, &mut c.k_pe, &mut c.v] {
+                if pos0 > 0 && !b.is_empty() {
+                    let width = b.len() / pos0;
+                    b.set_len((pos0 + n) * width);
+                }
+            }
+        }
+    }
+
+    /// True when every KV cache can take `n` more rows at `pos0` without growing (so a recorded
+    /// step allocates nothing and its buffers stay where they are).
+    pub fn cache_fits(&self, pos0: usize, n: usize) -> bool {
+        self.cache.iter().all(|c| {
+            [&c.k, &c.k_pe, &c.v]
+                .iter()
+                .all(|b| b.is_empty() || pos0 == 0 || (pos0 + n) * (b.len() / pos0) <= b.capacity())
+        })
+    }
+
     /// Vocab-parallel embedding: rows of tokens in this rank's vocab range, zeros elsewhere.
     pub fn embed<'p>(&self, ctx: &StepCtx<'p>, tokens: &[u32]) -> PhaseOut<'p> {
         let be = ctx.backend;

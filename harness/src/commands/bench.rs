@@ -38,6 +38,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     };
     let mut engine_backend = None;
     let mut comm = serde_json::Value::Null;
+    let mut graphs = serde_json::Value::Null;
     let (prefill_s, decode_s) = match a.backend {
         BackendArg::Reference => {
             let r = Reference::new(&file)?;
@@ -62,16 +63,47 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             e.reset_comm_stats();
             let prefill = best(&mut || e.prefill(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?;
             let prefill_comm = e.comm_stats();
+            let decode_rep = |e: &mut Engine| -> anyhow::Result<(f64, Vec<Vec<f32>>)> {
+                e.prefill(&tokens, &mut NoTap)?;
+                e.reset_comm_stats();
+                let mut logits = Vec::with_capacity(a.n_decode);
+                let t0 = Instant::now();
+                for i in 0..a.n_decode as u32 {
+                    logits.push(e.decode((i * 31 + 7) % vocab, &mut NoTap)?);
+                }
+                Ok((t0.elapsed().as_secs_f64(), logits))
+            };
+            // On a device backend, decode is also timed with decode graphs off (one launch per
+            // op), and the two runs' logits are compared.
+            if a.n_decode > 0 && e.backend_name() != "cpu" {
+                e.set_decode_graphs(false);
+                let mut plain_best = f64::INFINITY;
+                let mut plain_logits = Vec::new();
+                for _ in 0..a.reps {
+                    let (wall, l) = decode_rep(&mut e)?;
+                    plain_best = plain_best.min(wall / a.n_decode as f64);
+                    plain_logits = l;
+                }
+                e.set_decode_graphs(true);
+                let (_, graph_logits) = decode_rep(&mut e)?;
+                let max_abs = plain_logits
+                    .iter()
+                    .flatten()
+                    .zip(graph_logits.iter().flatten())
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                let identical = plain_logits
+                    .iter()
+                    .flatten()
+                    .zip(graph_logits.iter().flatten())
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                graphs = json!({"decode_plain_s_per_token": plain_best, "logits_bitwise_equal": identical,
+                    "logits_max_abs_diff": max_abs, "steps_compared": plain_logits.len()});
+            }
             let decode = if a.n_decode > 0 {
                 let mut best_decode = f64::INFINITY;
                 for _ in 0..a.reps {
-                    e.prefill(&tokens, &mut NoTap)?;
-                    e.reset_comm_stats();
-                    let t0 = Instant::now();
-                    for i in 0..a.n_decode as u32 {
-                        e.decode((i * 31 + 7) % vocab, &mut NoTap)?;
-                    }
-                    let wall = t0.elapsed().as_secs_f64();
+                    let (wall, _) = decode_rep(&mut e)?;
                     if wall / (a.n_decode as f64) < best_decode {
                         best_decode = wall / a.n_decode as f64;
                         // The all-reduce share of the best decode rep: whole calls (uploads of the
@@ -105,6 +137,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         "prefill_tok_s": a.n_prompt as f64 / prefill_s, "n_decode": a.n_decode,
         "decode_s_per_token": decode_s, "decode_tok_s": decode_s.map(|s| 1.0 / s), "peak_rss_kib": rss,
         "model_bytes": file.file_size(), "engine_backend": engine_backend, "comm": comm,
+        "decode_graphs": graphs,
     });
     if a.json {
         println!("{doc}");
@@ -117,6 +150,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         );
         if let Some(d) = decode_s {
             println!("decode: {:.2} ms/token ({:.1} tok/s)", d * 1e3, 1.0 / d);
+        }
+        if let Some(p) = graphs.get("decode_plain_s_per_token").and_then(|v| v.as_f64()) {
+            println!(
+                "decode without decode graphs: {:.2} ms/token; logits bitwise equal: {} (max abs diff {:.3e})",
+                p * 1e3,
+                graphs["logits_bitwise_equal"],
+                graphs["logits_max_abs_diff"].as_f64().unwrap_or(f64::NAN)
+            );
         }
         if let Some(share) = comm.get("decode_allreduce_share").and_then(|v| v.as_f64()) {
             let coll = comm["decode_collective_share"].as_f64().unwrap_or(0.0);

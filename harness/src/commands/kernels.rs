@@ -1,6 +1,7 @@
 //! `llmdiff kernels`: the CUDA kernels on their own. `--check` compiles every module (a compile
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
-//! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run.
+//! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run,
+//! and the per-launch cost of the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
 use crate::cli::KernelsArgs;
@@ -93,6 +94,26 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        let lc = be.launch_cost(5000)?;
+        if !a.json {
+            println!(
+                "launch cost (µs per launch of an empty kernel, {} launches; host enqueue / until done): \
+                 cudarc builder {:.2} / {:.2}, raw cuLaunchKernel {:.2} / {:.2}, builder with 3 args {:.2} / {:.2}, \
+                 one CUDA graph of them {:.3} per node ({:.1} µs for the cuGraphLaunch call)",
+                lc.n,
+                lc.builder_host_us,
+                lc.builder_total_us,
+                lc.raw_host_us,
+                lc.raw_total_us,
+                lc.args_host_us,
+                lc.args_total_us,
+                lc.graph_total_us,
+                lc.graph_launch_host_us
+            );
+        }
+        doc["launch_cost_us"] = json!({"n": lc.n, "builder_host": lc.builder_host_us, "builder_total": lc.builder_total_us,
+            "raw_host": lc.raw_host_us, "raw_total": lc.raw_total_us, "args_host": lc.args_host_us,
+            "args_total": lc.args_total_us, "graph_launch_host": lc.graph_launch_host_us, "graph_total_per_node": lc.graph_total_us});
         doc["copy_gb_per_s"] = json!(copy / 1e9);
         doc["bench"] = json!(rows_out);
     }
