@@ -113,7 +113,8 @@ pub struct Rank {
     pub x: Buf,
     /// The attention output double buffer.
     pub attn_out: [Buf; 2],
-    /// The FFN/MoE output buffer.
+    /// The FFN/MoE output buffer (the custom op writes it; it is then handed on as the partial
+    /// and a fresh one of the same size takes its place).
     pub ffn_out: Buf,
 }
 
@@ -407,10 +408,10 @@ impl Rank {
             }
         }
         taps.emit_buf(be, Site::FfnOut, &self.ffn_out, d, Emit::Partial);
-        PhaseOut {
-            data: be.dup(&self.ffn_out),
-            taps,
-        }
+        // The op's output is handed on as the partial, and a fresh buffer (from the backend's pool
+        // on a device: no copy, no launch) takes its place for the next layer.
+        let data = std::mem::replace(&mut self.ffn_out, be.alloc(n * d));
+        PhaseOut { data, taps }
     }
 
     /// output_norm → this rank's vocab slice of the logits `[n, V_r]`.
