@@ -16,7 +16,7 @@ tail -1 $OUT/bench.jsonl >>$OUT/log.txt
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 for m in smollm2-135m llama8b; do
   echo "== ncu: one decode step of $m (graphs off)" | tee -a $OUT/log.txt
-  LLMDIFF_CUDA_GRAPH=0 timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
+  LLMDIFF_CUDA_GRAPH=0 timeout 90 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip 1800 --launch-count 480 \
     $B bench $M/$m.gguf --backend cuda --n-prompt 16 --n-decode 4 --reps 1 >/tmp/ncu_$m.csv 2>/tmp/ncu_$m.err
   echo "rc=$?" | tee -a $OUT/log.txt; tail -3 /tmp/ncu_$m.err | tee -a $OUT/log.txt
@@ -27,9 +27,11 @@ if not rows: print("no ncu rows"); sys.exit()
 h = rows[0]; ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
 tot = collections.defaultdict(float); cnt = collections.Counter(); seq = []
 for r in rows[1:]:
-    v = float(r[vi].replace(",", "")); v = v / 1e3 if r[ui] == "nsecond" else (v * 1e3 if r[ui] == "msecond" else v)
+    # ncu reports gpu__time_duration in ns ("ns" or "nsecond"); converted to us here.
+    u = r[ui]; v = float(r[vi].replace(",", ""))
+    v = v / 1e3 if u in ("ns", "nsecond") else (v * 1e3 if u in ("ms", "msecond") else v)
     name = r[ki].split("(")[0]; tot[name] += v; cnt[name] += 1; seq.append((name, v))
-print(f"{len(seq)} kernels, {sum(tot.values()):.1f} us of kernel time (gpu__time_duration, us)")
+print(f"{len(seq)} kernels, {sum(tot.values()):.1f} us of kernel time (gpu__time_duration; unit in the CSV: {rows[1][ui]})")
 for k, v in sorted(tot.items(), key=lambda x: -x[1]): print(f"{k:40s} n={cnt[k]:4d} total {v:9.1f} us  mean {v/cnt[k]:7.2f} us")
 print("sequence:"); [print(f"{n} {v:.2f}") for n, v in seq]
 PY

@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call's worth of GPU evidence for the cuda backend (issue #8): kernel checks, GEMV
-# bench (and the Q4_K GEMV variants), healthy diff-layers matrix, fault matrix, model benches,
+# bench (and the Q4_K GEMV variants), healthy diff-layers matrix, fault matrix, model benches
+# (decode timed with and without decode graphs, logits compared),
 # and diff-layers timed on the 8B shape. Usage (on the GPU machine, with a llmdiff built
 # --features cuda carried there):
 #   LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_run.sh
