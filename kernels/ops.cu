@@ -1,17 +1,50 @@
 // Element-wise and row ops: RMSNorm (f64 mean of squares, as the CPU engine), RoPE NORM/NEOX
 // (angles in f64), SwiGLU, and the fixed-order all-reduce sum.
 
-// out[row] = x[row] / sqrt(mean(x²) + eps) · weight; one block per row.
+// out[row] = x[row] / sqrt(mean(x²) + eps) · weight; one block per row, sized by the host to
+// cover the row in float4s (up to 1024 threads), so a one-row decode norm is one load per thread
+// rather than a serial walk. The sum of squares is f64 (as the CPU engine), each thread's share
+// summed in order, then the block's in a fixed shuffle tree (deterministic, no atomics). vec:
+// d % 4 == 0 (rows and weight 16-byte aligned), read and written as float4.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int d, float eps) {
     __shared__ double scratch[32];
     const float* xr = x + (size_t)blockIdx.x * d;
     float* o = out + (size_t)blockIdx.x * d;
+    const bool vec = (d & 3) == 0;
     double ss = 0.0;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    if (vec) {
+        const int d4 = d >> 2;
+        const float4* x4 = (const float4*)xr;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = x4[i];
+            ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                  (double)v.w * (double)v.w;
+        }
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    }
     ss = block_sum_f64(ss, scratch);
     float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
+    if (vec) {
+        const int d4 = d >> 2;
+        const float4* x4 = (const float4*)xr;
+        const float4* w4 = (const float4*)weight;
+        float4* o4 = (float4*)o;
+#pragma unroll 4
+        for (int i = threadIdx.x; i < d4; i += blockDim.x) {
+            float4 v = x4[i], w = w4[i];
+            v.x = v.x * scale * w.x;
+            v.y = v.y * scale * w.y;
+            v.z = v.z * scale * w.z;
+            v.w = v.w * scale * w.w;
+            o4[i] = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
+    }
 }
 
 // RoPE in place on x [n, n_heads·head_stride]: row r at position pos0 + r; each head rotates

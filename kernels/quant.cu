@@ -115,6 +115,19 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
 #pragma unroll
             for (int k = 0; k < 8; k++) w[k] = d * qs[sub * 8 + k];
             *p0 = blk * 32 + sub * 8;
+        } else if constexpr (TY == TY_Q4_1) {
+            // Repacked rows (see the GEMV below): cols/2 quant bytes (each block's 16 back to
+            // back), then each block's f16 d and m.
+            const u8* h = row + (cols >> 1) + 4 * blk;
+            float d = f16_to_f32(ld16(h)), m = f16_to_f32(ld16(h + 2));
+            const u8* qs = row + (size_t)blk * 16;
+            int j0 = (sub & 1) * 8, high = sub >> 1;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                int q = high ? (qs[j0 + k] >> 4) : (qs[j0 + k] & 0xF);
+                w[k] = q * d + m;
+            }
+            *p0 = blk * 32 + high * 16 + j0;
         } else {
             const u8* b = row + (size_t)blk * bb;
             float d = f16_to_f32(ld16(b));
@@ -250,10 +263,12 @@ MATMUL_ENTRY(q5_k, TY_Q5_K)
 MATMUL_ENTRY(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
-// GEMV for one token (n = 1), x-stationary: F16, BF16, Q8_0 and Q4_K.
+// GEMV for one token (n = 1), x-stationary: F16, BF16, Q8_0, Q4_1 and Q4_K.
 //
 // The row is cut into units of V values (F16/BF16: 8, one 16-byte load; Q8_0: 16, one 16-byte
-// load of quants plus the block's f16 scale; Q4_K: 32, one 16-byte load of quants, 16 values of
+// load of quants plus the block's f16 scale; Q4_1: 16, one 8-byte load of quants, 8 values in
+// the low nibbles and the 8 values 16 further on in the high ones, plus the block's f16 d and m;
+// Q4_K: 32, one 16-byte load of quants, 16 values of
 // sub-block 2j in the low nibbles and the same 16 positions of sub-block 2j+1 in the high ones,
 // plus its super-block's 16-byte header, shared by 8 neighbouring threads). Thread t of a block
 // owns units t, t + T, ... (UPT of them) for every row: it loads its slice of x into registers
@@ -272,6 +287,10 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // headers (same row_bytes: 144 per super-block), so unit u's quants are bytes 16u .. 16u+16 and
 // a warp's quant loads are one contiguous 512-byte run (the ggml layout interleaves a header
 // every 144 bytes, so those loads were 32-byte strided).
+// Q4_1 rows likewise: the 16 quant bytes of every block back to back (cols/2 bytes), then each
+// block's 4-byte header (f16 d, f16 m); same row_bytes (20 per block), so unit u's quants are
+// bytes 8u .. 8u+8, 8-byte aligned when row_bytes is (an even number of blocks). A unit's dot is
+// d·Σx·q + m·Σx, with Σx of its 16 x values computed once with the x slice.
 
 #define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
 
@@ -294,7 +313,7 @@ struct WFrag {
 
 template <int TY>
 __host__ __device__ constexpr int gemv_vals() {
-    return TY == TY_Q4_K ? 32 : TY == TY_Q8_0 ? 16 : 8;
+    return TY == TY_Q4_K ? 32 : (TY == TY_Q8_0 || TY == TY_Q4_1) ? 16 : 8;
 }
 
 template <int TY>
@@ -304,6 +323,9 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
     } else if constexpr (TY == TY_Q8_0) {
         f.a = ldg16(row + 16 * u);
         f.h.x = *(const u16*)(row + cols + 2 * (u >> 1));
+    } else if constexpr (TY == TY_Q4_1) {
+        asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(f.a.x), "=r"(f.a.y) : "l"(row + 8 * u));
+        asm("ld.global.nc.u32 %0, [%1];" : "=r"(f.h.x) : "l"(row + (cols >> 1) + 4 * (u >> 1)));
     } else {
         // One header word per thread: the 8 threads of a super-block (units 8s .. 8s+7 are 8
         // neighbouring lanes, since blocks are whole warps and cols % 256 == 0) load words 0..3
@@ -348,6 +370,26 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
             s1 = fmaf(byte_f<3>(v, bias), xv[4 * k + 3], s1);
         }
         return f16_to_f32((u16)f.h.x) * (s0 + s1);
+    } else if constexpr (TY == TY_Q4_1) {
+        // Word k holds quant bytes 4k .. 4k+3 of the unit: low nibbles are x values xv[4k ..),
+        // high nibbles the values 16 further on, xv[8 + 4k ..) (see gemv_x_at).
+        const u32 w[2] = {f.a.x, f.a.y};
+        const float bias = 8388608.0f;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+            s0 = fmaf(byte_f<0>(lo, bias), xv[4 * k], s0);
+            s0 = fmaf(byte_f<1>(lo, bias), xv[4 * k + 1], s0);
+            s0 = fmaf(byte_f<2>(lo, bias), xv[4 * k + 2], s0);
+            s0 = fmaf(byte_f<3>(lo, bias), xv[4 * k + 3], s0);
+            s1 = fmaf(byte_f<0>(hi, bias), xv[8 + 4 * k], s1);
+            s1 = fmaf(byte_f<1>(hi, bias), xv[8 + 4 * k + 1], s1);
+            s1 = fmaf(byte_f<2>(hi, bias), xv[8 + 4 * k + 2], s1);
+            s1 = fmaf(byte_f<3>(hi, bias), xv[8 + 4 * k + 3], s1);
+        }
+        float d = f16_to_f32((u16)(f.h.x & 0xFFFFu)), m = f16_to_f32((u16)(f.h.x >> 16));
+        return fmaf(d, s0 + s1, m * xs[0]);
     } else {
         // xv[0..16): 16 values of sub-block 2j (low nibbles), xv[16..32): the same positions of
         // sub-block 2j+1 (high nibbles); word k holds positions 4k .. 4k+3 of both.
@@ -403,6 +445,11 @@ __device__ __forceinline__ int gemv_x_at(int u, int r) {
     if constexpr (TY == TY_Q4_K) {
         int base = 256 * (u >> 3) + 64 * ((u & 7) >> 1) + 16 * (u & 1);
         return base + (r < 4 ? 4 * r : 32 + 4 * (r - 4));
+    } else if constexpr (TY == TY_Q4_1) {
+        // Unit u: block u/2, quant bytes 8(u%2) .. +8: x values 8(u%2) .. +8 of the block (low
+        // nibbles), then those 16 further on (high nibbles).
+        int base = 32 * (u >> 1) + 8 * (u & 1);
+        return base + (r < 2 ? 4 * r : 16 + 4 * (r - 2));
     } else {
         return gemv_vals<TY>() * u + 4 * r;
     }
@@ -459,6 +506,12 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
             }
             xs[k][0] = a;
             xs[k][1] = b;
+        } else if constexpr (TY == TY_Q4_1) {
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) a += xv[k][i];
+            xs[k][0] = a;
+            xs[k][1] = 0.0f;
         }
     }
     int buf = 0;
@@ -513,6 +566,7 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
 GEMV_RU(f16, TY_F16, 0, 512)
 GEMV_RU(bf16, TY_BF16, 0, 512)
 GEMV_RU(q8_0, TY_Q8_0, 0, 512)
+GEMV_RU(q4_1, TY_Q4_1, 0, 512)
 GEMV_RU(q4_k, TY_Q4_K, 0, 512)
 GEMV_RU(q4_k, TY_Q4_K, 1, 512)
 GEMV_ENTRY(q4_k, TY_Q4_K, 6, 1, 0, 512)

@@ -155,10 +155,28 @@ fn repack_q4_k(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
     out
 }
 
+/// Q4_1 rows as the device keeps them: each block's 16 quant bytes back to back (cols/2 bytes,
+/// 8-byte aligned per 16 values when the row is), then each block's 4-byte header (f16 d, f16
+/// m); the same bytes and row length as the ggml row.
+fn repack_q4_1(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    let n_blocks = row_bytes / 20;
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
+        for (b, blk) in src.chunks_exact(20).enumerate() {
+            dst[b * 16..b * 16 + 16].copy_from_slice(&blk[4..]);
+            dst[n_blocks * 16 + 4 * b..n_blocks * 16 + 4 * b + 4].copy_from_slice(&blk[..4]);
+        }
+    }
+    out
+}
+
 /// The device bytes of a ggml weight of a type with a register decoder.
 fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> std::borrow::Cow<'_, [u8]> {
     match ty {
         GgmlType::Q8_0 => std::borrow::Cow::Owned(repack_q8_0(bytes, rows, row_bytes)),
+        GgmlType::Q4_1 => std::borrow::Cow::Owned(repack_q4_1(bytes, rows, row_bytes)),
         GgmlType::Q4K if row_bytes % 144 == 0 => std::borrow::Cow::Owned(repack_q4_k(bytes, rows, row_bytes)),
         _ => std::borrow::Cow::Borrowed(bytes),
     }
@@ -534,6 +552,8 @@ impl CudaBackend {
         let ok_shape = match w.ty {
             GgmlType::F16 | GgmlType::BF16 => cols % 8 == 0,
             GgmlType::Q8_0 => w.row_bytes % 16 == 0 && cols % 32 == 0,
+            // Whole 8-byte quant loads: an even number of blocks per row.
+            GgmlType::Q4_1 => cols % 64 == 0 && w.row_bytes == cols / 32 * 20,
             GgmlType::Q4K => cols % 256 == 0 && w.row_bytes == cols / 256 * 144,
             _ => false,
         };
@@ -547,7 +567,7 @@ impl CudaBackend {
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt)?;
         let mode = if w.ty == GgmlType::Q4K { self.gemv.q4k_mode } else { 0 };
         let r = self.gemv.r.unwrap_or(match w.ty {
-            GgmlType::Q4K | GgmlType::Q8_0 => 4,
+            GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1 => 4,
             _ => 2,
         });
         // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
@@ -912,9 +932,13 @@ impl Backend for CudaBackend {
         let (di, n) = (d as i32, x.len() / d);
         let mut b = self.stream.launch_builder(self.func("rms_norm"));
         b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
+        // One thread per float4 of the row (per value when d % 4 != 0), whole warps, at most
+        // 1024: a one-row decode norm is spread over the block instead of walked by 256 threads.
+        let per_thread = if d % 4 == 0 { 4 } else { 1 };
+        let threads = (d.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
         let cfg = LaunchConfig {
             grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: matches rms_norm in kernels/ops.cu.
@@ -1254,9 +1278,17 @@ impl CudaBackend {
         }
         // Every compiled one-token GEMV variant, on shapes whose rows end in a partial warp of
         // units and whose row count is not a multiple of R.
-        for ty in [GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4K] {
+        for ty in [
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::Q4K,
+        ] {
             let cols = match ty {
                 GgmlType::Q8_0 => 768,
+                // 19 pairs of blocks: 76 units, a partial second warp.
+                GgmlType::Q4_1 => 1216,
                 GgmlType::Q4K => 1280,
                 _ => 1032,
             };
@@ -1290,7 +1322,36 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
-        for (n, d) in [(1usize, 576usize), (7, 1000), (3, 64)] {
+        // Q4_1 with an odd number of blocks per row (no GEMV: the warp-per-row matvec on the
+        // repacked layout), one token.
+        {
+            let (ty, cols) = (GgmlType::Q4_1, 352);
+            let wf = noise(rows * cols, 42);
+            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
+            let w = WeightRef::Quant(QMat {
+                ty,
+                bytes: &bytes,
+                rows,
+                cols,
+                row_bytes: bytes.len() / rows,
+            });
+            let x = noise(cols, 43);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(rows);
+                be.linear(&be.upload(&x), 1, w, &mut o);
+                be.download(&o)
+            });
+            out.push(compare(
+                format!("MUL_MAT(type=q4_1,ne=[{cols},{rows}],n=1,path=matvec)"),
+                &g,
+                &c,
+                1e-5,
+            ));
+            self.weights.lock().expect("weight map").clear();
+        }
+        // Decode-sized rows (one block of 1024 threads, float4 and scalar paths, rows longer
+        // than the block) next to the small shapes.
+        for (n, d) in [(1usize, 576usize), (7, 1000), (3, 64), (1, 4096), (3, 8200), (2, 4098)] {
             let x = noise(n * d, 11);
             let wt = noise(d, 12);
             let (g, c) = both(self, |be| {

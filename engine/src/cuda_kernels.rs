@@ -101,7 +101,7 @@ impl GemvVariant {
     pub fn unit_values(ty: GgmlType) -> usize {
         match ty {
             GgmlType::Q4K => 32,
-            GgmlType::Q8_0 => 16,
+            GgmlType::Q8_0 | GgmlType::Q4_1 => 16,
             _ => 8,
         }
     }
@@ -118,25 +118,26 @@ const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
 
 /// Every compiled GEMV variant (the `GEMV_RU` and `GEMV_ENTRY` lines of `kernels/quant.cu`):
 /// R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6 and 8 at UPT 1.
-pub const GEMV_VARIANTS: [GemvVariant; 32] = {
+pub const GEMV_VARIANTS: [GemvVariant; 38] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
         (GgmlType::Q8_0, 0),
+        (GgmlType::Q4_1, 0),
         (GgmlType::Q4K, 0),
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 32];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 38];
     let mut i = 0;
-    while i < 30 {
+    while i < 36 {
         let (ty, m) = tys[i / 6];
         let (r, u) = ru[i % 6];
         out[i] = gv(ty, r, u, m);
         i += 1;
     }
-    out[30] = gv(GgmlType::Q4K, 6, 1, 0);
-    out[31] = gv(GgmlType::Q4K, 8, 1, 0);
+    out[36] = gv(GgmlType::Q4K, 6, 1, 0);
+    out[37] = gv(GgmlType::Q4K, 8, 1, 0);
     out
 };
 

@@ -73,8 +73,14 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
         if a.bench_tokens > 1 {
             ns.push(a.bench_tokens);
         }
-        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::F16] {
-            for (rows, cols) in [(4096usize, 14336usize), (14336, 4096)] {
+        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F16] {
+            // Q4_1 also on smollm2-135m's FFN shapes (its layers' type).
+            let shapes: &[(usize, usize)] = if ty == GgmlType::Q4_1 {
+                &[(4096, 14336), (14336, 4096), (1536, 576), (576, 1536)]
+            } else {
+                &[(4096, 14336), (14336, 4096)]
+            };
+            for &(rows, cols) in shapes {
                 for &n in &ns {
                     let r = be.bench_linear(ty, rows, cols, n, 200)?;
                     let frac = r.gb_per_s * 1e9 / copy;
