@@ -5,8 +5,8 @@
 //! What lives where:
 //! - Weights are uploaded once, on first use, and stay on the device (keyed by their host address
 //!   and length, which are stable for an engine's lifetime). Types with a register decoder in
-//!   `kernels/quant.cu` keep their ggml bytes (Q8_0 and Q4_K rows repacked for coalesced loads,
-//!   same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
+//!   `kernels/quant.cu` keep their ggml bytes (Q8_0, Q4_1 and Q4_K rows repacked for coalesced
+//!   loads, same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
 //!   same way.
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
