@@ -121,52 +121,25 @@ struct DevWeight {
     row_bytes: usize,
 }
 
-/// Q8_0 rows as the device keeps them: each row's quant bytes (cols of them, 16-byte aligned
-/// when the row is), then its f16 scales; the same bytes and row length as the ggml row.
-fn repack_q8_0(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
-    let n_blocks = row_bytes / 34;
-    let cols = n_blocks * 32;
+/// Rows of blocks as the device keeps them: in each row, every block's quant bytes back to back,
+/// then every block's `header` leading bytes (its scales); the same bytes and row length as the
+/// ggml row. Q8_0 (34-byte blocks, a 2-byte f16 d), Q4_1 (20, f16 d and m) and Q4_K (144, d,
+/// dmin and 12 scale bytes) are kept so: a warp's quant loads are one contiguous, aligned run.
+fn repack_headers_last(bytes: &[u8], rows: usize, row_bytes: usize, block: usize, header: usize) -> Vec<u8> {
+    let quants = block - header;
+    let n_blocks = row_bytes / block;
     let mut out = vec![0u8; bytes.len()];
     for r in 0..rows {
         let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
         let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
-        for (b, blk) in src.chunks_exact(34).enumerate() {
-            dst[b * 32..b * 32 + 32].copy_from_slice(&blk[2..]);
-            dst[cols + 2 * b..cols + 2 * b + 2].copy_from_slice(&blk[..2]);
-        }
-    }
-    out
-}
-
-/// Q4_K rows as the device keeps them: the 128 quant bytes of every super-block back to back,
-/// then the super-blocks' 16-byte headers (d, dmin, 12 scale bytes); the same bytes and row
-/// length as the ggml row, 16-byte aligned throughout (144 = 9·16 bytes per super-block).
-fn repack_q4_k(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
-    let n_blocks = row_bytes / 144;
-    let mut out = vec![0u8; bytes.len()];
-    for r in 0..rows {
-        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
-        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
-        for (b, blk) in src.chunks_exact(144).enumerate() {
-            dst[b * 128..b * 128 + 128].copy_from_slice(&blk[16..]);
-            dst[n_blocks * 128 + 16 * b..n_blocks * 128 + 16 * b + 16].copy_from_slice(&blk[..16]);
-        }
-    }
-    out
-}
-
-/// Q4_1 rows as the device keeps them: each block's 16 quant bytes back to back (cols/2 bytes,
-/// 8-byte aligned per 16 values when the row is), then each block's 4-byte header (f16 d, f16
-/// m); the same bytes and row length as the ggml row.
-fn repack_q4_1(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
-    let n_blocks = row_bytes / 20;
-    let mut out = vec![0u8; bytes.len()];
-    for r in 0..rows {
-        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
-        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
-        for (b, blk) in src.chunks_exact(20).enumerate() {
-            dst[b * 16..b * 16 + 16].copy_from_slice(&blk[4..]);
-            dst[n_blocks * 16 + 4 * b..n_blocks * 16 + 4 * b + 4].copy_from_slice(&blk[..4]);
+        let (dst_q, dst_h) = dst.split_at_mut(n_blocks * quants);
+        for ((blk, q), h) in src
+            .chunks_exact(block)
+            .zip(dst_q.chunks_exact_mut(quants))
+            .zip(dst_h.chunks_exact_mut(header))
+        {
+            q.copy_from_slice(&blk[header..]);
+            h.copy_from_slice(&blk[..header]);
         }
     }
     out
@@ -175,9 +148,11 @@ fn repack_q4_1(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
 /// The device bytes of a ggml weight of a type with a register decoder.
 fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> std::borrow::Cow<'_, [u8]> {
     match ty {
-        GgmlType::Q8_0 => std::borrow::Cow::Owned(repack_q8_0(bytes, rows, row_bytes)),
-        GgmlType::Q4_1 => std::borrow::Cow::Owned(repack_q4_1(bytes, rows, row_bytes)),
-        GgmlType::Q4K if row_bytes % 144 == 0 => std::borrow::Cow::Owned(repack_q4_k(bytes, rows, row_bytes)),
+        GgmlType::Q8_0 => std::borrow::Cow::Owned(repack_headers_last(bytes, rows, row_bytes, 34, 2)),
+        GgmlType::Q4_1 => std::borrow::Cow::Owned(repack_headers_last(bytes, rows, row_bytes, 20, 4)),
+        GgmlType::Q4K if row_bytes % 144 == 0 => {
+            std::borrow::Cow::Owned(repack_headers_last(bytes, rows, row_bytes, 144, 16))
+        }
         _ => std::borrow::Cow::Borrowed(bytes),
     }
 }
@@ -1843,4 +1818,20 @@ pub struct LaunchCost {
     pub args_total_us: f64,
     pub graph_launch_host_us: f64,
     pub graph_total_us: f64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::repack_headers_last;
+
+    #[test]
+    fn repack_puts_quants_first_then_headers_per_row() {
+        // Two rows of two 5-byte blocks with 2-byte headers: [h h q q q].
+        let rows: Vec<u8> = vec![1, 2, 10, 11, 12, 3, 4, 13, 14, 15, 5, 6, 20, 21, 22, 7, 8, 23, 24, 25];
+        let out = repack_headers_last(&rows, 2, 10, 5, 2);
+        assert_eq!(
+            out,
+            vec![10, 11, 12, 13, 14, 15, 1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 5, 6, 7, 8]
+        );
+    }
 }
