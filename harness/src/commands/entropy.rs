@@ -19,8 +19,20 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::time::Instant;
 
+/// The thresholds a run uses: `--thresholds FILE` or the defaults, then `--kld-threshold`.
+pub fn thresholds(a: &EntropyArgs) -> anyhow::Result<EntropyThresholds> {
+    let mut t = match &a.thresholds {
+        Some(p) => load_thresholds(p)?,
+        None => default_thresholds(),
+    };
+    if let Some(k) = a.kld_threshold {
+        t.kld_position = k;
+    }
+    Ok(t)
+}
+
 /// Thresholds from a file: `{"thresholds": {...}}` or the bare object.
-pub fn load_thresholds(path: &Path) -> anyhow::Result<EntropyThresholds> {
+fn load_thresholds(path: &Path) -> anyhow::Result<EntropyThresholds> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| path.display().to_string())?;
     let t = v.get("thresholds").cloned().unwrap_or(v);
@@ -45,13 +57,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     if a.backend == BackendArg::Cuda {
         bail!("--backend cuda needs a build with --features cuda and a GPU");
     }
-    let mut thresholds = match &a.thresholds {
-        Some(p) => load_thresholds(p)?,
-        None => default_thresholds(),
-    };
-    if let Some(k) = a.kld_threshold {
-        thresholds.kld_position = k;
-    }
+    let thresholds = thresholds(a)?;
     let file = open_model(model)?;
     let config = ModelConfig::from_header(&file.header)?;
     let vocab = config.vocab;

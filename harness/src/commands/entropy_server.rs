@@ -5,8 +5,8 @@
 //! become positions (alignment, token ids) is [`crate::server_view`]'s.
 
 use crate::cli::EntropyArgs;
-use crate::commands::entropy::{load_thresholds, print_summary};
-use crate::entropy::{default_thresholds, kld_stats, overall, read_prompts, KldPosition, PromptInput};
+use crate::commands::entropy::{print_summary, thresholds};
+use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
 use crate::logprobs::{log_softmax, top_k};
 use crate::output::open_model;
 use crate::server::{complete_all, PromptBody};
@@ -34,13 +34,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     if a.against_reference && a.model.is_none() {
         bail!("--against-reference with --server needs MODEL.gguf");
     }
-    let mut thresholds = match &a.thresholds {
-        Some(p) => load_thresholds(p)?,
-        None => default_thresholds(),
-    };
-    if let Some(k) = a.kld_threshold {
-        thresholds.kld_position = k;
-    }
+    let thresholds = thresholds(a)?;
     let file = a.model.as_ref().map(|m| open_model(m)).transpose()?;
     let config = file.as_ref().map(|f| ModelConfig::from_header(&f.header)).transpose()?;
     let vocab = match (&config, a.vocab) {
