@@ -47,39 +47,51 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     }
 }
 
-// RoPE in place on x [n, n_heads·head_stride]: row r at position pos0 + r; each head rotates
-// rope_dim dims from `offset`. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
-// One thread per (row, head, pair).
-__device__ __forceinline__ void rope_at(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim,
-                                        int pos0, float base, int style) {
-    int half = rope_dim / 2;
+// RoPE in place on the q and k of the same rows, in one launch: q [n, qh·q_stride] and k
+// [n, kh·k_stride] (kh = 0: q alone); row r is at position pos0 + r, and each head rotates rope_dim
+// dims from its tensor's offset. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
+// One thread per (row, chunk of ROPE_HEADS heads, pair), pairs fastest: the f64 angle is computed
+// once per thread, not once per head, and q's heads and then k's are walked in chunks.
+#define ROPE_HEADS 4
+
+__device__ __forceinline__ void rope_qk_at(float* q, int qh, int q_stride, int q_off, float* k, int kh,
+                                           int k_stride, int k_off, int n, int rope_dim, int pos0, float base,
+                                           int style) {
+    int half = rope_dim / 2, heads = qh + kh, chunks = (heads + ROPE_HEADS - 1) / ROPE_HEADS;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    long long total = (long long)n * n_heads * half;
+    long long total = (long long)n * chunks * half;
     if (idx >= total) return;
     int i = (int)(idx % half);
-    int h = (int)((idx / half) % n_heads);
-    int r = (int)(idx / ((long long)half * n_heads));
+    int ch = (int)((idx / half) % chunks);
+    int r = (int)(idx / ((long long)half * chunks));
     double inv_freq = pow((double)base, -2.0 * (double)i / (double)rope_dim);
     double a = (double)(pos0 + r) * inv_freq;
     float c = (float)cos(a), s = (float)sin(a);
-    float* p = x + (size_t)r * n_heads * head_stride + (size_t)h * head_stride + offset;
     int ia = style == 0 ? 2 * i : i;
     int ib = style == 0 ? 2 * i + 1 : i + half;
-    float x0 = p[ia], x1 = p[ib];
-    p[ia] = x0 * c - x1 * s;
-    p[ib] = x0 * s + x1 * c;
+#pragma unroll
+    for (int u = 0; u < ROPE_HEADS; u++) {
+        int h = ch * ROPE_HEADS + u;
+        if (h >= heads) break;
+        float* p = h < qh ? q + ((size_t)r * qh + h) * q_stride + q_off
+                          : k + ((size_t)r * kh + (h - qh)) * k_stride + k_off;
+        float x0 = p[ia], x1 = p[ib];
+        p[ia] = x0 * c - x1 * s;
+        p[ib] = x0 * s + x1 * c;
+    }
 }
 
-extern "C" __global__ void rope(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim, int pos0,
-                                float base, int style) {
-    rope_at(x, n, n_heads, head_stride, offset, rope_dim, pos0, base, style);
+extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
+                                   int k_off, int n, int rope_dim, int pos0, float base, int style) {
+    rope_qk_at(q, qh, q_stride, q_off, k, kh, k_stride, k_off, n, rope_dim, pos0, base, style);
 }
 
-// `rope` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
+// `rope_qk` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
 // every position without a parameter update.
-extern "C" __global__ void rope_dpos(float* x, int n, int n_heads, int head_stride, int offset, int rope_dim,
-                                     const int* __restrict__ pos_dev, float base, int style) {
-    rope_at(x, n, n_heads, head_stride, offset, rope_dim, *pos_dev, base, style);
+extern "C" __global__ void rope_qk_dpos(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
+                                        int k_off, int n, int rope_dim, const int* __restrict__ pos_dev, float base,
+                                        int style) {
+    rope_qk_at(q, qh, q_stride, q_off, k, kh, k_stride, k_off, n, rope_dim, *pos_dev, base, style);
 }
 
 // gate = silu(gate) · up.

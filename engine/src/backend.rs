@@ -161,6 +161,21 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
     /// RoPE in place; row i is at position `pos0 + i`.
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+    /// RoPE on a layer's q and k, rows at the same positions: `rope` on each (one launch on CUDA).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+    ) {
+        self.rope(q, q_layout, pos0, base, style);
+        self.rope(k, k_layout, pos0, base, style);
+    }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.

@@ -35,6 +35,9 @@
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
+
+/// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
+const ROPE_HEADS: usize = 4;
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
@@ -694,6 +697,64 @@ impl CudaBackend {
         c.max_rows = c.max_rows.min(rows);
     }
 
+    /// RoPE on q and, when given, k (same rows and rope_dim) in one `rope_qk` launch.
+    fn launch_rope(
+        &self,
+        q: &mut CudaSlice<f32>,
+        ql: RopeLayout,
+        k: Option<(&mut CudaSlice<f32>, RopeLayout)>,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+    ) {
+        let q_width = ql.n_heads * ql.head_stride;
+        let half = ql.rope_dim / 2;
+        if q_width == 0 || half == 0 || q.is_empty() {
+            return;
+        }
+        let n = q.len() / q_width;
+        let kl = k.as_ref().map(|(_, l)| *l);
+        if let Some(kl) = kl {
+            assert_eq!(kl.rope_dim, ql.rope_dim, "rope_qk: q and k rotate the same dims");
+        }
+        let (kh, ks, ko) = kl.map_or((0, 0, 0), |l| (l.n_heads, l.head_stride, l.offset));
+        let q_args = [ql.n_heads as i32, ql.head_stride as i32, ql.offset as i32];
+        let k_args = [kh as i32, ks as i32, ko as i32];
+        let (n_i, dim, pos) = (n as i32, ql.rope_dim as i32, pos0 as i32);
+        let st = match style {
+            RopeStyle::Norm => 0i32,
+            RopeStyle::Neox => 1,
+        };
+        let capturing = self.capturing();
+        let null = 0u64;
+        let mut b = self
+            .stream
+            .launch_builder(self.func(if capturing { "rope_qk_dpos" } else { "rope_qk" }));
+        b.arg(q);
+        for a in &q_args {
+            b.arg(a);
+        }
+        match k {
+            Some((k, _)) => b.arg(k),
+            // kh = 0: the kernel never reads k.
+            None => b.arg(&null),
+        };
+        for a in &k_args {
+            b.arg(a);
+        }
+        b.arg(&n_i).arg(&dim);
+        if capturing {
+            b.arg(&*self.pos_dev);
+        } else {
+            b.arg(&pos);
+        }
+        b.arg(&base).arg(&st);
+        let chunks = (ql.n_heads + kh).div_ceil(ROPE_HEADS);
+        // SAFETY: matches rope_qk in kernels/ops.cu; one thread per (row, chunk of ROPE_HEADS
+        // heads, pair); q holds n·q_width floats, k n·kh·ks.
+        ok(unsafe { b.launch(Self::elementwise_cfg(n * chunks * half)) });
+    }
+
     fn elementwise_cfg(len: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (len.div_ceil(256).max(1) as u32, 1, 1),
@@ -921,40 +982,20 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        let width = layout.n_heads * layout.head_stride;
-        let half = layout.rope_dim / 2;
-        if width == 0 || half == 0 || x.is_empty() {
-            return;
-        }
-        let n = x.len() / width;
-        let args = [
-            n as i32,
-            layout.n_heads as i32,
-            layout.head_stride as i32,
-            layout.offset as i32,
-            layout.rope_dim as i32,
-            pos0 as i32,
-        ];
-        let st = match style {
-            RopeStyle::Norm => 0i32,
-            RopeStyle::Neox => 1,
-        };
-        let capturing = self.capturing();
-        let mut b = self
-            .stream
-            .launch_builder(self.func(if capturing { "rope_dpos" } else { "rope" }));
-        b.arg(dev_mut(x));
-        for a in &args[..5] {
-            b.arg(a);
-        }
-        if capturing {
-            b.arg(&*self.pos_dev);
-        } else {
-            b.arg(&args[5]);
-        }
-        b.arg(&base).arg(&st);
-        // SAFETY: matches rope in kernels/ops.cu; one thread per (row, head, pair).
-        ok(unsafe { b.launch(Self::elementwise_cfg(n * layout.n_heads * half)) });
+        self.launch_rope(dev_mut(x), layout, None, pos0, base, style)
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+    ) {
+        self.launch_rope(dev_mut(q), q_layout, Some((dev_mut(k), k_layout)), pos0, base, style)
     }
 
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
@@ -1375,6 +1416,57 @@ impl CudaBackend {
                     1e-5,
                 ));
             }
+        }
+        // q and k in one launch: 5 + 2 heads (a chunk spanning both), MLA-like offsets.
+        for (ql, kl, pos0) in [
+            (
+                RopeLayout {
+                    n_heads: 5,
+                    head_stride: 24,
+                    offset: 0,
+                    rope_dim: 24,
+                },
+                RopeLayout {
+                    n_heads: 2,
+                    head_stride: 24,
+                    offset: 0,
+                    rope_dim: 24,
+                },
+                7usize,
+            ),
+            (
+                RopeLayout {
+                    n_heads: 3,
+                    head_stride: 40,
+                    offset: 24,
+                    rope_dim: 16,
+                },
+                RopeLayout {
+                    n_heads: 1,
+                    head_stride: 16,
+                    offset: 0,
+                    rope_dim: 16,
+                },
+                513,
+            ),
+        ] {
+            let n = 5;
+            let xq = noise(n * ql.n_heads * ql.head_stride, 15);
+            let xk = noise(n * kl.n_heads * kl.head_stride, 16);
+            let (g, c) = both(self, |be| {
+                let (mut q, mut k) = (be.upload(&xq), be.upload(&xk));
+                be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, RopeStyle::Neox);
+                [be.download(&q), be.download(&k)].concat()
+            });
+            out.push(compare(
+                format!(
+                    "ROPE_QK(q={}x{}+{},k={}x{},dim={},pos0={pos0})",
+                    ql.n_heads, ql.head_stride, ql.offset, kl.n_heads, kl.head_stride, ql.rope_dim
+                ),
+                &g,
+                &c,
+                1e-5,
+            ));
         }
         {
             let gate = noise(1001, 14);

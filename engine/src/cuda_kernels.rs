@@ -58,7 +58,7 @@ impl KernelId {
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
-                "rope",
+                "rope_qk",
                 "swiglu",
                 "all_reduce_sum",
                 "fill_u32",
@@ -66,7 +66,7 @@ impl KernelId {
                 "add_assign",
                 "gather_rows_f32",
                 "add_rows_scaled",
-                "rope_dpos",
+                "rope_qk_dpos",
                 "kv_append_dpos",
                 "set_i32",
                 "nop",

@@ -198,6 +198,18 @@ impl Backend for NcclBackend {
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
         self.dev().rope(x, layout, pos0, base, style)
     }
+    fn rope_qk(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+    ) {
+        self.dev().rope_qk(q, q_layout, k, k_layout, pos0, base, style)
+    }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         self.dev().swiglu(gate, up)
     }

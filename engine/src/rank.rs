@@ -220,8 +220,15 @@ impl Rank {
                     offset: 0,
                     rope_dim: c.rope_dim,
                 };
-                be.rope(&mut qv, layout(h_r), ctx.pos0, hy.rope_base, hy.rope_style);
-                be.rope(&mut kv, layout(kv_r), ctx.pos0, hy.rope_base, hy.rope_style);
+                be.rope_qk(
+                    &mut qv,
+                    layout(h_r),
+                    &mut kv,
+                    layout(kv_r),
+                    ctx.pos0,
+                    hy.rope_base,
+                    hy.rope_style,
+                );
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::K, &kv, k.rows, Emit::Column);
                 taps.emit_buf(be, Site::V, &vv, v.rows, Emit::Column);
@@ -282,7 +289,7 @@ impl Rank {
                 let mut latent_n = be.alloc(latent.len());
                 be.rms_norm(&latent, kv_a_norm, hy.rms_eps, &mut latent_n);
                 taps.emit_buf(be, Site::KvLatent, &latent_n, kvl, Emit::Replicated);
-                be.rope(
+                be.rope_qk(
                     &mut qv,
                     RopeLayout {
                         n_heads: h_r,
@@ -290,11 +297,6 @@ impl Rank {
                         offset: nope,
                         rope_dim: rope,
                     },
-                    ctx.pos0,
-                    hy.rope_base,
-                    hy.rope_style,
-                );
-                be.rope(
                     &mut k_pe,
                     RopeLayout {
                         n_heads: 1,
