@@ -157,6 +157,14 @@ pub trait Backend: Send + Sync {
 
     /// `out[n, w.rows] = x[n, w.cols] · wᵀ`.
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf);
+    /// Products of one input with several weights, `outs[i] = x · ws[i]ᵀ` (a layer's q/k/v, or
+    /// gate/up): `linear` on each here; one launch on CUDA where the GEMV allows.
+    fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
+        assert_eq!(ws.len(), outs.len(), "linear_many: one output per weight");
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.linear(x, n, *w, out);
+        }
+    }
     /// RMSNorm over rows of `weight.len()`.
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
     /// RoPE in place; row i is at position `pos0 + i`.

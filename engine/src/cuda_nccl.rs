@@ -192,6 +192,9 @@ impl Backend for NcclBackend {
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
         self.dev().linear(x, n, w, out)
     }
+    fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
+        self.dev().linear_many(x, n, ws, outs)
+    }
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
         self.dev().rms_norm(x, weight, eps, out)
     }

@@ -211,9 +211,7 @@ impl Rank {
                 let mut qv = be.alloc(n * q.rows);
                 let mut kv = be.alloc(n * k.rows);
                 let mut vv = be.alloc(n * v.rows);
-                be.linear(&h, n, q.view(), &mut qv);
-                be.linear(&h, n, k.view(), &mut kv);
-                be.linear(&h, n, v.view(), &mut vv);
+                be.linear_many(&h, n, &[q.view(), k.view(), v.view()], &mut [&mut qv, &mut kv, &mut vv]);
                 let layout = |heads| RopeLayout {
                     n_heads: heads,
                     head_stride: hd,
@@ -505,8 +503,7 @@ fn mlp(be: &dyn Backend, x: &Buf, n: usize, w: &MlpShard, out: &mut Buf) {
     let f_r = w.gate.rows;
     let mut g = be.alloc(n * f_r);
     let mut u = be.alloc(n * f_r);
-    be.linear(x, n, w.gate.view(), &mut g);
-    be.linear(x, n, w.up.view(), &mut u);
+    be.linear_many(x, n, &[w.gate.view(), w.up.view()], &mut [&mut g, &mut u]);
     be.swiglu(&mut g, &u);
     be.linear(&g, n, w.down.view(), out);
 }
