@@ -1,4 +1,5 @@
-// Causal attention over a KV cache, one block per (token, query head): scores in shared memory,
+// Causal attention over a KV cache, one block per (token, query head) of 256 threads, or 1024 when
+// there are fewer blocks than SMs (decode; see `attn_threads` in crate::cuda): scores in shared memory,
 // max-subtracted softmax with the sum in f64, then the weighted sum of V. Serves prefill (n > 1)
 // and decode (n = 1) alike; row t of the new tokens sees positions 0 ..= pos0 + t.
 // Dynamic shared memory: (q width + pos0 + n + G·out width) floats, G = max(1, blockDim / out
@@ -90,7 +91,7 @@ __device__ __forceinline__ void gqa_attention_at(const float* __restrict__ q, co
     attn_weighted_sum(p, v + kv_off, kvw, hd, n_ctx, inv, part, out + (size_t)slot * hd);
 }
 
-extern "C" __global__ void gqa_attention(const float* __restrict__ q, const float* __restrict__ k,
+extern "C" __global__ void __launch_bounds__(1024) gqa_attention(const float* __restrict__ q, const float* __restrict__ k,
                                          const float* __restrict__ v, float* __restrict__ out, int pos0, int n_heads,
                                          int n_kv_heads, int hd, float scale) {
     __shared__ float red[32];
@@ -100,7 +101,7 @@ extern "C" __global__ void gqa_attention(const float* __restrict__ q, const floa
 
 // `gqa_attention` with pos0 read from device memory (*pos_dev), for a captured decode graph: its
 // dynamic shared memory is sized for the cache's capacity, so any position that fits works.
-extern "C" __global__ void gqa_attention_dpos(const float* __restrict__ q, const float* __restrict__ k,
+extern "C" __global__ void __launch_bounds__(1024) gqa_attention_dpos(const float* __restrict__ q, const float* __restrict__ k,
                                               const float* __restrict__ v, float* __restrict__ out,
                                               const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd,
                                               float scale) {
@@ -111,7 +112,7 @@ extern "C" __global__ void gqa_attention_dpos(const float* __restrict__ q, const
 
 // MLA over the expanded cache: q [n, H·(nope+rope)] per head [q_nope | q_pe]; k_nope [T, H·nope];
 // k_pe [T, rope] shared by all heads; v [T, H·vd]; out [n, H·vd].
-extern "C" __global__ void mla_attention(const float* __restrict__ q, const float* __restrict__ k_nope,
+extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __restrict__ q, const float* __restrict__ k_nope,
                                          const float* __restrict__ k_pe, const float* __restrict__ v,
                                          float* __restrict__ out, int pos0, int n_heads, int nope, int rope, int vd,
                                          float scale) {

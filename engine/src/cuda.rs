@@ -160,13 +160,21 @@ fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> s
     }
 }
 
-/// Threads per attention block (one block per token and head).
-const ATTN_THREADS: u32 = 256;
+/// Threads per attention block (one block per token and head): 256, or 1024 when there are
+/// fewer blocks than SMs (a decode step), so each block's walk over the positions is split
+/// over more thread groups (`attn_weighted_sum`) instead of leaving SMs idle.
+fn attn_threads(blocks: usize, sms: u32) -> u32 {
+    if blocks < sms as usize {
+        1024
+    } else {
+        256
+    }
+}
 
 /// Floats of shared memory for the attention kernels' G partial output rows of `width`
-/// (`attn_weighted_sum` in kernels/attention.cu).
-fn attn_part(width: usize) -> usize {
-    let t = ATTN_THREADS as usize;
+/// (`attn_weighted_sum` in kernels/attention.cu), with `threads` per block.
+fn attn_part(width: usize, threads: u32) -> usize {
+    let t = threads as usize;
     let g = if t >= width { t / width.max(1) } else { 1 };
     g * width
 }
@@ -1015,6 +1023,7 @@ impl Backend for CudaBackend {
             return;
         }
         let n = slots / shape.n_heads;
+        let threads = attn_threads(slots, self.sms);
         let args = [
             pos0 as i32,
             shape.n_heads as i32,
@@ -1028,7 +1037,7 @@ impl Backend for CudaBackend {
         if capturing {
             let kvw = (shape.n_kv_heads * shape.head_dim).max(1);
             let cap = dev(k).len().min(dev(v).len()) / kvw;
-            let fixed = shape.head_dim + n + attn_part(shape.head_dim);
+            let fixed = shape.head_dim + n + attn_part(shape.head_dim, threads);
             rows = cap.min((SMEM_DEFAULT_MAX / 4).saturating_sub(fixed));
             if rows < pos0 {
                 self.spoil("attention shared memory");
@@ -1054,8 +1063,8 @@ impl Backend for CudaBackend {
         b.arg(&shape.scale);
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, 1, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: ((shape.head_dim + rows + n + attn_part(shape.head_dim)) * 4) as u32,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: ((shape.head_dim + rows + n + attn_part(shape.head_dim, threads)) * 4) as u32,
         };
         // SAFETY: matches gqa_attention in kernels/attention.cu; the caches hold pos0 + n rows.
         ok(unsafe { b.launch(cfg) });
@@ -1067,6 +1076,7 @@ impl Backend for CudaBackend {
             return;
         }
         let n = slots / shape.n_heads;
+        let threads = attn_threads(slots, self.sms);
         let args = [
             pos0 as i32,
             shape.n_heads as i32,
@@ -1088,8 +1098,8 @@ impl Backend for CudaBackend {
         b.arg(&shape.scale);
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, 1, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: ((shape.nope + shape.rope + pos0 + n + attn_part(shape.v_dim)) * 4) as u32,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: ((shape.nope + shape.rope + pos0 + n + attn_part(shape.v_dim, threads)) * 4) as u32,
         };
         // SAFETY: matches mla_attention in kernels/attention.cu.
         ok(unsafe { b.launch(cfg) });
