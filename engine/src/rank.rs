@@ -373,8 +373,7 @@ impl Rank {
                 let f_r = mlp.gate.rows;
                 let mut g = be.alloc(n * f_r);
                 let mut u = be.alloc(n * f_r);
-                be.linear(&h, n, mlp.gate.view(), &mut g);
-                be.linear(&h, n, mlp.up.view(), &mut u);
+                be.linear_many(&h, n, &[mlp.gate.view(), mlp.up.view()], &mut [&mut g, &mut u]);
                 taps.emit_buf(be, Site::FfnGate, &g, f_r, Emit::Column);
                 taps.emit_buf(be, Site::FfnUp, &u, f_r, Emit::Column);
                 be.swiglu(&mut g, &u);
