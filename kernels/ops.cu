@@ -179,3 +179,140 @@ extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
 
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).
 extern "C" __global__ void nop() {}
+
+// ---------------------------------------------------------------------------------------------
+// MoE routing (DeepSeek-V3 style), one warp per token, mirroring engine::rank::route: gating
+// scores (sigmoid, or softmax: max-subtracted, f64 sum), bias added for the choice only,
+// group-limited selection (a group's score is the sum of its top two; the n_groups_used best
+// groups are kept, the others masked to -inf), top-k over the choice, weights from the unbiased
+// scores, normalized by their f32 sum in selection order when `norm`, times `scale`. Orders are
+// Rust's f32::total_cmp, largest first, ties to the lower index. scratch holds [n, 2·n_exp]
+// floats (scores, then choice); ids/wts are [n, k] in selection order. k ≤ 64, n_groups ≤ 32 (a
+// lane per group).
+
+#define ROUTE_NO_KEY (-2147483647 - 1)  // below every value's key
+#define ROUTE_NO_IDX 0x7FFFFFFF          // after every index
+
+// f32::total_cmp as a signed integer key (larger key = larger value).
+__device__ __forceinline__ int total_key(float v) {
+    int b = __float_as_int(v);
+    return b < 0 ? b ^ 0x7FFFFFFF : b;
+}
+
+// Is (ka, ia) ahead of (kb, ib): larger key first, then the lower index.
+__device__ __forceinline__ bool route_ahead(int ka, int ia, int kb, int ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+// The warp's best (key, index) over the lanes' candidates; every lane gets it.
+__device__ __forceinline__ void warp_best(int* key, int* idx) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        int k2 = __shfl_xor_sync(0xffffffffu, *key, o), i2 = __shfl_xor_sync(0xffffffffu, *idx, o);
+        if (route_ahead(k2, i2, *key, *idx)) {
+            *key = k2;
+            *idx = i2;
+        }
+    }
+}
+
+extern "C" __global__ void moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+                                     float* __restrict__ scratch, int* __restrict__ ids, float* __restrict__ wts,
+                                     int n_exp, int k, int gating, int n_groups, int n_groups_used, int norm,
+                                     float scale) {
+    __shared__ int sel[64];
+    __shared__ int kept[32];
+    const int tok = blockIdx.x, lane = threadIdx.x;
+    const float* lg = logits + (size_t)tok * n_exp;
+    float* sc = scratch + (size_t)tok * 2 * n_exp;
+    float* ch = sc + n_exp;
+    if (gating == 0) {
+        for (int e = lane; e < n_exp; e += 32) sc[e] = 1.0f / (1.0f + expf(-lg[e]));
+    } else {
+        float mx = -__int_as_float(0x7f800000);
+        for (int e = lane; e < n_exp; e += 32) mx = fmaxf(mx, lg[e]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        if (mx == -__int_as_float(0x7f800000)) {
+            for (int e = lane; e < n_exp; e += 32) sc[e] = lg[e];
+        } else {
+            double sum = 0.0;
+            for (int e = lane; e < n_exp; e += 32) {
+                float v = expf(lg[e] - mx);
+                sc[e] = v;
+                sum += v;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            float inv = (float)(1.0 / sum);
+            __syncwarp();
+            for (int e = lane; e < n_exp; e += 32) sc[e] *= inv;
+        }
+    }
+    __syncwarp();
+    for (int e = lane; e < n_exp; e += 32) ch[e] = bias ? sc[e] + bias[e] : sc[e];
+    __syncwarp();
+    if (n_groups > 1 && n_groups_used < n_groups) {
+        int gs = n_exp / n_groups;
+        float gscore = 0.0f;
+        if (lane < n_groups) {
+            // The group's two largest (total order), summed as the host's f32 Sum does: -0 + first + second.
+            int k1 = ROUTE_NO_KEY, i1 = -1, k2 = ROUTE_NO_KEY, i2 = -1;
+            for (int e = lane * gs; e < (lane + 1) * gs; e++) {
+                int ke = total_key(ch[e]);
+                if (i1 < 0 || route_ahead(ke, e, k1, i1)) {
+                    k2 = k1;
+                    i2 = i1;
+                    k1 = ke;
+                    i1 = e;
+                } else if (i2 < 0 || route_ahead(ke, e, k2, i2)) {
+                    k2 = ke;
+                    i2 = e;
+                }
+            }
+            gscore = -0.0f + ch[i1];
+            if (i2 >= 0) gscore = gscore + ch[i2];
+        }
+        int gkey = lane < n_groups ? total_key(gscore) : ROUTE_NO_KEY;
+        for (int j = 0; j < n_groups_used; j++) {
+            int key = gkey, idx = lane < n_groups ? lane : ROUTE_NO_IDX;
+            for (int s = 0; s < j; s++)
+                if (kept[s] == lane) key = ROUTE_NO_KEY, idx = ROUTE_NO_IDX;
+            warp_best(&key, &idx);
+            if (lane == 0) kept[j] = idx;
+            __syncwarp();
+        }
+        for (int e = lane; e < n_exp; e += 32) {
+            int g = e / gs;
+            bool keep = false;
+            for (int s = 0; s < n_groups_used; s++) keep |= kept[s] == g;
+            if (!keep) ch[e] = -__int_as_float(0x7f800000);
+        }
+        __syncwarp();
+    }
+    for (int j = 0; j < k; j++) {
+        int key = ROUTE_NO_KEY, idx = ROUTE_NO_IDX;
+        for (int e = lane; e < n_exp; e += 32) {
+            bool taken = false;
+            for (int s = 0; s < j; s++) taken |= sel[s] == e;
+            int ke = total_key(ch[e]);
+            if (!taken && (idx == ROUTE_NO_IDX || route_ahead(ke, e, key, idx))) {
+                key = ke;
+                idx = e;
+            }
+        }
+        warp_best(&key, &idx);
+        if (lane == 0) sel[j] = idx;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        float sum = -0.0f;
+        for (int j = 0; j < k; j++) sum += sc[sel[j]];
+        for (int j = 0; j < k; j++) {
+            float w = sc[sel[j]];
+            if (norm && sum > 0.0f) w /= sum;
+            ids[(size_t)tok * k + j] = sel[j];
+            wts[(size_t)tok * k + j] = w * scale;
+        }
+    }
+}

@@ -16,7 +16,9 @@
 //! code from these primitives; their output-buffer contract lives there, not here.
 
 use crate::kernels::{self, GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use crate::rank::{route, Route};
 use half::f16;
+use references::config::MoeConfig;
 
 /// Which backend an engine runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -167,6 +169,11 @@ pub trait Backend: Send + Sync {
     }
     /// RMSNorm over rows of `weight.len()`.
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
+    /// MoE routing of router logits `[n, n_exp]` ([`crate::rank::route`]): on the host here (the
+    /// logits come down), a kernel on CUDA (only the chosen experts and weights come down).
+    fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
+        route(&self.download(logits), n_exp, m, bias, scale)
+    }
     /// RoPE in place; row i is at position `pos0 + i`.
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
     /// RoPE on a layer's q and k, rows at the same positions: `rope` on each (one launch on CUDA).

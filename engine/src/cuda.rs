@@ -39,9 +39,11 @@ use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
+use crate::rank::{route, Route};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -1006,6 +1008,57 @@ impl Backend for CudaBackend {
         self.launch_rope(dev_mut(q), q_layout, Some((dev_mut(k), k_layout)), pos0, base, style)
     }
 
+    fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
+        let n = logits.len() / n_exp.max(1);
+        let grouped = m.n_groups > 1 && m.n_groups_used < m.n_groups;
+        // The kernel's limits (a lane per group, k in shared memory); beyond them, the host.
+        if n == 0 || m.n_used > 64 || (grouped && m.n_groups > 32) {
+            return route(&self.download(logits), n_exp, m, bias, scale);
+        }
+        let k = m.n_used;
+        let scratch = self.new_buf(n * 2 * n_exp);
+        let mut ids = ok(self.stream.alloc_zeros::<i32>(n * k));
+        let mut wts = self.new_buf(n * k);
+        let bias_buf = bias.map(|b| self.upload(b));
+        let null = 0u64;
+        let args = [
+            n_exp as i32,
+            k as i32,
+            matches!(m.gating, Gating::Softmax) as i32,
+            m.n_groups as i32,
+            m.n_groups_used as i32,
+            m.weights_norm as i32,
+        ];
+        let mut b = self.stream.launch_builder(self.func("moe_route"));
+        b.arg(dev(logits));
+        match &bias_buf {
+            Some(bb) => b.arg(dev(bb)),
+            None => b.arg(&null),
+        };
+        b.arg(dev(&scratch)).arg(&mut ids).arg(dev_mut(&mut wts));
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&scale);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches moe_route in kernels/ops.cu: logits n·n_exp, bias n_exp (or null),
+        // scratch 2·n·n_exp, ids and wts n·k; k ≤ 64, n_groups ≤ 32 when grouped.
+        ok(unsafe { b.launch(cfg) });
+        let ids = ok(self.stream.clone_dtoh(&ids));
+        let wts = self.download(&wts);
+        ids.chunks_exact(k)
+            .zip(wts.chunks_exact(k))
+            .map(|(e, w)| Route {
+                experts: e.iter().map(|&x| x as usize).collect(),
+                weights: w.to_vec(),
+            })
+            .collect()
+    }
+
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         if gate.is_empty() {
             return;
@@ -1549,6 +1602,44 @@ impl CudaBackend {
                 be.download(&be.all_reduce(&refs)[0])
             });
             out.push(compare("ALL_REDUCE(ranks=8,ne=[999])".into(), &g, &c, 0.0));
+        }
+        // MoE routing: chosen experts and weights (ids as floats, then weights) against the host's
+        // route(); DeepSeek-V3-like (sigmoid, bias, 8 groups keep 3, normalized, scaled) and a
+        // softmax router without groups, over 7 tokens of random logits.
+        for (n_exp, k, gating, groups, bias) in [
+            (64usize, 6usize, Gating::Sigmoid, (8usize, 3usize), true),
+            (37, 4, Gating::Softmax, (1, 1), false),
+            (256, 8, Gating::Sigmoid, (8, 4), true),
+        ] {
+            let m = MoeConfig {
+                n_experts: n_exp,
+                n_used: k,
+                n_shared: 0,
+                expert_ffn: 4,
+                n_dense_lead: 0,
+                weights_scale: 2.5,
+                weights_norm: bias,
+                gating,
+                n_groups: groups.0,
+                n_groups_used: groups.1,
+            };
+            let logits: Vec<f32> = noise(7 * n_exp, 60 + k as u64).iter().map(|v| 4.0 * v).collect();
+            let b = noise(n_exp, 70);
+            let (g, c) = both(self, |be| {
+                let routes = be.moe_route(&be.upload(&logits), n_exp, &m, bias.then_some(&b[..]), 2.5);
+                let ids = routes.iter().flat_map(|r| r.experts.iter().map(|&e| e as f32));
+                ids.chain(routes.iter().flat_map(|r| r.weights.iter().copied()))
+                    .collect()
+            });
+            out.push(compare(
+                format!(
+                    "MOE_ROUTE(experts={n_exp},k={k},{gating:?},groups={}/{},bias={bias})",
+                    groups.1, groups.0
+                ),
+                &g,
+                &c,
+                1e-6,
+            ));
         }
         // Data movement: exact (tolerance 0); the canary must survive bit for bit.
         {

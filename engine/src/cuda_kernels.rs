@@ -70,6 +70,7 @@ impl KernelId {
                 "kv_append_dpos",
                 "set_i32",
                 "nop",
+                "moe_route",
             ]
             .map(String::from)
             .to_vec(),

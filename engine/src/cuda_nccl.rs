@@ -26,8 +26,10 @@
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cuda::CudaBackend;
 use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use crate::rank::Route;
 use crate::EngineError;
 use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
+use references::config::MoeConfig;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -200,6 +202,9 @@ impl Backend for NcclBackend {
     }
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
         self.dev().rope(x, layout, pos0, base, style)
+    }
+    fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
+        self.dev().moe_route(logits, n_exp, m, bias, scale)
     }
     fn rope_qk(
         &self,

@@ -384,16 +384,9 @@ impl Rank {
                 let n_exp = moe.router.rows;
                 let mut logits_buf = be.alloc(n * n_exp);
                 be.linear(&h, n, moe.router.view(), &mut logits_buf);
-                // Routing runs on the host: the router logits [n, n_exp] come down.
-                let logits = be.download(&logits_buf);
-                taps.emit(Site::MoeLogits, &logits, n_exp, Emit::Replicated);
-                let routes = route(
-                    &logits,
-                    n_exp,
-                    mc,
-                    moe.bias.as_deref().map(|b| b.as_slice()),
-                    hy.expert_scale,
-                );
+                taps.emit_buf(be, Site::MoeLogits, &logits_buf, n_exp, Emit::Replicated);
+                let bias = moe.bias.as_deref().map(|b| b.as_slice());
+                let routes = be.moe_route(&logits_buf, n_exp, mc, bias, hy.expert_scale);
                 let ids: Vec<f32> = routes
                     .iter()
                     .flat_map(|r| {

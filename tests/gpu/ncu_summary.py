@@ -1,0 +1,23 @@
+"""Sums Nsight Compute's gpu__time_duration CSV per kernel name (tests/gpu/h200_*_run.sh); an
+optional second argument divides the totals by that many passes (per decode step)."""
+import collections
+import csv
+import sys
+
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows:
+    print("no ncu rows")
+    sys.exit()
+h = rows[0]
+ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
+tot, cnt = collections.defaultdict(float), collections.Counter()
+for r in rows[1:]:
+    u, v = r[ui], float(r[vi].replace(",", ""))
+    v = v / 1e3 if u in ("ns", "nsecond") else (v * 1e3 if u in ("ms", "msecond") else v)
+    name = r[ki].split("(")[0]
+    tot[name] += v
+    cnt[name] += 1
+steps = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
+print(f"{sum(cnt.values())} kernels over {steps:g} pass(es): {sum(tot.values()) / steps:.1f} us a pass (gpu__time_duration)")
+for k, v in sorted(tot.items(), key=lambda x: -x[1]):
+    print(f"{k:40s} n/pass={cnt[k] / steps:6.1f} us/pass {v / steps:9.1f}  mean {v / cnt[k]:7.2f} us")
