@@ -185,7 +185,9 @@ mod tests {
         for id in KernelId::ALL {
             let src = id.full_source();
             for f in id.functions() {
+                // `void f(`, or `void __launch_bounds__(N) f(`.
                 let defined = src.contains(&format!("void {f}("))
+                    || src.contains(&format!(") {f}("))
                     || {
                         // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
                         let (kind, ty) = f.split_once('_').unwrap();
