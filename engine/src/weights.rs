@@ -28,6 +28,7 @@ use crate::fault::{Fault, FaultSet};
 use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
 use crate::kernels::{Mat, QMat, WeightRef};
 use crate::EngineError;
+use rayon::prelude::*;
 use references::config::MoeConfig;
 use references::tap::WeightKind;
 use references::{GgmlType, GgufFile, ModelConfig, TensorInfo};
@@ -105,9 +106,9 @@ impl Linear {
             WeightData::F32(d) => d.to_vec(),
             WeightData::Quant { .. } => {
                 let mut out = vec![0f32; self.rows * self.cols];
-                for (row_idx, o) in out.chunks_exact_mut(self.cols.max(1)).enumerate() {
-                    self.row_f32(row_idx, o);
-                }
+                out.par_chunks_exact_mut(self.cols.max(1))
+                    .enumerate()
+                    .for_each(|(row_idx, o)| self.row_f32(row_idx, o));
                 out
             }
         }

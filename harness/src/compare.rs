@@ -1,29 +1,83 @@
 //! Tap comparison: the metrics of DESIGN.md, per-head cosines, and the tolerance table.
 
+use rayon::prelude::*;
 use references::tap::{is_canary, Site, TapKey};
 use reports::Metrics;
 use std::collections::HashMap;
 
-/// Metrics of `a` (engine) against `b` (reference), in f64.
+/// Values per part of a long comparison: parts are summed on rayon, then added in part order, so
+/// the result does not depend on the thread count (one part: the plain sequential sums).
+const METRIC_PART: usize = 1 << 16;
+
+/// The sums behind [`Metrics`], over one part.
+#[derive(Clone, Copy, Default)]
+struct Sums {
+    dot: f64,
+    aa: f64,
+    bb: f64,
+    dd: f64,
+    max_abs: f64,
+    nonfinite: u64,
+    canary: u64,
+}
+
+impl Sums {
+    fn over(a: &[f32], b: &[f32]) -> Sums {
+        let mut s = Sums::default();
+        for (&x, &y) in a.iter().zip(b) {
+            if is_canary(x) {
+                s.canary += 1;
+            }
+            if !x.is_finite() {
+                s.nonfinite += 1;
+                continue;
+            }
+            let (x, y) = (x as f64, y as f64);
+            s.dot += x * y;
+            s.aa += x * x;
+            s.bb += y * y;
+            s.dd += (x - y) * (x - y);
+            s.max_abs = s.max_abs.max((x - y).abs());
+        }
+        s
+    }
+
+    fn then(self, o: Sums) -> Sums {
+        Sums {
+            dot: self.dot + o.dot,
+            aa: self.aa + o.aa,
+            bb: self.bb + o.bb,
+            dd: self.dd + o.dd,
+            max_abs: self.max_abs.max(o.max_abs),
+            nonfinite: self.nonfinite + o.nonfinite,
+            canary: self.canary + o.canary,
+        }
+    }
+}
+
+/// Metrics of `a` (engine) against `b` (reference), in f64. Long tensors (weights of a real-sized
+/// model) are summed in parts on rayon (see [`METRIC_PART`]).
 pub fn metrics(a: &[f32], b: &[f32]) -> Metrics {
     assert_eq!(a.len(), b.len(), "compared tensors differ in length");
-    let (mut dot, mut aa, mut bb, mut dd, mut max_abs) = (0f64, 0f64, 0f64, 0f64, 0f64);
-    let (mut nonfinite, mut canary) = (0u64, 0u64);
-    for (&x, &y) in a.iter().zip(b) {
-        if is_canary(x) {
-            canary += 1;
-        }
-        if !x.is_finite() {
-            nonfinite += 1;
-            continue;
-        }
-        let (x, y) = (x as f64, y as f64);
-        dot += x * y;
-        aa += x * x;
-        bb += y * y;
-        dd += (x - y) * (x - y);
-        max_abs = max_abs.max((x - y).abs());
-    }
+    let s = if a.len() <= METRIC_PART {
+        Sums::over(a, b)
+    } else {
+        let parts: Vec<Sums> = a
+            .par_chunks(METRIC_PART)
+            .zip(b.par_chunks(METRIC_PART))
+            .map(|(x, y)| Sums::over(x, y))
+            .collect();
+        parts.into_iter().fold(Sums::default(), Sums::then)
+    };
+    let Sums {
+        dot,
+        aa,
+        bb,
+        dd,
+        max_abs,
+        nonfinite,
+        canary,
+    } = s;
     let n = a.len().max(1) as f64;
     let mut m = Metrics {
         cosine: if aa > 0.0 && bb > 0.0 {
