@@ -6,11 +6,9 @@
 // rather than a serial walk. The sum of squares is f64 (as the CPU engine), each thread's share
 // summed in order, then the block's in a fixed shuffle tree (deterministic, no atomics). vec:
 // d % 4 == 0 (rows and weight 16-byte aligned), read and written as float4.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
-                                    float* __restrict__ out, int d, float eps) {
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ weight,
+                                             float* __restrict__ o, int d, float eps) {
     __shared__ double scratch[32];
-    const float* xr = x + (size_t)blockIdx.x * d;
-    float* o = out + (size_t)blockIdx.x * d;
     const bool vec = (d & 3) == 0;
     double ss = 0.0;
     if (vec) {
@@ -45,6 +43,47 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     } else {
         for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
     }
+}
+
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    float* __restrict__ out, int d, float eps) {
+    rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps);
+}
+
+// x + a, rounded through f16 when f16_round (the f16-residual fault), as add_assign.
+__device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
+    float v = x + a;
+    if (f16_round) {
+        unsigned short hb;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hb) : "f"(v));
+        v = f16_to_f32(hb);
+    }
+    return v;
+}
+
+// The residual add and the next block's RMSNorm in one launch: x[row] += a[row] (as add_assign),
+// then out[row] = rms_norm(x[row]) (as rms_norm, same block shape): each thread adds exactly the
+// elements it then reads, so the result is bit for bit the two kernels'.
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
+                                        const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
+                                        int f16_round) {
+    float* xr = x + (size_t)blockIdx.x * d;
+    const float* ar = a + (size_t)blockIdx.x * d;
+    if ((d & 3) == 0) {
+        float4* x4 = (float4*)xr;
+        const float4* a4 = (const float4*)ar;
+        for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) {
+            float4 v = x4[i], w = a4[i];
+            v.x = resid_add(v.x, w.x, f16_round);
+            v.y = resid_add(v.y, w.y, f16_round);
+            v.z = resid_add(v.z, w.z, f16_round);
+            v.w = resid_add(v.w, w.w, f16_round);
+            x4[i] = v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = resid_add(xr[i], ar[i], f16_round);
+    }
+    rms_norm_row(xr, weight, out + (size_t)blockIdx.x * d, d, eps);
 }
 
 // RoPE in place on the q and k of the same rows, in one launch: q [n, qh·q_stride] and k
@@ -134,13 +173,7 @@ extern "C" __global__ void copy_cols(const float* __restrict__ src, float* __res
 extern "C" __global__ void add_assign(float* x, const float* a, long long len, int f16_round) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
-    float v = x[i] + a[i];
-    if (f16_round) {
-        unsigned short hb;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hb) : "f"(v));
-        v = f16_to_f32(hb);
-    }
-    x[i] = v;
+    x[i] = resid_add(x[i], a[i], f16_round);
 }
 
 // out[i, :] = x[rows[i], :] for rows of `width`.

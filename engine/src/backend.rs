@@ -169,6 +169,12 @@ pub trait Backend: Send + Sync {
     }
     /// RMSNorm over rows of `weight.len()`.
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
+    /// The residual add then the next block's input norm: `add_assign(x, a, f16_round)`, then
+    /// `rms_norm(x, weight, eps, out)` (one launch on CUDA, same bits).
+    fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
+        self.add_assign(x, a, f16_round);
+        self.rms_norm(x, weight, eps, out);
+    }
     /// MoE routing of router logits `[n, n_exp]` ([`crate::rank::route`]): on the host here (the
     /// logits come down), a kernel on CUDA (only the chosen experts and weights come down).
     fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {

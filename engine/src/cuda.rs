@@ -707,6 +707,26 @@ impl CudaBackend {
         c.max_rows = c.max_rows.min(rows);
     }
 
+    /// The device weight and launch shape of `rms_norm`/`add_rms_norm` over `len` values of rows
+    /// of `weight.len()`; None when there is nothing to do. One thread per float4 of the row (per
+    /// value when d % 4 != 0), whole warps, at most 1024: a one-row decode norm is spread over the
+    /// block. Both kernels get the same block, so their sums agree bit for bit.
+    fn norm_setup(&self, len: usize, weight: &[f32], out_len: usize) -> Option<(Arc<DevWeight>, LaunchConfig)> {
+        let d = weight.len();
+        assert!(d > 0 && len % d == 0 && len == out_len, "rms_norm: x is not [n, d]");
+        if len == 0 {
+            return None;
+        }
+        let per_thread = if d % 4 == 0 { 4 } else { 1 };
+        let threads = (d.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: ((len / d) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Some((self.param(weight), cfg))
+    }
+
     /// RoPE on q and, when given, k (same rows and rope_dim) in one `rope_qk` launch.
     fn launch_rope(
         &self,
@@ -966,28 +986,25 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
-        let d = weight.len();
-        assert!(
-            d > 0 && x.len() % d == 0 && x.len() == out.len(),
-            "rms_norm: x is not [n, d]"
-        );
-        if x.is_empty() {
+        let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
             return;
-        }
-        let wd = self.param(weight);
-        let (di, n) = (d as i32, x.len() / d);
-        let mut b = self.stream.launch_builder(self.func("rms_norm"));
-        b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
-        // One thread per float4 of the row (per value when d % 4 != 0), whole warps, at most
-        // 1024: a one-row decode norm is spread over the block instead of walked by 256 threads.
-        let per_thread = if d % 4 == 0 { 4 } else { 1 };
-        let threads = (d.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
         };
-        // SAFETY: matches rms_norm in kernels/ops.cu.
+        let (di, mut b) = (weight.len() as i32, self.stream.launch_builder(self.func("rms_norm")));
+        b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
+        // SAFETY: matches rms_norm in kernels/ops.cu: x and out [n, d], weight d.
+        ok(unsafe { b.launch(cfg) });
+    }
+
+    fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
+        assert_eq!(x.len(), a.len(), "add_rms_norm: lengths differ");
+        let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
+            return;
+        };
+        let (di, f16) = (weight.len() as i32, f16_round as i32);
+        let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
+        b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
+        b.arg(&di).arg(&eps).arg(&f16);
+        // SAFETY: matches add_rms_norm in kernels/ops.cu: x, a and out [n, d], weight d.
         ok(unsafe { b.launch(cfg) });
     }
 
@@ -1479,6 +1496,16 @@ impl CudaBackend {
                     1e-5,
                 ));
             }
+        }
+        // The residual add fused with the next norm: x after the add, then the normed rows.
+        for (d, n, f16) in [(4096usize, 2usize, false), (4098, 3, true), (576, 5, false)] {
+            let (x, a, wt) = (noise(n * d, 19), noise(n * d, 20), noise(d, 21));
+            let (g, c) = both(self, |be| {
+                let (mut xb, mut o) = (be.upload(&x), be.alloc(n * d));
+                be.add_rms_norm(&mut xb, &be.upload(&a), f16, &wt, 1e-5, &mut o);
+                [be.download(&xb), be.download(&o)].concat()
+            });
+            out.push(compare(format!("ADD_RMS_NORM(ne=[{d},{n}],f16={f16})"), &g, &c, 1e-6));
         }
         // q and k in one launch: 5 + 2 heads (a chunk spanning both), MLA-like offsets.
         for (ql, kl, pos0) in [

@@ -58,6 +58,7 @@ impl KernelId {
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
+                "add_rms_norm",
                 "rope_qk",
                 "swiglu",
                 "all_reduce_sum",

@@ -200,6 +200,9 @@ impl Backend for NcclBackend {
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
         self.dev().rms_norm(x, weight, eps, out)
     }
+    fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
+        self.dev().add_rms_norm(x, a, f16_round, weight, eps, out)
+    }
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
         self.dev().rope(x, layout, pos0, base, style)
     }

@@ -18,7 +18,7 @@
 
 use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
-use crate::rank::{PhaseOut, Rank, StepCtx};
+use crate::rank::{NormAt, PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
 use crate::weights::{Loader, WeightStorage};
 use crate::EngineError;
@@ -407,6 +407,8 @@ impl Engine {
                 if idx == 0 {
                     record_if(be, tap, &plan, TapKey::global(Site::Embed), x, d);
                 }
+                // A new step: no normed input is left from an unfinished one.
+                r.normed = None;
                 // In place when the size allows: a recorded decode step keeps reading r.x there.
                 if r.x.len() == x.len() {
                     be.copy(x, 0, &mut r.x, 0, x.len());
@@ -460,7 +462,9 @@ impl Engine {
                             record_if(be, tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);
                         }
                         let f16_resid = self.faults.active(Fault::F16Residual, layer_idx, rank_idx);
-                        be.add_assign(&mut r.x, reduced, f16_resid);
+                        // The add and the next block's input norm in one op.
+                        let next = NormAt::after(layer_idx, phase_site, c.n_layers);
+                        r.add_residual(&ctx, reduced, f16_resid, next);
                         record_if(be, tap, &plan, TapKey::ranked(layer_idx, resid_site, rank_idx), &r.x, d);
                         if rank_idx == 0 {
                             record_if(be, tap, &plan, TapKey::layer(layer_idx, resid_site), &r.x, d);

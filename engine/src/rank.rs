@@ -116,6 +116,48 @@ pub struct Rank {
     /// The FFN/MoE output buffer (the custom op writes it; it is then handed on as the partial
     /// and a fresh one of the same size takes its place).
     pub ffn_out: Buf,
+    /// The next block's normed input, made with the residual add (`add_residual`), and which
+    /// block it is for; the block takes it instead of normalizing x itself.
+    pub(crate) normed: Option<(NormAt, Buf)>,
+}
+
+/// Which block an input RMSNorm belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormAt {
+    Attn(usize),
+    Ffn(usize),
+    Head,
+}
+
+impl NormAt {
+    /// The block after phase `phase` (`Site::AttnProj` or `Site::FfnOut`) of layer `layer_idx`:
+    /// the layer's FFN, the next layer's attention, or the head after the last layer.
+    pub fn after(layer_idx: usize, phase: Site, n_layers: usize) -> NormAt {
+        match phase {
+            Site::AttnProj => NormAt::Ffn(layer_idx),
+            _ if layer_idx + 1 < n_layers => NormAt::Attn(layer_idx + 1),
+            _ => NormAt::Head,
+        }
+    }
+}
+
+/// The head's hyper-parameters on rank `rank_idx` (config drift applies to every layer).
+fn head_hyper(ctx: &StepCtx<'_>, rank_idx: usize) -> Hyper {
+    let hy = Hyper::from_config(ctx.config);
+    if ctx.faults.active_global(Fault::ConfigDrift, rank_idx) {
+        hy.drifted()
+    } else {
+        hy
+    }
+}
+
+/// The RMSNorm weight and eps block `at` applies to the residual first.
+fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: NormAt) -> (&'s [f32], f32) {
+    match at {
+        NormAt::Attn(l) => (&shard.layers[l].attn_norm, ctx.hyper(l, rank_idx).rms_eps),
+        NormAt::Ffn(l) => (&shard.layers[l].ffn_norm, ctx.hyper(l, rank_idx).rms_eps),
+        NormAt::Head => (&shard.output_norm, head_hyper(ctx, rank_idx).rms_eps),
+    }
 }
 
 /// A rank's result from one phase: a partial sum (or slice) and its tap copies.
@@ -133,6 +175,7 @@ impl Rank {
             x: Buf::default(),
             attn_out: [Buf::default(), Buf::default()],
             ffn_out: Buf::default(),
+            normed: None,
         }
     }
 
@@ -141,6 +184,32 @@ impl Rank {
             *c = LayerCache::default();
         }
         self.x = Buf::default();
+        self.normed = None;
+    }
+
+    /// Adds a block's reduced output into the residual and makes the next block's normed input
+    /// in the same op (`Backend::add_rms_norm`: one launch on CUDA, the same bits as the add then
+    /// the norm); block `next` takes it.
+    pub fn add_residual(&mut self, ctx: &StepCtx<'_>, reduced: &Buf, f16_round: bool, next: NormAt) {
+        let be = ctx.backend;
+        let mut h = be.alloc(self.x.len());
+        let (w, eps) = norm_of(&self.shard, ctx, self.idx, next);
+        be.add_rms_norm(&mut self.x, reduced, f16_round, w, eps, &mut h);
+        self.normed = Some((next, h));
+    }
+
+    /// Block `at`'s normed input: the one `add_residual` made for it, or RMSNorm of x now.
+    fn normed_input(&mut self, ctx: &StepCtx<'_>, at: NormAt) -> Buf {
+        match self.normed.take() {
+            Some((tag, h)) if tag == at => h,
+            _ => {
+                let be = ctx.backend;
+                let mut h = be.alloc(self.x.len());
+                let (w, eps) = norm_of(&self.shard, ctx, self.idx, at);
+                be.rms_norm(&self.x, w, eps, &mut h);
+                h
+            }
+        }
     }
 
     /// Records that `n` rows were appended at `pos0` to every KV cache on the device (a replayed
@@ -189,9 +258,8 @@ impl Rank {
         let (n, d) = (ctx.n_tokens, c.d_model);
         let hy = ctx.hyper(layer_idx, self.idx);
         let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let h = self.normed_input(ctx, NormAt::Attn(layer_idx));
         let lw = &self.shard.layers[layer_idx];
-        let mut h = be.alloc(n * d);
-        be.rms_norm(&self.x, &lw.attn_norm, hy.rms_eps, &mut h);
         taps.emit_buf(be, Site::AttnNorm, &h, d, Emit::Replicated);
         let off_by_one = ctx.is_decode && ctx.faults.active(Fault::KvSlotOffByOne, layer_idx, self.idx);
         let cache = &mut self.cache[layer_idx];
@@ -363,9 +431,8 @@ impl Rank {
         let (n, d) = (ctx.n_tokens, c.d_model);
         let hy = ctx.hyper(layer_idx, self.idx);
         let mut taps = RankTaps::new(ctx.plan, self.idx, Some(layer_idx));
+        let h = self.normed_input(ctx, NormAt::Ffn(layer_idx));
         let lw = &self.shard.layers[layer_idx];
-        let mut h = be.alloc(n * d);
-        be.rms_norm(&self.x, &lw.ffn_norm, hy.rms_eps, &mut h);
         taps.emit_buf(be, Site::FfnNorm, &h, d, Emit::Replicated);
         prepare_out(be, &mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
         match &lw.ffn {
@@ -407,16 +474,11 @@ impl Rank {
     }
 
     /// output_norm → this rank's vocab slice of the logits `[n, V_r]`.
-    pub fn head<'p>(&self, ctx: &StepCtx<'p>) -> PhaseOut<'p> {
+    pub fn head<'p>(&mut self, ctx: &StepCtx<'p>) -> PhaseOut<'p> {
         let be = ctx.backend;
         let (n, d) = (ctx.n_tokens, ctx.config.d_model);
-        let mut hy = Hyper::from_config(ctx.config);
-        if ctx.faults.active_global(Fault::ConfigDrift, self.idx) {
-            hy = hy.drifted();
-        }
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
-        let mut h = be.alloc(n * d);
-        be.rms_norm(&self.x, &self.shard.output_norm, hy.rms_eps, &mut h);
+        let h = self.normed_input(ctx, NormAt::Head);
         taps.emit_buf(be, Site::OutputNorm, &h, d, Emit::Replicated);
         let w = &self.shard.lm_head;
         let mut logits = be.alloc(n * w.rows);
