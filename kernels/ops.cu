@@ -89,13 +89,34 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // RoPE in place on the q and k of the same rows, in one launch: q [n, qh·q_stride] and k
 // [n, kh·k_stride] (kh = 0: q alone); row r is at position pos0 + r, and each head rotates rope_dim
 // dims from its tensor's offset. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
-// One thread per (row, chunk of ROPE_HEADS heads, pair), pairs fastest: the f64 angle is computed
-// once per thread, not once per head, and q's heads and then k's are walked in chunks.
+// The angles come from a table, cs[r·half + i] = (cos, sin) of (pos0 + r)·base^(−2i/rope_dim)
+// computed in f64 and rounded to f32 (rope_table: once per step and shape, not once per head and
+// layer). One thread per (row, chunk of ROPE_HEADS heads, pair), pairs fastest.
 #define ROPE_HEADS 4
 
-__device__ __forceinline__ void rope_qk_at(float* q, int qh, int q_stride, int q_off, float* k, int kh,
-                                           int k_stride, int k_off, int n, int rope_dim, int pos0, float base,
-                                           int style) {
+__device__ __forceinline__ void rope_table_at(float2* cs, int n, int rope_dim, int pos0, float base) {
+    int half = rope_dim / 2;
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)n * half) return;
+    int i = (int)(idx % half), r = (int)(idx / half);
+    double inv_freq = pow((double)base, -2.0 * (double)i / (double)rope_dim);
+    double a = (double)(pos0 + r) * inv_freq;
+    cs[idx] = make_float2((float)cos(a), (float)sin(a));
+}
+
+extern "C" __global__ void rope_table(float2* cs, int n, int rope_dim, int pos0, float base) {
+    rope_table_at(cs, n, rope_dim, pos0, base);
+}
+
+// `rope_table` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
+// every position without a parameter update.
+extern "C" __global__ void rope_table_dpos(float2* cs, int n, int rope_dim, const int* __restrict__ pos_dev,
+                                           float base) {
+    rope_table_at(cs, n, rope_dim, *pos_dev, base);
+}
+
+extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
+                                   int k_off, int n, int rope_dim, const float2* __restrict__ cs, int style) {
     int half = rope_dim / 2, heads = qh + kh, chunks = (heads + ROPE_HEADS - 1) / ROPE_HEADS;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)n * chunks * half;
@@ -103,9 +124,8 @@ __device__ __forceinline__ void rope_qk_at(float* q, int qh, int q_stride, int q
     int i = (int)(idx % half);
     int ch = (int)((idx / half) % chunks);
     int r = (int)(idx / ((long long)half * chunks));
-    double inv_freq = pow((double)base, -2.0 * (double)i / (double)rope_dim);
-    double a = (double)(pos0 + r) * inv_freq;
-    float c = (float)cos(a), s = (float)sin(a);
+    float2 a = cs[(size_t)r * half + i];
+    float c = a.x, s = a.y;
     int ia = style == 0 ? 2 * i : i;
     int ib = style == 0 ? 2 * i + 1 : i + half;
 #pragma unroll
@@ -118,19 +138,6 @@ __device__ __forceinline__ void rope_qk_at(float* q, int qh, int q_stride, int q
         p[ia] = x0 * c - x1 * s;
         p[ib] = x0 * s + x1 * c;
     }
-}
-
-extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
-                                   int k_off, int n, int rope_dim, int pos0, float base, int style) {
-    rope_qk_at(q, qh, q_stride, q_off, k, kh, k_stride, k_off, n, rope_dim, pos0, base, style);
-}
-
-// `rope_qk` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
-// every position without a parameter update.
-extern "C" __global__ void rope_qk_dpos(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
-                                        int k_off, int n, int rope_dim, const int* __restrict__ pos_dev, float base,
-                                        int style) {
-    rope_qk_at(q, qh, q_stride, q_off, k, kh, k_stride, k_off, n, rope_dim, *pos_dev, base, style);
 }
 
 // gate = silu(gate) · up.

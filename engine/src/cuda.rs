@@ -365,6 +365,20 @@ pub struct CudaBackend {
     capture: Mutex<CaptureState>,
     /// The position a recorded decode step's kernels read (`*_dpos` kernels).
     pos_dev: Arc<CudaSlice<i32>>,
+    /// The last RoPE angle table (`rope_table`), reused by every layer of a step.
+    rope_table: Mutex<Option<(RopeKey, Buf)>>,
+}
+
+/// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
+/// recomputed at every replay) .. + n, `rope_dim`, `base` (bits). A table's values are a
+/// function of its key alone, so a key match is always a valid reuse, except for the recorded
+/// form, which `graph_begin` forgets so that each recording computes its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RopeKey {
+    pos0: Option<usize>,
+    n: usize,
+    rope_dim: usize,
+    base: u32,
 }
 
 impl CudaBackend {
@@ -447,6 +461,7 @@ impl CudaBackend {
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
+            rope_table: Mutex::new(None),
         })
     }
 
@@ -727,6 +742,44 @@ impl CudaBackend {
         Some((self.param(weight), cfg))
     }
 
+    /// The RoPE angle table for rows `pos0 .. pos0 + n` (the position word when recording): the
+    /// memo's when its key matches, else computed now by `rope_table` into the memo.
+    fn rope_table_for<'m>(
+        &self,
+        memo: &'m mut Option<(RopeKey, Buf)>,
+        n: usize,
+        rope_dim: usize,
+        pos0: usize,
+        base: f32,
+    ) -> &'m Buf {
+        let capturing = self.capturing();
+        let key = RopeKey {
+            pos0: (!capturing).then_some(pos0),
+            n,
+            rope_dim,
+            base: base.to_bits(),
+        };
+        if memo.as_ref().is_none_or(|(k, _)| *k != key) {
+            let half = rope_dim / 2;
+            let mut cs = self.new_buf(n * half * 2);
+            let (n_i, dim, p) = (n as i32, rope_dim as i32, pos0 as i32);
+            let mut b = self
+                .stream
+                .launch_builder(self.func(if capturing { "rope_table_dpos" } else { "rope_table" }));
+            b.arg(dev_mut(&mut cs)).arg(&n_i).arg(&dim);
+            if capturing {
+                b.arg(&*self.pos_dev);
+            } else {
+                b.arg(&p);
+            }
+            b.arg(&base);
+            // SAFETY: matches rope_table in kernels/ops.cu; cs holds n·half float2s.
+            ok(unsafe { b.launch(Self::elementwise_cfg(n * half)) });
+            *memo = Some((key, cs));
+        }
+        &memo.as_ref().expect("just set").1
+    }
+
     /// RoPE on q and, when given, k (same rows and rope_dim) in one `rope_qk` launch.
     fn launch_rope(
         &self,
@@ -750,16 +803,15 @@ impl CudaBackend {
         let (kh, ks, ko) = kl.map_or((0, 0, 0), |l| (l.n_heads, l.head_stride, l.offset));
         let q_args = [ql.n_heads as i32, ql.head_stride as i32, ql.offset as i32];
         let k_args = [kh as i32, ks as i32, ko as i32];
-        let (n_i, dim, pos) = (n as i32, ql.rope_dim as i32, pos0 as i32);
+        let (n_i, dim) = (n as i32, ql.rope_dim as i32);
         let st = match style {
             RopeStyle::Norm => 0i32,
             RopeStyle::Neox => 1,
         };
-        let capturing = self.capturing();
         let null = 0u64;
-        let mut b = self
-            .stream
-            .launch_builder(self.func(if capturing { "rope_qk_dpos" } else { "rope_qk" }));
+        let mut memo = self.rope_table.lock().expect("rope table");
+        let cs = self.rope_table_for(&mut memo, n, ql.rope_dim, pos0, base);
+        let mut b = self.stream.launch_builder(self.func("rope_qk"));
         b.arg(q);
         for a in &q_args {
             b.arg(a);
@@ -772,16 +824,10 @@ impl CudaBackend {
         for a in &k_args {
             b.arg(a);
         }
-        b.arg(&n_i).arg(&dim);
-        if capturing {
-            b.arg(&*self.pos_dev);
-        } else {
-            b.arg(&pos);
-        }
-        b.arg(&base).arg(&st);
+        b.arg(&n_i).arg(&dim).arg(dev(cs)).arg(&st);
         let chunks = (ql.n_heads + kh).div_ceil(ROPE_HEADS);
         // SAFETY: matches rope_qk in kernels/ops.cu; one thread per (row, chunk of ROPE_HEADS
-        // heads, pair); q holds n·q_width floats, k n·kh·ks.
+        // heads, pair); q holds n·q_width floats, k n·kh·ks, cs n·rope_dim/2 float2s.
         ok(unsafe { b.launch(Self::elementwise_cfg(n * chunks * half)) });
     }
 
@@ -1203,6 +1249,8 @@ impl Backend for CudaBackend {
         b.arg(&*self.pos_dev).arg(&p);
         // SAFETY: matches set_i32 in kernels/ops.cu; pos_dev holds one int.
         ok(unsafe { b.launch(LaunchConfig::for_num_elems(1)) });
+        // The recording computes its own angle table (at the replayed position).
+        *self.rope_table.lock().expect("rope table") = None;
         let mut c = self.capture.lock().expect("capture state");
         assert!(!c.active, "cuda: graph_begin while recording");
         ok(self
