@@ -308,7 +308,8 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr`: the work split (default `wr`, warp-rows).
+/// - `LLMDIFF_GEMV_KIND=xs|wr|ws`: the work split (default `wr`, warp-rows; `ws` warp-rows with x
+///   in shared memory, where the row's x fits).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step); the nearest compiled
 ///   variant is taken (R first, then NW, then U).
@@ -336,6 +337,7 @@ impl GemvConfig {
             variant: std::env::var("LLMDIFF_GEMV_VARIANT").ok().filter(|v| !v.is_empty()),
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => GemvKind::Xs,
+                Ok("ws") => GemvKind::Ws,
                 _ => GemvKind::Wr,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=8).contains(r)),
@@ -358,8 +360,10 @@ pub struct CudaBackend {
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
-    /// Resident blocks per SM of a GEMV entry at a block size.
-    occupancy: Mutex<HashMap<(String, u32), u32>>,
+    /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
+    occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
+    /// The dynamic shared memory a `gemvs_*` block may use (set on those entries at load).
+    gemv_smem_max: usize,
     /// Wall time in the all-reduce.
     clock: CommClock,
     /// Freed activation buffers for reuse.
@@ -424,6 +428,12 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
+        // gemvs_* stage a row's x in dynamic shared memory: allow all of the block opt-in limit
+        // but 1 KiB (their static shared memory is at most 512 bytes).
+        let gemv_smem_max = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_or(48 << 10, |b| b.max(48 << 10) as usize)
+            - 1024;
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
             let ptx = compile(id, arch)?;
@@ -434,6 +444,13 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
+                if f.starts_with("gemvs_") {
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        gemv_smem_max as i32,
+                    )
+                    .map_err(drv(&format!("shared memory size of {f}")))?;
+                }
                 funcs.insert(f, func);
             }
         }
@@ -447,6 +464,7 @@ impl CudaBackend {
             sms,
             gemv: GemvConfig::from_env(),
             occupancy: Mutex::new(HashMap::new()),
+            gemv_smem_max,
             clock: CommClock::default(),
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
@@ -567,7 +585,7 @@ impl CudaBackend {
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
         if let Some(name) = &cfg.variant {
             if let Some(v) = GEMV_VARIANTS.iter().find(|v| v.ty == ty && v.entry() == *name) {
-                if v.kind == GemvKind::Wr || xs_upt.is_some_and(|u| u <= v.upt) {
+                if self.gemv_fits(*v, cols) {
                     return Some(*v);
                 }
             }
@@ -585,28 +603,44 @@ impl CudaBackend {
                 .copied()
                 .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
-        match cfg.kind {
+        let kind = match cfg.kind {
+            GemvKind::Ws if GemvVariant::x_shared_bytes(ty, cols) > self.gemv_smem_max => GemvKind::Wr,
+            k => k,
+        };
+        match kind {
             GemvKind::Xs => {
                 let upt = xs_upt?;
                 // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
                 let find = |r: usize| of(GemvKind::Xs).find(|v| v.r == r && v.upt == upt);
                 find(r).or_else(|| find(4))
             }
-            GemvKind::Wr => {
+            GemvKind::Wr | GemvKind::Ws => {
                 let nw = cfg.nw.unwrap_or(if units >= 128 { 4 } else { 2 });
                 let u = cfg.u.unwrap_or(if ty != GgmlType::Q4K && units >= nw * 32 * 2 {
                     2
                 } else {
                     1
                 });
-                of(GemvKind::Wr).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
+                of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
             }
+        }
+    }
+
+    /// Whether GEMV variant `v` can run a row of `cols` values (of a shape the GEMV takes): an
+    /// x-stationary block must fit in its launch bound, a `gemvs_*` row's x in shared memory.
+    pub fn gemv_fits(&self, v: GemvVariant, cols: usize) -> bool {
+        let units = cols / GemvVariant::unit_values(v.ty);
+        match v.kind {
+            GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
+            GemvKind::Wr => true,
+            GemvKind::Ws => GemvVariant::x_shared_bytes(v.ty, cols) <= self.gemv_smem_max,
         }
     }
 
     /// Launches GEMV variant `v` (n = 1). x-stationary: a block of ⌈units/UPT⌉ threads (whole
     /// warps), a grid of at most the resident blocks, each walking groups of R rows. Warp-rows:
-    /// NW·32 threads, one block per R rows.
+    /// NW·32 threads, one block per R rows. Warp-rows with x in shared memory: NW·32 threads and
+    /// the row's x in dynamic shared memory, a grid of at most the resident blocks.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
@@ -620,7 +654,13 @@ impl CudaBackend {
     ) {
         let name = v.entry();
         let f = self.func(&name);
-        let (grid, threads) = match v.kind {
+        let occupancy = |threads: u32, smem: u32| {
+            let mut m = self.occupancy.lock().expect("occupancy map");
+            *m.entry((v.entry(), threads, smem)).or_insert_with(|| {
+                ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)).max(1)
+            })
+        };
+        let (grid, threads, smem) = match v.kind {
             GemvKind::Xs => {
                 let units = cols / GemvVariant::unit_values(v.ty);
                 let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
@@ -628,27 +668,31 @@ impl CudaBackend {
                     threads as usize <= GemvVariant::max_threads(v.ty),
                     "gemv: block too large"
                 );
-                let occ = {
-                    let mut m = self.occupancy.lock().expect("occupancy map");
-                    *m.entry((name, threads)).or_insert_with(|| {
-                        ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)).max(1)
-                    })
-                };
+                let occ = occupancy(threads, 0);
                 let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
                 let groups = rows.div_ceil(v.r);
-                (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads)
+                (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
-            GemvKind::Wr => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32),
+            GemvKind::Wr => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Ws => {
+                let smem = GemvVariant::x_shared_bytes(v.ty, cols);
+                assert!(smem <= self.gemv_smem_max, "gemv: x does not fit in shared memory");
+                let (threads, smem) = ((v.nw * 32) as u32, smem as u32);
+                let groups = rows.div_ceil(v.r);
+                let resident = (self.sms * occupancy(threads, smem)) as usize;
+                (groups.min(resident).max(1) as u32, threads, smem)
+            }
         };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemv_*/gemvw_* in kernels/quant.cu; W is rows·row_bytes in
+        // SAFETY: the arguments match gemv_*/gemvw_*/gemvs_* in kernels/quant.cu (gemvs_* get the
+        // shared memory their x needs, within the limit set at load); W is rows·row_bytes in
         // the device layout, x has cols floats, out rows floats.
         ok(unsafe { b.launch(cfg) });
     }
@@ -1354,7 +1398,7 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
-        // Every warp-rows GEMV variant (and the default selection) on shapes that end in a
+        // Every warp-rows GEMV variant, x in shared memory or not (and the default selection), on shapes that end in a
         // partial chunk of 32 units, a partial last step of NW·32·U units, chunks wholly past the
         // end (skipped), rows not a multiple of R and fewer rows than R; Q4_K from 1 to 70
         // super-blocks per row, Q4_1 with even block counts (smollm2's widths among them).
@@ -1394,7 +1438,7 @@ impl CudaBackend {
                 let name = type_suffix(ty).unwrap_or("?");
                 let wr = GEMV_VARIANTS
                     .iter()
-                    .filter(|v| v.ty == ty && v.kind == GemvKind::Wr)
+                    .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
                     .map(|v| (Some(*v), v.entry()));
                 let default = (
                     None,
@@ -1804,7 +1848,7 @@ impl CudaBackend {
 
     /// [`CudaBackend::bench_linear`] for each of `variants` in turn on the same uploaded weights
     /// (`None`: the default path; `Some`: that one-token GEMV variant, n must be 1). A forced
-    /// x-stationary variant whose block does not fit the row is skipped (no entry).
+    /// variant that cannot run the row ([`CudaBackend::gemv_fits`]) is skipped (no entry).
     pub fn bench_linear_variants(
         &self,
         ty: GgmlType,
@@ -1832,14 +1876,11 @@ impl CudaBackend {
         }
         let x = s.clone_htod(&noise(n * cols, 3)).map_err(drv("upload"))?;
         let mut out = s.alloc_zeros::<f32>(n * rows).map_err(drv("alloc"))?;
-        let units = cols / GemvVariant::unit_values(ty);
         let mut res = Vec::new();
         for &v in variants {
             if let Some(v) = v {
                 assert!(n == 1 && v.ty == ty, "bench: a GEMV variant of another type or n > 1");
-                let fits =
-                    v.kind == GemvKind::Wr || units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(ty);
-                if !fits {
+                if !self.gemv_fits(v, cols) {
                     continue;
                 }
             }
