@@ -34,10 +34,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{type_suffix, GemvVariant, KernelId, GEMV_VARIANTS};
-
-/// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
-const ROPE_HEADS: usize = 4;
+use crate::cuda_kernels::{type_suffix, GemvKind, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -47,6 +44,9 @@ use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+
+/// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
+const ROPE_HEADS: usize = 4;
 
 /// Runs `f`, turning a panic of cudarc's dynamic loader (no libcuda / libnvrtc) into an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
@@ -317,15 +317,27 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
     }
 }
 
-/// The one-token GEMV's settings: rows per block step (by default 4 for Q8_0 and Q4_K, 2 for
-/// F16/BF16, as measured on an H200; Q4_K R 6 and 8 measured slower), the Q4_K mode, and an
-/// optional cap on
-/// blocks per SM (environment `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_Q4K_MODE`, `LLMDIFF_GEMV_BPS`,
-/// for benchmarking variants; `LLMDIFF_GEMV=0` turns it off, back to the warp-per-row matvec).
-#[derive(Clone, Copy, Debug)]
+/// The one-token GEMV's settings, read once from the environment (for benchmarks and sweeps):
+/// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
+/// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
+///   its type (an x-stationary one only where its block fits the row).
+/// - `LLMDIFF_GEMV_KIND=xs|wr|ws`: the work split (default `wr`, warp-rows; `ws` warp-rows with x
+///   in shared memory, where the row's x fits).
+/// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
+///   chunks per step of warp-rows (R also x-stationary's rows per step); the nearest compiled
+///   variant is taken (R first, then NW, then U).
+/// - `LLMDIFF_GEMV_Q4K_MODE=0|1`: the Q4_K integer-to-float form.
+/// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
+///
+/// Defaults: see [`CudaBackend::gemv_default`].
+#[derive(Clone, Debug)]
 struct GemvConfig {
     on: bool,
+    variant: Option<String>,
+    kind: GemvKind,
     r: Option<usize>,
+    nw: Option<usize>,
+    u: Option<usize>,
     q4k_mode: usize,
     bps: Option<u32>,
 }
@@ -335,7 +347,15 @@ impl GemvConfig {
         let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         GemvConfig {
             on: get("LLMDIFF_GEMV") != Some(0),
-            r: get("LLMDIFF_GEMV_R").filter(|r| [2, 4, 6, 8].contains(r)),
+            variant: std::env::var("LLMDIFF_GEMV_VARIANT").ok().filter(|v| !v.is_empty()),
+            kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
+                Ok("xs") => GemvKind::Xs,
+                Ok("ws") => GemvKind::Ws,
+                _ => GemvKind::Wr,
+            },
+            r: get("LLMDIFF_GEMV_R").filter(|r| (1..=8).contains(r)),
+            nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
+            u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
@@ -353,8 +373,10 @@ pub struct CudaBackend {
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
-    /// Resident blocks per SM of a GEMV entry at a block size.
-    occupancy: Mutex<HashMap<(String, u32), u32>>,
+    /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
+    occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
+    /// The dynamic shared memory a `gemvs_*` block may use (set on those entries at load).
+    gemv_smem_max: usize,
     /// Wall time in the all-reduce.
     clock: CommClock,
     /// Freed activation buffers for reuse.
@@ -433,6 +455,12 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
+        // gemvs_* stage a row's x in dynamic shared memory: allow all of the block opt-in limit
+        // but 1 KiB (their static shared memory is at most 512 bytes).
+        let gemv_smem_max = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_or(48 << 10, |b| b.max(48 << 10) as usize)
+            - 1024;
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
             let ptx = compile(id, arch)?;
@@ -443,6 +471,13 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
+                if f.starts_with("gemvs_") {
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        gemv_smem_max as i32,
+                    )
+                    .map_err(drv(&format!("shared memory size of {f}")))?;
+                }
                 funcs.insert(f, func);
             }
         }
@@ -456,6 +491,7 @@ impl CudaBackend {
             sms,
             gemv: GemvConfig::from_env(),
             occupancy: Mutex::new(HashMap::new()),
+            gemv_smem_max,
             clock: CommClock::default(),
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
@@ -533,58 +569,106 @@ impl CudaBackend {
         dev
     }
 
-    /// Launches the matvec (n = 1) or matmul (n > 1) kernel on device buffers.
-    fn launch_linear(
-        &self,
-        s: &Arc<CudaStream>,
-        w: &DevWeight,
-        rows: usize,
-        cols: usize,
-        x: &CudaSlice<f32>,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-    ) {
-        self.launch_linear_with(s, w, rows, cols, x, n, out, None)
-    }
-
     /// The GEMV variant a one-token product of `w` takes by default, if any.
     fn gemv_variant(&self, w: &DevWeight, cols: usize) -> Option<GemvVariant> {
-        if !self.gemv.on {
+        self.gemv_select(w.ty, w.row_bytes, cols, &self.gemv)
+    }
+
+    /// The GEMV variant a one-token product of a `[rows, cols]` weight of type `ty` (ggml row
+    /// length, device layout) takes under the environment's settings, if any (`None`: the
+    /// warp-per-row matvec).
+    ///
+    /// Without settings: warp-rows with R = 8 for Q4_K, 4 for Q8_0 and Q4_1, 2 for F16/BF16
+    /// (a Q4_K unit reads 128 bytes of x, from L1, for 18 of weights, so x's L1 traffic is
+    /// amortized over more rows); NW = 4 warps when the row has at least 128 units, else 2; U = 2
+    /// chunks per step when NW·32·2 units fit in the row (Q4_K: 1, for registers), else 1; the
+    /// nearest compiled variant (R first, then NW, then U). Q4_K mode 0. These are guesses from
+    /// the kernel's shape, to be set from `kernels --bench` on the device. With
+    /// `LLMDIFF_GEMV_KIND=xs`: R 4 (Q4_K, Q8_0, Q4_1) or 2, and the smallest UPT whose block fits.
+    pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
+        let row_bytes = cols / ty.block_elems() * ty.block_bytes();
+        self.gemv_select(ty, row_bytes, cols, &self.gemv)
+    }
+
+    fn gemv_select(&self, ty: GgmlType, row_bytes: usize, cols: usize, cfg: &GemvConfig) -> Option<GemvVariant> {
+        if !cfg.on {
             return None;
         }
-        let ok_shape = match w.ty {
+        let ok_shape = match ty {
             GgmlType::F16 | GgmlType::BF16 => cols % 8 == 0,
-            GgmlType::Q8_0 => w.row_bytes % 16 == 0 && cols % 32 == 0,
+            GgmlType::Q8_0 => row_bytes % 16 == 0 && cols % 32 == 0,
             // Whole 8-byte quant loads: an even number of blocks per row.
-            GgmlType::Q4_1 => cols % 64 == 0 && w.row_bytes == cols / 32 * 20,
-            GgmlType::Q4K => cols % 256 == 0 && w.row_bytes == cols / 256 * 144,
+            GgmlType::Q4_1 => cols % 64 == 0 && row_bytes == cols / 32 * 20,
+            GgmlType::Q4K => cols % 256 == 0 && row_bytes == cols / 256 * 144,
             _ => false,
         };
         if !ok_shape || cols == 0 {
             return None;
         }
-        let units = cols / GemvVariant::unit_values(w.ty);
-        let maxt = GemvVariant::max_threads(w.ty);
-        let upt = [1usize, 2, 4]
+        let units = cols / GemvVariant::unit_values(ty);
+        let maxt = GemvVariant::max_threads(ty);
+        // The smallest UPT whose x-stationary block (⌈units/UPT⌉ threads, whole warps) fits.
+        let xs_upt = [1usize, 2, 4]
             .into_iter()
-            .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt)?;
-        let mode = if w.ty == GgmlType::Q4K { self.gemv.q4k_mode } else { 0 };
-        let r = self.gemv.r.unwrap_or(match w.ty {
-            GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1 => 4,
+            .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
+        if let Some(name) = &cfg.variant {
+            if let Some(v) = GEMV_VARIANTS.iter().find(|v| v.ty == ty && v.entry() == *name) {
+                if self.gemv_fits(*v, cols) {
+                    return Some(*v);
+                }
+            }
+        }
+        let mode = if ty == GgmlType::Q4K { cfg.q4k_mode } else { 0 };
+        let r_default = match (cfg.kind, ty) {
+            (GemvKind::Wr, GgmlType::Q4K) => 8,
+            (_, GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1) => 4,
             _ => 2,
-        });
-        // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
-        let find = |r: usize| {
+        };
+        let r = cfg.r.unwrap_or(r_default);
+        let of = |kind: GemvKind| {
             GEMV_VARIANTS
                 .iter()
                 .copied()
-                .find(|v| v.ty == w.ty && v.r == r && v.upt == upt && v.mode == mode)
+                .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
-        find(r).or_else(|| find(4))
+        let kind = match cfg.kind {
+            GemvKind::Ws if GemvVariant::x_shared_bytes(ty, cols) > self.gemv_smem_max => GemvKind::Wr,
+            k => k,
+        };
+        match kind {
+            GemvKind::Xs => {
+                let upt = xs_upt?;
+                // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
+                let find = |r: usize| of(GemvKind::Xs).find(|v| v.r == r && v.upt == upt);
+                find(r).or_else(|| find(4))
+            }
+            GemvKind::Wr | GemvKind::Ws => {
+                let nw = cfg.nw.unwrap_or(if units >= 128 { 4 } else { 2 });
+                let u = cfg.u.unwrap_or(if ty != GgmlType::Q4K && units >= nw * 32 * 2 {
+                    2
+                } else {
+                    1
+                });
+                of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
+            }
+        }
     }
 
-    /// Launches GEMV variant `v` (n = 1): block of ⌈units/UPT⌉ threads (whole warps), a grid of
-    /// at most the resident blocks, each walking groups of R rows.
+    /// Whether GEMV variant `v` can run a row of `cols` values (of a shape the GEMV takes): an
+    /// x-stationary block must fit in its launch bound, a `gemvs_*` row's x in shared memory.
+    pub fn gemv_fits(&self, v: GemvVariant, cols: usize) -> bool {
+        let units = cols / GemvVariant::unit_values(v.ty);
+        match v.kind {
+            GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
+            GemvKind::Wr => true,
+            GemvKind::Ws => GemvVariant::x_shared_bytes(v.ty, cols) <= self.gemv_smem_max,
+        }
+    }
+
+    /// Launches GEMV variant `v` (n = 1). x-stationary: a block of ⌈units/UPT⌉ threads (whole
+    /// warps), a grid of at most the resident blocks, each walking groups of R rows. Warp-rows:
+    /// NW·32 threads, one block per R rows. Warp-rows with x in shared memory: NW·32 threads and
+    /// the row's x in dynamic shared memory, a grid of at most the resident blocks.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
@@ -596,36 +680,53 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         v: GemvVariant,
     ) {
-        let units = cols / GemvVariant::unit_values(v.ty);
-        let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
-        assert!(
-            threads as usize <= GemvVariant::max_threads(v.ty),
-            "gemv: block too large"
-        );
         let name = v.entry();
         let f = self.func(&name);
-        let occ = {
+        let occupancy = |threads: u32, smem: u32| {
             let mut m = self.occupancy.lock().expect("occupancy map");
-            *m.entry((name, threads))
-                .or_insert_with(|| ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)).max(1))
+            *m.entry((v.entry(), threads, smem)).or_insert_with(|| {
+                ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)).max(1)
+            })
         };
-        let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
-        let groups = rows.div_ceil(v.r);
-        let grid = groups.min((self.sms * per_sm) as usize).max(1) as u32;
+        let (grid, threads, smem) = match v.kind {
+            GemvKind::Xs => {
+                let units = cols / GemvVariant::unit_values(v.ty);
+                let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
+                assert!(
+                    threads as usize <= GemvVariant::max_threads(v.ty),
+                    "gemv: block too large"
+                );
+                let occ = occupancy(threads, 0);
+                let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
+                let groups = rows.div_ceil(v.r);
+                (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
+            }
+            GemvKind::Wr => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Ws => {
+                let smem = GemvVariant::x_shared_bytes(v.ty, cols);
+                assert!(smem <= self.gemv_smem_max, "gemv: x does not fit in shared memory");
+                let (threads, smem) = ((v.nw * 32) as u32, smem as u32);
+                let groups = rows.div_ceil(v.r);
+                let resident = (self.sms * occupancy(threads, smem)) as usize;
+                (groups.min(resident).max(1) as u32, threads, smem)
+            }
+        };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem,
         };
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
-        // device layout, x has cols floats, out rows floats.
+        // SAFETY: the arguments match gemv_*/gemvw_*/gemvs_* in kernels/quant.cu (gemvs_* get the
+        // shared memory their x needs, within the limit set at load); W is rows·row_bytes in
+        // the device layout, x has cols floats, out rows floats.
         ok(unsafe { b.launch(cfg) });
     }
 
-    /// `launch_linear`, with the one-token GEMV variant forced (`Some`) or chosen by default.
+    /// Launches the matvec (n = 1) or matmul (n > 1) kernel on device buffers, or for n = 1 the
+    /// one-token GEMV variant forced (`Some`) or chosen by default, if any.
     #[allow(clippy::too_many_arguments)]
     fn launch_linear_with(
         &self,
@@ -1420,7 +1521,7 @@ impl CudaBackend {
             // The test bytes die here; a later type's may reuse their address and length.
             self.weights.lock().expect("weight map").clear();
         }
-        // Every compiled one-token GEMV variant, on shapes whose rows end in a partial warp of
+        // Every compiled x-stationary GEMV variant, on shapes whose rows end in a partial warp of
         // units and whose row count is not a multiple of R.
         for ty in [
             GgmlType::F16,
@@ -1450,7 +1551,7 @@ impl CudaBackend {
             CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
             let c = c.as_host().to_vec();
             let xd = self.upload(&x);
-            for v in GEMV_VARIANTS.iter().filter(|v| v.ty == ty) {
+            for v in GEMV_VARIANTS.iter().filter(|v| v.ty == ty && v.kind == GemvKind::Xs) {
                 let mut g = self.upload(&vec![f32::NAN; rows]);
                 self.linear_with(&xd, 1, w, &mut g, Some(*v));
                 out.push(compare(
@@ -1465,6 +1566,68 @@ impl CudaBackend {
                 ));
             }
             self.weights.lock().expect("weight map").clear();
+        }
+        // Every warp-rows GEMV variant, x in shared memory or not (and the default selection), on shapes that end in a
+        // partial chunk of 32 units, a partial last step of NW·32·U units, chunks wholly past the
+        // end (skipped), rows not a multiple of R and fewer rows than R; Q4_K from 1 to 70
+        // super-blocks per row, Q4_1 with even block counts (smollm2's widths among them).
+        let wr_shapes: [(GgmlType, &[(usize, usize)]); 5] = [
+            // Units: 8 (one partial chunk), 40, 152, 456, 560 (two steps at NW 4, U 4).
+            (
+                GgmlType::Q4K,
+                &[(256, 37), (1280, 37), (4864, 37), (14592, 3), (17920, 37)],
+            ),
+            // Units: 4, 36, 96, 76, 524 (a partial chunk after 512).
+            (
+                GgmlType::Q4_1,
+                &[(64, 37), (576, 37), (1536, 7), (1216, 37), (8384, 37)],
+            ),
+            // Units: 16, 48, 272.
+            (GgmlType::Q8_0, &[(256, 37), (768, 3), (4352, 37)]),
+            // Units: 1, 129, 257.
+            (GgmlType::F16, &[(8, 37), (1032, 37), (2056, 3)]),
+            (GgmlType::BF16, &[(8, 5), (1032, 37), (2056, 37)]),
+        ];
+        for (ty, shapes) in wr_shapes {
+            for &(cols, rows) in shapes {
+                let wf = noise(rows * cols, 50 + ty as u64 + cols as u64);
+                let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
+                let w = WeightRef::Quant(QMat {
+                    ty,
+                    bytes: &bytes,
+                    rows,
+                    cols,
+                    row_bytes: bytes.len() / rows,
+                });
+                let x = noise(cols, 51 + cols as u64);
+                let mut c = CpuBackend.alloc(rows);
+                CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
+                let c = c.as_host().to_vec();
+                let xd = self.upload(&x);
+                let name = type_suffix(ty).unwrap_or("?");
+                let wr = GEMV_VARIANTS
+                    .iter()
+                    .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
+                    .map(|v| (Some(*v), v.entry()));
+                let default = (
+                    None,
+                    format!(
+                        "default={}",
+                        self.gemv_default(ty, cols).map_or("matvec".into(), |v| v.entry())
+                    ),
+                );
+                for (v, label) in wr.chain([default]) {
+                    let mut g = self.upload(&vec![f32::NAN; rows]);
+                    self.linear_with(&xd, 1, w, &mut g, v);
+                    out.push(compare(
+                        format!("GEMV(type={name},ne=[{cols},{rows}],variant={label})"),
+                        &self.download(&g),
+                        &c,
+                        1e-5,
+                    ));
+                }
+                self.weights.lock().expect("weight map").clear();
+            }
         }
         // Q4_1 with an odd number of blocks per row (no GEMV: the warp-per-row matvec on the
         // repacked layout), one token.
@@ -1864,6 +2027,8 @@ impl CudaBackend {
 #[derive(Clone, Debug)]
 pub struct GemvBench {
     pub case: String,
+    /// The forced GEMV variant's entry point (`None`: the default path).
+    pub variant: Option<String>,
     pub weight_bytes: usize,
     pub seconds: f64,
     pub gb_per_s: f64,
@@ -1945,6 +2110,22 @@ impl CudaBackend {
         n: usize,
         iters: usize,
     ) -> Result<GemvBench, EngineError> {
+        let mut r = self.bench_linear_variants(ty, rows, cols, n, iters, &[None])?;
+        Ok(r.remove(0))
+    }
+
+    /// [`CudaBackend::bench_linear`] for each of `variants` in turn on the same uploaded weights
+    /// (`None`: the default path; `Some`: that one-token GEMV variant, n must be 1). A forced
+    /// variant that cannot run the row ([`CudaBackend::gemv_fits`]) is skipped (no entry).
+    pub fn bench_linear_variants(
+        &self,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        iters: usize,
+        variants: &[Option<GemvVariant>],
+    ) -> Result<Vec<GemvBench>, EngineError> {
         let suffix = type_suffix(ty).ok_or_else(|| EngineError::Cuda(format!("no GPU kernel for {ty:?}")))?;
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
         let w_bytes = rows * row_bytes;
@@ -1963,24 +2144,35 @@ impl CudaBackend {
         }
         let x = s.clone_htod(&noise(n * cols, 3)).map_err(drv("upload"))?;
         let mut out = s.alloc_zeros::<f32>(n * rows).map_err(drv("alloc"))?;
-        for w in ws.iter().take(3) {
-            self.launch_linear(&s, w, rows, cols, &x, n, &mut out);
+        let mut res = Vec::new();
+        for &v in variants {
+            if let Some(v) = v {
+                assert!(n == 1 && v.ty == ty, "bench: a GEMV variant of another type or n > 1");
+                if !self.gemv_fits(v, cols) {
+                    continue;
+                }
+            }
+            for w in ws.iter().take(3) {
+                self.launch_linear_with(&s, w, rows, cols, &x, n, &mut out, v);
+            }
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let t0 = s.record_event(flags).map_err(drv("event"))?;
+            for i in 0..iters {
+                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, n, &mut out, v);
+            }
+            let t1 = s.record_event(flags).map_err(drv("event"))?;
+            t1.synchronize().map_err(drv("sync"))?;
+            let seconds = t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64;
+            let kind = if n == 1 { "GEMV" } else { "GEMM" };
+            res.push(GemvBench {
+                case: format!("{kind}(type={suffix},rows={rows},cols={cols},n={n})"),
+                variant: v.map(|v| v.entry()),
+                weight_bytes: w_bytes,
+                seconds,
+                gb_per_s: w_bytes as f64 / seconds / 1e9,
+            });
         }
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let t0 = s.record_event(flags).map_err(drv("event"))?;
-        for i in 0..iters {
-            self.launch_linear(&s, &ws[i % copies], rows, cols, &x, n, &mut out);
-        }
-        let t1 = s.record_event(flags).map_err(drv("event"))?;
-        t1.synchronize().map_err(drv("sync"))?;
-        let seconds = t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64;
-        let kind = if n == 1 { "GEMV" } else { "GEMM" };
-        Ok(GemvBench {
-            case: format!("{kind}(type={suffix},rows={rows},cols={cols},n={n})"),
-            weight_bytes: w_bytes,
-            seconds,
-            gb_per_s: w_bytes as f64 / seconds / 1e9,
-        })
+        Ok(res)
     }
 
     /// The per-launch cost of the launch paths, over `n` launches each (see [`LaunchCost`]).

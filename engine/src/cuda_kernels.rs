@@ -83,21 +83,43 @@ impl KernelId {
     }
 }
 
-/// One compiled variant of the x-stationary one-token GEMV in `kernels/quant.cu`
-/// (`gemv_<type>_r<R>_u<UPT>_m<MODE>`): R rows per block step, UPT units per thread, MODE the
-/// Q4_K integer-to-float form (0 exact, 1 offset), MAXT the block-size bound it was compiled for.
+/// The two work splits of the one-token GEMV in `kernels/quant.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvKind {
+    /// x-stationary (`gemv_*`): a block holds its slice of x in registers and walks groups of R
+    /// rows grid-stride, double-buffering the next group's weights.
+    Xs,
+    /// warp-rows (`gemvw_*`): a block of NW warps computes R rows; each warp walks 32-unit
+    /// chunks of the row, U chunks per step, reloading x per chunk.
+    Wr,
+    /// warp-rows with x in shared memory (`gemvs_*`): a block stages x (and the units' x sums)
+    /// in shared memory once, lane-major, then walks groups of R rows grid-stride as `Wr` does.
+    Ws,
+}
+
+/// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
+/// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
+/// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
+/// to the row), MODE the Q4_K integer-to-float form (0 exact, 1 offset).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvVariant {
+    pub kind: GemvKind,
     pub ty: GgmlType,
     pub r: usize,
+    pub nw: usize,
     pub upt: usize,
     pub mode: usize,
 }
 
 impl GemvVariant {
+    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>` or `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
-        format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode)
+        match self.kind {
+            GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
+            GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
+            GemvKind::Ws => format!("gemvs_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
+        }
     }
 
     /// Values per unit (one thread's share of a row per step).
@@ -109,19 +131,133 @@ impl GemvVariant {
         }
     }
 
-    /// The largest block the variant was compiled for (`__launch_bounds__`).
+    /// The dynamic shared memory of a `Ws` variant for a row of `cols` values (x lane-major in
+    /// whole 32-unit chunks, plus two floats per unit of x sums for Q4_K and Q4_1).
+    pub fn x_shared_bytes(ty: GgmlType, cols: usize) -> usize {
+        let v = GemvVariant::unit_values(ty);
+        let sums = if matches!(ty, GgmlType::Q4K | GgmlType::Q4_1) {
+            8
+        } else {
+            0
+        };
+        (cols / v).div_ceil(32) * 32 * (4 * v + sums)
+    }
+
+    /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
     pub fn max_threads(_ty: GgmlType) -> usize {
         512
     }
 }
 
 const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
-    GemvVariant { ty, r, upt, mode }
+    GemvVariant {
+        kind: GemvKind::Xs,
+        ty,
+        r,
+        nw: 0,
+        upt,
+        mode,
+    }
 }
 
-/// Every compiled GEMV variant (the `GEMV_RU` and `GEMV_ENTRY` lines of `kernels/quant.cu`):
-/// R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6 and 8 at UPT 1.
-pub const GEMV_VARIANTS: [GemvVariant; 38] = {
+const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVariant {
+    GemvVariant {
+        kind: GemvKind::Wr,
+        ty,
+        r,
+        nw,
+        upt: u,
+        mode,
+    }
+}
+
+const fn gs(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVariant {
+    GemvVariant {
+        kind: GemvKind::Ws,
+        ty,
+        r,
+        nw,
+        upt: u,
+        mode,
+    }
+}
+
+/// The warp-rows variants (the `GEMVW_ENTRY` lines of `kernels/quant.cu`, in the same order): a
+/// sweep set for Q4_K (mode 0, and two of mode 1) and Q4_1, two or three for Q8_0, F16, BF16.
+const GEMVW_VARIANTS: [GemvVariant; 39] = {
+    use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
+    [
+        gw(Q4K, 1, 4, 2, 0),
+        gw(Q4K, 1, 4, 4, 0),
+        gw(Q4K, 2, 2, 2, 0),
+        gw(Q4K, 2, 4, 1, 0),
+        gw(Q4K, 2, 4, 2, 0),
+        gw(Q4K, 2, 4, 4, 0),
+        gw(Q4K, 4, 2, 1, 0),
+        gw(Q4K, 4, 2, 2, 0),
+        gw(Q4K, 4, 4, 1, 0),
+        gw(Q4K, 4, 4, 2, 0),
+        gw(Q4K, 8, 2, 1, 0),
+        gw(Q4K, 8, 4, 1, 0),
+        gw(Q4K, 8, 4, 2, 0),
+        gw(Q4K, 4, 4, 1, 1),
+        gw(Q4K, 4, 4, 2, 1),
+        gw(Q4K, 8, 4, 1, 1),
+        gw(Q4_1, 1, 4, 2, 0),
+        gw(Q4_1, 2, 2, 1, 0),
+        gw(Q4_1, 2, 2, 2, 0),
+        gw(Q4_1, 2, 4, 1, 0),
+        gw(Q4_1, 2, 4, 2, 0),
+        gw(Q4_1, 2, 4, 4, 0),
+        gw(Q4_1, 4, 2, 1, 0),
+        gw(Q4_1, 4, 2, 2, 0),
+        gw(Q4_1, 4, 4, 1, 0),
+        gw(Q4_1, 4, 4, 2, 0),
+        gw(Q4_1, 4, 4, 4, 0),
+        gw(Q4_1, 8, 2, 1, 0),
+        gw(Q4_1, 8, 4, 1, 0),
+        gw(Q4_1, 8, 4, 2, 0),
+        gw(Q8_0, 2, 4, 2, 0),
+        gw(Q8_0, 4, 4, 1, 0),
+        gw(Q8_0, 4, 4, 2, 0),
+        gw(Q8_0, 8, 4, 1, 0),
+        gw(F16, 1, 4, 2, 0),
+        gw(F16, 2, 4, 1, 0),
+        gw(F16, 2, 4, 2, 0),
+        gw(BF16, 2, 4, 1, 0),
+        gw(BF16, 2, 4, 2, 0),
+    ]
+};
+
+/// The warp-rows variants with x in shared memory (the `GEMVS_ENTRY` lines of
+/// `kernels/quant.cu`, in the same order).
+const GEMVS_VARIANTS: [GemvVariant; 16] = {
+    use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
+    [
+        gs(Q4K, 4, 4, 1, 0),
+        gs(Q4K, 4, 4, 2, 0),
+        gs(Q4K, 4, 8, 2, 0),
+        gs(Q4K, 8, 4, 1, 0),
+        gs(Q4K, 8, 8, 1, 0),
+        gs(Q4K, 2, 8, 2, 0),
+        gs(Q4K, 8, 8, 1, 1),
+        gs(Q4_1, 4, 4, 2, 0),
+        gs(Q4_1, 4, 8, 1, 0),
+        gs(Q4_1, 8, 8, 1, 0),
+        gs(Q4_1, 2, 8, 2, 0),
+        gs(Q8_0, 4, 8, 1, 0),
+        gs(Q8_0, 8, 8, 1, 0),
+        gs(F16, 2, 8, 1, 0),
+        gs(F16, 4, 8, 1, 0),
+        gs(BF16, 2, 8, 1, 0),
+    ]
+};
+
+/// Every compiled GEMV variant. x-stationary (the `GEMV_RU` and `GEMV_ENTRY` lines of
+/// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
+/// and 8 at UPT 1. Then the warp-rows ones ([`GEMVW_VARIANTS`]), then those with x in shared
+/// memory ([`GEMVS_VARIANTS`]).
+pub const GEMV_VARIANTS: [GemvVariant; 93] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -131,7 +267,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 38] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 38];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 93];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -141,6 +277,16 @@ pub const GEMV_VARIANTS: [GemvVariant; 38] = {
     }
     out[36] = gv(GgmlType::Q4K, 6, 1, 0);
     out[37] = gv(GgmlType::Q4K, 8, 1, 0);
+    let mut j = 0;
+    while j < GEMVW_VARIANTS.len() {
+        out[38 + j] = GEMVW_VARIANTS[j];
+        j += 1;
+    }
+    let mut k = 0;
+    while k < GEMVS_VARIANTS.len() {
+        out[38 + j + k] = GEMVS_VARIANTS[k];
+        k += 1;
+    }
     out
 };
 
@@ -196,6 +342,20 @@ mod tests {
                         ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
                     }
                     || {
+                        // gemvw_/gemvs_<ty>_r<R>_w<NW>_u<U>_m<M> come from GEMVW_ENTRY/GEMVS_ENTRY(<ty>,
+                        // TY_<TY>, <R>, <NW>, <U>, <M>).
+                        let (kind, rest) = f.split_once('_').unwrap();
+                        ["gemvw", "gemvs"].contains(&kind) && {
+                            let (ty, tail) = rest.split_once("_r").unwrap();
+                            let (r, tail) = tail.split_once("_w").unwrap();
+                            let (nw, tail) = tail.split_once("_u").unwrap();
+                            let (u, m) = tail.split_once("_m").unwrap();
+                            let tyc = format!("TY_{}", ty.to_uppercase());
+                            let mac = kind.to_uppercase();
+                            src.contains(&format!("{mac}_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
+                        }
+                    }
+                    || {
                         // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...) or
                         // GEMV_ENTRY(<ty>, TY, <R>, <U>, <M>, ...).
                         f.strip_prefix("gemv_").is_some_and(|rest| {
@@ -208,6 +368,20 @@ mod tests {
                         })
                     };
                 assert!(defined, "{f} not defined in {}", id.file());
+            }
+        }
+    }
+
+    #[test]
+    fn gemv_variants_are_distinct_and_warp_rows_are_well_formed() {
+        for (i, a) in GEMV_VARIANTS.iter().enumerate() {
+            assert!(
+                GEMV_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()),
+                "{}",
+                a.entry()
+            );
+            if a.kind != GemvKind::Xs {
+                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
             }
         }
     }

@@ -139,7 +139,9 @@ pub struct KernelsArgs {
     /// Compile every kernel module and run each kernel against the CPU engine's on odd shapes.
     #[arg(long)]
     pub check: bool,
-    /// Time GEMV (4096×14336 and 14336×4096; Q4_K, Q8_0, F16) against device-to-device copy bandwidth.
+    /// Time GEMV (4096×14336 and 14336×4096; Q4_K, Q8_0, Q4_1, F16; Q4_1 also 1536×576 and
+    /// 576×1536), the default path and every compiled variant, against device-to-device copy
+    /// bandwidth.
     #[arg(long)]
     pub bench: bool,
     /// Also time the batched form (matmul) at this many tokens (0: skip).

@@ -1,7 +1,8 @@
 //! `llmdiff kernels`: the CUDA kernels on their own. `--check` compiles every module (a compile
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
-//! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run,
-//! and the per-launch cost of the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
+//! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run
+//! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
+//! the default marked), and the per-launch cost of the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
 use crate::cli::KernelsArgs;
@@ -15,7 +16,7 @@ pub fn run(_a: &KernelsArgs) -> anyhow::Result<ExitCode> {
 #[cfg(feature = "cuda")]
 pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     use engine::cuda::CudaBackend;
-    use engine::cuda_kernels::KernelId;
+    use engine::cuda_kernels::{KernelId, GEMV_VARIANTS};
     use references::GgmlType;
     use serde_json::json;
 
@@ -81,22 +82,37 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 &[(4096, 14336), (14336, 4096)]
             };
             for &(rows, cols) in shapes {
+                // The default path at each n, then (n = 1) every compiled GEMV variant of the type
+                // on the same weights, the default's marked `*`.
+                let default = be.gemv_default(ty, cols).map(|v| v.entry());
                 for &n in &ns {
-                    let r = be.bench_linear(ty, rows, cols, n, 200)?;
-                    let frac = r.gb_per_s * 1e9 / copy;
-                    if !a.json {
-                        println!(
-                            "{:<44} {:>8.1} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
-                            r.case,
-                            r.seconds * 1e6,
-                            r.gb_per_s,
-                            frac * 100.0
-                        );
+                    let mut vs = vec![None];
+                    if n == 1 {
+                        vs.extend(GEMV_VARIANTS.iter().filter(|v| v.ty == ty).map(|v| Some(*v)));
                     }
-                    rows_out.push(
-                        json!({"case": r.case, "weight_bytes": r.weight_bytes, "seconds": r.seconds,
-                                         "gb_per_s": r.gb_per_s, "fraction_of_copy": frac}),
-                    );
+                    for r in be.bench_linear_variants(ty, rows, cols, n, 200, &vs)? {
+                        let frac = r.gb_per_s * 1e9 / copy;
+                        let is_default = r.variant.is_some() && r.variant == default;
+                        if !a.json {
+                            let label = match &r.variant {
+                                None if n == 1 => {
+                                    format!("{} [default: {}]", r.case, default.as_deref().unwrap_or("matvec"))
+                                }
+                                None => r.case.clone(),
+                                Some(v) => format!("{} {v}", if is_default { "  *" } else { "   " }),
+                            };
+                            println!(
+                                "{:<64} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
+                                label,
+                                r.seconds * 1e6,
+                                r.gb_per_s,
+                                frac * 100.0
+                            );
+                        }
+                        rows_out.push(json!({"case": r.case, "variant": r.variant, "default": is_default,
+                            "weight_bytes": r.weight_bytes, "seconds": r.seconds, "gb_per_s": r.gb_per_s,
+                            "fraction_of_copy": frac}));
+                    }
                 }
             }
         }
