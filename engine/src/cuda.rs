@@ -126,6 +126,21 @@ struct DevWeight {
     row_bytes: usize,
 }
 
+/// `GemvRows` in kernels/quant.cu, the output rows of a warp-rows GEMV: up to three weight
+/// matrices of one type and width sharing x (q/k/v, gate/up), rows numbered one after another
+/// (matrix 0 below `end[0]`, matrix 1 below `end[1]`, matrix 2 the rest); unused pointers are 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GemvRows {
+    w: [u64; 3],
+    out: [u64; 3],
+    end: [i32; 2],
+}
+
+// SAFETY: #[repr(C)] plain integers laid out as the kernel's struct (three 8-byte pointers, three
+// more, two ints: 56 bytes, 8-byte aligned).
+unsafe impl cudarc::driver::DeviceRepr for GemvRows {}
+
 /// Rows of blocks as the device keeps them: in each row, every block's quant bytes back to back,
 /// then every block's `header` leading bytes (its scales); the same bytes and row length as the
 /// ggml row. Q8_0 (34-byte blocks, a 2-byte f16 d), Q4_1 (20, f16 d and m) and Q4_K (144, d,
@@ -716,13 +731,71 @@ impl CudaBackend {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
+        if v.kind == GemvKind::Wr {
+            return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, v);
+        }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemv_*/gemvw_*/gemvs_* in kernels/quant.cu (gemvs_* get the
-        // shared memory their x needs, within the limit set at load); W is rows·row_bytes in
-        // the device layout, x has cols floats, out rows floats.
+        // SAFETY: the arguments match gemv_*/gemvs_* in kernels/quant.cu (gemvs_* get the shared
+        // memory their x needs, within the limit set at load); W is rows·row_bytes in the device
+        // layout, x has cols floats, out rows floats.
         ok(unsafe { b.launch(cfg) });
+    }
+
+    /// Launches warp-rows GEMV variant `v` over one to three weights of one type and width that
+    /// share `x`, each `(weight, out, rows)`, in one launch (`GemvRows`): a block per R rows of
+    /// their rows taken one after another.
+    fn launch_gemv_rows(
+        &self,
+        s: &Arc<CudaStream>,
+        parts: &mut [(&DevWeight, &mut CudaSlice<f32>, usize)],
+        cols: usize,
+        x: &CudaSlice<f32>,
+        v: GemvVariant,
+    ) {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        assert!(
+            (1..=3).contains(&parts.len()) && v.kind == GemvKind::Wr,
+            "gemv: one to three warp-rows parts"
+        );
+        let row_bytes = parts[0].0.row_bytes;
+        let (total, n_parts): (usize, usize) = (parts.iter().map(|p| p.2).sum(), parts.len());
+        let mut m = GemvRows::default();
+        let mut guards = Vec::with_capacity(2 * parts.len());
+        let mut end = 0usize;
+        for (i, (w, out, rows)) in parts.iter_mut().enumerate() {
+            assert!(
+                w.row_bytes == row_bytes && w.ty == v.ty,
+                "gemv: parts differ in type or width"
+            );
+            assert!(out.len() >= *rows, "gemv: an output is shorter than its rows");
+            let (wp, gw) = w.data.device_ptr(s);
+            let (op, go) = out.device_ptr_mut(s);
+            (m.w[i], m.out[i]) = (wp, op);
+            guards.push(gw);
+            guards.push(go);
+            end += *rows;
+            if i < 2 {
+                m.end[i] = end as i32;
+            }
+        }
+        for e in n_parts..2 {
+            m.end[e] = total as i32;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
+            block_dim: ((v.nw * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
+        let mut b = s.launch_builder(self.func(&v.entry()));
+        b.arg(&m).arg(x).arg(&r).arg(&c).arg(&rb);
+        // SAFETY: the arguments match gemvw_* in kernels/quant.cu: each part's W is rows·row_bytes
+        // in the device layout and its out at least rows floats, x has cols floats; the pointers
+        // stay valid (and ordered on this stream) while `guards` lives, past the launch.
+        ok(unsafe { b.launch(cfg) });
+        drop(guards);
     }
 
     /// Launches the matvec (n = 1) or matmul (n > 1) kernel on device buffers, or for n = 1 the
@@ -1130,6 +1203,33 @@ impl Backend for CudaBackend {
 
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
         self.linear_with(x, n, w, out, None)
+    }
+
+    fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
+        assert_eq!(ws.len(), outs.len(), "linear_many: one output per weight");
+        let s = &self.stream;
+        let cols = ws.first().map_or(0, |w| w.cols());
+        let dws: Vec<Arc<DevWeight>> = ws.iter().map(|w| self.weight(*w, s)).collect();
+        // One warp-rows launch when the weights share a type and width and the default GEMV for
+        // them is warp-rows; otherwise one product each.
+        let same = dws.iter().all(|d| d.ty == dws[0].ty && d.row_bytes == dws[0].row_bytes);
+        let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
+            .then(|| self.gemv_variant(&dws[0], cols))
+            .flatten()
+            .filter(|v| v.kind == GemvKind::Wr);
+        let Some(v) = v else {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.linear(x, n, *w, out);
+            }
+            return;
+        };
+        assert_eq!(x.len(), cols, "linear_many: x is not [1, in]");
+        let mut parts: Vec<(&DevWeight, &mut CudaSlice<f32>, usize)> = Vec::with_capacity(ws.len());
+        for ((w, d), out) in ws.iter().zip(&dws).zip(outs.iter_mut()) {
+            assert_eq!(out.len(), w.rows(), "linear_many: out is not [1, out]");
+            parts.push((d, dev_mut(out), w.rows()));
+        }
+        self.launch_gemv_rows(s, &mut parts, cols, dev(x), v);
     }
 
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
@@ -1707,6 +1807,51 @@ impl CudaBackend {
                     1e-5,
                 ));
             }
+        }
+        // Several products of one token in one warp-rows launch (q/k/v, gate/up): row counts that
+        // split R-row blocks between matrices, then outputs back to back.
+        for (ty, cols, rows_each) in [
+            (GgmlType::Q4K, 512usize, vec![37usize, 5, 12]),
+            (GgmlType::Q4_1, 576, vec![9, 40]),
+            (GgmlType::Q8_0, 256, vec![3, 3, 64]),
+        ] {
+            let bytes: Vec<Vec<u8>> = rows_each
+                .iter()
+                .enumerate()
+                .map(|(i, &r)| {
+                    references::quant::quantize(ty, &noise(r * cols, 80 + i as u64)).expect("quantize test weights")
+                })
+                .collect();
+            let ws: Vec<WeightRef> = bytes
+                .iter()
+                .zip(&rows_each)
+                .map(|(b, &r)| {
+                    WeightRef::Quant(QMat {
+                        ty,
+                        bytes: b,
+                        rows: r,
+                        cols,
+                        row_bytes: b.len() / r,
+                    })
+                })
+                .collect();
+            let x = noise(cols, 90);
+            let (g, c) = both(self, |be| {
+                let mut os: Vec<Buf> = rows_each.iter().map(|&r| be.alloc(r)).collect();
+                let mut refs: Vec<&mut Buf> = os.iter_mut().collect();
+                be.linear_many(&be.upload(&x), 1, &ws, &mut refs);
+                os.iter().flat_map(|o| be.download(o)).collect()
+            });
+            out.push(compare(
+                format!(
+                    "MUL_MAT_MANY(type={},cols={cols},rows={rows_each:?},n=1)",
+                    type_suffix(ty).unwrap_or("?")
+                ),
+                &g,
+                &c,
+                1e-5,
+            ));
+            self.weights.lock().expect("weight map").clear();
         }
         // The residual add fused with the next norm: x after the add, then the normed rows.
         for (d, n, f16) in [(4096usize, 2usize, false), (4098, 3, true), (576, 5, false)] {
