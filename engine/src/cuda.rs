@@ -8,6 +8,9 @@
 //!   `kernels/quant.cu` keep their ggml bytes (Q8_0, Q4_1 and Q4_K rows repacked for coalesced
 //!   loads, same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
 //!   same way.
+//! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
+//!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
+//!   `LLMDIFF_GEMM=0` turns it off); other types and shapes keep the SIMT `matmul_*`.
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -42,6 +45,10 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+
+#[path = "cuda_gemm.rs"]
+mod gemm;
+pub use gemm::GemmBench;
 
 /// Runs `f`, turning a panic of cudarc's dynamic loader (no libcuda / libnvrtc) into an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
@@ -340,6 +347,8 @@ pub struct CudaBackend {
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
+    /// The tensor-core GEMM for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
+    gemm_on: std::sync::atomic::AtomicBool,
     /// Resident blocks per SM of a GEMV entry at a block size.
     occupancy: Mutex<HashMap<(String, u32), u32>>,
     /// Wall time in the all-reduce.
@@ -428,6 +437,7 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             sms,
             gemv: GemvConfig::from_env(),
+            gemm_on: std::sync::atomic::AtomicBool::new(gemm::gemm_on_from_env()),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
             pool: Arc::default(),
@@ -613,6 +623,11 @@ impl CudaBackend {
         if n == 1 {
             if let Some(v) = force.or_else(|| self.gemv_variant(w, cols)) {
                 return self.launch_gemv(s, w, rows, cols, x, out, v);
+            }
+        }
+        if n > 1 {
+            if let Some(entry) = self.gemm_entry(w, cols) {
+                return self.launch_gemm(s, w, rows, cols, x, n, out, entry);
             }
         }
         let (kind, nt) = if n == 1 { ("matvec", 1) } else { ("matmul", 8) };
@@ -1516,6 +1531,7 @@ impl CudaBackend {
             });
             out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
+        out.extend(self.gemm_checks());
         out.push(self.check_decode_graph());
         out
     }

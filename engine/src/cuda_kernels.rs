@@ -17,10 +17,13 @@ pub enum KernelId {
     Ops,
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
     Attention,
+    /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
+    /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
+    Gemm,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 3] = [KernelId::Quant, KernelId::Ops, KernelId::Attention];
+    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
 
     /// The source file's name under `kernels/`.
     pub fn file(self) -> &'static str {
@@ -28,6 +31,7 @@ impl KernelId {
             KernelId::Quant => "quant.cu",
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
+            KernelId::Gemm => "gemm.cu",
         }
     }
 
@@ -37,6 +41,7 @@ impl KernelId {
             KernelId::Quant => include_str!("../../kernels/quant.cu"),
             KernelId::Ops => include_str!("../../kernels/ops.cu"),
             KernelId::Attention => include_str!("../../kernels/attention.cu"),
+            KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
         }
     }
 
@@ -74,6 +79,9 @@ impl KernelId {
             .map(String::from)
             .to_vec(),
             KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
+                .map(String::from)
+                .to_vec(),
+            KernelId::Gemm => ["gemm_split_x", "gemm_q4_k", "gemm_q8_0", "gemm_q4_1"]
                 .map(String::from)
                 .to_vec(),
         }

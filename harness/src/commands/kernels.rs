@@ -1,6 +1,7 @@
 //! `llmdiff kernels`: the CUDA kernels on their own. `--check` compiles every module (a compile
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
 //! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run,
+//! the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul in TFLOP/s,
 //! and the per-launch cost of the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
@@ -100,6 +101,27 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        // Prefill-shaped products (512 tokens, the 8B's FFN and attention shapes): the
+        // tensor-core GEMM beside the SIMT matmul.
+        let mut gemm_out = Vec::new();
+        for (rows, cols) in [(4096usize, 14336usize), (14336, 4096), (4096, 4096)] {
+            let r = be.bench_gemm(GgmlType::Q4K, rows, cols, 512)?;
+            if !a.json {
+                println!(
+                    "{:<44} tensor cores {:>8.1} µs {:>6.1} TFLOP/s   simt matmul {:>8.1} µs {:>6.1} TFLOP/s",
+                    r.case,
+                    r.gemm_seconds * 1e6,
+                    r.gemm_tflops,
+                    r.simt_seconds * 1e6,
+                    r.simt_tflops
+                );
+            }
+            gemm_out.push(
+                json!({"case": r.case, "gemm_seconds": r.gemm_seconds, "gemm_tflops": r.gemm_tflops,
+                                 "simt_seconds": r.simt_seconds, "simt_tflops": r.simt_tflops}),
+            );
+        }
+        doc["gemm_bench"] = json!(gemm_out);
         let lc = be.launch_cost(5000)?;
         if !a.json {
             println!(
