@@ -17,7 +17,9 @@
 //   padding tokens are written as zeros): x_hi, x_lo (f16, [n_pad, cols] each, x_lo right after
 //   x_hi), Σ(x·s) per 32 values ([n_pad, cols/32]) and 1/s ([n_pad]).
 // - gemm_q4_k, gemm_q8_0, gemm_q4_1: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
-//   (4 along rows × 2 along tokens, 32 × 32 each: 2 × 4 mma tiles), K step 64. Each step the
+//   (4 along rows × 2 along tokens, 32 × 32 each: 2 × 4 mma tiles), K step 64; one block per SM
+//   (150–200 registers). gemm_<type>_n32: the same with BN = 32 (warps 32 × 16: 2 × 2 mma
+//   tiles), under 128 registers, two blocks per SM. Each step the
 //   block loads the next step's weight bytes and x tiles into registers while the tensor cores
 //   work on the current one from shared memory; weights become f16 integers on the way to
 //   shared memory (a nibble or byte placed in the mantissa of 1024.0 and one exact f16 FMA).
@@ -36,7 +38,6 @@
 #define TY_Q4_1 4
 
 #define GEMM_BM 128
-#define GEMM_BN 64
 #define GEMM_BK 64
 #define GEMM_LDS 36  // shared row stride in 32-bit words (64 halves + 8 of padding)
 
@@ -139,26 +140,37 @@ __device__ __forceinline__ void k4_pair(const u32 (&h)[4], int j2, u32* sc, u32*
 
 __device__ __forceinline__ u32 ld32g(const u8* p) { return *(const u32*)p; }
 
-template <int TY>
-struct GemmRegs {
-    u32 q[8];    // weight bytes of this thread's share of the step (Q8_0: 32, else 16)
-    u32 h[4];    // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m)
-    uint4 xh[2]; // 16 halves of x_hi
-    uint4 xl[2]; // and of x_lo
-    float xs[2]; // Σx of blocks (Q4_K: 2 of the super-block's 8 sub-blocks; Q4_1: 1)
+// NI: mma tiles of 8 tokens per warp (4: BN = 64 tokens per block; 2: BN = 32). The x tile is
+// loaded by XP = 256 / BN threads per token, each XU uint4s (8 halves each) of x_hi and of x_lo.
+template <int NI>
+struct XTile {
+    static constexpr int BN = 16 * NI;
+    static constexpr int XP = 256 / BN;
+    static constexpr int XU = 64 / XP / 8;
 };
 
-template <int TY>
+template <int TY, int NI>
+struct GemmRegs {
+    u32 q[8];     // weight bytes of this thread's share of the step (Q8_0: 32, else 16)
+    u32 h[4];     // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m)
+    uint4 xh[XTile<NI>::XU];  // halves of x_hi
+    uint4 xl[XTile<NI>::XU];  // and of x_lo
+    float xs[2];  // Σx of blocks (Q4_K: 8 / XP of the super-block's 8 sub-blocks; Q4_1: 1)
+};
+
+template <int TY, int NI>
 __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* __restrict__ xh_row,
                                           const u16* __restrict__ xl_row, const float* __restrict__ xs_row, int ks,
-                                          int cols, int half, int part, bool vec16, GemmRegs<TY>& r) {
+                                          int cols, int half, int part, bool vec16, GemmRegs<TY, NI>& r) {
+    constexpr int XU = XTile<NI>::XU, XP = XTile<NI>::XP;
     const int k0 = ks * GEMM_BK;
-    const uint4* ph = (const uint4*)(xh_row + k0 + 16 * part);
-    const uint4* pl = (const uint4*)(xl_row + k0 + 16 * part);
-    r.xh[0] = ph[0];
-    r.xh[1] = ph[1];
-    r.xl[0] = pl[0];
-    r.xl[1] = pl[1];
+    const uint4* ph = (const uint4*)(xh_row + k0 + 8 * XU * part);
+    const uint4* pl = (const uint4*)(xl_row + k0 + 8 * XU * part);
+#pragma unroll
+    for (int i = 0; i < XU; i++) {
+        r.xh[i] = ph[i];
+        r.xl[i] = pl[i];
+    }
     if constexpr (TY == TY_Q4_K) {
         int sb = ks >> 2, j = ks & 3;
         const u8* qp = wr + (size_t)sb * 128 + 32 * j + 16 * half;
@@ -173,9 +185,13 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
             r.h[1] = hv.y;
             r.h[2] = hv.z;
             r.h[3] = hv.w;
-            float2 s2 = *(const float2*)(xs_row + sb * 8 + 2 * part);
-            r.xs[0] = s2.x;
-            r.xs[1] = s2.y;
+            if constexpr (XP == 4) {
+                float2 s2 = *(const float2*)(xs_row + sb * 8 + 2 * part);
+                r.xs[0] = s2.x;
+                r.xs[1] = s2.y;
+            } else {
+                r.xs[0] = xs_row[sb * 8 + part];
+            }
         }
     } else if constexpr (TY == TY_Q8_0) {
         int blk = 2 * ks + half;
@@ -213,25 +229,28 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
     }
 }
 
-// Shared memory of one block.
+// Shared memory of one block (BN tokens).
+template <int BN>
 struct GemmSmem {
     u32 a[GEMM_BM][GEMM_LDS];   // weight integers as f16 pairs, [row][k/2]
-    u32 bh[GEMM_BN][GEMM_LDS];  // x_hi, [token][k/2]
-    u32 bl[GEMM_BN][GEMM_LDS];  // x_lo
+    u32 bh[BN][GEMM_LDS];     // x_hi, [token][k/2]
+    u32 bl[BN][GEMM_LDS];     // x_lo
     float scale[GEMM_BM][2];    // per-row block scale (Q4_K: [0] = d; else the step's 2 blocks)
     float off[GEMM_BM][8];      // Q4_K: dmin·m per sub-block; Q4_1: m of the step's 2 blocks
-    float xs[GEMM_BN][8];       // Q4_K: Σx per sub-block; Q4_1: Σx of the step's 2 blocks
+    float xs[BN][8];            // Q4_K: Σx per sub-block; Q4_1: Σx of the step's 2 blocks
 };
 
-template <int TY>
-__device__ __forceinline__ void gemm_store(GemmSmem& sm, const GemmRegs<TY>& r, int ks, int row_l, int half, int tok_l,
-                                           int part) {
-    uint4* bh = (uint4*)&sm.bh[tok_l][8 * part];
-    uint4* bl = (uint4*)&sm.bl[tok_l][8 * part];
-    bh[0] = r.xh[0];
-    bh[1] = r.xh[1];
-    bl[0] = r.xl[0];
-    bl[1] = r.xl[1];
+template <int TY, int NI>
+__device__ __forceinline__ void gemm_store(GemmSmem<XTile<NI>::BN>& sm, const GemmRegs<TY, NI>& r, int ks, int row_l, int half,
+                                           int tok_l, int part) {
+    constexpr int XU = XTile<NI>::XU, XP = XTile<NI>::XP;
+    uint4* bh = (uint4*)&sm.bh[tok_l][4 * XU * part];
+    uint4* bl = (uint4*)&sm.bl[tok_l][4 * XU * part];
+#pragma unroll
+    for (int i = 0; i < XU; i++) {
+        bh[i] = r.xh[i];
+        bl[i] = r.xl[i];
+    }
     uint4* arow = (uint4*)&sm.a[row_l][0];
     if constexpr (TY == TY_Q4_K) {
         int j = ks & 3;
@@ -260,8 +279,12 @@ __device__ __forceinline__ void gemm_store(GemmSmem& sm, const GemmRegs<TY>& r, 
                 sm.off[row_l][4 * half + 2 * p] = dmin * (float)(m_ & 0xFF);
                 sm.off[row_l][4 * half + 2 * p + 1] = dmin * (float)((m_ >> 8) & 0xFF);
             }
-            sm.xs[tok_l][2 * part] = r.xs[0];
-            sm.xs[tok_l][2 * part + 1] = r.xs[1];
+            if constexpr (XP == 4) {
+                sm.xs[tok_l][2 * part] = r.xs[0];
+                sm.xs[tok_l][2 * part + 1] = r.xs[1];
+            } else {
+                sm.xs[tok_l][part] = r.xs[0];
+            }
         }
     } else if constexpr (TY == TY_Q8_0) {
         // Bytes xor 0x80 are q + 128: 1024 + q + 128 in the mantissa, minus 1152.
@@ -292,18 +315,19 @@ __device__ __forceinline__ void gemm_store(GemmSmem& sm, const GemmRegs<TY>& r, 
     }
 }
 
-template <int TY>
+template <int TY, int NI>
 __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* __restrict__ xh,
                                           const float* __restrict__ xs, const float* __restrict__ inv,
                                           float* __restrict__ out, int rows, int cols, int row_bytes, int n, int n_pad) {
-    __shared__ __align__(16) GemmSmem sm;
+    __shared__ __align__(16) GemmSmem<XTile<NI>::BN> sm;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp & 3, wn = warp >> 2;
-    const int tok0 = blockIdx.x * GEMM_BN, row0 = blockIdx.y * GEMM_BM;
+    constexpr int BN = XTile<NI>::BN, XP = XTile<NI>::XP;
+    const int tok0 = blockIdx.x * BN, row0 = blockIdx.y * GEMM_BM;
     // Loader roles: weights (row_l, half), x (tok_l, part).
     const int row_l = tid >> 1, half = tid & 1;
-    const int tok_l = tid >> 2, part = tid & 3;
+    const int tok_l = tid / XP, part = tid % XP;
     const u8* wr = W + (size_t)min(row0 + row_l, rows - 1) * row_bytes;
     const u16* xh_row = xh + (size_t)(tok0 + tok_l) * cols;
     const u16* xl_row = xh + (size_t)n_pad * cols + (size_t)(tok0 + tok_l) * cols;
@@ -311,24 +335,24 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
     const bool vec16 = (row_bytes & 15) == 0;
     const int n_steps = cols / GEMM_BK;
 
-    float acc[2][4][4], tmp[2][4][4];
+    float acc[2][NI][4], tmp[2][NI][4];
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++)
+        for (int ni = 0; ni < NI; ni++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 acc[mi][ni][e] = 0.0f;
                 tmp[mi][ni][e] = 0.0f;
             }
 
-    GemmRegs<TY> r;
-    gemm_load<TY>(wr, xh_row, xl_row, xs_row, 0, cols, half, part, vec16, r);
+    GemmRegs<TY, NI> r;
+    gemm_load<TY, NI>(wr, xh_row, xl_row, xs_row, 0, cols, half, part, vec16, r);
     for (int ks = 0; ks < n_steps; ks++) {
         __syncthreads();
-        gemm_store<TY>(sm, r, ks, row_l, half, tok_l, part);
+        gemm_store<TY, NI>(sm, r, ks, row_l, half, tok_l, part);
         __syncthreads();
-        if (ks + 1 < n_steps) gemm_load<TY>(wr, xh_row, xl_row, xs_row, ks + 1, cols, half, part, vec16, r);
+        if (ks + 1 < n_steps) gemm_load<TY, NI>(wr, xh_row, xl_row, xs_row, ks + 1, cols, half, part, vec16, r);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
 #pragma unroll
@@ -344,8 +368,8 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
                     a[mi][3] = sm.a[rr + 8][kw + t + 4];
                 }
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    int cc = wn * 32 + ni * 8 + g;
+                for (int ni = 0; ni < NI; ni++) {
+                    int cc = wn * 8 * NI + ni * 8 + g;
                     u32 h0 = sm.bh[cc][kw + t], h1 = sm.bh[cc][kw + t + 4];
                     u32 l0 = sm.bl[cc][kw + t], l1 = sm.bl[cc][kw + t + 4];
 #pragma unroll
@@ -366,10 +390,10 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
                         float d = sm.scale[rl][TY == TY_Q4_K ? 0 : h];
                         const float* o = &sm.off[rl][TY == TY_Q4_1 ? h : 0];
 #pragma unroll
-                        for (int ni = 0; ni < 4; ni++)
+                        for (int ni = 0; ni < NI; ni++)
 #pragma unroll
                             for (int e1 = 0; e1 < 2; e1++) {
-                                int tl = wn * 32 + ni * 8 + 2 * t + e1;
+                                int tl = wn * 8 * NI + ni * 8 + 2 * t + e1;
                                 int e = 2 * e2 + e1;
                                 float a_ = fmaf(d, tmp[mi][ni][e], acc[mi][ni][e]);
                                 if constexpr (TY == TY_Q4_K) {
@@ -397,32 +421,32 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++)
+        for (int ni = 0; ni < NI; ni++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int row = row0 + wm * 32 + mi * 16 + g + 8 * (e >> 1);
-                int tok = tok0 + wn * 32 + ni * 8 + 2 * t + (e & 1);
+                int tok = tok0 + wn * 8 * NI + ni * 8 + 2 * t + (e & 1);
                 if (row < rows && tok < n) out[(size_t)tok * rows + row] = acc[mi][ni][e] * inv[tok];
             }
 }
 
-// Entry points. W: rows × row_bytes in the device layout; xh: the pre-pass's x_hi then x_lo
-// ([n_pad, cols] f16 each); xs: [n_pad, cols/32]; inv: [n_pad]; out: [n, rows]. Grid
-// (n_pad / 64, ⌈rows / 128⌉), 256 threads. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0.
-extern "C" __global__ __launch_bounds__(256, 1) void gemm_q4_k(const u8* W, const u16* xh, const float* xs,
-                                                                const float* inv, float* out, int rows,
-                                                                int cols, int row_bytes, int n, int n_pad) {
-    gemm_body<TY_Q4_K>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);
-}
+// Entry points gemm_<type> (NI 4: 64-token tiles, one block per SM's worth of registers) and
+// gemm_<type>_n32 (NI 2: 32-token tiles, two blocks per SM). W: rows × row_bytes in the device
+// layout; xh: the pre-pass's x_hi then x_lo ([n_pad, cols] f16 each); xs: [n_pad, cols/32]; inv:
+// [n_pad]; out: [n, rows]. Grid (n_pad / BN, ⌈rows / 128⌉), 256 threads; n_pad a multiple of
+// BN. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0.
+#define GEMM_ENTRY(NAME, TY)                                                                                  \
+    extern "C" __global__ __launch_bounds__(256, 1) void gemm_##NAME(const u8* W, const u16* xh, const float* xs, \
+                                                                      const float* inv, float* out, int rows,  \
+                                                                      int cols, int row_bytes, int n, int n_pad) { \
+        gemm_body<TY, 4>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
+    }                                                                                                         \
+    extern "C" __global__ __launch_bounds__(256, 2) void gemm_##NAME##_n32(                                   \
+        const u8* W, const u16* xh, const float* xs, const float* inv, float* out, int rows, int cols,       \
+        int row_bytes, int n, int n_pad) {                                                                    \
+        gemm_body<TY, 2>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
+    }
 
-extern "C" __global__ __launch_bounds__(256, 1) void gemm_q8_0(const u8* W, const u16* xh, const float* xs,
-                                                                const float* inv, float* out, int rows,
-                                                                int cols, int row_bytes, int n, int n_pad) {
-    gemm_body<TY_Q8_0>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);
-}
-
-extern "C" __global__ __launch_bounds__(256, 1) void gemm_q4_1(const u8* W, const u16* xh, const float* xs,
-                                                                const float* inv, float* out, int rows,
-                                                                int cols, int row_bytes, int n, int n_pad) {
-    gemm_body<TY_Q4_1>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);
-}
+GEMM_ENTRY(q4_k, TY_Q4_K)
+GEMM_ENTRY(q8_0, TY_Q8_0)
+GEMM_ENTRY(q4_1, TY_Q4_1)

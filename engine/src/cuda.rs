@@ -347,8 +347,8 @@ pub struct CudaBackend {
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
-    /// The tensor-core GEMM for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
-    gemm_on: std::sync::atomic::AtomicBool,
+    /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
+    gemm: gemm::GemmState,
     /// Resident blocks per SM of a GEMV entry at a block size.
     occupancy: Mutex<HashMap<(String, u32), u32>>,
     /// Wall time in the all-reduce.
@@ -437,7 +437,7 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             sms,
             gemv: GemvConfig::from_env(),
-            gemm_on: std::sync::atomic::AtomicBool::new(gemm::gemm_on_from_env()),
+            gemm: gemm::GemmState::from_env(),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
             pool: Arc::default(),
@@ -626,8 +626,8 @@ impl CudaBackend {
             }
         }
         if n > 1 {
-            if let Some(entry) = self.gemm_entry(w, cols) {
-                return self.launch_gemm(s, w, rows, cols, x, n, out, entry);
+            if let Some((entry, bn)) = self.gemm_entry(w, cols) {
+                return self.launch_gemm(s, w, rows, cols, x, n, out, entry, bn);
             }
         }
         let (kind, nt) = if n == 1 { ("matvec", 1) } else { ("matmul", 8) };

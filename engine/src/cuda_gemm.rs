@@ -4,7 +4,9 @@
 //!
 //! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0 or Q4_1 (cols % 64
 //! == 0) weight in the repacked device layout, unless `LLMDIFF_GEMM=0`; everything else keeps the
-//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Precision: the weights' integers are exact in f16,
+//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Two tilings: 64 tokens per block (`gemm_<type>`,
+//! the default) or 32 (`gemm_<type>_n32`, fewer registers, two blocks per SM);
+//! `LLMDIFF_GEMM_BN=32` picks the second. Precision: the weights' integers are exact in f16,
 //! each token's x is scaled by a power of two and split into two f16s (x_hi + x_lo, 22 bits), the
 //! tensor cores accumulate in f32, block scales and offsets are applied in f32 (see
 //! `kernels/gemm.cu`).
@@ -15,17 +17,32 @@ use crate::kernels::{QMat, WeightRef};
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use references::GgmlType;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// Token tile of the GEMM (tokens are padded to a multiple of it).
-const GEMM_BN: usize = 64;
 /// Weight-row tile.
 const GEMM_BM: usize = 128;
 
-/// Whether the GEMM is on by default (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul).
-pub(super) fn gemm_on_from_env() -> bool {
-    std::env::var("LLMDIFF_GEMM").map_or(true, |v| v.trim() != "0")
+/// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul) and the token
+/// tile (64, or 32 with `LLMDIFF_GEMM_BN=32`). Atomics so the checks and benches can switch them.
+pub(super) struct GemmState {
+    on: AtomicBool,
+    bn: AtomicUsize,
+}
+
+impl GemmState {
+    pub(super) fn from_env() -> GemmState {
+        let get = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+        GemmState {
+            on: AtomicBool::new(get("LLMDIFF_GEMM") != Some(0)),
+            bn: AtomicUsize::new(if get("LLMDIFF_GEMM_BN") == Some(32) { 32 } else { 64 }),
+        }
+    }
+
+    /// Sets (on, bn), returning the previous settings.
+    fn set(&self, on: bool, bn: usize) -> (bool, usize) {
+        (self.on.swap(on, Ordering::Relaxed), self.bn.swap(bn, Ordering::Relaxed))
+    }
 }
 
 /// The GEMM entry for a weight in its device layout, if the type and shape qualify.
@@ -41,27 +58,28 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
     }
 }
 
-/// A prefill-shaped timing: the tensor-core GEMM and the SIMT matmul on the same product.
+/// A prefill-shaped timing: the tensor-core GEMM (both token tiles) and the SIMT matmul on the
+/// same product.
 #[derive(Clone, Debug)]
 pub struct GemmBench {
     pub case: String,
-    pub gemm_seconds: f64,
-    pub simt_seconds: f64,
-    /// 2·rows·cols·n / seconds, in TFLOP/s.
-    pub gemm_tflops: f64,
-    pub simt_tflops: f64,
+    /// (path, seconds per product, TFLOP/s = 2·rows·cols·n / seconds / 1e12), path `gemm64`,
+    /// `gemm32` or `simt`.
+    pub paths: Vec<(String, f64, f64)>,
 }
 
 impl CudaBackend {
-    /// The GEMM entry a product of n > 1 tokens with `w` takes, if any (`None` when off).
-    pub(super) fn gemm_entry(&self, w: &DevWeight, cols: usize) -> Option<&'static str> {
-        if !self.gemm_on.load(Ordering::Relaxed) {
+    /// The GEMM entry and token tile a product of n > 1 tokens with `w` takes, if any (`None`
+    /// when off).
+    pub(super) fn gemm_entry(&self, w: &DevWeight, cols: usize) -> Option<(&'static str, usize)> {
+        if !self.gemm.on.load(Ordering::Relaxed) {
             return None;
         }
-        gemm_entry_for(w, cols)
+        Some((gemm_entry_for(w, cols)?, self.gemm.bn.load(Ordering::Relaxed)))
     }
 
-    /// Launches the pre-pass and GEMM `entry` on device buffers: x [n, cols], out [n, rows].
+    /// Launches the pre-pass and GEMM `entry` (token tile `bn`, 64 or 32) on device buffers:
+    /// x [n, cols], out [n, rows].
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_gemm(
         &self,
@@ -73,8 +91,9 @@ impl CudaBackend {
         n: usize,
         out: &mut CudaSlice<f32>,
         entry: &'static str,
+        bn: usize,
     ) {
-        let n_pad = n.div_ceil(GEMM_BN) * GEMM_BN;
+        let n_pad = n.div_ceil(bn) * bn;
         // x_hi then x_lo, f16 each: n_pad·cols f32 words hold both.
         let mut xh = self.new_buf(n_pad * cols);
         let mut xs = self.new_buf(n_pad * (cols / 32));
@@ -99,7 +118,12 @@ impl CudaBackend {
             ok(unsafe { b.launch(cfg) });
         }
         let (r, rb) = (rows as i32, w.row_bytes as i32);
-        let mut b = s.launch_builder(self.func(entry));
+        let name = if bn == 32 {
+            format!("{entry}_n32")
+        } else {
+            entry.to_string()
+        };
+        let mut b = s.launch_builder(self.func(&name));
         b.arg(&w.data)
             .arg(dev(&xh))
             .arg(dev(&xs))
@@ -111,7 +135,7 @@ impl CudaBackend {
             .arg(&nn)
             .arg(&np);
         let cfg = LaunchConfig {
-            grid_dim: ((n_pad / GEMM_BN) as u32, rows.div_ceil(GEMM_BM) as u32, 1),
+            grid_dim: ((n_pad / bn) as u32, rows.div_ceil(GEMM_BM) as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -122,13 +146,14 @@ impl CudaBackend {
         ok(unsafe { b.launch(cfg) });
     }
 
-    /// `Backend::linear` through the GEMM (`gemm`) or the SIMT matmul, for the checks.
-    fn linear_path(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf, gemm: bool) -> bool {
-        let prev = self.gemm_on.swap(gemm, Ordering::Relaxed);
+    /// `Backend::linear` through the GEMM with token tile `bn` (`Some`) or the SIMT matmul
+    /// (`None`), for the checks; says whether the GEMM was taken.
+    fn linear_path(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf, bn: Option<usize>) -> bool {
+        let prev = self.gemm.set(bn.is_some(), bn.unwrap_or(64));
         let dw = self.weight(w, &self.stream);
         let took = n > 1 && self.gemm_entry(&dw, w.cols()).is_some();
         self.linear(x, n, w, out);
-        self.gemm_on.store(prev, Ordering::Relaxed);
+        self.gemm.set(prev.0, prev.1);
         took
     }
 
@@ -163,13 +188,17 @@ impl CudaBackend {
                     let mut c = CpuBackend.alloc(n * rows);
                     CpuBackend.linear(&Buf::host(x.clone()), n, w, &mut c);
                     let c = c.as_host().to_vec();
-                    let paths: &[bool] = if n == 9 { &[true, false] } else { &[true] };
-                    for &gemm in paths {
+                    let paths: &[Option<usize>] = if n == 9 {
+                        &[Some(64), Some(32), None]
+                    } else {
+                        &[Some(64), Some(32)]
+                    };
+                    for &bn in paths {
                         let xd = self.upload(&x);
                         let mut g = self.upload(&vec![f32::NAN; n * rows]);
-                        let took = self.linear_path(&xd, n, w, &mut g, gemm);
+                        let took = self.linear_path(&xd, n, w, &mut g, bn);
                         let g = self.download(&g);
-                        let path = if gemm { "gemm" } else { "simt" };
+                        let path = bn.map_or("simt".to_string(), |b| format!("gemm{b}"));
                         let mut check = per_token(
                             format!("MUL_MAT(type={name},ne=[{cols},{rows}],n={n},path={path})"),
                             &g,
@@ -179,7 +208,7 @@ impl CudaBackend {
                             1e-5,
                         );
                         // The case must have taken the path it names.
-                        check.pass &= took == gemm;
+                        check.pass &= took == bn.is_some();
                         out.push(check);
                     }
                 }
@@ -189,23 +218,26 @@ impl CudaBackend {
         out
     }
 
-    /// Times a prefill-shaped product on the GEMM and on the SIMT matmul (`bench_linear` with
-    /// the GEMM on, then off).
+    /// Times a prefill-shaped product on the GEMM (64- and 32-token tiles) and on the SIMT
+    /// matmul (`bench_linear` with the GEMM switched).
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
-        let prev = self.gemm_on.swap(true, Ordering::Relaxed);
-        let g = self.bench_linear(ty, rows, cols, n, 50);
-        self.gemm_on.store(false, Ordering::Relaxed);
-        let m = self.bench_linear(ty, rows, cols, n, 10);
-        self.gemm_on.store(prev, Ordering::Relaxed);
-        let (g, m) = (g?, m?);
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
+        let mut paths = Vec::new();
+        for (label, on, bn, iters) in [
+            ("gemm64", true, 64, 50),
+            ("gemm32", true, 32, 50),
+            ("simt", false, 64, 10),
+        ] {
+            let prev = self.gemm.set(on, bn);
+            let r = self.bench_linear(ty, rows, cols, n, iters);
+            self.gemm.set(prev.0, prev.1);
+            let secs = r?.seconds;
+            paths.push((label.to_string(), secs, flop / secs / 1e12));
+        }
         let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");
         Ok(GemmBench {
             case: format!("GEMM(type={name},rows={rows},cols={cols},n={n})"),
-            gemm_seconds: g.seconds,
-            simt_seconds: m.seconds,
-            gemm_tflops: flop / g.seconds / 1e12,
-            simt_tflops: flop / m.seconds / 1e12,
+            paths,
         })
     }
 }

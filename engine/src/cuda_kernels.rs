@@ -81,9 +81,13 @@ impl KernelId {
             KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
                 .map(String::from)
                 .to_vec(),
-            KernelId::Gemm => ["gemm_split_x", "gemm_q4_k", "gemm_q8_0", "gemm_q4_1"]
-                .map(String::from)
-                .to_vec(),
+            KernelId::Gemm => std::iter::once("gemm_split_x".to_string())
+                .chain(
+                    ["q4_k", "q8_0", "q4_1"]
+                        .iter()
+                        .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
+                )
+                .collect(),
         }
     }
 }
@@ -197,6 +201,13 @@ mod tests {
                         // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
                         let (kind, ty) = f.split_once('_').unwrap();
                         ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
+                    }
+                    || {
+                        // gemm_<ty> and gemm_<ty>_n32 come from GEMM_ENTRY(<ty>, ...).
+                        f.strip_prefix("gemm_").is_some_and(|rest| {
+                            let ty = rest.strip_suffix("_n32").unwrap_or(rest);
+                            src.contains(&format!("GEMM_ENTRY({ty}, "))
+                        })
                     }
                     || {
                         // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...) or

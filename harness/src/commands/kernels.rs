@@ -107,19 +107,19 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
         for (rows, cols) in [(4096usize, 14336usize), (14336, 4096), (4096, 4096)] {
             let r = be.bench_gemm(GgmlType::Q4K, rows, cols, 512)?;
             if !a.json {
-                println!(
-                    "{:<44} tensor cores {:>8.1} µs {:>6.1} TFLOP/s   simt matmul {:>8.1} µs {:>6.1} TFLOP/s",
-                    r.case,
-                    r.gemm_seconds * 1e6,
-                    r.gemm_tflops,
-                    r.simt_seconds * 1e6,
-                    r.simt_tflops
-                );
+                let parts: Vec<String> = r
+                    .paths
+                    .iter()
+                    .map(|(p, s, tf)| format!("{p} {:>8.1} µs {:>6.1} TFLOP/s", s * 1e6, tf))
+                    .collect();
+                println!("{:<44} {}", r.case, parts.join("   "));
             }
-            gemm_out.push(
-                json!({"case": r.case, "gemm_seconds": r.gemm_seconds, "gemm_tflops": r.gemm_tflops,
-                                 "simt_seconds": r.simt_seconds, "simt_tflops": r.simt_tflops}),
-            );
+            let paths: Vec<_> = r
+                .paths
+                .iter()
+                .map(|(p, s, tf)| json!({"path": p, "seconds": s, "tflops": tf}))
+                .collect();
+            gemm_out.push(json!({"case": r.case, "paths": paths}));
         }
         doc["gemm_bench"] = json!(gemm_out);
         let lc = be.launch_cost(5000)?;
