@@ -8,6 +8,9 @@
 //!   `kernels/quant.cu` keep their ggml bytes (Q8_0, Q4_1 and Q4_K rows repacked for coalesced
 //!   loads, same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
 //!   same way.
+//! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
+//!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
+//!   `LLMDIFF_GEMM=0` turns it off); other types and shapes keep the SIMT `matmul_*`.
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -44,6 +47,10 @@ use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+
+#[path = "cuda_gemm.rs"]
+mod gemm;
+pub use gemm::GemmBench;
 
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
@@ -388,6 +395,8 @@ pub struct CudaBackend {
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
     gemv: GemvConfig,
+    /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
+    gemm: gemm::GemmState,
     /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
     occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
     /// The dynamic shared memory a `gemvs_*` block may use (set on those entries at load).
@@ -505,6 +514,7 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             sms,
             gemv: GemvConfig::from_env(),
+            gemm: gemm::GemmState::from_env(),
             occupancy: Mutex::new(HashMap::new()),
             gemv_smem_max,
             clock: CommClock::default(),
@@ -815,6 +825,11 @@ impl CudaBackend {
         if n == 1 {
             if let Some(v) = force.or_else(|| self.gemv_variant(w, cols)) {
                 return self.launch_gemv(s, w, rows, cols, x, out, v);
+            }
+        }
+        if n > 1 {
+            if let Some((entry, bn)) = self.gemm_entry(w, cols) {
+                return self.launch_gemm(s, w, rows, cols, x, n, out, entry, bn);
             }
         }
         let (kind, nt) = if n == 1 { ("matvec", 1) } else { ("matmul", 8) };
@@ -2092,6 +2107,7 @@ impl CudaBackend {
             });
             out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
+        out.extend(self.gemm_checks());
         out.push(self.check_decode_graph());
         out
     }

@@ -17,10 +17,13 @@ pub enum KernelId {
     Ops,
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
     Attention,
+    /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
+    /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
+    Gemm,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 3] = [KernelId::Quant, KernelId::Ops, KernelId::Attention];
+    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
 
     /// The source file's name under `kernels/`.
     pub fn file(self) -> &'static str {
@@ -28,6 +31,7 @@ impl KernelId {
             KernelId::Quant => "quant.cu",
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
+            KernelId::Gemm => "gemm.cu",
         }
     }
 
@@ -37,6 +41,7 @@ impl KernelId {
             KernelId::Quant => include_str!("../../kernels/quant.cu"),
             KernelId::Ops => include_str!("../../kernels/ops.cu"),
             KernelId::Attention => include_str!("../../kernels/attention.cu"),
+            KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
         }
     }
 
@@ -79,6 +84,13 @@ impl KernelId {
             KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
                 .map(String::from)
                 .to_vec(),
+            KernelId::Gemm => std::iter::once("gemm_split_x".to_string())
+                .chain(
+                    ["q4_k", "q8_0", "q4_1"]
+                        .iter()
+                        .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
+                )
+                .collect(),
         }
     }
 }
@@ -354,6 +366,13 @@ mod tests {
                             let mac = kind.to_uppercase();
                             src.contains(&format!("{mac}_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
                         }
+                    }
+                    || {
+                        // gemm_<ty> and gemm_<ty>_n32 come from GEMM_ENTRY(<ty>, ...).
+                        f.strip_prefix("gemm_").is_some_and(|rest| {
+                            let ty = rest.strip_suffix("_n32").unwrap_or(rest);
+                            src.contains(&format!("GEMM_ENTRY({ty}, "))
+                        })
                     }
                     || {
                         // gemv_<ty>_r<R>_u<U>_m<M> come from GEMV_RU(<ty>, TY, <M>, ...) or

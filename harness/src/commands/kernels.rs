@@ -2,7 +2,9 @@
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
 //! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
-//! the default marked), and the per-launch cost of the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
+//! the default marked), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul
+//! in TFLOP/s, and the per-launch cost of the launch paths (cudarc's builder, raw
+//! `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
 use crate::cli::KernelsArgs;
@@ -116,6 +118,27 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        // Prefill-shaped products (512 tokens, the 8B's FFN and attention shapes): the
+        // tensor-core GEMM beside the SIMT matmul.
+        let mut gemm_out = Vec::new();
+        for (rows, cols) in [(4096usize, 14336usize), (14336, 4096), (4096, 4096)] {
+            let r = be.bench_gemm(GgmlType::Q4K, rows, cols, 512)?;
+            if !a.json {
+                let parts: Vec<String> = r
+                    .paths
+                    .iter()
+                    .map(|(p, s, tf)| format!("{p} {:>8.1} µs {:>6.1} TFLOP/s", s * 1e6, tf))
+                    .collect();
+                println!("{:<44} {}", r.case, parts.join("   "));
+            }
+            let paths: Vec<_> = r
+                .paths
+                .iter()
+                .map(|(p, s, tf)| json!({"path": p, "seconds": s, "tflops": tf}))
+                .collect();
+            gemm_out.push(json!({"case": r.case, "paths": paths}));
+        }
+        doc["gemm_bench"] = json!(gemm_out);
         let lc = be.launch_cost(5000)?;
         if !a.json {
             println!(

@@ -1,0 +1,452 @@
+// Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0
+// and Q4_1 weights in the device layouts of kernels/quant.cu (quants first, then the headers),
+// at f32-like precision.
+//
+// Precision argument. A weight is (block scale) × (small integer) [− (block offset)]; the
+// integers (Q4_K: q·sc ≤ 15·63 = 945; Q8_0: −128..127; Q4_1: 0..15) are exact in f16. Each
+// token's x is scaled by a power of two s (max |x·s| in [2^14, 2^15); exact) and split into two
+// f16s, x_hi = f16(x·s), x_lo = f16(x·s − x_hi): 22 significant bits, the split error is at most
+// 2^-22 of max |x·s| per value. The tensor cores (mma.sync m16n8k16, f16 × f16 → f32) form
+// integer × x_hi and integer × x_lo exactly (11 × 11 bits) and accumulate in f32. Per block
+// (Q8_0, Q4_1: 32 values; Q4_K: one 256-value super-block) the f32 partial sum is scaled by the
+// block's d on the CUDA cores, the offset terms (Q4_1 m·Σx, Q4_K dmin·Σ m_sub·Σx_sub) are added
+// with per-32-value sums of x·s from the pre-pass, and the result is divided by s (exact).
+//
+// Kernels:
+// - gemm_split_x: the pre-pass, one block per token of n_pad (n rounded up to the N tile; the
+//   padding tokens are written as zeros): x_hi, x_lo (f16, [n_pad, cols] each, x_lo right after
+//   x_hi), Σ(x·s) per 32 values ([n_pad, cols/32]) and 1/s ([n_pad]).
+// - gemm_q4_k, gemm_q8_0, gemm_q4_1: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
+//   (4 along rows × 2 along tokens, 32 × 32 each: 2 × 4 mma tiles), K step 64; one block per SM
+//   (150–200 registers). gemm_<type>_n32: the same with BN = 32 (warps 32 × 16: 2 × 2 mma
+//   tiles), under 128 registers, two blocks per SM. Each step the
+//   block loads the next step's weight bytes and x tiles into registers while the tensor cores
+//   work on the current one from shared memory; weights become f16 integers on the way to
+//   shared memory (a nibble or byte placed in the mantissa of 1024.0 and one exact f16 FMA).
+//   Rows past `rows` read the last row and are not stored; tokens past n are zeros (n_pad).
+//   Grid: x = token tiles (fastest, so the token tiles of one weight tile run together and the
+//   weight bytes come from L2 after the first), y = row tiles.
+//
+// mma.m16n8k16 fragments (groupID g = lane/4, t = lane%4): A (16 × 16, row-major) {a0,a1} =
+// (row g, k 2t, 2t+1), {a2,a3} = (row g+8, k 2t..), {a4,a5} = (row g, k 2t+8..), {a6,a7} =
+// (row g+8, k 2t+8..); B (16 × 8, "col": each token's k contiguous) {b0,b1} = (k 2t, 2t+1,
+// token g), {b2,b3} = (k 2t+8.., token g); C {c0,c1} = (row g, tokens 2t, 2t+1), {c2,c3} =
+// (row g+8, same tokens).
+
+#define TY_Q8_0 7
+#define TY_Q4_K 8
+#define TY_Q4_1 4
+
+#define GEMM_BM 128
+#define GEMM_BK 64
+#define GEMM_LDS 36  // shared row stride in 32-bit words (64 halves + 8 of padding)
+
+// Token pre-pass: see the file comment. One block of 256 threads per token of n_pad.
+extern "C" __global__ void gemm_split_x(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xs,
+                                        float* __restrict__ inv, int n, int n_pad, int cols) {
+    __shared__ float scratch[32];
+    int tok = blockIdx.x;
+    const int nb = cols >> 5;
+    u16* hi = xh + (size_t)tok * cols;
+    u16* lo = xh + (size_t)n_pad * cols + (size_t)tok * cols;
+    float* sums = xs + (size_t)tok * nb;
+    if (tok >= n) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+            hi[i] = 0;
+            lo[i] = 0;
+        }
+        for (int b = threadIdx.x; b < nb; b += blockDim.x) sums[b] = 0.0f;
+        if (threadIdx.x == 0) inv[tok] = 0.0f;
+        return;
+    }
+    const float* xr = x + (size_t)tok * cols;
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(xr[i]));
+    m = block_max(m, scratch);
+    // s = 2^shift with max |x·s| in [2^14, 2^15); all-zero tokens keep s = 1.
+    int shift = 0;
+    if (m > 0.0f) {
+        int e = (int)((__float_as_uint(m) >> 23) & 0xFF) - 127;
+        shift = min(14 - e, 126);
+    }
+    float s = __uint_as_float((u32)(127 + shift) << 23);
+    if (threadIdx.x == 0) inv[tok] = __uint_as_float((u32)(127 - shift) << 23);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i] * s;
+        u16 h, l;
+        asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
+        float r = v - f16_to_f32(h);
+        asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(l) : "f"(r));
+        hi[i] = h;
+        lo[i] = l;
+    }
+    // Σ(x·s) per 32 values: warp w takes blocks w, w + 8, ...; fixed shuffle order.
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int b = warp; b < nb; b += n_warps) {
+        float v = warp_sum(xr[b * 32 + lane] * s);
+        if (lane == 0) sums[b] = v;
+    }
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Two floats as f16x2: lo in bits 0..15, hi in bits 16..31.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+// Bytes 0, 1 of w in the low byte of each half (pair 0), or bytes 2, 3 (pair 1).
+__device__ __forceinline__ u32 bytes_to_halves(u32 w, int pair) {
+    return __byte_perm(w, 0u, pair ? 0x4342u : 0x4140u);
+}
+
+// 16 nibble pairs → f16 integers times `mul`: low nibbles to lo[0..8), high nibbles to hi[0..8)
+// (each u32 two consecutive values). v = 1024 + q exactly (q in the mantissa), then
+// fma(v, mul, −1024·mul) = q·mul exactly (|q·mul| ≤ 945 in every use).
+__device__ __forceinline__ void nibbles_to_f16(const u32 (&q)[4], u32 mul, u32 neg_off, u32 (&lo)[8], u32 (&hi)[8]) {
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            u32 t = bytes_to_halves(q[w], p);
+            lo[2 * w + p] = hfma2((t & 0x000F000Fu) | 0x64006400u, mul, neg_off);
+            hi[2 * w + p] = hfma2(((t >> 4) & 0x000F000Fu) | 0x64006400u, mul, neg_off);
+        }
+    }
+}
+
+// Q4_K header words h[0..4) (d|dmin, 12 scale bytes): 6-bit scales and mins of sub-blocks 2j2
+// and 2j2+1 (ggml's get_scale_min_k4), bytes 0 and 1 of *sc and *mn.
+__device__ __forceinline__ void k4_pair(const u32 (&h)[4], int j2, u32* sc, u32* mn) {
+    int sh = (j2 & 1) * 16;
+    u32 a = h[1] >> sh, b = h[2] >> sh, c = h[3] >> sh;
+    *sc = j2 < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
+    *mn = j2 < 2 ? (b & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((b >> 2) & 0x3030u));
+}
+
+__device__ __forceinline__ u32 ld32g(const u8* p) { return *(const u32*)p; }
+
+// NI: mma tiles of 8 tokens per warp (4: BN = 64 tokens per block; 2: BN = 32). The x tile is
+// loaded by XP = 256 / BN threads per token, each XU uint4s (8 halves each) of x_hi and of x_lo.
+template <int NI>
+struct XTile {
+    static constexpr int BN = 16 * NI;
+    static constexpr int XP = 256 / BN;
+    static constexpr int XU = 64 / XP / 8;
+};
+
+template <int TY, int NI>
+struct GemmRegs {
+    u32 q[8];     // weight bytes of this thread's share of the step (Q8_0: 32, else 16)
+    u32 h[4];     // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m)
+    uint4 xh[XTile<NI>::XU];  // halves of x_hi
+    uint4 xl[XTile<NI>::XU];  // and of x_lo
+    float xs[2];  // Σx of blocks (Q4_K: 8 / XP of the super-block's 8 sub-blocks; Q4_1: 1)
+};
+
+template <int TY, int NI>
+__device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* __restrict__ xh_row,
+                                          const u16* __restrict__ xl_row, const float* __restrict__ xs_row, int ks,
+                                          int cols, int half, int part, bool vec16, GemmRegs<TY, NI>& r) {
+    constexpr int XU = XTile<NI>::XU, XP = XTile<NI>::XP;
+    const int k0 = ks * GEMM_BK;
+    const uint4* ph = (const uint4*)(xh_row + k0 + 8 * XU * part);
+    const uint4* pl = (const uint4*)(xl_row + k0 + 8 * XU * part);
+#pragma unroll
+    for (int i = 0; i < XU; i++) {
+        r.xh[i] = ph[i];
+        r.xl[i] = pl[i];
+    }
+    if constexpr (TY == TY_Q4_K) {
+        int sb = ks >> 2, j = ks & 3;
+        const u8* qp = wr + (size_t)sb * 128 + 32 * j + 16 * half;
+        uint4 v = *(const uint4*)qp;
+        r.q[0] = v.x;
+        r.q[1] = v.y;
+        r.q[2] = v.z;
+        r.q[3] = v.w;
+        if (j == 0) {
+            uint4 hv = *(const uint4*)(wr + (size_t)(cols >> 8) * 128 + (size_t)sb * 16);
+            r.h[0] = hv.x;
+            r.h[1] = hv.y;
+            r.h[2] = hv.z;
+            r.h[3] = hv.w;
+            if constexpr (XP == 4) {
+                float2 s2 = *(const float2*)(xs_row + sb * 8 + 2 * part);
+                r.xs[0] = s2.x;
+                r.xs[1] = s2.y;
+            } else {
+                r.xs[0] = xs_row[sb * 8 + part];
+            }
+        }
+    } else if constexpr (TY == TY_Q8_0) {
+        int blk = 2 * ks + half;
+        const u8* qp = wr + (size_t)blk * 32;
+        if (vec16) {
+            uint4 a = *(const uint4*)qp, b = *(const uint4*)(qp + 16);
+            r.q[0] = a.x;
+            r.q[1] = a.y;
+            r.q[2] = a.z;
+            r.q[3] = a.w;
+            r.q[4] = b.x;
+            r.q[5] = b.y;
+            r.q[6] = b.z;
+            r.q[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) r.q[i] = ld32g(qp + 4 * i);
+        }
+        r.h[0] = ld16(wr + cols + 2 * blk);
+    } else {
+        int blk = 2 * ks + half;
+        const u8* qp = wr + (size_t)blk * 16;
+        if (vec16) {
+            uint4 a = *(const uint4*)qp;
+            r.q[0] = a.x;
+            r.q[1] = a.y;
+            r.q[2] = a.z;
+            r.q[3] = a.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) r.q[i] = ld32g(qp + 4 * i);
+        }
+        r.h[0] = ld32g(wr + (cols >> 1) + 4 * blk);
+        if (part < 2) r.xs[0] = xs_row[2 * ks + part];
+    }
+}
+
+// Shared memory of one block (BN tokens).
+template <int BN>
+struct GemmSmem {
+    u32 a[GEMM_BM][GEMM_LDS];   // weight integers as f16 pairs, [row][k/2]
+    u32 bh[BN][GEMM_LDS];     // x_hi, [token][k/2]
+    u32 bl[BN][GEMM_LDS];     // x_lo
+    float scale[GEMM_BM][2];    // per-row block scale (Q4_K: [0] = d; else the step's 2 blocks)
+    float off[GEMM_BM][8];      // Q4_K: dmin·m per sub-block; Q4_1: m of the step's 2 blocks
+    float xs[BN][8];            // Q4_K: Σx per sub-block; Q4_1: Σx of the step's 2 blocks
+};
+
+template <int TY, int NI>
+__device__ __forceinline__ void gemm_store(GemmSmem<XTile<NI>::BN>& sm, const GemmRegs<TY, NI>& r, int ks, int row_l, int half,
+                                           int tok_l, int part) {
+    constexpr int XU = XTile<NI>::XU, XP = XTile<NI>::XP;
+    uint4* bh = (uint4*)&sm.bh[tok_l][4 * XU * part];
+    uint4* bl = (uint4*)&sm.bl[tok_l][4 * XU * part];
+#pragma unroll
+    for (int i = 0; i < XU; i++) {
+        bh[i] = r.xh[i];
+        bl[i] = r.xl[i];
+    }
+    uint4* arow = (uint4*)&sm.a[row_l][0];
+    if constexpr (TY == TY_Q4_K) {
+        int j = ks & 3;
+        u32 sc, mn;
+        k4_pair(r.h, j, &sc, &mn);
+        // Low nibbles: sub-block 2j (k 0..32 of the step), high: 2j+1 (k 32..64).
+        float s0 = (float)(sc & 0xFF), s1 = (float)((sc >> 8) & 0xFF);
+        u32 mul0 = pack_f16x2(s0, s0), mul1 = pack_f16x2(s1, s1);
+        u32 neg0 = pack_f16x2(-1024.0f * s0, -1024.0f * s0), neg1 = pack_f16x2(-1024.0f * s1, -1024.0f * s1);
+        const u32 q[4] = {r.q[0], r.q[1], r.q[2], r.q[3]};
+        u32 lo[8], hi[8], lo1[8], hi1[8];
+        nibbles_to_f16(q, mul0, neg0, lo, hi1);
+        nibbles_to_f16(q, mul1, neg1, lo1, hi);
+        // lo: sub 2j values 16·half.. (words 8·half..), hi: sub 2j+1 (words 16 + 8·half..).
+        arow[2 * half] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        arow[2 * half + 1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        arow[4 + 2 * half] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        arow[5 + 2 * half] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+        if (j == 0) {
+            float dmin = f16_to_f32((u16)(r.h[0] >> 16));
+            if (half == 0) sm.scale[row_l][0] = f16_to_f32((u16)(r.h[0] & 0xFFFF));
+#pragma unroll
+            for (int p = 0; p < 2; p++) {
+                u32 s_, m_;
+                k4_pair(r.h, 2 * half + p, &s_, &m_);
+                sm.off[row_l][4 * half + 2 * p] = dmin * (float)(m_ & 0xFF);
+                sm.off[row_l][4 * half + 2 * p + 1] = dmin * (float)((m_ >> 8) & 0xFF);
+            }
+            if constexpr (XP == 4) {
+                sm.xs[tok_l][2 * part] = r.xs[0];
+                sm.xs[tok_l][2 * part + 1] = r.xs[1];
+            } else {
+                sm.xs[tok_l][part] = r.xs[0];
+            }
+        }
+    } else if constexpr (TY == TY_Q8_0) {
+        // Bytes xor 0x80 are q + 128: 1024 + q + 128 in the mantissa, minus 1152.
+        const u32 one = 0x3C003C00u, neg = 0xE480E480u;
+        u32 v[16];
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            u32 b = r.q[w] ^ 0x80808080u;
+            v[2 * w] = hfma2(bytes_to_halves(b, 0) | 0x64006400u, one, neg);
+            v[2 * w + 1] = hfma2(bytes_to_halves(b, 1) | 0x64006400u, one, neg);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) arow[4 * half + i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+        sm.scale[row_l][half] = f16_to_f32((u16)r.h[0]);
+    } else {
+        // Block 2ks + half: low nibbles are values 0..16, high nibbles 16..32.
+        const u32 one = 0x3C003C00u, neg = 0xE400E400u;
+        const u32 q[4] = {r.q[0], r.q[1], r.q[2], r.q[3]};
+        u32 lo[8], hi[8];
+        nibbles_to_f16(q, one, neg, lo, hi);
+        arow[4 * half] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        arow[4 * half + 1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        arow[4 * half + 2] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        arow[4 * half + 3] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+        sm.scale[row_l][half] = f16_to_f32((u16)(r.h[0] & 0xFFFF));
+        sm.off[row_l][half] = f16_to_f32((u16)(r.h[0] >> 16));
+        if (part < 2) sm.xs[tok_l][part] = r.xs[0];
+    }
+}
+
+template <int TY, int NI>
+__device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* __restrict__ xh,
+                                          const float* __restrict__ xs, const float* __restrict__ inv,
+                                          float* __restrict__ out, int rows, int cols, int row_bytes, int n, int n_pad) {
+    __shared__ __align__(16) GemmSmem<XTile<NI>::BN> sm;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp & 3, wn = warp >> 2;
+    constexpr int BN = XTile<NI>::BN, XP = XTile<NI>::XP;
+    const int tok0 = blockIdx.x * BN, row0 = blockIdx.y * GEMM_BM;
+    // Loader roles: weights (row_l, half), x (tok_l, part).
+    const int row_l = tid >> 1, half = tid & 1;
+    const int tok_l = tid / XP, part = tid % XP;
+    const u8* wr = W + (size_t)min(row0 + row_l, rows - 1) * row_bytes;
+    const u16* xh_row = xh + (size_t)(tok0 + tok_l) * cols;
+    const u16* xl_row = xh + (size_t)n_pad * cols + (size_t)(tok0 + tok_l) * cols;
+    const float* xs_row = xs + (size_t)(tok0 + tok_l) * (cols >> 5);
+    const bool vec16 = (row_bytes & 15) == 0;
+    const int n_steps = cols / GEMM_BK;
+
+    float acc[2][NI][4], tmp[2][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[mi][ni][e] = 0.0f;
+                tmp[mi][ni][e] = 0.0f;
+            }
+
+    GemmRegs<TY, NI> r;
+    gemm_load<TY, NI>(wr, xh_row, xl_row, xs_row, 0, cols, half, part, vec16, r);
+    for (int ks = 0; ks < n_steps; ks++) {
+        __syncthreads();
+        gemm_store<TY, NI>(sm, r, ks, row_l, half, tok_l, part);
+        __syncthreads();
+        if (ks + 1 < n_steps) gemm_load<TY, NI>(wr, xh_row, xl_row, xs_row, ks + 1, cols, half, part, vec16, r);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int k2 = 0; k2 < 2; k2++) {
+                const int kw = 16 * h + 8 * k2;  // step-local k / 2 of this k16
+                u32 a[2][4];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    int rr = wm * 32 + mi * 16 + g;
+                    a[mi][0] = sm.a[rr][kw + t];
+                    a[mi][1] = sm.a[rr + 8][kw + t];
+                    a[mi][2] = sm.a[rr][kw + t + 4];
+                    a[mi][3] = sm.a[rr + 8][kw + t + 4];
+                }
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    int cc = wn * 8 * NI + ni * 8 + g;
+                    u32 h0 = sm.bh[cc][kw + t], h1 = sm.bh[cc][kw + t + 4];
+                    u32 l0 = sm.bl[cc][kw + t], l1 = sm.bl[cc][kw + t + 4];
+#pragma unroll
+                    for (int mi = 0; mi < 2; mi++) {
+                        mma16816(tmp[mi][ni], a[mi], h0, h1);
+                        mma16816(tmp[mi][ni], a[mi], l0, l1);
+                    }
+                }
+            }
+            // Block ends: fold the partial sums in with the block's scale (and offset).
+            bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : true;
+            if (flush) {
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; e2++) {
+                        int rl = wm * 32 + mi * 16 + g + 8 * e2;
+                        float d = sm.scale[rl][TY == TY_Q4_K ? 0 : h];
+                        const float* o = &sm.off[rl][TY == TY_Q4_1 ? h : 0];
+#pragma unroll
+                        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                            for (int e1 = 0; e1 < 2; e1++) {
+                                int tl = wn * 8 * NI + ni * 8 + 2 * t + e1;
+                                int e = 2 * e2 + e1;
+                                float a_ = fmaf(d, tmp[mi][ni][e], acc[mi][ni][e]);
+                                if constexpr (TY == TY_Q4_K) {
+                                    float4 u = *(const float4*)&sm.xs[tl][0], v = *(const float4*)&sm.xs[tl][4];
+                                    float4 p = *(const float4*)&o[0], q = *(const float4*)&o[4];
+                                    float m = p.x * u.x;
+                                    m = fmaf(p.y, u.y, m);
+                                    m = fmaf(p.z, u.z, m);
+                                    m = fmaf(p.w, u.w, m);
+                                    m = fmaf(q.x, v.x, m);
+                                    m = fmaf(q.y, v.y, m);
+                                    m = fmaf(q.z, v.z, m);
+                                    m = fmaf(q.w, v.w, m);
+                                    a_ -= m;
+                                } else if constexpr (TY == TY_Q4_1) {
+                                    a_ = fmaf(o[0], sm.xs[tl][h], a_);
+                                }
+                                acc[mi][ni][e] = a_;
+                                tmp[mi][ni][e] = 0.0f;
+                            }
+                    }
+            }
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int row = row0 + wm * 32 + mi * 16 + g + 8 * (e >> 1);
+                int tok = tok0 + wn * 8 * NI + ni * 8 + 2 * t + (e & 1);
+                if (row < rows && tok < n) out[(size_t)tok * rows + row] = acc[mi][ni][e] * inv[tok];
+            }
+}
+
+// Entry points gemm_<type> (NI 4: 64-token tiles, one block per SM's worth of registers) and
+// gemm_<type>_n32 (NI 2: 32-token tiles, two blocks per SM). W: rows × row_bytes in the device
+// layout; xh: the pre-pass's x_hi then x_lo ([n_pad, cols] f16 each); xs: [n_pad, cols/32]; inv:
+// [n_pad]; out: [n, rows]. Grid (n_pad / BN, ⌈rows / 128⌉), 256 threads; n_pad a multiple of
+// BN. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0.
+#define GEMM_ENTRY(NAME, TY)                                                                                  \
+    extern "C" __global__ __launch_bounds__(256, 1) void gemm_##NAME(const u8* W, const u16* xh, const float* xs, \
+                                                                      const float* inv, float* out, int rows,  \
+                                                                      int cols, int row_bytes, int n, int n_pad) { \
+        gemm_body<TY, 4>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
+    }                                                                                                         \
+    extern "C" __global__ __launch_bounds__(256, 2) void gemm_##NAME##_n32(                                   \
+        const u8* W, const u16* xh, const float* xs, const float* inv, float* out, int rows, int cols,       \
+        int row_bytes, int n, int n_pad) {                                                                    \
+        gemm_body<TY, 2>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
+    }
+
+GEMM_ENTRY(q4_k, TY_Q4_K)
+GEMM_ENTRY(q8_0, TY_Q8_0)
+GEMM_ENTRY(q4_1, TY_Q4_1)
