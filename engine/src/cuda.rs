@@ -356,7 +356,8 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 struct GemvConfig {
     on: bool,
     variant: Option<String>,
-    kind: GemvKind,
+    /// None: per type (see `CudaBackend::gemv_default`).
+    kind: Option<GemvKind>,
     r: Option<usize>,
     nw: Option<usize>,
     u: Option<usize>,
@@ -371,9 +372,10 @@ impl GemvConfig {
             on: get("LLMDIFF_GEMV") != Some(0),
             variant: std::env::var("LLMDIFF_GEMV_VARIANT").ok().filter(|v| !v.is_empty()),
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
-                Ok("xs") => GemvKind::Xs,
-                Ok("ws") => GemvKind::Ws,
-                _ => GemvKind::Wr,
+                Ok("xs") => Some(GemvKind::Xs),
+                Ok("ws") => Some(GemvKind::Ws),
+                Ok("wr") => Some(GemvKind::Wr),
+                _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=8).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
@@ -603,13 +605,14 @@ impl CudaBackend {
     /// length, device layout) takes under the environment's settings, if any (`None`: the
     /// warp-per-row matvec).
     ///
-    /// Without settings: warp-rows with R = 8 for Q4_K, 4 for Q8_0 and Q4_1, 2 for F16/BF16
-    /// (a Q4_K unit reads 128 bytes of x, from L1, for 18 of weights, so x's L1 traffic is
-    /// amortized over more rows); NW = 4 warps when the row has at least 128 units, else 2; U = 2
-    /// chunks per step when NW·32·2 units fit in the row (Q4_K: 1, for registers), else 1; the
-    /// nearest compiled variant (R first, then NW, then U). Q4_K mode 0. These are guesses from
-    /// the kernel's shape, to be set from `kernels --bench` on the device. With
-    /// `LLMDIFF_GEMV_KIND=xs`: R 4 (Q4_K, Q8_0, Q4_1) or 2, and the smallest UPT whose block fits.
+    /// Without settings, from the H200 sweep of every variant (`kernels --bench`,
+    /// tests/gpu/h200-results/round6): F16, BF16 and Q8_0 take the x-stationary split (R 2 for
+    /// F16/BF16, 4 for Q8_0, the smallest UPT whose block fits: 90–93 % and 71–78 % of copy
+    /// bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q4_K and Q4_1 take warp-rows,
+    /// which is as fast there (all splits within ~3 %) and lets `linear_many` put a layer's q/k/v
+    /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
+    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Mode 0. The nearest compiled
+    /// variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
     pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
         self.gemv_select(ty, row_bytes, cols, &self.gemv)
@@ -644,8 +647,20 @@ impl CudaBackend {
             }
         }
         let mode = if ty == GgmlType::Q4K { cfg.q4k_mode } else { 0 };
-        let r_default = match (cfg.kind, ty) {
-            (GemvKind::Wr, GgmlType::Q4K) => 8,
+        let kind = cfg.kind.unwrap_or(match ty {
+            GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
+            _ => GemvKind::Xs,
+        });
+        // Warp-rows (R, NW, U) by type and row length in units.
+        let (wr_r, wr_nw, wr_u) = match ty {
+            GgmlType::Q4K => (8, if units >= 128 { 4 } else { 2 }, 1),
+            GgmlType::Q4_1 if units >= 128 => (8, 4, 2),
+            GgmlType::Q4_1 if units >= 64 => (4, 4, 1),
+            GgmlType::Q4_1 => (1, 4, 2),
+            _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
+        };
+        let r_default = match (kind, ty) {
+            (GemvKind::Wr | GemvKind::Ws, _) => wr_r,
             (_, GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1) => 4,
             _ => 2,
         };
@@ -656,7 +671,7 @@ impl CudaBackend {
                 .copied()
                 .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
-        let kind = match cfg.kind {
+        let kind = match kind {
             GemvKind::Ws if GemvVariant::x_shared_bytes(ty, cols) > self.gemv_smem_max => GemvKind::Wr,
             k => k,
         };
@@ -668,12 +683,7 @@ impl CudaBackend {
                 find(r).or_else(|| find(4))
             }
             GemvKind::Wr | GemvKind::Ws => {
-                let nw = cfg.nw.unwrap_or(if units >= 128 { 4 } else { 2 });
-                let u = cfg.u.unwrap_or(if ty != GgmlType::Q4K && units >= nw * 32 * 2 {
-                    2
-                } else {
-                    1
-                });
+                let (nw, u) = (cfg.nw.unwrap_or(wr_nw), cfg.u.unwrap_or(wr_u));
                 of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
             }
         }

@@ -1,9 +1,9 @@
 #!/bin/bash
 # Round 6 of issue #8 (one device call): the standard evidence (h200_run.sh with SKIP_SLOW: kernel
 # checks, kernels --bench with every GEMV variant and the prefill GEMM, healthy and fault matrices,
-# model benches), then the 8B model bench with the tensor-core GEMM off (LLMDIFF_GEMM=0) for
-# comparison, diff-layers timed on the 8B shape, and, while time is left (elapsed < NCU_BEFORE_S),
-# Nsight Compute per-kernel times of one 8B decode step and of one 8B 512-token prefill.
+# model benches), then the 8B prefill with the SIMT matmul (LLMDIFF_GEMM=0) and with 32-token
+# GEMM tiles for comparison, diff-layers timed on the 8B shape, and, while time is left (elapsed
+# < NCU_BEFORE_S), Nsight Compute per-kernel times of 8B decode steps and of one 512-token prefill.
 # Usage (GPU machine, llmdiff built --features cuda next to this script):
 #   LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round6_run.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
@@ -14,9 +14,10 @@ LOG=$OUT/log.txt
 say() { echo "== $* (t=$(( $(date +%s)-T0 ))s)" | tee -a $LOG; }
 SKIP_SLOW=1 LLMDIFF=$B OUT=$OUT bash $D/h200_run.sh
 M=/tmp/gpu/models
-say "8B bench, SIMT matmul (LLMDIFF_GEMM=0)"
-LLMDIFF_GEMM=0 timeout 200 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 32 --reps 2 --json >$OUT/bench_8b_simt.json 2>>$LOG
-cat $OUT/bench_8b_simt.json >>$LOG
+say "8B prefill: SIMT matmul (LLMDIFF_GEMM=0), 32-token GEMM tiles (LLMDIFF_GEMM_BN=32)"
+LLMDIFF_GEMM=0 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_simt.json 2>>$LOG
+LLMDIFF_GEMM_BN=32 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_gemm32.json 2>>$LOG
+cat $OUT/bench_8b_simt.json $OUT/bench_8b_gemm32.json >>$LOG
 say "diff-layers on the 8B shape"
 T1=$(date +%s.%N)
 timeout 200 $B diff-layers $M/llama8b.gguf --tokens 1,5,9,13,17,21,25,29 --backend cuda --json >/tmp/gpu/diff8b.json 2>/tmp/gpu/diff8b.err
@@ -25,11 +26,13 @@ python3 -c "
 import json;d=json.load(open('/tmp/gpu/diff8b.json'))
 print(json.dumps({k:d.get(k) for k in ('verdict','backend','first_divergence','timings_s')}))" | tee $OUT/diff8b.json | tee -a $LOG
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-# bench --reps 1 --n-prompt 16 --n-decode 4 with graphs off launches: prefill, prefill, then 4
-# decode steps, ... A pass (prefill or decode step) is K kernels (NCU_K: 32 layers x kernels a
-# layer + embedding, final norm, lm_head), so skipping 2K + K and profiling 3K covers decode steps
-# 2-4; the summary divides by 3. The prefill case profiles the first 512-token prefill.
-ncu_case() { # name skip count steps args...
+# Decode: bench --n-prompt 1 --n-decode 4 --reps 1 with graphs off runs a one-token prefill
+# (the decode kernels), then a one-token prefill and 4 steps, ...: every pass is the same D
+# kernels (NCU_DECODE_K: 32 layers x 9 + embedding gather, layer 0's norm, the RoPE table and
+# lm_head; the KV writes are copies, not kernels), so any window of 3D kernels after the first
+# two passes covers exactly three steps (at a short context). Prefill: every kernel of one
+# 512-token prefill (--n-decode 0: nothing after it).
+ncu_case() { # name skip count passes args...
   local name=$1 skip=$2 cnt=$3 steps=$4; shift 4
   el=$(( $(date +%s)-T0 ))
   if [ $el -ge ${NCU_BEFORE_S:-400} ] || [ -z "$NCU" ]; then say "ncu $name skipped"; return; fi
@@ -40,7 +43,7 @@ ncu_case() { # name skip count steps args...
   python3 $D/ncu_summary.py /tmp/ncu_$name.csv $steps >$OUT/ncu_$name.txt 2>&1
   cat $OUT/ncu_$name.txt | tee -a $LOG
 }
-K=${NCU_K:-515}
-ncu_case llama8b_decode $((3 * K)) $((3 * K)) 3 bench $M/llama8b.gguf --backend cuda --n-prompt 16 --n-decode 4 --reps 1
-ncu_case llama8b_prefill 0 $K 1 bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1
+K=${NCU_DECODE_K:-292}
+ncu_case llama8b_decode $((2 * K)) $((3 * K)) 3 bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1
+ncu_case llama8b_prefill 0 3000 1 bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 1
 say "all done"
