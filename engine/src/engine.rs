@@ -319,7 +319,14 @@ impl Engine {
     /// Resets the cache and runs `tokens` at positions 0..n. Returns logits `[n, vocab]`.
     pub fn prefill(&mut self, tokens: &[u32], tap: &mut dyn Tap) -> Result<Vec<f32>, EngineError> {
         self.reset();
-        self.step(tokens, tap, false)
+        self.step(tokens, tap, false, false)
+    }
+
+    /// `prefill` for generation: only the last token's logits `[vocab]` (lm_head on one row,
+    /// one row brought back), as llama.cpp's prompt processing returns by default. No taps.
+    pub fn prefill_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        self.reset();
+        self.step(tokens, &mut NoTap, false, true)
     }
 
     /// Runs one token at the next position over the KV cache. Returns logits `[vocab]`.
@@ -327,7 +334,7 @@ impl Engine {
         if self.n_past == 0 {
             return Err(EngineError::DecodeWithoutPrefill);
         }
-        self.step(&[token], tap, true)
+        self.step(&[token], tap, true, false)
     }
 
     /// Greedy generation: prefill `prompt`, then decode up to `max_new` tokens, stopping after
@@ -337,9 +344,7 @@ impl Engine {
         if max_new == 0 {
             return Ok(out);
         }
-        let logits = self.prefill(prompt, &mut NoTap)?;
-        let v = self.config.vocab;
-        let mut next = argmax(&logits[logits.len() - v..]);
+        let mut next = argmax(&self.prefill_last(prompt)?);
         loop {
             out.push(next);
             if Some(next) == stop || out.len() == max_new {
@@ -350,7 +355,13 @@ impl Engine {
         }
     }
 
-    fn step(&mut self, tokens: &[u32], tap: &mut dyn Tap, is_decode: bool) -> Result<Vec<f32>, EngineError> {
+    fn step(
+        &mut self,
+        tokens: &[u32],
+        tap: &mut dyn Tap,
+        is_decode: bool,
+        last_only: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(EngineError::Empty);
@@ -379,6 +390,7 @@ impl Engine {
             pos0: self.n_past,
             n_tokens: tokens.len(),
             is_decode,
+            last_only,
         };
         let (n, d) = (tokens.len(), c.d_model);
         // A plain decode step: nothing tapped, no fault, no host round trip mid-step (MoE
@@ -480,7 +492,7 @@ impl Engine {
         let (slices, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
         let graph = if recording { be.graph_end() } else { None };
-        let logits = download_logits(be, &slices, n);
+        let logits = download_logits(be, &slices, if last_only { 1 } else { n });
         if let Some(graph) = graph {
             self.graph = Some(DecodeGraph { graph, logits: slices });
         }

@@ -61,6 +61,8 @@ pub struct StepCtx<'a> {
     pub n_tokens: usize,
     /// True for a single-token decode step after a prefill.
     pub is_decode: bool,
+    /// Only the last token's logits are wanted (lm_head on one row; no taps).
+    pub last_only: bool,
 }
 
 impl StepCtx<'_> {
@@ -478,8 +480,14 @@ impl Rank {
         let be = ctx.backend;
         let (n, d) = (ctx.n_tokens, ctx.config.d_model);
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
-        let h = self.normed_input(ctx, NormAt::Head);
+        let mut h = self.normed_input(ctx, NormAt::Head);
         taps.emit_buf(be, Site::OutputNorm, &h, d, Emit::Replicated);
+        let mut n = n;
+        if ctx.last_only && n > 1 {
+            let mut last = be.alloc(d);
+            be.copy(&h, (n - 1) * d, &mut last, 0, d);
+            (h, n) = (last, 1);
+        }
         let w = &self.shard.lm_head;
         let mut logits = be.alloc(n * w.rows);
         be.linear(&h, n, w.view(), &mut logits);

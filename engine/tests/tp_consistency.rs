@@ -72,6 +72,30 @@ fn decode_matches_prefill() {
 }
 
 #[test]
+fn prefill_last_is_the_last_row_of_prefill() {
+    for (name, tp) in [("llama-tiny", 2), ("deepseek-v3-mini", 1)] {
+        let m = synth(&spec(name, GgmlType::Q8_0, |_| {}), 5);
+        let v = 512;
+        let toks = tokens(7, v, 5);
+        let full = logits(&m, tp, &toks);
+        let mut e = Engine::load(
+            &m.file,
+            EngineOptions {
+                tp,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let last = e.prefill_last(&toks).unwrap();
+        assert_eq!(last.len(), v);
+        let err = rel_l2(&last, &full[6 * v..]);
+        assert!(err < 1e-6, "{name}: rel_l2 {err}");
+        // The cache holds the whole prompt: decoding goes on from it.
+        assert_eq!(e.n_past(), 7);
+    }
+}
+
+#[test]
 fn generate_is_greedy_and_stops() {
     let m = synth(&spec("llama-tiny", GgmlType::Q8_0, |_| {}), 4);
     let mut e = Engine::load(&m.file, EngineOptions::default()).unwrap();

@@ -1,5 +1,8 @@
 //! `llmdiff bench`: best-of-N prefill and decode timings on one backend, with peak RSS, for
 //! comparison with peers run on the same machine (tests/peers/bench_prefill.py runs them all).
+//! Prefill is timed to every position's logits (`prefill_s`, as an HF forward) and, on the
+//! engine, to the last token's only (`prefill_last_s`, as llama.cpp's prompt processing and
+//! `generate`: lm_head on one row, one row brought back).
 
 use crate::cli::{BackendArg, BenchArgs};
 use crate::output::open_model;
@@ -39,6 +42,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let mut engine_backend = None;
     let mut comm = serde_json::Value::Null;
     let mut graphs = serde_json::Value::Null;
+    // Prefill to the last token's logits only (as llama.cpp's prompt processing and `generate`):
+    // engine backends; `prefill_s` is to every position's logits (as an HF forward).
+    let mut prefill_last_s: Option<f64> = None;
     let (prefill_s, decode_s) = match a.backend {
         BackendArg::Reference => {
             let r = Reference::new(&file)?;
@@ -63,8 +69,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             e.reset_comm_stats();
             let prefill = best(&mut || e.prefill(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?;
             let prefill_comm = e.comm_stats();
+            prefill_last_s = Some(best(&mut || e.prefill_last(&tokens).map(|_| ()).map_err(Into::into))?);
             let decode_rep = |e: &mut Engine| -> anyhow::Result<(f64, Vec<Vec<f32>>)> {
-                e.prefill(&tokens, &mut NoTap)?;
+                e.prefill_last(&tokens)?;
                 e.reset_comm_stats();
                 let mut logits = Vec::with_capacity(a.n_decode);
                 let t0 = Instant::now();
@@ -134,7 +141,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let doc = json!({
         "model": a.model.display().to_string(), "backend": format!("{:?}", a.backend).to_lowercase(), "tp": a.tp,
         "threads": rayon::current_num_threads(), "n_prompt": a.n_prompt, "prefill_s": prefill_s,
-        "prefill_tok_s": a.n_prompt as f64 / prefill_s, "n_decode": a.n_decode,
+        "prefill_tok_s": a.n_prompt as f64 / prefill_s, "prefill_last_s": prefill_last_s,
+        "prefill_last_tok_s": prefill_last_s.map(|s| a.n_prompt as f64 / s), "n_decode": a.n_decode,
         "decode_s_per_token": decode_s, "decode_tok_s": decode_s.map(|s| 1.0 / s), "peak_rss_kib": rss,
         "model_bytes": file.file_size(), "engine_backend": engine_backend, "comm": comm,
         "decode_graphs": graphs,
@@ -148,6 +156,14 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             prefill_s,
             a.n_prompt as f64 / prefill_s
         );
+        if let Some(p) = prefill_last_s {
+            println!(
+                "prefill {} tokens to the last token's logits: {:.3} s ({:.1} tok/s)",
+                a.n_prompt,
+                p,
+                a.n_prompt as f64 / p
+            );
+        }
         if let Some(d) = decode_s {
             println!("decode: {:.2} ms/token ({:.1} tok/s)", d * 1e3, 1.0 / d);
         }
