@@ -518,6 +518,10 @@ impl Engine {
 
 /// The ranks' logits slices, downloaded and gathered into `[n, vocab]`.
 fn download_logits(be: &dyn Backend, slices: &[Buf], n: usize) -> Vec<f32> {
+    if let [only] = slices {
+        // One rank: its slice is the whole `[n, vocab]` already.
+        return as_rank(0, || be.download(only));
+    }
     let slices: Vec<Vec<f32>> = slices
         .iter()
         .enumerate()
