@@ -28,6 +28,10 @@ pub enum Command {
     /// Run the engine beside the reference, compare every tap, and say where and why they part.
     #[command(name = "diff-layers", after_help = crate::cli::FAULT_HELP.as_str())]
     DiffLayers(DiffLayersArgs),
+    /// Greedy continuation of a prompt on the reference or the engine (cpu, cuda; --inject a fault
+    /// to see what a broken deployment answers).
+    #[command(after_help = crate::cli::FAULT_HELP.as_str())]
+    Generate(GenerateArgs),
     /// Time prefill and decode on a backend (the figures peers are compared against).
     Bench(BenchArgs),
     /// The CUDA kernels: compile them all (--check also tests each against the CPU engine's), or
@@ -302,6 +306,30 @@ pub struct DiffLayersArgs {
     /// Write an HTML report.
     #[arg(long)]
     pub html: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The GGUF model.
+    pub model: PathBuf,
+    #[command(flatten)]
+    pub input: InputArgs,
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    pub backend: BackendArg,
+    /// Tensor-parallel degree (engine backends).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated.
+    #[arg(long = "inject", value_name = "FAULT")]
+    pub inject: Vec<String>,
+    /// At most this many new tokens.
+    #[arg(long, default_value_t = 32)]
+    pub max_new_tokens: usize,
+    /// Keep going past the end-of-sequence token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -3,6 +3,7 @@
 //! statistics against the reference (llama-perplexity's definitions). Also the prompts-file reader
 //! and the forward-pass runner shared by `entropy` and `gate`.
 
+use crate::cli::BackendArg;
 use crate::logprobs::{entropy, log_softmax, top_k};
 use anyhow::{bail, Context};
 use engine::{Engine, EngineOptions, FaultSpec};
@@ -149,20 +150,26 @@ pub enum Runner<'a> {
 }
 
 impl<'a> Runner<'a> {
-    /// The reference (`tp` must be 1 and no faults) or the cpu engine.
-    pub fn new(file: &'a GgufFile, engine: bool, tp: usize, faults: Vec<FaultSpec>) -> anyhow::Result<Runner<'a>> {
-        if !engine {
+    /// The reference (`tp` must be 1 and no faults) or the engine on `backend` (cpu or cuda).
+    pub fn new(
+        file: &'a GgufFile,
+        backend: BackendArg,
+        tp: usize,
+        faults: Vec<FaultSpec>,
+    ) -> anyhow::Result<Runner<'a>> {
+        let Some(kind) = backend.engine_kind() else {
             if tp != 1 {
                 bail!("--tp applies to the engine backends (cpu, cuda), not the reference");
             }
             if !faults.is_empty() {
-                bail!("--inject needs an engine backend (cpu): the reference has no faults");
+                bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
             }
             return Ok(Runner::Reference(Box::new(Reference::new(file)?)));
-        }
+        };
         let opts = EngineOptions {
             tp,
             faults,
+            backend: kind,
             ..EngineOptions::default()
         };
         Ok(Runner::Engine(Box::new(Engine::load(file, opts)?)))

@@ -2,7 +2,7 @@
 //! repetition, a `healthy`/`flat`/`degenerate` verdict, and with `--against-reference` the KL
 //! statistics of the backend against the reference.
 
-use crate::cli::{BackendArg, EntropyArgs};
+use crate::cli::EntropyArgs;
 use crate::entropy::{
     default_thresholds, kld_positions, kld_stats, overall, positions, read_prompts, repetition, tokenize_prompts,
     top5_recurrence, verdict, KldPosition, Runner,
@@ -54,9 +54,6 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
         .collect::<Result<_, _>>()?;
-    if a.backend == BackendArg::Cuda {
-        bail!("--backend cuda needs a build with --features cuda and a GPU");
-    }
     let thresholds = thresholds(a)?;
     let file = open_model(model)?;
     let config = ModelConfig::from_header(&file.header)?;
@@ -64,7 +61,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let tokens = tokenize_prompts(&file, &prompts, vocab)?;
     let tokenizer = Tokenizer::from_gguf(&file.header).ok();
     let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
-    let mut runner = Runner::new(&file, a.backend != BackendArg::Reference, a.tp, faults.clone())?;
+    let mut runner = Runner::new(&file, a.backend, a.tp, faults.clone())?;
     let reference = if a.against_reference {
         Some(Reference::new(&file)?)
     } else {

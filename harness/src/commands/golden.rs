@@ -170,7 +170,12 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
     let tokens = tokenize_prompts(&file, &p.prompts, vocab)?;
     let tokenizer = references::tokenizer::Tokenizer::from_gguf(&file.header).ok();
     let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
-    let mut runner = Runner::new(&file, p.engine, p.tp, Vec::new())?;
+    let backend = if p.engine {
+        BackendArg::Cpu
+    } else {
+        BackendArg::Reference
+    };
+    let mut runner = Runner::new(&file, backend, p.tp, Vec::new())?;
     let mut prompts = Vec::new();
     for (input, toks) in p.prompts.iter().zip(tokens) {
         let toks: Vec<u32> = toks.into_iter().take(p.max_tokens).collect();

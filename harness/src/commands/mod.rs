@@ -10,6 +10,7 @@ pub mod entropy;
 pub mod entropy_server;
 pub mod gate;
 pub mod gate_server;
+pub mod generate;
 pub mod golden;
 pub mod inspect;
 pub mod kernels;
@@ -25,6 +26,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Logits(a) => logits::run(&a),
         Command::Tokenize(a) => tokenize::run(&a),
         Command::DiffLayers(a) => diff_layers::run(&a),
+        Command::Generate(a) => generate::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::Kernels(a) => kernels::run(&a),
         Command::Entropy(a) => entropy::run(&a),
