@@ -18,6 +18,25 @@ say "8B prefill: SIMT matmul (LLMDIFF_GEMM=0), 32-token GEMM tiles (LLMDIFF_GEMM
 LLMDIFF_GEMM=0 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_simt.json 2>>$LOG
 LLMDIFF_GEMM_BN=32 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_gemm32.json 2>>$LOG
 cat $OUT/bench_8b_simt.json $OUT/bench_8b_gemm32.json >>$LOG
+say "entropy, gate, generate and logits on cuda (against cpu)"
+R=$(cd $D/.. && pwd)
+printf '{"tokens":[1,5,9,13,17,21]}\n{"tokens":[2,4,6,8]}\n' >/tmp/gpu/prompts.jsonl
+for be in cuda cpu; do
+  timeout 60 $B entropy $M/deepseek-v3-mini.gguf --prompts /tmp/gpu/prompts.jsonl --backend $be --tp 2 --against-reference --json >/tmp/gpu/entropy_$be.json 2>>$LOG
+  echo "entropy $be rc=$?" | tee -a $LOG
+  timeout 60 $B generate $M/smollm2-135m.gguf --tokens 1,2,3,4 --max-new-tokens 24 --backend $be --json >$OUT/generate_$be.json 2>>$LOG
+  echo "generate $be rc=$?" | tee -a $LOG
+done
+python3 - /tmp/gpu/entropy_cuda.json /tmp/gpu/entropy_cpu.json $OUT/generate_cuda.json $OUT/generate_cpu.json <<'PY' | tee $OUT/commands_cuda.txt | tee -a $LOG
+import json, sys
+e = [json.load(open(p)) for p in sys.argv[1:3]]
+g = [json.load(open(p)) for p in sys.argv[3:5]]
+for side, d in zip(("cuda", "cpu"), e):
+    print("entropy deepseek-v3-mini TP 2", side, d["backend"], d["verdict"], d.get("agreement"), "kld mean", (d.get("kld") or {}).get("mean"))
+print("generate smollm2-135m synth: cuda", g[0]["backend"], g[0]["tokens"][:12], "| cpu", g[1]["tokens"][:12], "| same tokens:", g[0]["tokens"] == g[1]["tokens"])
+PY
+timeout 120 $B gate --golden $R/golden/gate-deepseek-v3-mini-cpu-tp2.json --backend cuda --json >$OUT/gate_cuda.json 2>>$LOG
+echo "gate --backend cuda (golden blessed on the cpu engine, TP 2) rc=$?" | tee -a $LOG
 say "diff-layers on the 8B shape"
 T1=$(date +%s.%N)
 timeout 200 $B diff-layers $M/llama8b.gguf --tokens 1,5,9,13,17,21,25,29 --backend cuda --json >/tmp/gpu/diff8b.json 2>/tmp/gpu/diff8b.err
