@@ -20,10 +20,19 @@ pub enum KernelId {
     /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
     /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
     Gemm,
+    /// The tensor-core one-token GEMV for Q4_K (`kernels/gemv_tc.cu`; host side in
+    /// `cuda_gemv_tc.rs`).
+    GemvTc,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
+    pub const ALL: [KernelId; 5] = [
+        KernelId::Quant,
+        KernelId::Ops,
+        KernelId::Attention,
+        KernelId::Gemm,
+        KernelId::GemvTc,
+    ];
 
     /// The source file's name under `kernels/`.
     pub fn file(self) -> &'static str {
@@ -32,6 +41,7 @@ impl KernelId {
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
             KernelId::Gemm => "gemm.cu",
+            KernelId::GemvTc => "gemv_tc.cu",
         }
     }
 
@@ -42,6 +52,7 @@ impl KernelId {
             KernelId::Ops => include_str!("../../kernels/ops.cu"),
             KernelId::Attention => include_str!("../../kernels/attention.cu"),
             KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
+            KernelId::GemvTc => include_str!("../../kernels/gemv_tc.cu"),
         }
     }
 
@@ -91,6 +102,7 @@ impl KernelId {
                         .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
                 )
                 .collect(),
+            KernelId::GemvTc => GEMVT_VARIANTS.iter().map(|v| v.entry()).collect(),
         }
     }
 }
@@ -107,6 +119,10 @@ pub enum GemvKind {
     /// warp-rows with x in shared memory (`gemvs_*`): a block stages x (and the units' x sums)
     /// in shared memory once, lane-major, then walks groups of R rows grid-stride as `Wr` does.
     Ws,
+    /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
+    /// R = 16·T rows (T tiles of `mma.sync` m16n8k16, `upt` = T), the warps splitting the
+    /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns.
+    Tc,
 }
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
@@ -124,13 +140,15 @@ pub struct GemvVariant {
 }
 
 impl GemvVariant {
-    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>` or `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`.
+    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
+    /// (`gemvs_` likewise) or `gemvt_<type>_t<T>_w<NW>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Ws => format!("gemvs_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
+            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
         }
     }
 
@@ -193,6 +211,21 @@ const fn gs(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
         mode,
     }
 }
+
+const fn gt(t: usize, nw: usize) -> GemvVariant {
+    GemvVariant {
+        kind: GemvKind::Tc,
+        ty: GgmlType::Q4K,
+        r: 16 * t,
+        nw,
+        upt: t,
+        mode: 0,
+    }
+}
+
+/// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
+/// order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4, 8).
+pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(2, 4), gt(2, 8), gt(4, 4), gt(4, 8)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` lines of `kernels/quant.cu`, in the same order): a
 /// sweep set for Q4_K (mode 0, and two of mode 1) and Q4_1, two or three for Q8_0, F16, BF16.
@@ -368,6 +401,13 @@ mod tests {
                         }
                     }
                     || {
+                        // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
+                        f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
+                            let (t, nw) = rest.split_once("_w").unwrap();
+                            src.contains(&format!("GEMVT_ENTRY({t}, {nw})\n"))
+                        })
+                    }
+                    || {
                         // gemm_<ty> and gemm_<ty>_n32 come from GEMM_ENTRY(<ty>, ...).
                         f.strip_prefix("gemm_").is_some_and(|rest| {
                             let ty = rest.strip_suffix("_n32").unwrap_or(rest);
@@ -402,6 +442,10 @@ mod tests {
             if a.kind != GemvKind::Xs {
                 assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
             }
+        }
+        for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
+            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt);
+            assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
 }
