@@ -37,7 +37,9 @@
 // per sub-block (a lane's 8 values, then two shuffles), then runs 16 mma per tile. Per-row partial
 // sums stay in the C fragments; at the end the three columns are added (a shuffle), then the NW
 // warps' sums in shared memory in warp order (deterministic). Rows past the end load the last row
-// and are not stored. Needs cols % 256 == 0 (whole super-blocks).
+// and are not stored. Needs cols % 256 == 0 (whole super-blocks). Building B costs ~30
+// instructions per 4 x values per warp, paid once per super-block for the block's 16·T rows; the
+// _p entries instead read B and Σx from the pre-pass gemvt_split_x (one launch, x·6 bytes in L2).
 
 // The output rows of one launch: up to three matrices of one type and width sharing x, rows
 // numbered one after the other (the same struct as kernels/quant.cu's GemvRows).
@@ -127,9 +129,38 @@ __device__ __forceinline__ uint4 tc_ld16(const u8* p) {
     return v;
 }
 
-template <int T, int NW>
-__device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const float* __restrict__ x, int rows, int cols,
-                                                int row_bytes) {
+// x pre-pass of the PRE variants: for super-block sb, sub-block s and lane t (one thread each,
+// idx = (8·sb + s)·4 + t, so t = lane % 4), the B fragments of columns g = 0, 1, 2 as
+// xb[(8·sb + s)·12 + 4g + t] = {b0, b1 of word 0, b0, b1 of word 1}, and xs[8·sb + s] = Σx of the
+// sub-block, summed in the same order as the in-kernel form (8 values, then two shuffles).
+extern "C" __global__ void __launch_bounds__(256) gemvt_split_x(const float* __restrict__ x, uint4* __restrict__ xb,
+                                                               float* __restrict__ xs, int cols) {
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x, n = (cols >> 8) * 32;
+    const int t = idx & 3, ss = idx >> 2;
+    float4 v0 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v1 = v0;
+    if (idx < n) {
+        v0 = *(const float4*)(x + 32 * ss + 8 * t);
+        v1 = *(const float4*)(x + 32 * ss + 8 * t + 4);
+    }
+    float s = ((v0.x + v0.y) + (v0.z + v0.w)) + ((v1.x + v1.y) + (v1.z + v1.w));
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (idx >= n) return;
+    if (t == 0) xs[ss] = s;
+#pragma unroll
+    for (int g = 0; g < 3; g++) {
+        uint4 b;
+        tc_split(v0, g, b.x, b.y);
+        tc_split(v1, g, b.z, b.w);
+        xb[ss * 12 + 4 * g + t] = b;
+    }
+}
+
+// PRE: B fragments and Σx from gemvt_split_x (xb, xsum) instead of built from x per warp.
+template <int T, int NW, bool PRE>
+__device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const float* __restrict__ x,
+                                                const uint4* __restrict__ xb, const float* __restrict__ xsum,
+                                                int rows, int cols, int row_bytes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nsb = cols >> 8, row0 = blockIdx.x * 16 * T;
@@ -166,7 +197,7 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const float* 
             for (int e = 0; e < 4; e++) sacc[i][e] = 0.0f;
             mt[i][0] = mt[i][1] = 0.0f;
         }
-        const float* xb = x + (size_t)sb * 256 + 8 * t;
+        const float* xp = x + (size_t)sb * 256 + 8 * t;
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             // B for sub-blocks 2p (b[0]) and 2p+1 (b[1]), words 0 and 1; Σx of both.
@@ -174,14 +205,25 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const float* 
             float xs[2];
 #pragma unroll
             for (int hs = 0; hs < 2; hs++) {
-                const float4 v0 = *(const float4*)(xb + 32 * (2 * p + hs));
-                const float4 v1 = *(const float4*)(xb + 32 * (2 * p + hs) + 4);
-                float s = ((v0.x + v0.y) + (v0.z + v0.w)) + ((v1.x + v1.y) + (v1.z + v1.w));
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                xs[hs] = s;
-                tc_split(v0, g, b[hs][0][0], b[hs][0][1]);
-                tc_split(v1, g, b[hs][1][0], b[hs][1][1]);
+                if constexpr (PRE) {
+                    const int ss = 8 * sb + 2 * p + hs;
+                    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                    if (g < 3) v = xb[ss * 12 + 4 * g + t];
+                    b[hs][0][0] = v.x;
+                    b[hs][0][1] = v.y;
+                    b[hs][1][0] = v.z;
+                    b[hs][1][1] = v.w;
+                    xs[hs] = xsum[ss];
+                } else {
+                    const float4 v0 = *(const float4*)(xp + 32 * (2 * p + hs));
+                    const float4 v1 = *(const float4*)(xp + 32 * (2 * p + hs) + 4);
+                    float s = ((v0.x + v0.y) + (v0.z + v0.w)) + ((v1.x + v1.y) + (v1.z + v1.w));
+                    s += __shfl_xor_sync(0xffffffffu, s, 1);
+                    s += __shfl_xor_sync(0xffffffffu, s, 2);
+                    xs[hs] = s;
+                    tc_split(v0, g, b[hs][0][0], b[hs][0][1]);
+                    tc_split(v1, g, b[hs][1][0], b[hs][1][1]);
+                }
             }
 #pragma unroll
             for (int i = 0; i < T; i++) {
@@ -240,12 +282,18 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const float* 
 }
 
 // Entry points gemvt_q4_k_t<T>_w<NW>: 16·T rows per block, NW·32 threads, grid ⌈rows / 16T⌉; the
-// arguments of kernels/quant.cu's gemvw_* (so `launch_gemv_rows` launches both). The list is
-// `GEMVT_VARIANTS` in engine/src/cuda_kernels.rs (one line here per entry there).
+// arguments of kernels/quant.cu's gemvw_* (so `launch_gemv_rows` launches both). With the x
+// pre-pass, gemvt_q4_k_t<T>_w<NW>_p: the same after gemvt_split_x, with its xb and xs after x.
+// The list is `GEMVT_VARIANTS` in engine/src/cuda_kernels.rs (one line here per entry there).
 #define GEMVT_ENTRY(T, NW)                                                                                     \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                      \
         gemvt_q4_k_t##T##_w##NW(GemvRows m, const float* x, int rows, int cols, int row_bytes) {               \
-        gemvt_q4_k_body<T, NW>(m, x, rows, cols, row_bytes);                                                   \
+        gemvt_q4_k_body<T, NW, false>(m, x, nullptr, nullptr, rows, cols, row_bytes);                          \
+    }
+#define GEMVT_ENTRY_P(T, NW)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemvt_q4_k_t##T##_w##NW##_p(                         \
+        GemvRows m, const float* x, const uint4* xb, const float* xs, int rows, int cols, int row_bytes) {    \
+        gemvt_q4_k_body<T, NW, true>(m, x, xb, xs, rows, cols, row_bytes);                                     \
     }
 
 GEMVT_ENTRY(1, 4)
@@ -254,3 +302,9 @@ GEMVT_ENTRY(2, 4)
 GEMVT_ENTRY(2, 8)
 GEMVT_ENTRY(4, 4)
 GEMVT_ENTRY(4, 8)
+GEMVT_ENTRY_P(1, 4)
+GEMVT_ENTRY_P(1, 8)
+GEMVT_ENTRY_P(2, 4)
+GEMVT_ENTRY_P(2, 8)
+GEMVT_ENTRY_P(4, 4)
+GEMVT_ENTRY_P(4, 8)

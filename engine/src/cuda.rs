@@ -11,6 +11,10 @@
 //! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
 //!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
 //!   `LLMDIFF_GEMM=0` turns it off); other types and shapes keep the SIMT `matmul_*`.
+//! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`),
+//!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
+//!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
+//!   `cuda_gemv_tc.rs`).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -346,9 +350,10 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|ws|tc`: the work split (default `wr`, warp-rows; `ws` warp-rows with x
-///   in shared memory, where the row's x fits; `tc` the tensor-core GEMV of `kernels/gemv_tc.cu`
-///   for Q4_K, other types keeping their default; see `cuda_gemv_tc.rs`).
+/// - `LLMDIFF_GEMV_KIND=xs|wr|ws|tc|tcp`: the work split (default `wr`, warp-rows; `ws` warp-rows with
+///   x in shared memory, where the row's x fits; `tc` the tensor-core GEMV of `kernels/gemv_tc.cu`
+///   for Q4_K, other types keeping their default, `tcp` the same with its x pre-pass; see
+///   `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
@@ -366,6 +371,8 @@ struct GemvConfig {
     nw: Option<usize>,
     u: Option<usize>,
     q4k_mode: usize,
+    /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
+    tc_pre: bool,
     bps: Option<u32>,
 }
 
@@ -379,13 +386,14 @@ impl GemvConfig {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("ws") => Some(GemvKind::Ws),
                 Ok("wr") => Some(GemvKind::Wr),
-                Ok("tc") => Some(GemvKind::Tc),
+                Ok("tc" | "tcp") => Some(GemvKind::Tc),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
+            tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
     }
@@ -655,7 +663,7 @@ impl CudaBackend {
         let mode = if ty == GgmlType::Q4K { cfg.q4k_mode } else { 0 };
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw)),
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
             Some(GemvKind::Tc) => None,
             k => k,
         };
@@ -823,10 +831,17 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
+        // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
+        let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         let mut b = s.launch_builder(self.func(&v.entry()));
-        b.arg(&m).arg(x).arg(&r).arg(&c).arg(&rb);
+        b.arg(&m).arg(x);
+        if let Some((xb, xs)) = &split {
+            b.arg(dev(xb)).arg(dev(xs));
+        }
+        b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
-        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits): each part's W is rows·row_bytes
+        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
+        // xb and xs, sized by gemv_tc_split_x): each part's W is rows·row_bytes
         // in the device layout and its out at least rows floats, x has cols floats; the pointers
         // stay valid (and ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });

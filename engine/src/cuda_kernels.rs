@@ -102,7 +102,9 @@ impl KernelId {
                         .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
                 )
                 .collect(),
-            KernelId::GemvTc => GEMVT_VARIANTS.iter().map(|v| v.entry()).collect(),
+            KernelId::GemvTc => std::iter::once("gemvt_split_x".to_string())
+                .chain(GEMVT_VARIANTS.iter().map(|v| v.entry()))
+                .collect(),
         }
     }
 }
@@ -121,7 +123,8 @@ pub enum GemvKind {
     Ws,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
     /// R = 16·T rows (T tiles of `mma.sync` m16n8k16, `upt` = T), the warps splitting the
-    /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns.
+    /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
+    /// 0: each warp splits its x; 1 (`_p`): a pre-pass (`gemvt_split_x`) splits it once per launch.
     Tc,
 }
 
@@ -141,14 +144,19 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// (`gemvs_` likewise) or `gemvt_<type>_t<T>_w<NW>`.
+    /// (`gemvs_` likewise) or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1).
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Ws => format!("gemvs_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
+            GemvKind::Tc => format!(
+                "gemvt_{s}_t{}_w{}{}",
+                self.upt,
+                self.nw,
+                if self.mode == 1 { "_p" } else { "" }
+            ),
         }
     }
 
@@ -212,20 +220,34 @@ const fn gs(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
     }
 }
 
-const fn gt(t: usize, nw: usize) -> GemvVariant {
+const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
     GemvVariant {
         kind: GemvKind::Tc,
         ty: GgmlType::Q4K,
         r: 16 * t,
         nw,
         upt: t,
-        mode: 0,
+        mode,
     }
 }
 
-/// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4, 8).
-pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(2, 4), gt(2, 8), gt(4, 4), gt(4, 8)];
+/// The tensor-core GEMV variants (the `GEMVT_ENTRY` then `GEMVT_ENTRY_P` lines of
+/// `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
+/// 8), x split per warp (mode 0), then the same with the x pre-pass (mode 1).
+pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
+    gt(1, 4, 0),
+    gt(1, 8, 0),
+    gt(2, 4, 0),
+    gt(2, 8, 0),
+    gt(4, 4, 0),
+    gt(4, 8, 0),
+    gt(1, 4, 1),
+    gt(1, 8, 1),
+    gt(2, 4, 1),
+    gt(2, 8, 1),
+    gt(4, 4, 1),
+    gt(4, 8, 1),
+];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` lines of `kernels/quant.cu`, in the same order): a
 /// sweep set for Q4_K (mode 0, and two of mode 1) and Q4_1, two or three for Q8_0, F16, BF16.
@@ -401,10 +423,14 @@ mod tests {
                         }
                     }
                     || {
-                        // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
+                        // gemvt_q4_k_t<T>_w<NW>[_p] come from GEMVT_ENTRY[_P](<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
+                            let (rest, mac) = match rest.strip_suffix("_p") {
+                                Some(r) => (r, "GEMVT_ENTRY_P"),
+                                None => (rest, "GEMVT_ENTRY"),
+                            };
                             let (t, nw) = rest.split_once("_w").unwrap();
-                            src.contains(&format!("GEMVT_ENTRY({t}, {nw})\n"))
+                            src.contains(&format!("{mac}({t}, {nw})\n"))
                         })
                     }
                     || {
