@@ -11,6 +11,10 @@
 //! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
 //!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
 //!   `LLMDIFF_GEMM=0` turns it off); other types and shapes keep the SIMT `matmul_*`.
+//! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`),
+//!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
+//!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
+//!   `cuda_gemv_tc.rs`).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -37,7 +41,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{type_suffix, GemvKind, GemvVariant, KernelId, GEMV_VARIANTS};
+use crate::cuda_kernels::{type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -51,6 +55,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 #[path = "cuda_gemm.rs"]
 mod gemm;
 pub use gemm::GemmBench;
+
+#[path = "cuda_gemv_tc.rs"]
+mod gemv_tc;
 
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
@@ -343,11 +350,13 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|ws`: the work split (default `wr`, warp-rows; `ws` warp-rows with x
-///   in shared memory, where the row's x fits).
+/// - `LLMDIFF_GEMV_KIND=xs|wr|ws|tc|tcp`: the work split (default `wr`, warp-rows; `ws` warp-rows with
+///   x in shared memory, where the row's x fits; `tc` the tensor-core GEMV of `kernels/gemv_tc.cu`
+///   for Q4_K, other types keeping their default, `tcp` the same with its x pre-pass; see
+///   `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
-///   chunks per step of warp-rows (R also x-stationary's rows per step); the nearest compiled
-///   variant is taken (R first, then NW, then U).
+///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
+///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
 /// - `LLMDIFF_GEMV_Q4K_MODE=0|1`: the Q4_K integer-to-float form.
 /// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
 ///
@@ -362,6 +371,8 @@ struct GemvConfig {
     nw: Option<usize>,
     u: Option<usize>,
     q4k_mode: usize,
+    /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
+    tc_pre: bool,
     bps: Option<u32>,
 }
 
@@ -375,12 +386,14 @@ impl GemvConfig {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("ws") => Some(GemvKind::Ws),
                 Ok("wr") => Some(GemvKind::Wr),
+                Ok("tc" | "tcp") => Some(GemvKind::Tc),
                 _ => None,
             },
-            r: get("LLMDIFF_GEMV_R").filter(|r| (1..=8).contains(r)),
+            r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
+            tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
     }
@@ -640,14 +653,21 @@ impl CudaBackend {
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
         if let Some(name) = &cfg.variant {
-            if let Some(v) = GEMV_VARIANTS.iter().find(|v| v.ty == ty && v.entry() == *name) {
+            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS);
+            if let Some(v) = all.into_iter().find(|v| v.ty == ty && v.entry() == *name) {
                 if self.gemv_fits(*v, cols) {
                     return Some(*v);
                 }
             }
         }
         let mode = if ty == GgmlType::Q4K { cfg.q4k_mode } else { 0 };
-        let kind = cfg.kind.unwrap_or(match ty {
+        // The tensor-core GEMV (Q4_K only; other types keep their default split).
+        let kind = match cfg.kind {
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
+            Some(GemvKind::Tc) => None,
+            k => k,
+        };
+        let kind = kind.unwrap_or(match ty {
             GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
@@ -676,6 +696,7 @@ impl CudaBackend {
             k => k,
         };
         match kind {
+            GemvKind::Tc => None,
             GemvKind::Xs => {
                 let upt = xs_upt?;
                 // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
@@ -697,6 +718,7 @@ impl CudaBackend {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
             GemvKind::Ws => GemvVariant::x_shared_bytes(v.ty, cols) <= self.gemv_smem_max,
+            GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
         }
     }
 
@@ -736,7 +758,7 @@ impl CudaBackend {
                 let groups = rows.div_ceil(v.r);
                 (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
-            GemvKind::Wr => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Wr | GemvKind::Tc => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
             GemvKind::Ws => {
                 let smem = GemvVariant::x_shared_bytes(v.ty, cols);
                 assert!(smem <= self.gemv_smem_max, "gemv: x does not fit in shared memory");
@@ -751,7 +773,7 @@ impl CudaBackend {
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        if v.kind == GemvKind::Wr {
+        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, v);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
@@ -763,9 +785,9 @@ impl CudaBackend {
         ok(unsafe { b.launch(cfg) });
     }
 
-    /// Launches warp-rows GEMV variant `v` over one to three weights of one type and width that
-    /// share `x`, each `(weight, out, rows)`, in one launch (`GemvRows`): a block per R rows of
-    /// their rows taken one after another.
+    /// Launches warp-rows (or tensor-core: the same arguments) GEMV variant `v` over one to three
+    /// weights of one type and width that share `x`, each `(weight, out, rows)`, in one launch
+    /// (`GemvRows`): a block per R rows of their rows taken one after another.
     fn launch_gemv_rows(
         &self,
         s: &Arc<CudaStream>,
@@ -776,7 +798,7 @@ impl CudaBackend {
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
-            (1..=3).contains(&parts.len()) && v.kind == GemvKind::Wr,
+            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc),
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
@@ -809,9 +831,17 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
+        // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
+        let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         let mut b = s.launch_builder(self.func(&v.entry()));
-        b.arg(&m).arg(x).arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemvw_* in kernels/quant.cu: each part's W is rows·row_bytes
+        b.arg(&m).arg(x);
+        if let Some((xb, xs)) = &split {
+            b.arg(dev(xb)).arg(dev(xs));
+        }
+        b.arg(&r).arg(&c).arg(&rb);
+        // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
+        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
+        // xb and xs, sized by gemv_tc_split_x): each part's W is rows·row_bytes
         // in the device layout and its out at least rows floats, x has cols floats; the pointers
         // stay valid (and ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
@@ -868,6 +898,42 @@ impl CudaBackend {
         let s = &self.stream;
         let dw = self.weight(w, s);
         self.launch_linear_with(s, &dw, rows, cols, dev(x), n, dev_mut(out), force);
+    }
+
+    /// `Backend::linear_many`, with the one-token GEMV variant forced (`Some`, a warp-rows or
+    /// tensor-core one) or chosen by default.
+    fn linear_many_with(
+        &self,
+        x: &Buf,
+        n: usize,
+        ws: &[WeightRef<'_>],
+        outs: &mut [&mut Buf],
+        force: Option<GemvVariant>,
+    ) {
+        assert_eq!(ws.len(), outs.len(), "linear_many: one output per weight");
+        let s = &self.stream;
+        let cols = ws.first().map_or(0, |w| w.cols());
+        let dws: Vec<Arc<DevWeight>> = ws.iter().map(|w| self.weight(*w, s)).collect();
+        // One launch when the weights share a type and width and the GEMV for them (forced or by
+        // default) is warp-rows or tensor-core; otherwise one product each.
+        let same = dws.iter().all(|d| d.ty == dws[0].ty && d.row_bytes == dws[0].row_bytes);
+        let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
+            .then(|| force.or_else(|| self.gemv_variant(&dws[0], cols)))
+            .flatten()
+            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc));
+        let Some(v) = v else {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.linear_with(x, n, *w, out, force);
+            }
+            return;
+        };
+        assert_eq!(x.len(), cols, "linear_many: x is not [1, in]");
+        let mut parts: Vec<(&DevWeight, &mut CudaSlice<f32>, usize)> = Vec::with_capacity(ws.len());
+        for ((w, d), out) in ws.iter().zip(&dws).zip(outs.iter_mut()) {
+            assert_eq!(out.len(), w.rows(), "linear_many: out is not [1, out]");
+            parts.push((d, dev_mut(out), w.rows()));
+        }
+        self.launch_gemv_rows(s, &mut parts, cols, dev(x), v);
     }
 
     /// The device copy of a small f32 parameter (a norm weight), uploaded on first use.
@@ -1231,30 +1297,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
-        assert_eq!(ws.len(), outs.len(), "linear_many: one output per weight");
-        let s = &self.stream;
-        let cols = ws.first().map_or(0, |w| w.cols());
-        let dws: Vec<Arc<DevWeight>> = ws.iter().map(|w| self.weight(*w, s)).collect();
-        // One warp-rows launch when the weights share a type and width and the default GEMV for
-        // them is warp-rows; otherwise one product each.
-        let same = dws.iter().all(|d| d.ty == dws[0].ty && d.row_bytes == dws[0].row_bytes);
-        let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
-            .then(|| self.gemv_variant(&dws[0], cols))
-            .flatten()
-            .filter(|v| v.kind == GemvKind::Wr);
-        let Some(v) = v else {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.linear(x, n, *w, out);
-            }
-            return;
-        };
-        assert_eq!(x.len(), cols, "linear_many: x is not [1, in]");
-        let mut parts: Vec<(&DevWeight, &mut CudaSlice<f32>, usize)> = Vec::with_capacity(ws.len());
-        for ((w, d), out) in ws.iter().zip(&dws).zip(outs.iter_mut()) {
-            assert_eq!(out.len(), w.rows(), "linear_many: out is not [1, out]");
-            parts.push((d, dev_mut(out), w.rows()));
-        }
-        self.launch_gemv_rows(s, &mut parts, cols, dev(x), v);
+        self.linear_many_with(x, n, ws, outs, None)
     }
 
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
@@ -1692,7 +1735,8 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
-        // Every warp-rows GEMV variant, x in shared memory or not (and the default selection), on shapes that end in a
+        // Every warp-rows GEMV variant, x in shared memory or not, and every tensor-core one (and
+        // the default selection), on shapes that end in a
         // partial chunk of 32 units, a partial last step of NW·32·U units, chunks wholly past the
         // end (skipped), rows not a multiple of R and fewer rows than R; Q4_K from 1 to 70
         // super-blocks per row, Q4_1 with even block counts (smollm2's widths among them).
@@ -1732,6 +1776,7 @@ impl CudaBackend {
                 let name = type_suffix(ty).unwrap_or("?");
                 let wr = GEMV_VARIANTS
                     .iter()
+                    .chain(&GEMVT_VARIANTS)
                     .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
                     .map(|v| (Some(*v), v.entry()));
                 let default = (
@@ -2118,6 +2163,7 @@ impl CudaBackend {
             out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
         out.extend(self.gemm_checks());
+        out.extend(self.gemv_tc_checks());
         out.push(self.check_decode_graph());
         out
     }

@@ -20,10 +20,19 @@ pub enum KernelId {
     /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
     /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
     Gemm,
+    /// The tensor-core one-token GEMV for Q4_K (`kernels/gemv_tc.cu`; host side in
+    /// `cuda_gemv_tc.rs`).
+    GemvTc,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
+    pub const ALL: [KernelId; 5] = [
+        KernelId::Quant,
+        KernelId::Ops,
+        KernelId::Attention,
+        KernelId::Gemm,
+        KernelId::GemvTc,
+    ];
 
     /// The source file's name under `kernels/`.
     pub fn file(self) -> &'static str {
@@ -32,6 +41,7 @@ impl KernelId {
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
             KernelId::Gemm => "gemm.cu",
+            KernelId::GemvTc => "gemv_tc.cu",
         }
     }
 
@@ -42,6 +52,7 @@ impl KernelId {
             KernelId::Ops => include_str!("../../kernels/ops.cu"),
             KernelId::Attention => include_str!("../../kernels/attention.cu"),
             KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
+            KernelId::GemvTc => include_str!("../../kernels/gemv_tc.cu"),
         }
     }
 
@@ -91,6 +102,9 @@ impl KernelId {
                         .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
                 )
                 .collect(),
+            KernelId::GemvTc => std::iter::once("gemvt_split_x".to_string())
+                .chain(GEMVT_VARIANTS.iter().map(|v| v.entry()))
+                .collect(),
         }
     }
 }
@@ -107,6 +121,11 @@ pub enum GemvKind {
     /// warp-rows with x in shared memory (`gemvs_*`): a block stages x (and the units' x sums)
     /// in shared memory once, lane-major, then walks groups of R rows grid-stride as `Wr` does.
     Ws,
+    /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
+    /// R = 16·T rows (T tiles of `mma.sync` m16n8k16, `upt` = T), the warps splitting the
+    /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
+    /// 0: each warp splits its x; 1 (`_p`): a pre-pass (`gemvt_split_x`) splits it once per launch.
+    Tc,
 }
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
@@ -124,13 +143,20 @@ pub struct GemvVariant {
 }
 
 impl GemvVariant {
-    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>` or `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`.
+    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
+    /// (`gemvs_` likewise) or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1).
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Ws => format!("gemvs_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
+            GemvKind::Tc => format!(
+                "gemvt_{s}_t{}_w{}{}",
+                self.upt,
+                self.nw,
+                if self.mode == 1 { "_p" } else { "" }
+            ),
         }
     }
 
@@ -193,6 +219,35 @@ const fn gs(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
         mode,
     }
 }
+
+const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
+    GemvVariant {
+        kind: GemvKind::Tc,
+        ty: GgmlType::Q4K,
+        r: 16 * t,
+        nw,
+        upt: t,
+        mode,
+    }
+}
+
+/// The tensor-core GEMV variants (the `GEMVT_ENTRY` then `GEMVT_ENTRY_P` lines of
+/// `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
+/// 8), x split per warp (mode 0), then the same with the x pre-pass (mode 1).
+pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
+    gt(1, 4, 0),
+    gt(1, 8, 0),
+    gt(2, 4, 0),
+    gt(2, 8, 0),
+    gt(4, 4, 0),
+    gt(4, 8, 0),
+    gt(1, 4, 1),
+    gt(1, 8, 1),
+    gt(2, 4, 1),
+    gt(2, 8, 1),
+    gt(4, 4, 1),
+    gt(4, 8, 1),
+];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` lines of `kernels/quant.cu`, in the same order): a
 /// sweep set for Q4_K (mode 0, and two of mode 1) and Q4_1, two or three for Q8_0, F16, BF16.
@@ -368,6 +423,17 @@ mod tests {
                         }
                     }
                     || {
+                        // gemvt_q4_k_t<T>_w<NW>[_p] come from GEMVT_ENTRY[_P](<T>, <NW>).
+                        f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
+                            let (rest, mac) = match rest.strip_suffix("_p") {
+                                Some(r) => (r, "GEMVT_ENTRY_P"),
+                                None => (rest, "GEMVT_ENTRY"),
+                            };
+                            let (t, nw) = rest.split_once("_w").unwrap();
+                            src.contains(&format!("{mac}({t}, {nw})\n"))
+                        })
+                    }
+                    || {
                         // gemm_<ty> and gemm_<ty>_n32 come from GEMM_ENTRY(<ty>, ...).
                         f.strip_prefix("gemm_").is_some_and(|rest| {
                             let ty = rest.strip_suffix("_n32").unwrap_or(rest);
@@ -402,6 +468,10 @@ mod tests {
             if a.kind != GemvKind::Xs {
                 assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
             }
+        }
+        for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
+            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt);
+            assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
 }

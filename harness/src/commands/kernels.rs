@@ -2,7 +2,9 @@
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
 //! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
-//! the default marked), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul
+//! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
+//! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
+//! variant and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul
 //! in TFLOP/s, and the per-launch cost of the launch paths (cudarc's builder, raw
 //! `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
@@ -18,7 +20,7 @@ pub fn run(_a: &KernelsArgs) -> anyhow::Result<ExitCode> {
 #[cfg(feature = "cuda")]
 pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     use engine::cuda::CudaBackend;
-    use engine::cuda_kernels::{KernelId, GEMV_VARIANTS};
+    use engine::cuda_kernels::{KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
     use references::GgmlType;
     use serde_json::json;
 
@@ -78,10 +80,11 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
         }
         for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F16] {
             // Q4_1 also on smollm2-135m's FFN shapes (its layers' type).
-            let shapes: &[(usize, usize)] = if ty == GgmlType::Q4_1 {
-                &[(4096, 14336), (14336, 4096), (1536, 576), (576, 1536)]
-            } else {
-                &[(4096, 14336), (14336, 4096)]
+            // Q4_K also on the 8B's attention and output shapes (tensor-core GEMV beside the default).
+            let shapes: &[(usize, usize)] = match ty {
+                GgmlType::Q4_1 => &[(4096, 14336), (14336, 4096), (1536, 576), (576, 1536)],
+                GgmlType::Q4K => &[(4096, 14336), (14336, 4096), (4096, 4096), (1024, 4096), (32000, 4096)],
+                _ => &[(4096, 14336), (14336, 4096)],
             };
             for &(rows, cols) in shapes {
                 // The default path at each n, then (n = 1) every compiled GEMV variant of the type
@@ -89,8 +92,20 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 let default = be.gemv_default(ty, cols).map(|v| v.entry());
                 for &n in &ns {
                     let mut vs = vec![None];
-                    if n == 1 {
+                    let extra = ty == GgmlType::Q4K && cols == 4096 && rows != 14336;
+                    if n == 1 && extra {
+                        // The extra Q4_K shapes: the default variant and the tensor-core ones.
+                        vs.extend(
+                            GEMV_VARIANTS
+                                .iter()
+                                .filter(|v| Some(v.entry()) == default)
+                                .map(|v| Some(*v)),
+                        );
+                    } else if n == 1 {
                         vs.extend(GEMV_VARIANTS.iter().filter(|v| v.ty == ty).map(|v| Some(*v)));
+                    }
+                    if n == 1 && ty == GgmlType::Q4K {
+                        vs.extend(GEMVT_VARIANTS.iter().map(|v| Some(*v)));
                     }
                     for r in be.bench_linear_variants(ty, rows, cols, n, 200, &vs)? {
                         let frac = r.gb_per_s * 1e9 / copy;
