@@ -81,9 +81,16 @@ impl KernelId {
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
-                .map(String::from)
-                .to_vec(),
+            KernelId::Attention => [
+                "gqa_attention",
+                "gqa_attention_dpos",
+                "mla_attention",
+                "gqa_attn_tiled_64",
+                "gqa_attn_tiled_128",
+                "gqa_attn_tiled_256",
+            ]
+            .map(String::from)
+            .to_vec(),
             KernelId::Gemm => std::iter::once("gemm_split_x".to_string())
                 .chain(
                     ["q4_k", "q8_0", "q4_1"]
