@@ -356,6 +356,11 @@ mod tests {
                 let defined = src.contains(&format!("void {f}("))
                     || src.contains(&format!(") {f}("))
                     || {
+                        // gqa_attn_tiled_<HD> come from GQA_TILED(<HD>, <min blocks>).
+                        f.strip_prefix("gqa_attn_tiled_")
+                            .is_some_and(|hd| src.contains(&format!("GQA_TILED({hd},")))
+                    }
+                    || {
                         // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
                         let (kind, ty) = f.split_once('_').unwrap();
                         ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
