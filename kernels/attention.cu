@@ -1,14 +1,21 @@
-// Causal attention over a KV cache, one block per (token, query head) of 256 threads, or 1024 when
-// there are fewer blocks than SMs (decode; see `attn_threads` in crate::cuda): scores in shared memory,
-// max-subtracted softmax with the sum in f64, then the weighted sum of V. Serves prefill (n > 1)
-// and decode (n = 1) alike; row t of the new tokens sees positions 0 ..= pos0 + t.
-// Dynamic shared memory: (q width + pos0 + n + G·out width) floats, G = max(1, blockDim / out
-// width) (see attn_weighted_sum).
+// Causal attention over a KV cache. Two forms:
 //
-// Memory-level parallelism matters more than arithmetic here (a decode step reads the whole
-// cache once): each thread's score reads its key row as float4 where the rows are 16-byte
-// aligned, and the weighted sum splits the positions over G thread groups (each walking its
-// positions eight at a time, independent accumulators), then adds the G partial rows in order.
+// - `gqa_attention`, `gqa_attention_dpos`, `mla_attention`: one block per (token, query head) of
+//   256 threads, or 1024 when there are fewer blocks than SMs (decode; see `attn_threads` in
+//   crate::cuda): scores in shared memory, max-subtracted softmax with the sum in f64, then the
+//   weighted sum of V. Serve decode (n = 1), the captured decode graph (`*_dpos`) and MLA; row t
+//   of the new tokens sees positions 0 ..= pos0 + t. Dynamic shared memory: (q width + pos0 + n
+//   + G·out width) floats, G = max(1, blockDim / out width) (see attn_weighted_sum).
+//   Memory-level parallelism matters more than arithmetic here (a decode step reads the whole
+//   cache once): each thread's score reads its key row as float4 where the rows are 16-byte
+//   aligned, and the weighted sum splits the positions over G thread groups (each walking its
+//   positions eight at a time, independent accumulators), then adds the G partial rows in order.
+//
+// - `gqa_attn_tiled_<HD>` (HD = 64, 128, 256: the largest head_dim it takes): GQA prefill (n > 1,
+//   not recorded; selection in engine/src/cuda_attn.rs, `LLMDIFF_ATTN_TILED=0` turns it off),
+//   flash-attention style on CUDA cores in f32: a block per 64 (token, query head) rows of one KV
+//   head, K/V tiles staged once for the group's query heads, an online softmax. See the comment
+//   above gqa_tiled.
 
 // dot(q, k[0..len)) with four accumulators; float4 loads when `vec`.
 __device__ __forceinline__ float attn_dot(const float* qs, const float* kr, int len, bool vec) {
@@ -139,3 +146,248 @@ extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __
     float inv = attn_softmax(p, n_ctx, mx, red, red64);
     attn_weighted_sum(p, v + (size_t)head * vd, vw, vd, n_ctx, inv, part, out + (size_t)tok * vw + (size_t)head * vd);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Prefill GQA attention, tiled (flash-attention's online softmax, on CUDA cores, all f32 but the
+// softmax denominator).
+//
+// A block owns AT_R = 64 "rows" of one KV head: the rows are the (token, query head of the group)
+// pairs of that KV head, numbered token-major (row = t·G + h, G = H / KV query heads per KV
+// head), so the G heads that read the same K/V rows share every K/V tile the block loads. Blocks
+// are numbered heaviest first (the last rows see the longest prefix), KV head fastest.
+// The block stages its Q rows once, then walks the causal prefix 0 ..= pos0 + (its last token) in
+// tiles of AT_BK = 32 positions: K and V rows staged in shared memory (float4 loads, a row's
+// 16-byte groups on consecutive threads), S = Q·Kᵀ for the tile, the online softmax update, then
+// O += P·V. Thread layout: 8 threads per row group (tx: keys tx + 8j, j < 4; output float4
+// columns tx + 8c, c < CG), 32 row groups (ty: rows ty and ty + 32); a thread keeps 2×4 scores and
+// 2×CG float4 of O in registers.
+//
+// Numerics per row (the CPU engine's softmax is max-subtracted with an f64 sum, then Σ p_j·v_j):
+// s_j = dot(q, k_j)·scale in f32 (one fmaf chain over d); masked positions (j > pos0 + t) are
+// -inf. Per tile: m' = max(m, tile max); α = expf(m − m') (0 on the first tile); p_j =
+// expf(s_j − m'); l = l·α + Σ p_j with l and the tile's Σ in f64 (fixed order: the thread's 4,
+// then a butterfly over its 8 lanes); O = O·α + Σ p_j·v_j in f32 (positions in order within a
+// thread's columns). At the end out = O · (float)(1 / l). The sum stays f64 as in the other
+// kernels: it costs one f64 add per score beside 2·hd f32 FMAs, and keeps the denominator's
+// rounding from growing with the context; l and O are scaled by the same f32 α, so the ratio
+// does not see α's rounding. Every tile of every row has a finite m' (position 0 is in the
+// first tile and is never masked), so no inf − inf.
+// Deterministic (fixed order everywhere, no atomics). Every element of `out` of a row < n·G and
+// d < hd is written; rows past n·G (the last block's tail) compute on zero q and are not stored.
+//
+// Shared memory (floats): Q AT_R × QS, K AT_BK × QS, V AT_BK × HD4, P AT_R × AT_PS, where HD4 =
+// hd rounded up to 4 (zero-padded) and QS = HD4, plus 4 when HD4/4 is even (an odd number of
+// float4s per row: the 8 key threads' float4 reads of 8 different K rows hit distinct banks).
+// hd = 128: 19072 floats (76.3 KB; with 128 registers a thread, 2 blocks per SM on an H200). The
+// host computes the same (`attn_tiled_smem` in crate::cuda's attn submodule, cuda_attn.rs).
+
+#define AT_BK 32
+#define AT_NX 8
+#define AT_TK 4
+#define AT_NY 32
+#define AT_TR 2
+#define AT_R 64
+#define AT_THREADS 256
+#define AT_PS 36
+
+// Four floats of a row from `src`, `left` of them valid (the rest 0); one float4 load when `vec`.
+__device__ __forceinline__ float4 at_ld4(const float* __restrict__ src, int left, bool vec) {
+    if (vec) return *(const float4*)src;
+    float4 r;
+    r.x = left > 0 ? src[0] : 0.0f;
+    r.y = left > 1 ? src[1] : 0.0f;
+    r.z = left > 2 ? src[2] : 0.0f;
+    r.w = left > 3 ? src[3] : 0.0f;
+    return r;
+}
+
+__device__ __forceinline__ float at_f4(const float4& a, int u) {
+    return u == 0 ? a.x : u == 1 ? a.y : u == 2 ? a.z : a.w;
+}
+
+// CG float4 output columns per thread: hd <= 32·CG.
+template <int CG>
+__device__ __forceinline__ void gqa_tiled(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, float* __restrict__ out, int n, int pos0,
+                                          int n_heads, int n_kv_heads, int hd, float scale) {
+    extern __shared__ __align__(16) float at_sm[];
+    const int G = n_heads / n_kv_heads;
+    const int rows_total = n * G;
+    const int n_tiles = (rows_total + AT_R - 1) / AT_R;
+    const int kvh = blockIdx.x % n_kv_heads;
+    const int row0 = (n_tiles - 1 - (int)(blockIdx.x / n_kv_heads)) * AT_R;
+    const int hd4 = (hd + 3) & ~3, ng = hd4 >> 2;
+    const int qs = (ng & 1) ? hd4 : hd4 + 4;
+    float* Qs = at_sm;
+    float* Ks = Qs + AT_R * qs;
+    float* Vs = Ks + AT_BK * qs;
+    float* Ps = Vs + AT_BK * hd4;
+    const int tx = threadIdx.x % AT_NX, ty = threadIdx.x / AT_NX;
+    const int kvw = n_kv_heads * hd;
+    const bool vec = (hd & 3) == 0;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int row_last = min(row0 + AT_R, rows_total) - 1;
+    const int kmax = pos0 + row_last / G;
+
+    for (int e = threadIdx.x; e < AT_R * ng; e += AT_THREADS) {
+        int r = e / ng, g = e - r * ng, row = row0 + r;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row < rows_total) {
+            int tok = row / G, h = kvh * G + (row - tok * G);
+            x = at_ld4(q + ((size_t)tok * n_heads + h) * hd + 4 * g, hd - 4 * g, vec);
+        }
+        *(float4*)(Qs + r * qs + 4 * g) = x;
+    }
+
+    int lim[AT_TR];
+    float m[AT_TR];
+    double l[AT_TR];
+    float4 o[AT_TR][CG];
+#pragma unroll
+    for (int i = 0; i < AT_TR; i++) {
+        int row = row0 + ty + AT_NY * i;
+        lim[i] = row < rows_total ? pos0 + row / G : kmax;
+        m[i] = NEG_INF;
+        l[i] = 0.0;
+#pragma unroll
+        for (int c = 0; c < CG; c++) o[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+
+    for (int kt = 0; kt <= kmax; kt += AT_BK) {
+        __syncthreads();  // the previous tile's P·V is done with Ks/Vs/Ps (and Qs is stored)
+        for (int e = threadIdx.x; e < AT_BK * ng; e += AT_THREADS) {
+            int j = e / ng, g = e - j * ng, key = kt + j;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+            if (key <= kmax) {
+                size_t off = (size_t)key * kvw + (size_t)kvh * hd + 4 * g;
+                a = at_ld4(k + off, hd - 4 * g, vec);
+                b = at_ld4(v + off, hd - 4 * g, vec);
+            }
+            *(float4*)(Ks + j * qs + 4 * g) = a;
+            *(float4*)(Vs + j * hd4 + 4 * g) = b;
+        }
+        __syncthreads();
+
+        float s[AT_TR][AT_TK];
+#pragma unroll
+        for (int i = 0; i < AT_TR; i++)
+#pragma unroll
+            for (int j = 0; j < AT_TK; j++) s[i][j] = 0.0f;
+#pragma unroll 2
+        for (int g = 0; g < ng; g++) {
+            float4 qa[AT_TR], kb[AT_TK];
+#pragma unroll
+            for (int i = 0; i < AT_TR; i++) qa[i] = *(const float4*)(Qs + (ty + AT_NY * i) * qs + 4 * g);
+#pragma unroll
+            for (int j = 0; j < AT_TK; j++) kb[j] = *(const float4*)(Ks + (tx + AT_NX * j) * qs + 4 * g);
+#pragma unroll
+            for (int i = 0; i < AT_TR; i++)
+#pragma unroll
+                for (int j = 0; j < AT_TK; j++) {
+                    s[i][j] = fmaf(qa[i].x, kb[j].x, s[i][j]);
+                    s[i][j] = fmaf(qa[i].y, kb[j].y, s[i][j]);
+                    s[i][j] = fmaf(qa[i].z, kb[j].z, s[i][j]);
+                    s[i][j] = fmaf(qa[i].w, kb[j].w, s[i][j]);
+                }
+        }
+
+#pragma unroll
+        for (int i = 0; i < AT_TR; i++) {
+            float mt = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < AT_TK; j++) {
+                float x = kt + tx + AT_NX * j <= lim[i] ? s[i][j] * scale : NEG_INF;
+                s[i][j] = x;
+                mt = fmaxf(mt, x);
+            }
+#pragma unroll
+            for (int w = 1; w < AT_NX; w <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, w));
+            float mn = fmaxf(m[i], mt);
+            float alpha = expf(m[i] - mn);
+            m[i] = mn;
+            double ps = 0.0;
+            float* prow = Ps + (ty + AT_NY * i) * AT_PS;
+#pragma unroll
+            for (int j = 0; j < AT_TK; j++) {
+                float p = expf(s[i][j] - mn);
+                prow[tx + AT_NX * j] = p;
+                ps += (double)p;
+            }
+#pragma unroll
+            for (int w = 1; w < AT_NX; w <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, w);
+            l[i] = l[i] * (double)alpha + ps;
+#pragma unroll
+            for (int c = 0; c < CG; c++) {
+                o[i][c].x *= alpha;
+                o[i][c].y *= alpha;
+                o[i][c].z *= alpha;
+                o[i][c].w *= alpha;
+            }
+        }
+        __syncthreads();
+
+        // Positions past kmax have p = 0 and V rows of zeros; stop at the tile's last live group of 4.
+        int kend = min(AT_BK, ((kmax - kt) | 3) + 1);
+        for (int kk = 0; kk < kend; kk += 4) {
+            float4 pa[AT_TR];
+#pragma unroll
+            for (int i = 0; i < AT_TR; i++) pa[i] = *(const float4*)(Ps + (ty + AT_NY * i) * AT_PS + kk);
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+#pragma unroll
+                for (int c = 0; c < CG; c++) {
+                    int g = tx + AT_NX * c;
+                    if (g < ng) {
+                        float4 vv = *(const float4*)(Vs + (kk + u) * hd4 + 4 * g);
+#pragma unroll
+                        for (int i = 0; i < AT_TR; i++) {
+                            float p = at_f4(pa[i], u);
+                            o[i][c].x = fmaf(p, vv.x, o[i][c].x);
+                            o[i][c].y = fmaf(p, vv.y, o[i][c].y);
+                            o[i][c].z = fmaf(p, vv.z, o[i][c].z);
+                            o[i][c].w = fmaf(p, vv.w, o[i][c].w);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < AT_TR; i++) {
+        int row = row0 + ty + AT_NY * i;
+        if (row >= rows_total) continue;
+        int tok = row / G, h = kvh * G + (row - tok * G);
+        float* dst = out + ((size_t)tok * n_heads + h) * hd;
+        float inv = (float)(1.0 / l[i]);
+#pragma unroll
+        for (int c = 0; c < CG; c++) {
+            int g = tx + AT_NX * c;
+            if (g >= ng) continue;
+            float4 r = make_float4(o[i][c].x * inv, o[i][c].y * inv, o[i][c].z * inv, o[i][c].w * inv);
+            if (vec) {
+                *(float4*)(dst + 4 * g) = r;
+            } else {
+                int d = 4 * g;
+                if (d < hd) dst[d] = r.x;
+                if (d + 1 < hd) dst[d + 1] = r.y;
+                if (d + 2 < hd) dst[d + 2] = r.z;
+                if (d + 3 < hd) dst[d + 3] = r.w;
+            }
+        }
+    }
+}
+
+// q [n, H·hd], k/v [T, KV·hd] (T >= pos0 + n), out [n, H·hd]; H % KV == 0, hd <= HD. Grid:
+// ceil(n·(H/KV) / 64) · KV blocks of 256 threads, dynamic shared memory as above.
+#define GQA_TILED(HD, MINB)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(AT_THREADS, MINB) gqa_attn_tiled_##HD(                              \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
+        float* __restrict__ out, int n, int pos0, int n_heads, int n_kv_heads, int hd, float scale) {         \
+        gqa_tiled<HD / 32>(q, k, v, out, n, pos0, n_heads, n_kv_heads, hd, scale);                             \
+    }
+// Blocks per SM the register allocation aims at (the shared memory allows 5, 2 and 1 at hd 64, 128
+// and 256 on an H200).
+GQA_TILED(64, 2)
+GQA_TILED(128, 2)
+GQA_TILED(256, 1)

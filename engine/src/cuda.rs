@@ -15,6 +15,11 @@
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
 //!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
 //!   `cuda_gemv_tc.rs`).
+//! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
+//!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
+//!   tiles staged once for the group's query heads, online softmax; `cuda_attn.rs`,
+//!   `LLMDIFF_ATTN_TILED=0` turns it off, `=1` takes it for every n > 1); decode, the recorded
+//!   decode step and MLA keep a block per (token, head).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -52,8 +57,11 @@ use references::GgmlType;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+#[path = "cuda_attn.rs"]
+mod attn;
 #[path = "cuda_gemm.rs"]
 mod gemm;
+pub use attn::AttnBench;
 pub use gemm::GemmBench;
 
 #[path = "cuda_gemv_tc.rs"]
@@ -412,6 +420,8 @@ pub struct CudaBackend {
     gemv: GemvConfig,
     /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
     gemm: gemm::GemmState,
+    /// The tiled prefill attention's settings (`LLMDIFF_ATTN_TILED=0` turns it off; see `cuda_attn.rs`).
+    attn: attn::AttnState,
     /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
     occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
     /// The dynamic shared memory a `gemvs_*` block may use (set on those entries at load).
@@ -500,6 +510,8 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_or(48 << 10, |b| b.max(48 << 10) as usize)
             - 1024;
+        // The tiled prefill attention's blocks (static shared memory: none): the opt-in limit.
+        let attn_smem_max = gemv_smem_max + 1024;
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
             let ptx = compile(id, arch)?;
@@ -517,6 +529,13 @@ impl CudaBackend {
                     )
                     .map_err(drv(&format!("shared memory size of {f}")))?;
                 }
+                if f.starts_with("gqa_attn_tiled_") {
+                    func.set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        attn_smem_max as i32,
+                    )
+                    .map_err(drv(&format!("shared memory size of {f}")))?;
+                }
                 funcs.insert(f, func);
             }
         }
@@ -530,6 +549,7 @@ impl CudaBackend {
             sms,
             gemv: GemvConfig::from_env(),
             gemm: gemm::GemmState::from_env(),
+            attn: attn::AttnState::new(attn_smem_max),
             occupancy: Mutex::new(HashMap::new()),
             gemv_smem_max,
             clock: CommClock::default(),
@@ -1408,6 +1428,14 @@ impl Backend for CudaBackend {
             return;
         }
         let n = slots / shape.n_heads;
+        let capturing = self.capturing();
+        // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
+        if !capturing {
+            if let Some(entry) = self.attn_tiled_entry(n, shape) {
+                self.launch_gqa_tiled(entry, dev(q), dev(k), dev(v), dev_mut(out), n, pos0, shape);
+                return;
+            }
+        }
         let threads = attn_threads(slots, self.sms);
         let args = [
             pos0 as i32,
@@ -1415,7 +1443,6 @@ impl Backend for CudaBackend {
             shape.n_kv_heads as i32,
             shape.head_dim as i32,
         ];
-        let capturing = self.capturing();
         // Recorded for replay, the scores' shared memory covers every row the caches can hold
         // (up to the default limit): the position comes from the position word.
         let mut rows = pos0;
@@ -1630,7 +1657,8 @@ fn both(gpu: &dyn Backend, f: impl Fn(&dyn Backend) -> Vec<f32>) -> (Vec<f32>, V
 impl CudaBackend {
     /// Runs every kernel against the CPU engine's on odd shapes (the fast/slow pairs of the
     /// CUDA backend): matmul/matvec and gather for every GPU weight type, RMSNorm, RoPE NORM and
-    /// NEOX, SwiGLU, GQA and MLA attention in prefill and decode, the all-reduce, and the data
+    /// NEOX, SwiGLU, GQA and MLA attention in prefill and decode (GQA prefill in both kernels:
+    /// per (token, head) and tiled, `ATTN_GQA_TILED` cases), the all-reduce, and the data
     /// movement ops (fill, column copy, residual add with and without f16 rounding, KV-cache
     /// writes, row gather and scaled scatter-add).
     pub fn self_check(&self) -> Vec<KernelCheck> {
@@ -1994,6 +2022,8 @@ impl CudaBackend {
             });
             out.push(compare("SWIGLU(ne=[1001])".into(), &g, &c, 1e-6));
         }
+        // The per-(token, head) kernel in prefill too (the tiled one has its own cases below).
+        let tiled = self.attn.set(false);
         for (pos0, n, hd) in [
             (0usize, 7usize, 40usize),
             (7, 1, 40),
@@ -2047,6 +2077,7 @@ impl CudaBackend {
                 1e-5,
             ));
         }
+        self.attn.set(tiled);
         {
             let parts: Vec<Vec<f32>> = (0..8).map(|r| noise(999, 30 + r)).collect();
             let (g, c) = both(self, |be| {
@@ -2164,6 +2195,7 @@ impl CudaBackend {
         }
         out.extend(self.gemm_checks());
         out.extend(self.gemv_tc_checks());
+        out.extend(self.attn_tiled_checks());
         out.push(self.check_decode_graph());
         out
     }

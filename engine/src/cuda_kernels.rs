@@ -92,9 +92,16 @@ impl KernelId {
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Attention => ["gqa_attention", "gqa_attention_dpos", "mla_attention"]
-                .map(String::from)
-                .to_vec(),
+            KernelId::Attention => [
+                "gqa_attention",
+                "gqa_attention_dpos",
+                "mla_attention",
+                "gqa_attn_tiled_64",
+                "gqa_attn_tiled_128",
+                "gqa_attn_tiled_256",
+            ]
+            .map(String::from)
+            .to_vec(),
             KernelId::Gemm => std::iter::once("gemm_split_x".to_string())
                 .chain(
                     ["q4_k", "q8_0", "q4_1"]
@@ -403,6 +410,11 @@ mod tests {
                 // `void f(`, or `void __launch_bounds__(N) f(`.
                 let defined = src.contains(&format!("void {f}("))
                     || src.contains(&format!(") {f}("))
+                    || {
+                        // gqa_attn_tiled_<HD> come from GQA_TILED(<HD>, <min blocks>).
+                        f.strip_prefix("gqa_attn_tiled_")
+                            .is_some_and(|hd| src.contains(&format!("GQA_TILED({hd},")))
+                    }
                     || {
                         // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.
                         let (kind, ty) = f.split_once('_').unwrap();

@@ -4,9 +4,10 @@
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
 //! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
-//! variant and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul
-//! in TFLOP/s, and the per-launch cost of the launch paths (cudarc's builder, raw
-//! `cuLaunchKernel`, a graph).
+//! variant and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside
+//! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128)
+//! per-(token, head) beside tiled in µs, and the per-launch cost of the launch paths (cudarc's
+//! builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
 use crate::cli::KernelsArgs;
@@ -154,6 +155,19 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             gemm_out.push(json!({"case": r.case, "paths": paths}));
         }
         doc["gemm_bench"] = json!(gemm_out);
+        // Prefill attention (the 8B's 32/8 heads of 128, 512 tokens): the per-(token, head)
+        // kernel beside the tiled one.
+        let r = be.bench_attention(512, 32, 8, 128, 20)?;
+        if !a.json {
+            println!(
+                "{:<44} per-(token, head) {:>8.1} µs   tiled {:>8.1} µs   ({:.1}x)",
+                r.case,
+                r.old_s * 1e6,
+                r.tiled_s * 1e6,
+                r.old_s / r.tiled_s
+            );
+        }
+        doc["attention_bench"] = json!({"case": r.case, "old_seconds": r.old_s, "tiled_seconds": r.tiled_s});
         let lc = be.launch_cost(5000)?;
         if !a.json {
             println!(
