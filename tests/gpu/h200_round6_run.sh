@@ -18,6 +18,11 @@ say "8B prefill: SIMT matmul (LLMDIFF_GEMM=0), 32-token GEMM tiles (LLMDIFF_GEMM
 LLMDIFF_GEMM=0 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_simt.json 2>>$LOG
 LLMDIFF_GEMM_BN=32 timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 2 --json >$OUT/bench_8b_gemm32.json 2>>$LOG
 cat $OUT/bench_8b_simt.json $OUT/bench_8b_gemm32.json >>$LOG
+say "8B decode with the tensor-core GEMV (LLMDIFF_GEMV_KIND=tc, =tcp)"
+for k in tc tcp; do
+  LLMDIFF_GEMV_KIND=$k timeout 100 $B bench $M/llama8b.gguf --backend cuda --n-prompt 64 --n-decode 32 --reps 2 --json >$OUT/bench_8b_gemv_$k.json 2>>$LOG
+  echo "rc=$?" >>$LOG; cat $OUT/bench_8b_gemv_$k.json >>$LOG
+done
 say "entropy, gate, generate and logits on cuda (against cpu)"
 R=$(cd $D/.. && pwd)
 printf '{"tokens":[1,5,9,13,17,21]}\n{"tokens":[2,4,6,8]}\n' >/tmp/gpu/prompts.jsonl
