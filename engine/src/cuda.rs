@@ -1637,6 +1637,23 @@ fn compare(case: String, gpu: &[f32], cpu: &[f32], tol: f64) -> KernelCheck {
 }
 
 /// Deterministic values in [-1, 1).
+/// Test weights for the checks: noise of `[rows, cols]` quantized to `ty` (the bytes a
+/// [`test_weight`] borrows).
+fn test_bytes(ty: GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    references::quant::quantize(ty, &noise(rows * cols, seed)).expect("quantize test weights")
+}
+
+/// A quantized `[rows, cols]` weight over `bytes` (from [`test_bytes`]).
+fn test_weight(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> WeightRef<'_> {
+    WeightRef::Quant(QMat {
+        ty,
+        bytes,
+        rows,
+        cols,
+        row_bytes: bytes.len() / rows,
+    })
+}
+
 fn noise(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
@@ -1733,15 +1750,8 @@ impl CudaBackend {
                 GgmlType::Q4K => 1280,
                 _ => 1032,
             };
-            let wf = noise(rows * cols, 40 + ty as u64);
-            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
-            let w = WeightRef::Quant(QMat {
-                ty,
-                bytes: &bytes,
-                rows,
-                cols,
-                row_bytes: bytes.len() / rows,
-            });
+            let bytes = test_bytes(ty, rows, cols, 40 + ty as u64);
+            let w = test_weight(ty, &bytes, rows, cols);
             let x = noise(cols, 41);
             let mut c = CpuBackend.alloc(rows);
             CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
@@ -1787,15 +1797,8 @@ impl CudaBackend {
         ];
         for (ty, shapes) in wr_shapes {
             for &(cols, rows) in shapes {
-                let wf = noise(rows * cols, 50 + ty as u64 + cols as u64);
-                let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
-                let w = WeightRef::Quant(QMat {
-                    ty,
-                    bytes: &bytes,
-                    rows,
-                    cols,
-                    row_bytes: bytes.len() / rows,
-                });
+                let bytes = test_bytes(ty, rows, cols, 50 + ty as u64 + cols as u64);
+                let w = test_weight(ty, &bytes, rows, cols);
                 let x = noise(cols, 51 + cols as u64);
                 let mut c = CpuBackend.alloc(rows);
                 CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
@@ -1831,15 +1834,8 @@ impl CudaBackend {
         // repacked layout), one token.
         {
             let (ty, cols) = (GgmlType::Q4_1, 352);
-            let wf = noise(rows * cols, 42);
-            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
-            let w = WeightRef::Quant(QMat {
-                ty,
-                bytes: &bytes,
-                rows,
-                cols,
-                row_bytes: bytes.len() / rows,
-            });
+            let bytes = test_bytes(ty, rows, cols, 42);
+            let w = test_weight(ty, &bytes, rows, cols);
             let x = noise(cols, 43);
             let (g, c) = both(self, |be| {
                 let mut o = be.alloc(rows);
@@ -1913,25 +1909,13 @@ impl CudaBackend {
             (GgmlType::Q4_1, 576, vec![9, 40]),
             (GgmlType::Q8_0, 256, vec![3, 3, 64]),
         ] {
-            let bytes: Vec<Vec<u8>> = rows_each
-                .iter()
-                .enumerate()
-                .map(|(i, &r)| {
-                    references::quant::quantize(ty, &noise(r * cols, 80 + i as u64)).expect("quantize test weights")
-                })
+            let bytes: Vec<Vec<u8>> = (rows_each.iter().enumerate())
+                .map(|(i, &r)| test_bytes(ty, r, cols, 80 + i as u64))
                 .collect();
             let ws: Vec<WeightRef> = bytes
                 .iter()
                 .zip(&rows_each)
-                .map(|(b, &r)| {
-                    WeightRef::Quant(QMat {
-                        ty,
-                        bytes: b,
-                        rows: r,
-                        cols,
-                        row_bytes: b.len() / r,
-                    })
-                })
+                .map(|(b, &r)| test_weight(ty, b, r, cols))
                 .collect();
             let x = noise(cols, 90);
             let (g, c) = both(self, |be| {

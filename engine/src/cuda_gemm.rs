@@ -11,9 +11,9 @@
 //! tensor cores accumulate in f32, block scales and offsets are applied in f32 (see
 //! `kernels/gemm.cu`).
 
-use super::{compare, dev, dev_mut, noise, ok, CudaBackend, DevWeight, KernelCheck};
+use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, CudaBackend, DevWeight, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
-use crate::kernels::{QMat, WeightRef};
+use crate::kernels::WeightRef;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use references::GgmlType;
@@ -174,15 +174,8 @@ impl CudaBackend {
         for (ty, shapes) in cases {
             let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");
             for &(rows, cols) in shapes {
-                let wf = noise(rows * cols, 60 + ty as u64 + cols as u64);
-                let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
-                let w = WeightRef::Quant(QMat {
-                    ty,
-                    bytes: &bytes,
-                    rows,
-                    cols,
-                    row_bytes: bytes.len() / rows,
-                });
+                let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
+                let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
                     let x = gemm_test_x(n, cols);
                     let mut c = CpuBackend.alloc(n * rows);
