@@ -265,9 +265,9 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // ---------------------------------------------------------------------------------------------
 // GEMV for one token (n = 1): F16, BF16, Q8_0, Q4_1 and Q4_K, in two work splits over the same
 // per-unit primitives (gemv_load, gemv_x_load, gemv_dot; a unit's numerics are the same in both):
-// x-stationary (gemv_body, entries gemv_*, below), warp-rows (gemvw_body, entries gemvw_*, near
-// the end of the file; the default, see `CudaBackend::gemv_default`) and warp-rows with x staged
-// in shared memory (gemvs_body, entries gemvs_*, at the end).
+// x-stationary (gemv_body, entries gemv_*, below) and warp-rows (gemvw_body, entries gemvw_*, at
+// the end of the file); `CudaBackend::gemv_default` picks one per type. (A third split, x staged
+// in shared memory per block, never beat warp-rows in the H200 sweep and was removed.)
 //
 // The row is cut into units of V values (F16/BF16: 8, one 16-byte load; Q8_0: 16, one 16-byte
 // load of quants plus the block's f16 scale; Q4_1: 16, one 8-byte load of quants, 8 values in
@@ -714,123 +714,3 @@ GEMVW_ENTRY(f16, TY_F16, 2, 4, 1, 0)
 GEMVW_ENTRY(f16, TY_F16, 2, 4, 2, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 1, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 2, 0)
-
-// Warp-rows with x staged in shared memory (gemvs_*): as gemvw_body, but each block first
-// stores x, and for Q4_K/Q4_1 the units' x sums, in dynamic shared memory, lane-major (float4 q
-// of unit 32c + l at [(c·V/4 + q)·32 + l], so a warp's x reads are 512 contiguous bytes, with no
-// bank conflicts; an L1 read of x from global memory touches 16 lines per instruction), computed
-// by gemv_x_load as before (units past the end hold unit 0's x, as their lanes use unit 0). The
-// block then walks groups of R rows grid-stride (grid: at most the resident blocks), reducing
-// each group as gemvw_body does (double-buffered partials, one barrier per group).
-// Shared memory: ⌈units/32⌉·32·(4V + 8) bytes for Q4_K/Q4_1, ⌈units/32⌉·32·4V otherwise.
-template <int TY, int R, int NW, int U, int MODE>
-__device__ __forceinline__ void gemvs_body(const u8* __restrict__ W, const float* __restrict__ x,
-                                           float* __restrict__ out, int rows, int cols, int row_bytes) {
-    constexpr int V = gemv_vals<TY>();
-    constexpr int Q = V / 4;
-    constexpr bool SUMS = TY == TY_Q4_K || TY == TY_Q4_1;
-    constexpr int STEP = NW * 32 * U;
-    extern __shared__ float4 gemv_sh[];
-    __shared__ float red[2][NW][R];
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int n_units = cols / V, n_chunks = (n_units + 31) >> 5, n_groups = (rows + R - 1) / R;
-    float4* xsh = gemv_sh;
-    float2* xss = (float2*)(gemv_sh + n_chunks * Q * 32);
-    for (int i = t; i < n_chunks * 32; i += NW * 32) {
-        float xv[V], xs[2];
-        gemv_x_load<TY>(x, i < n_units ? i : 0, xv, xs);
-        const int c = i >> 5, l = i & 31;
-#pragma unroll
-        for (int q = 0; q < Q; q++)
-            xsh[(c * Q + q) * 32 + l] = make_float4(xv[4 * q], xv[4 * q + 1], xv[4 * q + 2], xv[4 * q + 3]);
-        if constexpr (SUMS) xss[i] = make_float2(xs[0], xs[1]);
-    }
-    __syncthreads();
-    int buf = 0;
-    for (int g = blockIdx.x; g < n_groups; g += gridDim.x) {
-        const int row0 = g * R;
-        const u8* rp[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) rp[r] = W + (size_t)min(row0 + r, rows - 1) * row_bytes;
-        float acc[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
-            WFrag<TY> f[U][R];
-#pragma unroll
-            for (int k = 0; k < U; k++) {
-                const int c = c0 + k * NW * 32;
-                if (c < n_units) {
-                    const int u = c + lane < n_units ? c + lane : 0;
-#pragma unroll
-                    for (int r = 0; r < R; r++) gemv_load<TY>(rp[r], u, cols, f[k][r]);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < U; k++) {
-                const int c = c0 + k * NW * 32;
-                if (c < n_units) {
-                    const bool in = c + lane < n_units;
-                    const int u = in ? c + lane : 0;
-                    const float live = in ? 1.0f : 0.0f;
-                    float xv[V], xs[2];
-#pragma unroll
-                    for (int q = 0; q < Q; q++) {
-                        float4 v = xsh[((c >> 5) * Q + q) * 32 + lane];
-                        xv[4 * q] = v.x;
-                        xv[4 * q + 1] = v.y;
-                        xv[4 * q + 2] = v.z;
-                        xv[4 * q + 3] = v.w;
-                    }
-                    if constexpr (SUMS) {
-                        float2 s2 = xss[c + lane];
-                        xs[0] = s2.x;
-                        xs[1] = s2.y;
-                    }
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        acc[r] = fmaf(live, gemv_dot<TY, MODE>(f[k][r], xv, xs, u), acc[r]);
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v = warp_sum(acc[r]);
-            if (lane == 0) red[buf][warp][r] = v;
-        }
-        __syncthreads();
-        if (t < R) {
-            float s = 0.0f;
-#pragma unroll
-            for (int w = 0; w < NW; w++) s += red[buf][w][t];
-            if (row0 + t < rows) out[row0 + t] = s;
-        }
-        buf ^= 1;
-    }
-}
-
-// Entry points gemvs_<type>_r<R>_w<NW>_u<U>_m<MODE> (NW·32 threads, dynamic shared memory as
-// above); also listed in `GEMV_VARIANTS`.
-#define GEMVS_ENTRY(NAME, TY, R, NW, U, M)                                                                \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
-        gemvs_##NAME##_r##R##_w##NW##_u##U##_m##M(const u8* W, const float* x, float* out, int rows,      \
-                                                  int cols, int row_bytes) {                              \
-        gemvs_body<TY, R, NW, U, M>(W, x, out, rows, cols, row_bytes);                                    \
-    }
-
-GEMVS_ENTRY(q4_k, TY_Q4_K, 4, 4, 1, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 4, 4, 2, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 4, 8, 2, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 8, 4, 1, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 8, 8, 1, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 2, 8, 2, 0)
-GEMVS_ENTRY(q4_k, TY_Q4_K, 8, 8, 1, 1)
-GEMVS_ENTRY(q4_1, TY_Q4_1, 4, 4, 2, 0)
-GEMVS_ENTRY(q4_1, TY_Q4_1, 4, 8, 1, 0)
-GEMVS_ENTRY(q4_1, TY_Q4_1, 8, 8, 1, 0)
-GEMVS_ENTRY(q4_1, TY_Q4_1, 2, 8, 2, 0)
-GEMVS_ENTRY(q8_0, TY_Q8_0, 4, 8, 1, 0)
-GEMVS_ENTRY(q8_0, TY_Q8_0, 8, 8, 1, 0)
-GEMVS_ENTRY(f16, TY_F16, 2, 8, 1, 0)
-GEMVS_ENTRY(f16, TY_F16, 4, 8, 1, 0)
-GEMVS_ENTRY(bf16, TY_BF16, 2, 8, 1, 0)

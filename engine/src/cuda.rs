@@ -23,8 +23,8 @@
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
-//!   logits, and for MoE models the router logits (routing runs on the host) and the picked rows'
-//!   ids and weights. A custom op's output buffer is the caller's, canary-filled on the device
+//!   logits, and for MoE models the chosen experts and their weights (routing runs on the
+//!   device, `moe_route`). A custom op's output buffer is the caller's, canary-filled on the device
 //!   when tapped, so an element the kernel never writes keeps the canary.
 //! - All of a device's work goes on one stream, in issue order: the simulated ranks enqueue their
 //!   ops there in rank order from the driver thread ([`Backend::parallel_ranks`] is false), with
@@ -358,10 +358,10 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|ws|tc|tcp`: the work split (default `wr`, warp-rows; `ws` warp-rows with
-///   x in shared memory, where the row's x fits; `tc` the tensor-core GEMV of `kernels/gemv_tc.cu`
-///   for Q4_K, other types keeping their default, `tcp` the same with its x pre-pass; see
-///   `cuda_gemv_tc.rs`).
+/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|tcp`: the work split (default per type, see
+///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
+///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, `tcp` the same with its
+///   x pre-pass; see `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
@@ -392,7 +392,6 @@ impl GemvConfig {
             variant: std::env::var("LLMDIFF_GEMV_VARIANT").ok().filter(|v| !v.is_empty()),
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => Some(GemvKind::Xs),
-                Ok("ws") => Some(GemvKind::Ws),
                 Ok("wr") => Some(GemvKind::Wr),
                 Ok("tc" | "tcp") => Some(GemvKind::Tc),
                 _ => None,
@@ -424,8 +423,6 @@ pub struct CudaBackend {
     attn: attn::AttnState,
     /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
     occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
-    /// The dynamic shared memory a `gemvs_*` block may use (set on those entries at load).
-    gemv_smem_max: usize,
     /// Wall time in the all-reduce.
     clock: CommClock,
     /// Freed activation buffers for reuse.
@@ -504,14 +501,10 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
-        // gemvs_* stage a row's x in dynamic shared memory: allow all of the block opt-in limit
-        // but 1 KiB (their static shared memory is at most 512 bytes).
-        let gemv_smem_max = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_or(48 << 10, |b| b.max(48 << 10) as usize)
-            - 1024;
         // The tiled prefill attention's blocks (static shared memory: none): the opt-in limit.
-        let attn_smem_max = gemv_smem_max + 1024;
+        let attn_smem_max = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_or(48 << 10, |b| b.max(48 << 10) as usize);
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
             let ptx = compile(id, arch)?;
@@ -522,13 +515,6 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                if f.starts_with("gemvs_") {
-                    func.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        gemv_smem_max as i32,
-                    )
-                    .map_err(drv(&format!("shared memory size of {f}")))?;
-                }
                 if f.starts_with("gqa_attn_tiled_") {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -551,7 +537,6 @@ impl CudaBackend {
             gemm: gemm::GemmState::from_env(),
             attn: attn::AttnState::new(attn_smem_max),
             occupancy: Mutex::new(HashMap::new()),
-            gemv_smem_max,
             clock: CommClock::default(),
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
@@ -700,7 +685,7 @@ impl CudaBackend {
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
         let r_default = match (kind, ty) {
-            (GemvKind::Wr | GemvKind::Ws, _) => wr_r,
+            (GemvKind::Wr, _) => wr_r,
             (_, GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1) => 4,
             _ => 2,
         };
@@ -711,10 +696,6 @@ impl CudaBackend {
                 .copied()
                 .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
-        let kind = match kind {
-            GemvKind::Ws if GemvVariant::x_shared_bytes(ty, cols) > self.gemv_smem_max => GemvKind::Wr,
-            k => k,
-        };
         match kind {
             GemvKind::Tc => None,
             GemvKind::Xs => {
@@ -723,7 +704,7 @@ impl CudaBackend {
                 let find = |r: usize| of(GemvKind::Xs).find(|v| v.r == r && v.upt == upt);
                 find(r).or_else(|| find(4))
             }
-            GemvKind::Wr | GemvKind::Ws => {
+            GemvKind::Wr => {
                 let (nw, u) = (cfg.nw.unwrap_or(wr_nw), cfg.u.unwrap_or(wr_u));
                 of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
             }
@@ -731,13 +712,12 @@ impl CudaBackend {
     }
 
     /// Whether GEMV variant `v` can run a row of `cols` values (of a shape the GEMV takes): an
-    /// x-stationary block must fit in its launch bound, a `gemvs_*` row's x in shared memory.
+    /// x-stationary block must fit in its launch bound.
     pub fn gemv_fits(&self, v: GemvVariant, cols: usize) -> bool {
         let units = cols / GemvVariant::unit_values(v.ty);
         match v.kind {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
-            GemvKind::Ws => GemvVariant::x_shared_bytes(v.ty, cols) <= self.gemv_smem_max,
             GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
         }
     }
@@ -779,14 +759,6 @@ impl CudaBackend {
                 (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
             GemvKind::Wr | GemvKind::Tc => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
-            GemvKind::Ws => {
-                let smem = GemvVariant::x_shared_bytes(v.ty, cols);
-                assert!(smem <= self.gemv_smem_max, "gemv: x does not fit in shared memory");
-                let (threads, smem) = ((v.nw * 32) as u32, smem as u32);
-                let groups = rows.div_ceil(v.r);
-                let resident = (self.sms * occupancy(threads, smem)) as usize;
-                (groups.min(resident).max(1) as u32, threads, smem)
-            }
         };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
@@ -799,9 +771,8 @@ impl CudaBackend {
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemv_*/gemvs_* in kernels/quant.cu (gemvs_* get the shared
-        // memory their x needs, within the limit set at load); W is rows·row_bytes in the device
-        // layout, x has cols floats, out rows floats.
+        // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
+        // device layout, x has cols floats, out rows floats.
         ok(unsafe { b.launch(cfg) });
     }
 

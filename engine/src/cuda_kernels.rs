@@ -125,9 +125,6 @@ pub enum GemvKind {
     /// warp-rows (`gemvw_*`): a block of NW warps computes R rows; each warp walks 32-unit
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
-    /// warp-rows with x in shared memory (`gemvs_*`): a block stages x (and the units' x sums)
-    /// in shared memory once, lane-major, then walks groups of R rows grid-stride as `Wr` does.
-    Ws,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
     /// R = 16·T rows (T tiles of `mma.sync` m16n8k16, `upt` = T), the warps splitting the
     /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
@@ -151,13 +148,12 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// (`gemvs_` likewise) or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1).
+    /// or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1).
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Ws => format!("gemvs_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Tc => format!(
                 "gemvt_{s}_t{}_w{}{}",
                 self.upt,
@@ -174,18 +170,6 @@ impl GemvVariant {
             GgmlType::Q8_0 | GgmlType::Q4_1 => 16,
             _ => 8,
         }
-    }
-
-    /// The dynamic shared memory of a `Ws` variant for a row of `cols` values (x lane-major in
-    /// whole 32-unit chunks, plus two floats per unit of x sums for Q4_K and Q4_1).
-    pub fn x_shared_bytes(ty: GgmlType, cols: usize) -> usize {
-        let v = GemvVariant::unit_values(ty);
-        let sums = if matches!(ty, GgmlType::Q4K | GgmlType::Q4_1) {
-            8
-        } else {
-            0
-        };
-        (cols / v).div_ceil(32) * 32 * (4 * v + sums)
     }
 
     /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
@@ -208,17 +192,6 @@ const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
 const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVariant {
     GemvVariant {
         kind: GemvKind::Wr,
-        ty,
-        r,
-        nw,
-        upt: u,
-        mode,
-    }
-}
-
-const fn gs(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVariant {
-    GemvVariant {
-        kind: GemvKind::Ws,
         ty,
         r,
         nw,
@@ -303,35 +276,10 @@ const GEMVW_VARIANTS: [GemvVariant; 39] = {
     ]
 };
 
-/// The warp-rows variants with x in shared memory (the `GEMVS_ENTRY` lines of
-/// `kernels/quant.cu`, in the same order).
-const GEMVS_VARIANTS: [GemvVariant; 16] = {
-    use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
-    [
-        gs(Q4K, 4, 4, 1, 0),
-        gs(Q4K, 4, 4, 2, 0),
-        gs(Q4K, 4, 8, 2, 0),
-        gs(Q4K, 8, 4, 1, 0),
-        gs(Q4K, 8, 8, 1, 0),
-        gs(Q4K, 2, 8, 2, 0),
-        gs(Q4K, 8, 8, 1, 1),
-        gs(Q4_1, 4, 4, 2, 0),
-        gs(Q4_1, 4, 8, 1, 0),
-        gs(Q4_1, 8, 8, 1, 0),
-        gs(Q4_1, 2, 8, 2, 0),
-        gs(Q8_0, 4, 8, 1, 0),
-        gs(Q8_0, 8, 8, 1, 0),
-        gs(F16, 2, 8, 1, 0),
-        gs(F16, 4, 8, 1, 0),
-        gs(BF16, 2, 8, 1, 0),
-    ]
-};
-
 /// Every compiled GEMV variant. x-stationary (the `GEMV_RU` and `GEMV_ENTRY` lines of
 /// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
-/// and 8 at UPT 1. Then the warp-rows ones ([`GEMVW_VARIANTS`]), then those with x in shared
-/// memory ([`GEMVS_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 93] = {
+/// and 8 at UPT 1. Then the warp-rows ones ([`GEMVW_VARIANTS`]).
+pub const GEMV_VARIANTS: [GemvVariant; 77] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -341,7 +289,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 93] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 93];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 77];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -355,11 +303,6 @@ pub const GEMV_VARIANTS: [GemvVariant; 93] = {
     while j < GEMVW_VARIANTS.len() {
         out[38 + j] = GEMVW_VARIANTS[j];
         j += 1;
-    }
-    let mut k = 0;
-    while k < GEMVS_VARIANTS.len() {
-        out[38 + j + k] = GEMVS_VARIANTS[k];
-        k += 1;
     }
     out
 };
@@ -421,18 +364,16 @@ mod tests {
                         ["matvec", "matmul", "gather"].contains(&kind) && src.contains(&format!("MATMUL_ENTRY({ty},"))
                     }
                     || {
-                        // gemvw_/gemvs_<ty>_r<R>_w<NW>_u<U>_m<M> come from GEMVW_ENTRY/GEMVS_ENTRY(<ty>,
-                        // TY_<TY>, <R>, <NW>, <U>, <M>).
-                        let (kind, rest) = f.split_once('_').unwrap();
-                        ["gemvw", "gemvs"].contains(&kind) && {
+                        // gemvw_<ty>_r<R>_w<NW>_u<U>_m<M> come from GEMVW_ENTRY(<ty>, TY_<TY>, <R>,
+                        // <NW>, <U>, <M>).
+                        f.strip_prefix("gemvw_").is_some_and(|rest| {
                             let (ty, tail) = rest.split_once("_r").unwrap();
                             let (r, tail) = tail.split_once("_w").unwrap();
                             let (nw, tail) = tail.split_once("_u").unwrap();
                             let (u, m) = tail.split_once("_m").unwrap();
                             let tyc = format!("TY_{}", ty.to_uppercase());
-                            let mac = kind.to_uppercase();
-                            src.contains(&format!("{mac}_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
-                        }
+                            src.contains(&format!("GEMVW_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
+                        })
                     }
                     || {
                         // gemvt_q4_k_t<T>_w<NW>[_p] come from GEMVT_ENTRY[_P](<T>, <NW>).

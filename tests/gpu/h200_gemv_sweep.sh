@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call for the one-token GEMV work splits (issue #8): the kernel checks (every GEMV
-# variant, x-stationary gemv_*, warp-rows gemvw_*, warp-rows with x in shared memory gemvs_*,
+# variant, x-stationary gemv_*, warp-rows gemvw_* (and, in round 6, warp-rows with x in shared
+# memory, gemvs_*, since removed: it never won),
 # against the CPU engine on odd shapes), then `kernels --bench`, which times every compiled
 # variant on the 8B shapes (Q4_K, Q8_0, Q4_1, F16) and smollm2's Q4_1 shapes in one process, the
 # default marked `*`. Usage (on the GPU machine, with a llmdiff built --features cuda carried):
