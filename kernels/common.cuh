@@ -1,5 +1,5 @@
 // Shared helpers for llmdiff's NVRTC kernels: no CUDA headers needed (NVRTC has no libc), so
-// fixed-width types and f16/bf16 decoding are spelled out here. Prepended to every kernel
+// fixed-width types, f16/bf16 decoding and the GEMVs' `GemvRows` are here. Prepended to every kernel
 // module by engine::cuda_kernels before compilation.
 
 typedef unsigned char u8;
@@ -69,3 +69,24 @@ __device__ float block_max(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
     return t;
 }
+
+// The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
+// to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
+// one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
+// [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
+// pointers are null and never touched.
+struct GemvRows {
+    const u8 *w0, *w1, *w2;
+    float *out0, *out1, *out2;
+    int end0, end1;
+    // Row `row`'s weight row (of row_bytes) and output slot; selects, not an indexed array, so the
+    // parameter block is never copied to local memory.
+    __device__ __forceinline__ const u8* weight(int row, int row_bytes) const {
+        const u8* base = row < end0 ? w0 : row < end1 ? w1 : w2;
+        return base + (size_t)(row - (row < end0 ? 0 : row < end1 ? end0 : end1)) * row_bytes;
+    }
+    __device__ __forceinline__ float* slot(int row) const {
+        float* base = row < end0 ? out0 : row < end1 ? out1 : out2;
+        return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
+    }
+};

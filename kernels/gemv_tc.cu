@@ -41,21 +41,7 @@
 // instructions per 4 x values per warp, paid once per super-block for the block's 16·T rows; the
 // _p entries instead read B and Σx from the pre-pass gemvt_split_x (one launch, x·6 bytes in L2).
 
-// The output rows of one launch: up to three matrices of one type and width sharing x, rows
-// numbered one after the other (the same struct as kernels/quant.cu's GemvRows).
-struct GemvRows {
-    const u8 *w0, *w1, *w2;
-    float *out0, *out1, *out2;
-    int end0, end1;
-    __device__ __forceinline__ const u8* weight(int row, int row_bytes) const {
-        const u8* base = row < end0 ? w0 : row < end1 ? w1 : w2;
-        return base + (size_t)(row - (row < end0 ? 0 : row < end1 ? end0 : end1)) * row_bytes;
-    }
-    __device__ __forceinline__ float* slot(int row) const {
-        float* base = row < end0 ? out0 : row < end1 ? out1 : out2;
-        return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
-    }
-};
+// GemvRows (the output rows of one launch) is in common.cuh, shared with kernels/quant.cu.
 
 __device__ __forceinline__ void tc_mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(

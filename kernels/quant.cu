@@ -592,25 +592,6 @@ GEMV_ENTRY(q4_k, TY_Q4_K, 8, 1, 0, 512)
 // partial sums stay in registers; at the end each is summed over the warp (warp_sum), then over
 // the NW warps in shared memory in warp order (deterministic). No x slice is kept resident and
 // nothing is double-buffered, so registers are few and many warps keep many loads in flight.
-// The output rows of a warp-rows GEMV: up to three matrices of the same type and columns that
-// share x (a layer's q/k/v, or gate/up) in one launch, their rows numbered one after the other:
-// matrix 0 has rows [0, end0), matrix 1 [end0, end1), matrix 2 [end1, rows). A single product
-// is end0 = end1 = rows; the unused pointers are null and never touched.
-struct GemvRows {
-    const u8 *w0, *w1, *w2;
-    float *out0, *out1, *out2;
-    int end0, end1;
-    // Row `row`'s weight row (of row_bytes) and output slot; selects, not an indexed array, so the
-    // parameter block is never copied to local memory.
-    __device__ __forceinline__ const u8* weight(int row, int row_bytes) const {
-        const u8* base = row < end0 ? w0 : row < end1 ? w1 : w2;
-        return base + (size_t)(row - (row < end0 ? 0 : row < end1 ? end0 : end1)) * row_bytes;
-    }
-    __device__ __forceinline__ float* slot(int row) const {
-        float* base = row < end0 ? out0 : row < end1 ? out1 : out2;
-        return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
-    }
-};
 
 template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, int rows, int cols,
