@@ -342,6 +342,24 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
     }
 }
 
+// A Q4_K unit's dot from its two run sums s0 = Σx·q (sub-block 2j) and s1 (2j+1) and the runs'
+// Σx (x0, x1): d·(sc0·s0 + sc1·s1) − dmin·(m0·x0 + m1·x1), with the 6-bit scales and mins of
+// sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) decoded two at a time from the super-block
+// header, whose four words the 8 threads of the super-block hold one each (see gemv_load).
+__device__ __forceinline__ float q4k_unit(u32 hword, int u, float s0, float s1, float x0, float x1) {
+    int j = (u & 7) >> 1, sh = (j & 1) * 16;
+    const int base = (threadIdx.x & 31) & ~7;
+    u32 h0 = __shfl_sync(0xffffffffu, hword, base), h1 = __shfl_sync(0xffffffffu, hword, base + 1);
+    u32 h2 = __shfl_sync(0xffffffffu, hword, base + 2), h3 = __shfl_sync(0xffffffffu, hword, base + 3);
+    u32 a = h1 >> sh, bq = h2 >> sh, c = h3 >> sh;
+    u32 sc = j < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
+    u32 mn = j < 2 ? (bq & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((bq >> 2) & 0x3030u));
+    float d = f16_to_f32((u16)(h0 & 0xFFFF)), dmin = f16_to_f32((u16)(h0 >> 16));
+    float sc0 = byte_f<0>(sc, 8388608.0f), sc1 = byte_f<1>(sc, 8388608.0f);
+    float m0 = byte_f<0>(mn, 8388608.0f), m1 = byte_f<1>(mn, 8388608.0f);
+    return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * x0 + m1 * x1);
+}
+
 // One unit's dot with its x slice xv (V values) and, for Q4_K, xs = the two 32-value sums.
 template <int TY, int MODE>
 __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, const float* xs, int u) {
@@ -428,18 +446,7 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
             s0 = 128.0f * (s0 - xs[0]);
             s1 = 128.0f * (s1 - xs[1]);
         }
-        // 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4), two at a time.
-        int j = (u & 7) >> 1, sh = (j & 1) * 16;
-        const int base = (threadIdx.x & 31) & ~7;
-        u32 h0 = __shfl_sync(0xffffffffu, f.h.x, base), h1 = __shfl_sync(0xffffffffu, f.h.x, base + 1);
-        u32 h2 = __shfl_sync(0xffffffffu, f.h.x, base + 2), h3 = __shfl_sync(0xffffffffu, f.h.x, base + 3);
-        u32 a = h1 >> sh, bq = h2 >> sh, c = h3 >> sh;
-        u32 sc = j < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
-        u32 mn = j < 2 ? (bq & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((bq >> 2) & 0x3030u));
-        float d = f16_to_f32((u16)(h0 & 0xFFFF)), dmin = f16_to_f32((u16)(h0 >> 16));
-        float sc0 = byte_f<0>(sc, 8388608.0f), sc1 = byte_f<1>(sc, 8388608.0f);
-        float m0 = byte_f<0>(mn, 8388608.0f), m1 = byte_f<1>(mn, 8388608.0f);
-        return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * xs[0] + m1 * xs[1]);
+        return q4k_unit(f.h.x, u, s0, s1, xs[0], xs[1]);
     }
 }
 
@@ -491,6 +498,151 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Integer GEMV form (warp-rows MODE 2; Q4_K, Q4_1, Q8_0): the weights' integers meet x as int8
+// through dp4a, four products and their sum in one instruction, where the float forms spend two
+// or three instructions a weight (the H200 sweep found Q4_K and Q8_0 limited by that decode and
+// FMA work, not by memory: the same time for the same weights, although Q8_0 has twice the bytes).
+//
+// Precision argument. A pre-pass (gemv_x_limbs, one launch per x) writes, for every block of 32
+// x values with max |x| = m·2^e (m in [0.5, 1)), y = x·2^-e·(127/m) (|y| ≤ 127) as three int8
+// limbs y ≈ l0 + l1/128 + l2/128² (l0 = rint(y), l1 = rint(128·(y − l0)), l2 = rint(128·(128·(y −
+// l0) − l1)); every subtraction and ×128 is exact), so |y − limbs| ≤ 2^-15: each x is carried to
+// 2^-22 of its block's max |x|, finer than the prefill GEMM's x split (2^-22 of the token's max).
+// A unit's run of 16 (Q8_0: its 16 values) gives integer sums D_l = Σ q·l_l (exact in int32);
+// D = 128²·D0 + 128·D1 + D2 is exact too (|D| < 2^29 for 4-bit q; Q8_0 keeps D0 apart) and one
+// I2F rounds it like an f32 sum; × the block's scale s = (m/127)·2^(e−14) gives Σ q·x. The
+// pre-pass also writes Σx per 8 values (f32) for the offset terms (Q4_K dmin·m·Σx, Q4_1 m·Σx).
+// A block with a non-finite x gets s = NaN (and zero limbs), so NaN and inf reach the output as
+// they do in the float forms; an all-zero block gets s = 0.
+//
+// Layout of the pre-pass's output (bytes, cols % 32 == 0): limb planes 0, 1, 2 (cols int8 each,
+// in x order), then s per 32 values (cols/32 f32), then Σx per 8 values (cols/8 f32).
+
+__device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// One warp per block of 32 values; blocks of 256 threads.
+extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
+    const int lane = threadIdx.x & 31, blk = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (blk >= cols / 32) return;
+    const int i = blk * 32 + lane;
+    const float v = x[i];
+    float m = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const bool bad = __any_sync(0xffffffffu, !isfinite(v));
+    int l0 = 0, l1 = 0, l2 = 0;
+    float s = bad ? __int_as_float(0x7fc00000) : 0.0f;
+    if (!bad && m > 0.0f) {
+        int e;
+        const float mant = frexpf(m, &e);
+        const float y = ldexpf(v, -e) * (127.0f / mant);
+        const float r0 = rintf(y), t = (y - r0) * 128.0f, r1 = rintf(t), r2 = rintf((t - r1) * 128.0f);
+        l0 = (int)r0;
+        l1 = (int)r1;
+        l2 = (int)r2;
+        s = ldexpf(mant / 127.0f, e - 14);
+    }
+    xq[i] = (u8)l0;
+    xq[cols + i] = (u8)l1;
+    xq[2 * cols + i] = (u8)l2;
+    float* sc = (float*)(xq + 3 * (size_t)cols);
+    if (lane == 0) sc[blk] = s;
+    // Σx per 8 values, summed in a fixed shuffle order.
+    float a = v + __shfl_xor_sync(0xffffffffu, v, 1);
+    a += __shfl_xor_sync(0xffffffffu, a, 2);
+    a += __shfl_xor_sync(0xffffffffu, a, 4);
+    if ((lane & 7) == 0) sc[cols / 32 + i / 8] = a;
+}
+
+// A unit's x in limbs: l[limb][word] in gemv_dot's word order (Q4_K: words 0..3 the low-nibble
+// run, 4..7 the high-nibble run; Q4_1: 0..1 and 2..3; Q8_0: 0..3), the scale of each run's block
+// (s[0], s[1]; one block for Q4_1 and Q8_0) and Σx of each run (Q4_1: of the unit, in xs[0]).
+template <int TY>
+struct XLimbs {
+    u32 l[3][gemv_vals<TY>() / 4];
+    float s[2], xs[2];
+};
+
+template <int TY>
+__device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols, int u, XLimbs<TY>& q) {
+    const float* sc = (const float*)(xq + 3 * (size_t)cols);
+    const float* s8 = sc + cols / 32;
+    const int a = gemv_x_at<TY>(u, 0);
+#pragma unroll
+    for (int l = 0; l < 3; l++) {
+        const u8* p = xq + (size_t)l * cols;
+        if constexpr (TY == TY_Q4_K) {
+            uint4 v = ldg16(p + a), w = ldg16(p + a + 32);
+            q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
+            q.l[l][4] = w.x, q.l[l][5] = w.y, q.l[l][6] = w.z, q.l[l][7] = w.w;
+        } else if constexpr (TY == TY_Q4_1) {
+            uint2 v = *(const uint2*)(p + a), w = *(const uint2*)(p + a + 16);
+            q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = w.x, q.l[l][3] = w.y;
+        } else {
+            uint4 v = ldg16(p + a);
+            q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
+        }
+    }
+    if constexpr (TY == TY_Q4_K) {
+        float2 s2 = *(const float2*)(sc + a / 32);
+        float2 x0 = *(const float2*)(s8 + a / 8), x1 = *(const float2*)(s8 + a / 8 + 4);
+        q.s[0] = s2.x, q.s[1] = s2.y;
+        q.xs[0] = x0.x + x0.y, q.xs[1] = x1.x + x1.y;
+    } else {
+        q.s[0] = sc[a / 32], q.s[1] = 0.0f;
+        q.xs[0] = TY == TY_Q4_1 ? s8[a / 8] + s8[a / 8 + 2] : 0.0f, q.xs[1] = 0.0f;
+    }
+}
+
+// 128²·D0 + 128·D1 + D2 as a float (exact in int32 for 4-bit quants, see above).
+__device__ __forceinline__ float limbs_f(int d0, int d1, int d2) { return (float)(d0 * 16384 + d1 * 128 + d2); }
+
+// One unit's dot in the integer form: the same value as gemv_dot's, to the precision argued above.
+template <int TY>
+__device__ __forceinline__ float gemv_dot_q(const WFrag<TY>& f, const XLimbs<TY>& q, int u) {
+    if constexpr (TY == TY_Q4_K) {
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        int a[3] = {0, 0, 0}, b[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int l = 0; l < 3; l++) {
+                a[l] = dp4a(lo, q.l[l][k], a[l]);
+                b[l] = dp4a(hi, q.l[l][4 + k], b[l]);
+            }
+        }
+        float s0 = limbs_f(a[0], a[1], a[2]) * q.s[0], s1 = limbs_f(b[0], b[1], b[2]) * q.s[1];
+        return q4k_unit(f.h.x, u, s0, s1, q.xs[0], q.xs[1]);
+    } else if constexpr (TY == TY_Q4_1) {
+        const u32 w[2] = {f.a.x, f.a.y};
+        int a[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int l = 0; l < 3; l++) a[l] = dp4a(hi, q.l[l][2 + k], dp4a(lo, q.l[l][k], a[l]));
+        }
+        float d = f16_to_f32((u16)(f.h.x & 0xFFFFu)), m = f16_to_f32((u16)(f.h.x >> 16));
+        return fmaf(d, limbs_f(a[0], a[1], a[2]) * q.s[0], m * q.xs[0]);
+    } else {
+        // Signed 8-bit quants: |D0| reaches 16·128·127, so 128²·D0 would overflow int32.
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        int a[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+#pragma unroll
+            for (int l = 0; l < 3; l++) a[l] = dp4a(w[k], q.l[l][k], a[l]);
+        float d = f16_to_f32((u16)f.h.x);
+        return d * q.s[0] * fmaf((float)a[0], 16384.0f, (float)(a[1] * 128 + a[2]));
+    }
+}
+
 template <int TY, int R, int UPT>
 __device__ __forceinline__ void gemv_load_group(const u8* __restrict__ W, int g, int rows, int row_bytes, int cols,
                                                 const int* us, WFrag<TY> (&f)[R][UPT]) {
@@ -505,7 +657,8 @@ __device__ __forceinline__ void gemv_load_group(const u8* __restrict__ W, int g,
 
 template <int TY, int R, int UPT, int MODE>
 __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float* __restrict__ x,
-                                          float* __restrict__ out, int rows, int cols, int row_bytes) {
+                                          const u8* __restrict__ xq, float* __restrict__ out, int rows, int cols,
+                                          int row_bytes) {
     constexpr int V = gemv_vals<TY>();
     __shared__ float red[2][32][R];
     const int T = blockDim.x, t = threadIdx.x, lane = t & 31, warp = t >> 5, n_warps = T >> 5;
@@ -522,9 +675,16 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
     }
     WFrag<TY> cur[R][UPT], nxt[R][UPT];
     gemv_load_group<TY, R, UPT>(W, g, rows, row_bytes, cols, us, cur);
-    float xv[UPT][V], xs[UPT][2];
+    // The x slice: floats (modes 0, 1) or int8 limbs (mode 2); the other form is left unused.
+    float xv[UPT][MODE == 2 ? 1 : V], xs[UPT][2];
+    XLimbs<TY> xl[UPT];
 #pragma unroll
-    for (int k = 0; k < UPT; k++) gemv_x_load<TY>(x, us[k], xv[k], xs[k]);
+    for (int k = 0; k < UPT; k++) {
+        if constexpr (MODE == 2)
+            gemv_xq_load<TY>(xq, cols, us[k], xl[k]);
+        else
+            gemv_x_load<TY>(x, us[k], xv[k], xs[k]);
+    }
     int buf = 0;
     for (;;) {
         int gn = g + gridDim.x;
@@ -535,7 +695,14 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
         for (int r = 0; r < R; r++) {
             acc[r] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < UPT; k++) acc[r] = fmaf(live[k], gemv_dot<TY, MODE>(cur[r][k], xv[k], xs[k], us[k]), acc[r]);
+            for (int k = 0; k < UPT; k++) {
+                float dot;
+                if constexpr (MODE == 2)
+                    dot = gemv_dot_q<TY>(cur[r][k], xl[k], us[k]);
+                else
+                    dot = gemv_dot<TY, MODE>(cur[r][k], xv[k], xs[k], us[k]);
+                acc[r] = fmaf(live[k], dot, acc[r]);
+            }
         }
 #pragma unroll
         for (int r = 0; r < R; r++) {
@@ -564,7 +731,14 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
     extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
         gemv_##NAME##_r##R##_u##U##_m##M(const u8* W, const float* x, float* out, int rows, int cols,     \
                                           int row_bytes) {                                                \
-        gemv_body<TY, R, U, M>(W, x, out, rows, cols, row_bytes);                                         \
+        gemv_body<TY, R, U, M>(W, x, nullptr, out, rows, cols, row_bytes);                                \
+    }
+// Mode 2 (the integer form) takes the pre-pass's output (gemv_x_limbs) after x.
+#define GEMV_ENTRY_Q(NAME, TY, R, U, MAXT)                                                                \
+    extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
+        gemv_##NAME##_r##R##_u##U##_m2(const u8* W, const float* x, const u8* xq, float* out, int rows,   \
+                                        int cols, int row_bytes) {                                        \
+        gemv_body<TY, R, U, 2>(W, x, xq, out, rows, cols, row_bytes);                                     \
     }
 #define GEMV_RU(NAME, TY, M, MAXT)        \
     GEMV_ENTRY(NAME, TY, 2, 1, M, MAXT)   \
@@ -582,6 +756,15 @@ GEMV_RU(q4_k, TY_Q4_K, 0, 512)
 GEMV_RU(q4_k, TY_Q4_K, 1, 512)
 GEMV_ENTRY(q4_k, TY_Q4_K, 6, 1, 0, 512)
 GEMV_ENTRY(q4_k, TY_Q4_K, 8, 1, 0, 512)
+GEMV_ENTRY_Q(q4_k, TY_Q4_K, 2, 1, 512)
+GEMV_ENTRY_Q(q4_k, TY_Q4_K, 4, 1, 512)
+GEMV_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 512)
+GEMV_ENTRY_Q(q4_1, TY_Q4_1, 2, 2, 512)
+GEMV_ENTRY_Q(q4_1, TY_Q4_1, 4, 1, 512)
+GEMV_ENTRY_Q(q4_1, TY_Q4_1, 4, 2, 512)
+GEMV_ENTRY_Q(q8_0, TY_Q8_0, 2, 2, 512)
+GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 1, 512)
+GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 
 // Warp-rows GEMV: a block of NW warps computes R rows (grid ⌈rows/R⌉, no grid-stride). Warp w's
 // lane l takes units c + l for the 32-aligned chunks c = 32w, 32w + 32·NW, ... of the row, U
@@ -593,9 +776,9 @@ GEMV_ENTRY(q4_k, TY_Q4_K, 8, 1, 0, 512)
 // the NW warps in shared memory in warp order (deterministic). No x slice is kept resident and
 // nothing is double-buffered, so registers are few and many warps keep many loads in flight.
 
-template <int TY, int R, int NW, int U, int MODE>
-__device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, int rows, int cols,
-                                           int row_bytes) {
+template <int TY, int R, int NW, int U, int MODE, bool DB>
+__device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
+                                           int rows, int cols, int row_bytes) {
     constexpr int V = gemv_vals<TY>();
     constexpr int STEP = NW * 32 * U;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -606,8 +789,8 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
-        WFrag<TY> f[U][R];
+    // One step's weight loads: U chunks × R rows (a chunk wholly past the end is skipped).
+    auto load = [&](int c0, WFrag<TY>(&f)[U][R]) {
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;
@@ -617,6 +800,17 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 for (int r = 0; r < R; r++) gemv_load<TY>(rp[r], u, cols, f[k][r]);
             }
         }
+    };
+    WFrag<TY> f[U][R];
+    if constexpr (DB) load(warp * 32, f);
+    for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
+        // DB: the next step's weights are in flight while this step computes.
+        WFrag<TY> nf[U][R];
+        if constexpr (DB) {
+            if (c0 + STEP < n_units) load(c0 + STEP, nf);
+        } else {
+            load(c0, f);
+        }
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;
@@ -624,11 +818,24 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 const bool in = c + lane < n_units;
                 const int u = in ? c + lane : 0;
                 const float live = in ? 1.0f : 0.0f;
-                float xv[V], xs[2];
-                gemv_x_load<TY>(x, u, xv, xs);
+                if constexpr (MODE == 2) {
+                    XLimbs<TY> q;
+                    gemv_xq_load<TY>(xq, cols, u, q);
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[r] = fmaf(live, gemv_dot<TY, MODE>(f[k][r], xv, xs, u), acc[r]);
+                    for (int r = 0; r < R; r++) acc[r] = fmaf(live, gemv_dot_q<TY>(f[k][r], q, u), acc[r]);
+                } else {
+                    float xv[V], xs[2];
+                    gemv_x_load<TY>(x, u, xv, xs);
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r] = fmaf(live, gemv_dot<TY, MODE>(f[k][r], xv, xs, u), acc[r]);
+                }
             }
+        }
+        if constexpr (DB) {
+#pragma unroll
+            for (int k = 0; k < U; k++)
+#pragma unroll
+                for (int r = 0; r < R; r++) f[k][r] = nf[k][r];
         }
     }
     __shared__ float red[NW][R];
@@ -649,11 +856,25 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 
 // Entry points gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>, launched with NW·32 threads; the list is
 // `GEMV_VARIANTS` in engine/src/cuda_kernels.rs (one line here per entry there).
+// MODE 2 entries take the pre-pass's output (gemv_x_limbs) after x; `_m2d` ones double-buffer
+// the weights (the next step's loads issued before this step's dots).
 #define GEMVW_ENTRY(NAME, TY, R, NW, U, M)                                                                \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, int rows, int cols,         \
                                                   int row_bytes) {                                        \
-        gemvw_body<TY, R, NW, U, M>(m, x, rows, cols, row_bytes);                                         \
+        gemvw_body<TY, R, NW, U, M, false>(m, x, nullptr, rows, cols, row_bytes);                         \
+    }
+#define GEMVW_ENTRY_Q(NAME, TY, R, NW, U)                                                                 \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
+        gemvw_##NAME##_r##R##_w##NW##_u##U##_m2(GemvRows m, const float* x, const u8* xq, int rows,       \
+                                                int cols, int row_bytes) {                                \
+        gemvw_body<TY, R, NW, U, 2, false>(m, x, xq, rows, cols, row_bytes);                              \
+    }
+#define GEMVW_ENTRY_QD(NAME, TY, R, NW, U)                                                                \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
+        gemvw_##NAME##_r##R##_w##NW##_u##U##_m2d(GemvRows m, const float* x, const u8* xq, int rows,      \
+                                                 int cols, int row_bytes) {                               \
+        gemvw_body<TY, R, NW, U, 2, true>(m, x, xq, rows, cols, row_bytes);                               \
     }
 
 GEMVW_ENTRY(q4_k, TY_Q4_K, 1, 4, 2, 0)
@@ -695,3 +916,28 @@ GEMVW_ENTRY(f16, TY_F16, 2, 4, 1, 0)
 GEMVW_ENTRY(f16, TY_F16, 2, 4, 2, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 1, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 2, 0)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 1)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 1, 4, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 2, 4, 1)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 1)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 1)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 1)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 1)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 2)
+GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 2, 4, 1)
+GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 4, 2, 1)
+GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 4, 4, 1)
+GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 8, 2, 1)
+GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 8, 4, 1)
+GEMVW_ENTRY_QD(q4_1, TY_Q4_1, 4, 4, 1)
+GEMVW_ENTRY_QD(q4_1, TY_Q4_1, 8, 4, 1)
+GEMVW_ENTRY_QD(q8_0, TY_Q8_0, 4, 4, 1)
+GEMVW_ENTRY_QD(q8_0, TY_Q8_0, 8, 4, 1)

@@ -365,7 +365,9 @@ fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
-/// - `LLMDIFF_GEMV_Q4K_MODE=0|1`: the Q4_K integer-to-float form.
+/// - `LLMDIFF_GEMV_MODE=0|1|2`: how quants meet x (see [`GemvVariant`]): 0 as exact floats, 1
+///   (Q4_K) as 1 + q/128, 2 (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8
+///   limbs from a pre-pass; a mode the type or split lacks falls back to 0.
 /// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
 ///
 /// Defaults: see [`CudaBackend::gemv_default`].
@@ -378,7 +380,7 @@ struct GemvConfig {
     r: Option<usize>,
     nw: Option<usize>,
     u: Option<usize>,
-    q4k_mode: usize,
+    mode: Option<usize>,
     /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
     tc_pre: bool,
     bps: Option<u32>,
@@ -399,7 +401,7 @@ impl GemvConfig {
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
-            q4k_mode: get("LLMDIFF_GEMV_Q4K_MODE").filter(|m| *m <= 1).unwrap_or(0),
+            mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 2),
             tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
         }
@@ -629,7 +631,8 @@ impl CudaBackend {
     /// bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q4_K and Q4_1 take warp-rows,
     /// which is as fast there (all splits within ~3 %) and lets `linear_many` put a layer's q/k/v
     /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
-    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Mode 0. The nearest compiled
+    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Warp-rows takes the integer form
+    /// (mode 2: dp4a on x in int8 limbs, round 7), the others mode 0. The nearest compiled
     /// variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
     pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
@@ -665,7 +668,6 @@ impl CudaBackend {
                 }
             }
         }
-        let mode = if ty == GgmlType::Q4K { cfg.q4k_mode } else { 0 };
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
             Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
@@ -676,6 +678,15 @@ impl CudaBackend {
             GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
+        // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only.
+        let mode = match (cfg.mode, kind, ty) {
+            (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) => 2,
+            (Some(1), _, GgmlType::Q4K) => 1,
+            (Some(_), _, _) => 0,
+            // Narrow rows (smollm2's) lose more to the pre-pass's launch than they gain.
+            (None, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1) if units >= 128 => 2,
+            (None, _, _) => 0,
+        };
         // Warp-rows (R, NW, U) by type and row length in units.
         let (wr_r, wr_nw, wr_u) = match ty {
             GgmlType::Q4K => (8, if units >= 128 { 4 } else { 2 }, 1),
@@ -700,9 +711,18 @@ impl CudaBackend {
             GemvKind::Tc => None,
             GemvKind::Xs => {
                 let upt = xs_upt?;
-                // R 6 and 8 exist for Q4_K at UPT 1 only; elsewhere R 4 stands in.
-                let find = |r: usize| of(GemvKind::Xs).find(|v| v.r == r && v.upt == upt);
-                find(r).or_else(|| find(4))
+                // R 6 and 8 exist for Q4_K at UPT 1 only, the integer form at fewer (R, UPT);
+                // R 4, then mode 0, stand in.
+                let find = |r: usize, m: usize| {
+                    GEMV_VARIANTS
+                        .iter()
+                        .copied()
+                        .find(|v| v.kind == GemvKind::Xs && v.ty == ty && v.mode == m && v.r == r && v.upt == upt)
+                };
+                find(r, mode)
+                    .or_else(|| find(4, mode))
+                    .or_else(|| find(r, 0))
+                    .or_else(|| find(4, 0))
             }
             GemvKind::Wr => {
                 let (nw, u) = (cfg.nw.unwrap_or(wr_nw), cfg.u.unwrap_or(wr_u));
@@ -769,10 +789,15 @@ impl CudaBackend {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, v);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
+        let limbs = (v.mode == 2).then(|| self.gemv_x_limbs(s, x, cols));
         let mut b = s.launch_builder(f);
-        b.arg(&w.data).arg(x).arg(out).arg(&r).arg(&c).arg(&rb);
+        b.arg(&w.data).arg(x);
+        if let Some(q) = &limbs {
+            b.arg(dev(q));
+        }
+        b.arg(out).arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
-        // device layout, x has cols floats, out rows floats.
+        // device layout, x has cols floats, out rows floats; mode 2 gets xq, sized by gemv_x_limbs.
         ok(unsafe { b.launch(cfg) });
     }
 
@@ -824,19 +849,46 @@ impl CudaBackend {
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
+        // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8.
+        let limbs = (v.kind == GemvKind::Wr && v.mode == 2).then(|| self.gemv_x_limbs(s, x, cols));
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
             b.arg(dev(xb)).arg(dev(xs));
         }
+        if let Some(q) = &limbs {
+            b.arg(dev(q));
+        }
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
         // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
-        // xb and xs, sized by gemv_tc_split_x): each part's W is rows·row_bytes
+        // xb and xs, sized by gemv_tc_split_x; warp-rows mode 2 gets xq, sized by gemv_x_limbs):
+        // each part's W is rows·row_bytes
         // in the device layout and its out at least rows floats, x has cols floats; the pointers
         // stay valid (and ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
+    }
+
+    /// The x pre-pass of the integer warp-rows GEMV (mode 2, `gemv_x_limbs` in kernels/quant.cu):
+    /// x's three int8 limb planes (cols bytes each), its scale per 32 values and Σx per 8 values
+    /// (f32), in pooled scratch that goes back to the pool when dropped (after the launches that
+    /// use it are enqueued on this stream).
+    fn gemv_x_limbs(&self, s: &Arc<CudaStream>, x: &CudaSlice<f32>, cols: usize) -> Buf {
+        assert!(cols % 32 == 0 && x.len() >= cols, "gemv: x is not whole blocks of 32");
+        let mut q = self.new_buf(3 * cols / 4 + cols / 32 + cols / 8);
+        let c = cols as i32;
+        let mut b = s.launch_builder(self.func("gemv_x_limbs"));
+        b.arg(x).arg(dev_mut(&mut q)).arg(&c);
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches gemv_x_limbs in kernels/quant.cu: x has cols floats (cols % 32 == 0), q
+        // 3·cols bytes then cols/32 + cols/8 floats (a whole pooled allocation, 16-byte aligned).
+        ok(unsafe { b.launch(cfg) });
+        q
     }
 
     /// Launches the matvec (n = 1) or matmul (n > 1) kernel on device buffers, or for n = 1 the
@@ -1800,6 +1852,49 @@ impl CudaBackend {
                 }
                 self.weights.lock().expect("weight map").clear();
             }
+        }
+        // The integer form (mode 2) on x of very different magnitudes (×1e4, ×1e-30, and mixed
+        // within a block of 32 with zeros: the limbs carry each x to 2^-22 of its block's max), and
+        // on x with a NaN or an inf: the output is non-finite exactly where the CPU engine's is.
+        for (ty, cols, rows) in [
+            (GgmlType::Q4K, 1280, 37),
+            (GgmlType::Q4_1, 1216, 37),
+            (GgmlType::Q8_0, 768, 37),
+        ] {
+            let bytes = test_bytes(ty, rows, cols, 70 + ty as u64);
+            let w = test_weight(ty, &bytes, rows, cols);
+            let name = type_suffix(ty).unwrap_or("?");
+            for kind in ["x1e4", "x1e-30", "mixed", "nan", "inf"] {
+                let mut x = gemv_tc::tc_test_x(kind, cols, 71);
+                match kind {
+                    "nan" => x[cols / 2] = f32::NAN,
+                    "inf" => x[cols / 3] = f32::INFINITY,
+                    _ => {}
+                }
+                let mut c = CpuBackend.alloc(rows);
+                CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
+                let c = c.as_host().to_vec();
+                let xd = self.upload(&x);
+                for v in GEMV_VARIANTS
+                    .iter()
+                    .filter(|v| v.ty == ty && v.mode == 2 && self.gemv_fits(**v, cols))
+                {
+                    let mut g = self.upload(&vec![0.0; rows]);
+                    self.linear_with(&xd, 1, w, &mut g, Some(*v));
+                    let g = self.download(&g);
+                    let case = format!("GEMV(type={name},ne=[{cols},{rows}],x={kind},variant={})", v.entry());
+                    out.push(if kind == "nan" || kind == "inf" {
+                        let same = g.len() == c.len() && g.iter().zip(&c).all(|(a, b)| a.is_finite() == b.is_finite());
+                        KernelCheck {
+                            pass: same && c.iter().any(|v| !v.is_finite()),
+                            ..compare(case, &[], &[], 0.0)
+                        }
+                    } else {
+                        compare(case, &g, &c, 1e-5)
+                    });
+                }
+            }
+            self.weights.lock().expect("weight map").clear();
         }
         // Q4_1 with an odd number of blocks per row (no GEMV: the warp-per-row matvec on the
         // repacked layout), one token.

@@ -41,7 +41,7 @@ pub(super) fn pick(r: Option<usize>, nw: Option<usize>, pre: bool) -> GemvVarian
 /// Test activations of one magnitude class: `noise` (in [-1, 1)), `x1e4`, `x1e-30`, or `mixed`
 /// (values cycling through ×1e4, ×1, ×1e-30, 0, ×1e-3, so one 16-value mma step holds all of
 /// them).
-fn tc_test_x(kind: &str, cols: usize, seed: u64) -> Vec<f32> {
+pub(super) fn tc_test_x(kind: &str, cols: usize, seed: u64) -> Vec<f32> {
     let x = noise(cols, seed);
     match kind {
         "x1e4" => x.iter().map(|v| v * 1e4).collect(),

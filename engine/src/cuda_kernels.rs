@@ -71,6 +71,7 @@ impl KernelId {
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
+                .chain(std::iter::once("gemv_x_limbs".to_string()))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
@@ -135,7 +136,8 @@ pub enum GemvKind {
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
 /// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
-/// to the row), MODE the Q4_K integer-to-float form (0 exact, 1 offset).
+/// to the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
+/// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvVariant {
     pub kind: GemvKind,
@@ -144,6 +146,8 @@ pub struct GemvVariant {
     pub nw: usize,
     pub upt: usize,
     pub mode: usize,
+    /// Warp-rows only: the next step's weights are loaded while this step computes (`_m2d`).
+    pub db: bool,
 }
 
 impl GemvVariant {
@@ -153,7 +157,14 @@ impl GemvVariant {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
-            GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
+            GemvKind::Wr => format!(
+                "gemvw_{s}_r{}_w{}_u{}_m{}{}",
+                self.r,
+                self.nw,
+                self.upt,
+                self.mode,
+                if self.db { "d" } else { "" }
+            ),
             GemvKind::Tc => format!(
                 "gemvt_{s}_t{}_w{}{}",
                 self.upt,
@@ -186,6 +197,7 @@ const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
         nw: 0,
         upt,
         mode,
+        db: false,
     }
 }
 
@@ -197,6 +209,15 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
         nw,
         upt: u,
         mode,
+        db: false,
+    }
+}
+
+/// A double-buffered warp-rows variant of the integer form (`GEMVW_ENTRY_QD`).
+const fn gwd(ty: GgmlType, r: usize, nw: usize, u: usize) -> GemvVariant {
+    GemvVariant {
+        db: true,
+        ..gw(ty, r, nw, u, 2)
     }
 }
 
@@ -208,6 +229,7 @@ const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
         nw,
         upt: t,
         mode,
+        db: false,
     }
 }
 
@@ -229,9 +251,11 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
     gt(4, 8, 1),
 ];
 
-/// The warp-rows variants (the `GEMVW_ENTRY` lines of `kernels/quant.cu`, in the same order): a
-/// sweep set for Q4_K (mode 0, and two of mode 1) and Q4_1, two or three for Q8_0, F16, BF16.
-const GEMVW_VARIANTS: [GemvVariant; 39] = {
+/// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
+/// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
+/// Q8_0, F16, BF16; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
+/// pre-pass) for Q4_K, Q4_1 and Q8_0, then its double-buffered variants (`GEMVW_ENTRY_QD`).
+const GEMVW_VARIANTS: [GemvVariant; 64] = {
     use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
     [
         gw(Q4K, 1, 4, 2, 0),
@@ -273,13 +297,39 @@ const GEMVW_VARIANTS: [GemvVariant; 39] = {
         gw(F16, 2, 4, 2, 0),
         gw(BF16, 2, 4, 1, 0),
         gw(BF16, 2, 4, 2, 0),
+        gw(Q4K, 2, 4, 2, 2),
+        gw(Q4K, 4, 4, 1, 2),
+        gw(Q4K, 4, 4, 2, 2),
+        gw(Q4K, 8, 2, 1, 2),
+        gw(Q4K, 8, 4, 1, 2),
+        gw(Q4K, 8, 4, 2, 2),
+        gw(Q4_1, 1, 4, 2, 2),
+        gw(Q4_1, 2, 4, 1, 2),
+        gw(Q4_1, 4, 4, 1, 2),
+        gw(Q4_1, 4, 4, 2, 2),
+        gw(Q4_1, 8, 4, 1, 2),
+        gw(Q4_1, 8, 4, 2, 2),
+        gw(Q8_0, 4, 4, 1, 2),
+        gw(Q8_0, 4, 4, 2, 2),
+        gw(Q8_0, 8, 4, 1, 2),
+        gw(Q8_0, 8, 4, 2, 2),
+        gwd(Q4K, 2, 4, 1),
+        gwd(Q4K, 4, 2, 1),
+        gwd(Q4K, 4, 4, 1),
+        gwd(Q4K, 8, 2, 1),
+        gwd(Q4K, 8, 4, 1),
+        gwd(Q4_1, 4, 4, 1),
+        gwd(Q4_1, 8, 4, 1),
+        gwd(Q8_0, 4, 4, 1),
+        gwd(Q8_0, 8, 4, 1),
     ]
 };
 
 /// Every compiled GEMV variant. x-stationary (the `GEMV_RU` and `GEMV_ENTRY` lines of
 /// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
-/// and 8 at UPT 1. Then the warp-rows ones ([`GEMVW_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 77] = {
+/// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
+/// ([`GEMVW_VARIANTS`]).
+pub const GEMV_VARIANTS: [GemvVariant; 111] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -289,7 +339,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 77] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 77];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 111];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -300,11 +350,33 @@ pub const GEMV_VARIANTS: [GemvVariant; 77] = {
     out[36] = gv(GgmlType::Q4K, 6, 1, 0);
     out[37] = gv(GgmlType::Q4K, 8, 1, 0);
     let mut j = 0;
+    while j < GEMV_XS_INT.len() {
+        out[38 + j] = GEMV_XS_INT[j];
+        j += 1;
+    }
+    let mut j = 0;
     while j < GEMVW_VARIANTS.len() {
-        out[38 + j] = GEMVW_VARIANTS[j];
+        out[38 + GEMV_XS_INT.len() + j] = GEMVW_VARIANTS[j];
         j += 1;
     }
     out
+};
+
+/// The x-stationary variants of the integer form (mode 2; the `GEMV_ENTRY_Q` lines of
+/// `kernels/quant.cu`, in the same order): each thread holds its x slice as int8 limbs.
+const GEMV_XS_INT: [GemvVariant; 9] = {
+    use GgmlType::{Q4K, Q4_1, Q8_0};
+    [
+        gv(Q4K, 2, 1, 2),
+        gv(Q4K, 4, 1, 2),
+        gv(Q4K, 8, 1, 2),
+        gv(Q4_1, 2, 2, 2),
+        gv(Q4_1, 4, 1, 2),
+        gv(Q4_1, 4, 2, 2),
+        gv(Q8_0, 2, 2, 2),
+        gv(Q8_0, 4, 1, 2),
+        gv(Q8_0, 4, 2, 2),
+    ]
 };
 
 /// The weight types decoded in registers by `kernels/quant.cu`. Others (Q2_K, Q3_K) are
@@ -372,7 +444,11 @@ mod tests {
                             let (nw, tail) = tail.split_once("_u").unwrap();
                             let (u, m) = tail.split_once("_m").unwrap();
                             let tyc = format!("TY_{}", ty.to_uppercase());
+                            if m == "2d" {
+                                return src.contains(&format!("GEMVW_ENTRY_QD({ty}, {tyc}, {r}, {nw}, {u})\n"));
+                            }
                             src.contains(&format!("GEMVW_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
+                                || (m == "2" && src.contains(&format!("GEMVW_ENTRY_Q({ty}, {tyc}, {r}, {nw}, {u})\n")))
                         })
                     }
                     || {
@@ -401,6 +477,10 @@ mod tests {
                             let m = tail.rsplit_once("_m").unwrap().1;
                             let (r, u) = tail.split_once("_u").unwrap();
                             let u = u.split_once("_m").unwrap().0;
+                            let tyc = format!("TY_{}", ty.to_uppercase());
+                            if m == "2" {
+                                return src.contains(&format!("GEMV_ENTRY_Q({ty}, {tyc}, {r}, {u}, "));
+                            }
                             (src.contains(&format!("GEMV_RU({ty}, ")) && src.contains(&format!(", {m}, ")))
                                 || src.contains(&format!("GEMV_ENTRY({ty}, TY_Q4_K, {r}, {u}, {m}, "))
                         })

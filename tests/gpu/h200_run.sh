@@ -24,8 +24,8 @@ timeout 120 $B kernels --bench 2>&1 | tee -a $LOG
 # SKIP_SLOW=1 skips this sweep and the 8B diff-layers timing at the end.
 [ -n "$SKIP_SLOW" ] || for v in "2 0" "8 0" "4 1"; do
   set -- $v
-  echo "# LLMDIFF_GEMV_R=$1 LLMDIFF_GEMV_Q4K_MODE=$2" >>$OUT/gemv_variants.txt
-  LLMDIFF_GEMV_R=$1 LLMDIFF_GEMV_Q4K_MODE=$2 timeout 60 $B kernels --bench 2>&1 | grep -E "copy|q4_k" >>$OUT/gemv_variants.txt
+  echo "# LLMDIFF_GEMV_R=$1 LLMDIFF_GEMV_MODE=$2" >>$OUT/gemv_variants.txt
+  LLMDIFF_GEMV_R=$1 LLMDIFF_GEMV_MODE=$2 timeout 60 $B kernels --bench 2>&1 | grep -E "copy|q4_k" >>$OUT/gemv_variants.txt
 done
 [ -f $OUT/gemv_variants.txt ] && cat $OUT/gemv_variants.txt >>$LOG
 M=$W/models
