@@ -618,6 +618,14 @@ struct G2Row {
     float4 dd;
 };
 
+// (a & MASK) | magic in one LOP3 (magic in a register: LOP3 takes one immediate).
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or(u32 a, u32 magic) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(magic));
+    return d;
+}
+
 template <int NI>
 struct G2 {
     static constexpr int BN = 16 * NI;       // tokens per block (warps: 4 along rows × 2 along tokens)
@@ -727,6 +735,8 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
                 tmp[mi][ni][e] = 0.0f;
             }
     const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 magic;  // 0x6400 6400, the f16 pair (1024, 1024), kept in a register for and_or
+    asm volatile("mov.b32 %0, 0x64006400;" : "=r"(magic));
 
 #pragma unroll
     for (int st = 0; st < S - 1; st++) load_stage(st);
@@ -761,12 +771,12 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
                 for (int e = 0; e < 2; e++) {
                     const uint4 c = rt[wm * 32 + mi * 16 + g + 8 * e].mn[j];
                     const u32 mul = p ? c.z : c.x, neg = p ? c.w : c.y;
-                    const u32 mask = p ? 0x00F000F0u : 0x000F000Fu;
 #pragma unroll
                     for (int w = 0; w < 2; w++) {
                         const u32 word = w ? q[mi][e].y : q[mi][e].x;
-                        a[mi][w][e] = hfma2((word & mask) | 0x64006400u, mul, neg);
-                        a[mi][w][2 + e] = hfma2(((word >> 8) & mask) | 0x64006400u, mul, neg);
+                        a[mi][w][e] = hfma2(p ? and_or<0x00F000F0u>(word, magic) : and_or<0x000F000Fu>(word, magic), mul, neg);
+                        a[mi][w][2 + e] =
+                            hfma2(p ? and_or<0x00F000F0u>(word >> 8, magic) : and_or<0x000F000Fu>(word >> 8, magic), mul, neg);
                     }
                 }
 #pragma unroll
