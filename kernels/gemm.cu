@@ -12,7 +12,13 @@
 // block's d on the CUDA cores, the offset terms (Q4_1 m·Σx, Q4_K dmin·Σ m_sub·Σx_sub) are added
 // with per-32-value sums of x·s from the pre-pass, and the result is divided by s (exact).
 //
-// Kernels:
+// v2 (gemm2_*, Q4_K) keeps the argument and changes only where the offset term is formed: per
+// super-block, Σ_sub m_sub·(Σx_sub·s/32) is one more f32-accumulated MMA product, with the 6-bit
+// integers m exact in f16 and each Σx_sub·s/32 (|·| < 2^15, so no f16 overflow) split into three
+// f16s hi + mid + lo that are exact down to f16's smallest subnormal 2^-24 (far below the x_lo
+// split error); then acc += d·(Σ q·sc·x) − 32·dmin·(that), in f32.
+//
+// Kernels (v1):
 // - gemm_split_x: the pre-pass, one block per token of n_pad (n rounded up to the N tile; the
 //   padding tokens are written as zeros): x_hi, x_lo (f16, [n_pad, cols] each, x_lo right after
 //   x_hi), Σ(x·s) per 32 values ([n_pad, cols/32]) and 1/s ([n_pad]).
@@ -27,11 +33,33 @@
 //   Grid: x = token tiles (fastest, so the token tiles of one weight tile run together and the
 //   weight bytes come from L2 after the first), y = row tiles.
 //
+// Kernels (v2, Q4_K only, the default; see `cuda_gemm.rs`):
+// - gemm2_split_x: the pre-pass: x_hi, x_lo as above but each group of 4 values a, b, c, d stored
+//   as a, c, b, d; per super-block the Σx MMA's B fragments (the three f16 parts of Σx·s/32 for
+//   sub-block pairs); 1/s. A block per token, a warp per super-block, 16-byte loads and stores.
+// - gemm2_q4_k (BN = 128 tokens, warp tiles 32 rows × 64 tokens, 4 stages) and gemm2_q4_k_n64
+//   (BN = 64, 32 × 32, 3 stages): BM = 128, 8 warps (4 along rows × 2 along tokens), K step
+//   64. Each step's raw quant bytes (128 rows × 32) and x tiles go to shared memory by cp.async,
+//   S stages deep, one __syncthreads a step; the super-block headers become per-row constants
+//   (G2Row) in shared memory two steps before use. A thread reads its quants with one 8-byte
+//   load per row and turns them into A fragments in registers (no f16 weight tile): of a 32-bit
+//   word (bytes β0..β3), (w & 0x000F000F) | 0x6400 6400 is the f16 pair 1024 + (β0 low, β2 low)
+//   and the same of w >> 8 is (β1 low, β3 low) (high nibbles: mask 0x00F000F0, read as 1024 +
+//   16·q), and one HFMA2 with the sub-block's (sc, −1024·sc) (high: (sc/16, −64·sc)) gives q·sc
+//   exactly. These pairs are fragment registers {a0,a1} / {a4,a5}, so the MMA's k order within
+//   a row is β0, β2, β1, β3, ...; the pre-pass stores x in that order (a, c, b, d), so one
+//   16-byte shared load gives the B fragments of two k16 tiles. Bytes 8t .. 8t+8 of the step
+//   (thread t of a quad): low nibbles → k16 tiles 0, 1, high → 2, 3. x rows in shared memory
+//   are 256 bytes (x_hi, x_lo) with 16-byte chunks XOR-swizzled by token parity (conflict-free
+//   loads). Grid: x = token tiles, y = the row tiles of up to three matrices (Gemm2Parts) that
+//   share x; rows past a matrix's end read its last row and are not stored.
+//
 // mma.m16n8k16 fragments (groupID g = lane/4, t = lane%4): A (16 × 16, row-major) {a0,a1} =
 // (row g, k 2t, 2t+1), {a2,a3} = (row g+8, k 2t..), {a4,a5} = (row g, k 2t+8..), {a6,a7} =
 // (row g+8, k 2t+8..); B (16 × 8, "col": each token's k contiguous) {b0,b1} = (k 2t, 2t+1,
 // token g), {b2,b3} = (k 2t+8.., token g); C {c0,c1} = (row g, tokens 2t, 2t+1), {c2,c3} =
-// (row g+8, same tokens).
+// (row g+8, same tokens). m16n8k8 (the Σx MMA): A {a0,a1} = (row g, k 2t, 2t+1), {a2,a3} = (row
+// g+8, ..); B {b0,b1} = (k 2t, 2t+1, token g); C as above.
 
 #define TY_Q8_0 7
 #define TY_Q4_K 8
@@ -450,3 +478,373 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
 GEMM_ENTRY(q4_k, TY_Q4_K)
 GEMM_ENTRY(q8_0, TY_Q8_0)
 GEMM_ENTRY(q4_1, TY_Q4_1)
+
+// ---------------------------------------------------------------------------------------------
+// v2, Q4_K only: gemm2_split_x (pre-pass) and gemm2_q4_k / gemm2_q4_k_n64 (the GEMM). See the file
+// comment for the layout; the pieces below are in the order the main loop uses them.
+
+#define G2_BM 128
+#define G2_BK 64
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float v) {
+    u16 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(v));
+    return h;
+}
+
+// A sub-block sum S (|S| < 2^15) as three f16s hi + mid + lo: exact down to f16's smallest
+// subnormal, 2^-24 (S - hi and the next remainder are exact in f32).
+__device__ __forceinline__ void split3(float v, u16* hi, u16* mid, u16* lo) {
+    *hi = f32_to_f16(v);
+    float r = v - f16_to_f32(*hi);
+    *mid = f32_to_f16(r);
+    *lo = f32_to_f16(r - f16_to_f32(*mid));
+}
+
+// Pre-pass for v2: one block of 256 threads per token of n_pad; each thread takes 8 consecutive
+// values at a time (two float4 loads, one 16-byte store of x_hi and one of x_lo), a warp one
+// 256-value super-block. Writes x_hi, x_lo in the GEMM's k order (in each group of 4 values
+// a, b, c, d: a, c, b, d), per super-block the B fragments of the Σx MMA (16 words: word 4t + p
+// is part p (hi, mid, lo; word 4t + 3 = 0) of sub-blocks 2t, 2t+1's Σ(x·s)/32 as an f16 pair), and
+// 1/s. Padding tokens (n ≤ tok < n_pad) are zeros. cols % 256 == 0.
+extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __restrict__ x, u16* __restrict__ xh,
+                                                                  u32* __restrict__ xsb, float* __restrict__ inv,
+                                                                  int n, int n_pad, int cols) {
+    __shared__ float scratch[32];
+    const int tok = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_sb = cols >> 8;
+    const float* xr = x + (size_t)tok * cols;
+    float m = 0.0f;
+    if (tok < n) {
+        for (int i = threadIdx.x * 4; i < cols; i += 1024) {
+            float4 v = *(const float4*)(xr + i);
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+    }
+    m = block_max(m, scratch);
+    // s = 2^shift with max |x·s| in [2^14, 2^15); all-zero (and padding) tokens keep s = 1.
+    int shift = 0;
+    if (m > 0.0f) {
+        int e = (int)((__float_as_uint(m) >> 23) & 0xFF) - 127;
+        shift = min(14 - e, 126);
+    }
+    const float s = __uint_as_float((u32)(127 + shift) << 23);
+    if (threadIdx.x == 0) inv[tok] = tok < n ? __uint_as_float((u32)(127 - shift) << 23) : 0.0f;
+    u16* hi = xh + (size_t)tok * cols;
+    u16* lo = xh + (size_t)n_pad * cols + (size_t)tok * cols;
+    for (int sb = warp; sb < n_sb; sb += 8) {
+        const int i = sb * 256 + lane * 8;
+        float v[8];
+        if (tok < n) {
+            float4 a = *(const float4*)(xr + i), b = *(const float4*)(xr + i + 4);
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = 0.0f;
+        }
+        u32 h[4], l[4];
+        float sum = 0.0f;
+        constexpr int perm[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+#pragma unroll
+        for (int k = 0; k < 8; k += 2) {
+            u16 hk[2], lk[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                float y = v[perm[k + e]] * s;
+                hk[e] = f32_to_f16(y);
+                lk[e] = f32_to_f16(y - f16_to_f32(hk[e]));
+            }
+            h[k / 2] = (u32)hk[0] | ((u32)hk[1] << 16);
+            l[k / 2] = (u32)lk[0] | ((u32)lk[1] << 16);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) sum += v[k] * s;
+        *(uint4*)(hi + i) = make_uint4(h[0], h[1], h[2], h[3]);
+        *(uint4*)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
+        // Σ over the 4 lanes of a sub-block (fixed order), then lanes 0..3 write the pairs.
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const float s0 = __shfl_sync(0xffffffffu, sum, 8 * (lane & 3)) * 0.03125f;
+        const float s1 = __shfl_sync(0xffffffffu, sum, 8 * (lane & 3) + 4) * 0.03125f;
+        if (lane < 4) {
+            u16 a0, a1, a2, b0, b1, b2;
+            split3(s0, &a0, &a1, &a2);
+            split3(s1, &b0, &b1, &b2);
+            *(uint4*)(xsb + ((size_t)tok * n_sb + sb) * 16 + 4 * lane) =
+                make_uint4((u32)a0 | ((u32)b0 << 16), (u32)a1 | ((u32)b1 << 16), (u32)a2 | ((u32)b2 << 16), 0u);
+        }
+    }
+}
+
+__device__ __forceinline__ void mma1688(float (&d)[4], u32 a0, u32 a1, u32 b, const float (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(b), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// Up to three Q4_K matrices of the same cols sharing x (q/k/v, gate/up) in one launch: matrix i
+// has rows_i rows and output out_i ([n, rows_i]); the grid's row tiles are matrix 0's, then 1's
+// (from tile tend0), then 2's (from tend1). Unused pointers are null and never touched.
+struct Gemm2Parts {
+    const u8 *w0, *w1, *w2;
+    float *out0, *out1, *out2;
+    int rows0, rows1, rows2;
+    int tend0, tend1;
+};
+
+// Per weight row and super-block, built from the 16-byte header by one thread: for each 64-value
+// step j the HFMA2 constants of its two sub-blocks (low nibbles: (sc, −1024·sc); high nibbles,
+// read as 16·q: (sc/16, −64·sc), each f16x2), the m pairs (f16x2 m_2t | m_2t+1) as the Σx MMA's
+// A fragment, and (d, 32·dmin).
+struct G2Row {
+    uint4 mn[4];
+    uint4 mp;
+    float4 dd;
+};
+
+// (a & MASK) | magic in one LOP3 (magic in a register: LOP3 takes one immediate).
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or(u32 a, u32 magic) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "r"(magic));
+    return d;
+}
+
+template <int NI>
+struct G2 {
+    static constexpr int BN = 16 * NI;       // tokens per block (warps: 4 along rows × 2 along tokens)
+    static constexpr int STAGES = NI == 8 ? 4 : 3;
+    static constexpr int A_BYTES = G2_BM * 32;  // one step's quant bytes: 128 rows × 32
+    static constexpr int X_BYTES = BN * 256;    // x_hi (128 bytes) then x_lo per token, swizzled
+    static constexpr int STAGE = A_BYTES + X_BYTES;
+    static constexpr int HDR = STAGES * STAGE;          // 2 × 128 headers
+    static constexpr int XSB = HDR + 2 * G2_BM * 16;    // 2 × BN × 64 bytes of Σx fragments
+    static constexpr int ROWS = XSB + 2 * BN * 64;      // 2 × 128 G2Row
+    static constexpr int SMEM = ROWS + 2 * G2_BM * (int)sizeof(G2Row);
+};
+
+__device__ __forceinline__ void g2_row_consts(const uint4 hv, G2Row* out) {
+    const u32 h[4] = {hv.x, hv.y, hv.z, hv.w};
+    u32 mp[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u32 sc, mn;
+        k4_pair(h, j, &sc, &mn);
+        float s0 = (float)(sc & 0xFF), s1 = (float)((sc >> 8) & 0xFF);
+        out->mn[j] = make_uint4(pack_f16x2(s0, s0), pack_f16x2(-1024.0f * s0, -1024.0f * s0),
+                                pack_f16x2(s1 * 0.0625f, s1 * 0.0625f), pack_f16x2(-64.0f * s1, -64.0f * s1));
+        mp[j] = pack_f16x2((float)(mn & 0xFF), (float)((mn >> 8) & 0xFF));
+    }
+    out->mp = make_uint4(mp[0], mp[1], mp[2], mp[3]);
+    out->dd = make_float4(f16_to_f32((u16)(hv.x & 0xFFFF)), 32.0f * f16_to_f32((u16)(hv.x >> 16)), 0.0f, 0.0f);
+}
+
+template <int NI>
+__device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __restrict__ xh,
+                                           const u32* __restrict__ xsb, const float* __restrict__ inv, int cols,
+                                           int n, int n_pad) {
+    using C = G2<NI>;
+    constexpr int BN = C::BN, S = C::STAGES;
+    extern __shared__ __align__(16) u8 smem[];
+    {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)C::SMEM) __trap();
+    }
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp & 3, wn = warp >> 2;
+    // The block's matrix and row tile.
+    const int ty = blockIdx.y;
+    const int part = ty < P.tend0 ? 0 : ty < P.tend1 ? 1 : 2;
+    const u8* W = part == 0 ? P.w0 : part == 1 ? P.w1 : P.w2;
+    float* out = part == 0 ? P.out0 : part == 1 ? P.out1 : P.out2;
+    const int rows = part == 0 ? P.rows0 : part == 1 ? P.rows1 : P.rows2;
+    const int row0 = (ty - (part == 0 ? 0 : part == 1 ? P.tend0 : P.tend1)) * G2_BM;
+    const int tok0 = blockIdx.x * BN;
+    const int n_sb = cols >> 8, n_steps = cols / G2_BK;
+    const size_t row_bytes = (size_t)n_sb * 144;
+
+    // Loader roles. Quants: row tid/2, 16-byte half tid%2. Headers: row tid (tid < 128). x: chunk
+    // c = tid % 16 of tokens tid/16 + 16·r (c < 8: x_hi, else x_lo), stored at chunk c ^ 4·(token
+    // & 1) of its 256-byte token row. Σx fragments: chunk tid % 4 of tokens tid/4 + 64·r.
+    const u8* wq = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes + 16 * (tid & 1);
+    const u8* wh = W + (size_t)min(row0 + (tid & 127), rows - 1) * row_bytes + (size_t)n_sb * 128;
+    const int xc = tid & 15, xt = tid >> 4;
+    const u16* xsrc = xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + 8 * (xc & 7);
+    const int xdst = xt * 256 + 16 * (xc ^ ((xt & 1) << 2));
+    const u32* ssrc = xsb + ((size_t)(tok0 + (tid >> 2)) * n_sb) * 16 + 4 * (tid & 3);
+
+    auto load_sb = [&](int sb) {  // the Σx fragments of super-block sb
+        u8* d = smem + C::XSB + (sb & 1) * BN * 64;
+#pragma unroll
+        for (int r = 0; r < BN / 64; r++)
+            cp_async16(d + (tid + 256 * r) * 16, ssrc + ((size_t)64 * r * n_sb + sb) * 16);
+    };
+    auto load_hdr = [&](int sb) {
+        if (tid < G2_BM) cp_async16(smem + C::HDR + (sb & 1) * G2_BM * 16 + tid * 16, wh + sb * 16);
+    };
+    // Stage st: its quants and x; with step 4·sb (sb's first) Σx of sb; with step 4·sb + 1 the
+    // header of sb + 1 (sb 0's comes with step 0). Always one commit group.
+    auto load_stage = [&](int st) {
+        if (st < n_steps) {
+            u8* base = smem + (st % S) * C::STAGE;
+            const int sb = st >> 2, j = st & 3;
+            cp_async16(base + tid * 16, wq + sb * 128 + 32 * j);
+            u8* xd = base + C::A_BYTES + xdst;
+            const u16* xs_ = xsrc + st * G2_BK;
+#pragma unroll
+            for (int r = 0; r < BN / 16; r++) cp_async16(xd + r * 16 * 256, xs_ + (size_t)16 * r * cols);
+            if (j == 0) load_sb(sb);
+            if (st == 0) load_hdr(0);
+            if (j == 1 && sb + 1 < n_sb) load_hdr(sb + 1);
+        }
+        cp_async_commit();
+    };
+    auto build_rows = [&](int sb) {  // header of sb → G2Row table (sb & 1)
+        if (tid < G2_BM) {
+            uint4 hv = *(const uint4*)(smem + C::HDR + (sb & 1) * G2_BM * 16 + tid * 16);
+            g2_row_consts(hv, (G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM + tid);
+        }
+    };
+
+    float acc[2][NI][4], tmp[2][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                acc[mi][ni][e] = 0.0f;
+                tmp[mi][ni][e] = 0.0f;
+            }
+    const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    u32 magic;  // 0x6400 6400, the f16 pair (1024, 1024), kept in a register for and_or
+    asm volatile("mov.b32 %0, 0x64006400;" : "=r"(magic));
+
+#pragma unroll
+    for (int st = 0; st < S - 1; st++) load_stage(st);
+    cp_async_wait<S - 2>();
+    __syncthreads();
+    build_rows(0);
+
+    for (int ks = 0; ks < n_steps; ks++) {
+        cp_async_wait<S - 2>();
+        __syncthreads();
+        load_stage(ks + S - 1);
+        const int sb = ks >> 2, j = ks & 3;
+        if (j == 2 && sb + 1 < n_sb) build_rows(sb + 1);
+        const u8* abase = smem + (ks % S) * C::STAGE;
+        const u8* xbase = abase + C::A_BYTES;
+        const G2Row* rt = (const G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM;
+        // This thread's quant words (rows g, g + 8 of each 16-row tile; bytes 8t .. 8t + 8).
+        uint2 q[2][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                q[mi][e] = *(const uint2*)(abase + (wm * 32 + mi * 16 + g + 8 * e) * 32 + 8 * t);
+#pragma unroll
+        for (int p = 0; p < 2; p++) {
+            // p 0: low nibbles (sub-block 2j, k 0..32 of the step) → k16 tiles 0, 1; p 1: high
+            // nibbles (sub-block 2j + 1, k 32..64) → tiles 2, 3. Word 0 of q → the first tile.
+            u32 a[2][2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const uint4 c = rt[wm * 32 + mi * 16 + g + 8 * e].mn[j];
+                    const u32 mul = p ? c.z : c.x, neg = p ? c.w : c.y;
+#pragma unroll
+                    for (int w = 0; w < 2; w++) {
+                        const u32 word = w ? q[mi][e].y : q[mi][e].x;
+                        a[mi][w][e] = hfma2(p ? and_or<0x00F000F0u>(word, magic) : and_or<0x000F000Fu>(word, magic), mul, neg);
+                        a[mi][w][2 + e] =
+                            hfma2(p ? and_or<0x00F000F0u>(word >> 8, magic) : and_or<0x000F000Fu>(word >> 8, magic), mul, neg);
+                    }
+                }
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++) {
+                const int tl = wn * 8 * NI + ni * 8 + g;
+                const int sw = (tl & 1) << 2;
+                const uint4 bh = *(const uint4*)(xbase + tl * 256 + 16 * ((4 * p + t) ^ sw));
+                const uint4 bl = *(const uint4*)(xbase + tl * 256 + 16 * ((8 + 4 * p + t) ^ sw));
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    mma16816(tmp[mi][ni], a[mi][0], bh.x, bh.y);
+                    mma16816(tmp[mi][ni], a[mi][0], bl.x, bl.y);
+                    mma16816(tmp[mi][ni], a[mi][1], bh.z, bh.w);
+                    mma16816(tmp[mi][ni], a[mi][1], bl.z, bl.w);
+                }
+            }
+        }
+        if (j == 3) {
+            // Super-block end: acc += d·tmp − 32·dmin·Σ_sub m·(Σx/32), the last by three m16n8k8
+            // MMAs (A: m pairs; B: Σx/32 as hi, mid, lo).
+            const u8* xsbase = smem + C::XSB + (sb & 1) * BN * 64;
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const G2Row& r0 = rt[wm * 32 + mi * 16 + g];
+                const G2Row& r1 = rt[wm * 32 + mi * 16 + g + 8];
+                const u32 am0 = (&r0.mp.x)[t], am1 = (&r1.mp.x)[t];
+                const float2 dd0 = *(const float2*)&r0.dd, dd1 = *(const float2*)&r1.dd;
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    const int tl = wn * 8 * NI + ni * 8 + g;
+                    const uint4 xb = *(const uint4*)(xsbase + tl * 64 + 16 * t);
+                    float tm[4];
+                    mma1688(tm, am0, am1, xb.x, zero4);
+                    mma1688(tm, am0, am1, xb.y, tm);
+                    mma1688(tm, am0, am1, xb.z, tm);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const float2 dd = e < 2 ? dd0 : dd1;
+                        float v = fmaf(dd.x, tmp[mi][ni][e], acc[mi][ni][e]);
+                        acc[mi][ni][e] = fmaf(-dd.y, tm[e], v);
+                        tmp[mi][ni][e] = 0.0f;
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int row = row0 + wm * 32 + mi * 16 + g + 8 * (e >> 1);
+                const int tok = tok0 + wn * 8 * NI + ni * 8 + 2 * t + (e & 1);
+                if (row < rows && tok < n) out[(size_t)tok * rows + row] = acc[mi][ni][e] * inv[tok];
+            }
+}
+
+// gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 4 stages; gemm2_q4_k_n64:
+// 128 × 64 (warp tiles 32 × 32), 3 stages. Arguments: the parts; xh, xsb, inv from
+// gemm2_split_x; cols (% 256 == 0); n; n_pad (a multiple of the token tile). Grid (n_pad / BN,
+// row tiles of all parts), 256 threads, dynamic shared memory G2<NI>::SMEM bytes (checked).
+#define GEMM2_ENTRY(NAME, NI)                                                                         \
+    extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
+                                                               const float* inv, int cols, int n, int n_pad) { \
+        gemm2_body<NI>(P, xh, xsb, inv, cols, n, n_pad);                                              \
+    }
+
+GEMM2_ENTRY(gemm2_q4_k, 8)
+GEMM2_ENTRY(gemm2_q4_k_n64, 4)

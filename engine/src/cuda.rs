@@ -10,7 +10,8 @@
 //!   same way.
 //! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
 //!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
-//!   `LLMDIFF_GEMM=0` turns it off); other types and shapes keep the SIMT `matmul_*`.
+//!   `LLMDIFF_GEMM=0` turns it off, `LLMDIFF_GEMM_KIND=v1` picks the older kernel); weights that
+//!   share x (`linear_many`) share its x pre-pass. Other types and shapes keep the SIMT `matmul_*`.
 //! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`),
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
 //!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
@@ -503,7 +504,8 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
-        // The tiled prefill attention's blocks (static shared memory: none): the opt-in limit.
+        // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
+        // 128 bytes): the opt-in limit.
         let attn_smem_max = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_or(48 << 10, |b| b.max(48 << 10) as usize);
@@ -517,7 +519,7 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                if f.starts_with("gqa_attn_tiled_") {
+                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gemm2_q4_k") {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         attn_smem_max as i32,
@@ -536,7 +538,7 @@ impl CudaBackend {
             weights: Mutex::new(HashMap::new()),
             sms,
             gemv: GemvConfig::from_env(),
-            gemm: gemm::GemmState::from_env(),
+            gemm: gemm::GemmState::from_env(attn_smem_max),
             attn: attn::AttnState::new(attn_smem_max),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
@@ -910,10 +912,8 @@ impl CudaBackend {
                 return self.launch_gemv(s, w, rows, cols, x, out, v);
             }
         }
-        if n > 1 {
-            if let Some((entry, bn)) = self.gemm_entry(w, cols) {
-                return self.launch_gemm(s, w, rows, cols, x, n, out, entry, bn);
-            }
+        if let Some(plan) = self.gemm_plan(&[(w, rows)], cols, n) {
+            return self.launch_gemm(s, &mut [(w, out, rows)], cols, x, n, plan);
         }
         let (kind, nt) = if n == 1 { ("matvec", 1) } else { ("matmul", 8) };
         let f = self.func(&format!("{kind}_{}", w.suffix));
@@ -960,6 +960,19 @@ impl CudaBackend {
         // One launch when the weights share a type and width and the GEMV for them (forced or by
         // default) is warp-rows or tensor-core; otherwise one product each.
         let same = dws.iter().all(|d| d.ty == dws[0].ty && d.row_bytes == dws[0].row_bytes);
+        // n > 1: one x pre-pass for all the weights when the GEMM takes them all (see cuda_gemm.rs).
+        if n > 1 && ws.len() > 1 && ws.iter().all(|w| w.cols() == cols) {
+            let rows: Vec<(&DevWeight, usize)> = dws.iter().zip(ws).map(|(d, w)| (&**d, w.rows())).collect();
+            if let Some(plan) = self.gemm_plan(&rows, cols, n) {
+                assert_eq!(x.len(), n * cols, "linear_many: x is not [n, in]");
+                let mut parts: Vec<gemm::GemmPart<'_>> = Vec::with_capacity(ws.len());
+                for ((w, d), out) in ws.iter().zip(&dws).zip(outs.iter_mut()) {
+                    assert_eq!(out.len(), n * w.rows(), "linear_many: out is not [n, out]");
+                    parts.push((d, dev_mut(out), w.rows()));
+                }
+                return self.launch_gemm(s, &mut parts, cols, dev(x), n, plan);
+            }
+        }
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
             .then(|| force.or_else(|| self.gemv_variant(&dws[0], cols)))
             .flatten()

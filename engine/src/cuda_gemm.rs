@@ -4,48 +4,66 @@
 //!
 //! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0 or Q4_1 (cols % 64
 //! == 0) weight in the repacked device layout, unless `LLMDIFF_GEMM=0`; everything else keeps the
-//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Two tilings: 64 tokens per block (`gemm_<type>`,
-//! the default) or 32 (`gemm_<type>_n32`, fewer registers, two blocks per SM);
-//! `LLMDIFF_GEMM_BN=32` picks the second. Precision: the weights' integers are exact in f16,
-//! each token's x is scaled by a power of two and split into two f16s (x_hi + x_lo, 22 bits), the
-//! tensor cores accumulate in f32, block scales and offsets are applied in f32 (see
-//! `kernels/gemm.cu`).
+//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Two kernels, `LLMDIFF_GEMM_KIND=v1|v2`:
+//! - v2 (the default; Q4_K only, other types take v1): `gemm2_q4_k`, 128 rows × 128 tokens per
+//!   block, `cp.async` stages, quants dequantized from shared memory straight into the MMA
+//!   fragments, or `gemm2_q4_k_n64` (64 tokens) when the grid would leave SMs idle (picked per
+//!   launch by [`gemm2_bn`]; `LLMDIFF_GEMM_BN=128|64` forces one). Up to three weights that share
+//!   x (`linear_many`: q/k/v, gate/up) go in one launch.
+//! - v1: `gemm_<type>`, 128 rows × 64 tokens, or 32 (`gemm_<type>_n32`, fewer registers, two
+//!   blocks per SM) with `LLMDIFF_GEMM_BN=32`.
+//!
+//! Either way the x pre-pass runs once per x, however many weights share it. Precision: the
+//! weights' integers are exact in f16, each token's x is scaled by a power of two and split into
+//! two f16s (x_hi + x_lo, 22 bits), the tensor cores accumulate in f32, block scales and offsets
+//! are applied in f32 (see `kernels/gemm.cu`).
 
 use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, CudaBackend, DevWeight, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::kernels::WeightRef;
 use crate::EngineError;
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use references::GgmlType;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// Weight-row tile.
+/// Weight-row tile (both kernels).
 const GEMM_BM: usize = 128;
 
-/// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul) and the token
-/// tile (64, or 32 with `LLMDIFF_GEMM_BN=32`). Atomics so the checks and benches can switch them.
+/// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul), the kernel
+/// (`LLMDIFF_GEMM_KIND=v1`, else v2) and the token tile asked for (`LLMDIFF_GEMM_BN`; 0: the
+/// kernel's default). Atomics so the checks and benches can switch them.
 pub(super) struct GemmState {
     on: AtomicBool,
+    v2: AtomicBool,
     bn: AtomicUsize,
+    /// The device's opt-in shared memory per block: v2 tiles that need more are not used.
+    smem_max: usize,
 }
 
 impl GemmState {
-    pub(super) fn from_env() -> GemmState {
-        let get = |k: &str| std::env::var(k).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    pub(super) fn from_env(smem_max: usize) -> GemmState {
+        let get = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_string());
+        let num = |k: &str| get(k).and_then(|v| v.parse::<usize>().ok());
         GemmState {
-            on: AtomicBool::new(get("LLMDIFF_GEMM") != Some(0)),
-            bn: AtomicUsize::new(if get("LLMDIFF_GEMM_BN") == Some(32) { 32 } else { 64 }),
+            on: AtomicBool::new(num("LLMDIFF_GEMM") != Some(0)),
+            v2: AtomicBool::new(get("LLMDIFF_GEMM_KIND").as_deref() != Some("v1")),
+            bn: AtomicUsize::new(num("LLMDIFF_GEMM_BN").unwrap_or(0)),
+            smem_max,
         }
     }
 
-    /// Sets (on, bn), returning the previous settings.
-    fn set(&self, on: bool, bn: usize) -> (bool, usize) {
-        (self.on.swap(on, Ordering::Relaxed), self.bn.swap(bn, Ordering::Relaxed))
+    /// Sets (on, v2, bn), returning the previous settings.
+    fn set(&self, s: (bool, bool, usize)) -> (bool, bool, usize) {
+        (
+            self.on.swap(s.0, Ordering::Relaxed),
+            self.v2.swap(s.1, Ordering::Relaxed),
+            self.bn.swap(s.2, Ordering::Relaxed),
+        )
     }
 }
 
-/// The GEMM entry for a weight in its device layout, if the type and shape qualify.
+/// The v1 GEMM entry for a weight in its device layout, if the type and shape qualify.
 pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str> {
     if cols == 0 {
         return None;
@@ -58,49 +76,125 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
     }
 }
 
-/// A prefill-shaped timing: the tensor-core GEMM (both token tiles) and the SIMT matmul on the
-/// same product.
+/// How products of n > 1 tokens that share x run: v2 with token tile `bn` (128 or 64), or v1
+/// with `bn` (64 or 32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GemmPlan {
+    v2: bool,
+    bn: usize,
+}
+
+/// Dynamic shared memory of `gemm2_q4_k` (bn 128) or `gemm2_q4_k_n64`: `G2<NI>::SMEM` in
+/// kernels/gemm.cu (stages of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
+/// buffers of 128 headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row constants).
+/// The kernel traps if it gets less.
+fn gemm2_smem(bn: usize) -> usize {
+    let stages = if bn == 128 { 4 } else { 3 };
+    stages * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
+}
+
+/// v2's token tile for `tiles` row tiles of 128 and n tokens on `sms` SMs: the one with the
+/// smaller estimate (waves of blocks) × (tokens per block), 64-token blocks counted 15 % less
+/// efficient per token (more dequantization and fragment loads per MMA).
+pub(super) fn gemm2_bn(tiles: usize, n: usize, sms: usize) -> usize {
+    let cost = |bn: usize, eff: f64| (tiles * n.div_ceil(bn)).div_ceil(sms.max(1)) as f64 * bn as f64 * eff;
+    if cost(64, 1.15) < cost(128, 1.0) {
+        64
+    } else {
+        128
+    }
+}
+
+/// `Gemm2Parts` in kernels/gemm.cu: up to three Q4_K weights of one width sharing x, their
+/// outputs, row counts and the row-tile ends of parts 0 and 1; unused pointers are 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Gemm2Parts {
+    w: [u64; 3],
+    out: [u64; 3],
+    rows: [i32; 3],
+    tend: [i32; 2],
+}
+
+// SAFETY: #[repr(C)] plain integers laid out as the kernel's struct (six 8-byte pointers, five
+// ints, padded to 72 bytes, 8-byte aligned).
+unsafe impl cudarc::driver::DeviceRepr for Gemm2Parts {}
+
+/// A prefill-shaped timing: the tensor-core GEMMs (v2 at its chosen and both token tiles, v1 at
+/// both) and the SIMT matmul on the same product.
 #[derive(Clone, Debug)]
 pub struct GemmBench {
     pub case: String,
-    /// (path, seconds per product, TFLOP/s = 2·rows·cols·n / seconds / 1e12), path `gemm64`,
-    /// `gemm32` or `simt`.
+    /// (path, seconds per product, TFLOP/s = 2·rows·cols·n / seconds / 1e12), path `gemm2`
+    /// (v2, tile chosen per launch), `gemm2_128`, `gemm2_64`, `gemm64`, `gemm32` (v1) or `simt`.
     pub paths: Vec<(String, f64, f64)>,
 }
 
+/// A product of n > 1 tokens on the GEMM: its weight, output and rows.
+pub(super) type GemmPart<'a> = (&'a DevWeight, &'a mut CudaSlice<f32>, usize);
+
+/// The settings of the paths the checks and benches name: (label, (on, v2, bn)).
+const PATHS: [(&str, (bool, bool, usize)); 6] = [
+    ("gemm2", (true, true, 0)),
+    ("gemm2_128", (true, true, 128)),
+    ("gemm2_64", (true, true, 64)),
+    ("gemm64", (true, false, 64)),
+    ("gemm32", (true, false, 32)),
+    ("simt", (false, false, 0)),
+];
+
 impl CudaBackend {
-    /// The GEMM entry and token tile a product of n > 1 tokens with `w` takes, if any (`None`
-    /// when off).
-    pub(super) fn gemm_entry(&self, w: &DevWeight, cols: usize) -> Option<(&'static str, usize)> {
-        if !self.gemm.on.load(Ordering::Relaxed) {
+    /// How products of n > 1 tokens with `ws` (weight, rows) that share x of `cols` run on the
+    /// GEMM, if all of them can (`None` when off). v2 takes them when all are Q4_K and its tile
+    /// fits the device's shared memory; otherwise v1.
+    pub(super) fn gemm_plan(&self, ws: &[(&DevWeight, usize)], cols: usize, n: usize) -> Option<GemmPlan> {
+        let st = &self.gemm;
+        if !st.on.load(Ordering::Relaxed) || n < 2 || ws.is_empty() {
             return None;
         }
-        Some((gemm_entry_for(w, cols)?, self.gemm.bn.load(Ordering::Relaxed)))
+        if ws.iter().any(|(w, _)| gemm_entry_for(w, cols).is_none()) {
+            return None;
+        }
+        let bn = st.bn.load(Ordering::Relaxed);
+        if st.v2.load(Ordering::Relaxed) && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
+            let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
+            let bn = if bn == 128 || bn == 64 {
+                bn
+            } else {
+                gemm2_bn(tiles, n, self.sms as usize)
+            };
+            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b) <= st.smem_max) {
+                return Some(GemmPlan { v2: true, bn });
+            }
+        }
+        Some(GemmPlan {
+            v2: false,
+            bn: if bn == 32 { 32 } else { 64 },
+        })
     }
 
-    /// Launches the pre-pass and GEMM `entry` (token tile `bn`, 64 or 32) on device buffers:
-    /// x [n, cols], out [n, rows].
-    #[allow(clippy::too_many_arguments)]
+    /// Launches the plan's x pre-pass once, then its GEMM over every part (v2: up to three parts
+    /// a launch; v1: one each), on device buffers: x [n, cols], each part's out [n, rows].
     pub(super) fn launch_gemm(
         &self,
         s: &Arc<CudaStream>,
-        w: &DevWeight,
-        rows: usize,
+        parts: &mut [GemmPart<'_>],
         cols: usize,
         x: &CudaSlice<f32>,
         n: usize,
-        out: &mut CudaSlice<f32>,
-        entry: &'static str,
-        bn: usize,
+        plan: GemmPlan,
     ) {
+        let bn = plan.bn;
         let n_pad = n.div_ceil(bn) * bn;
-        // x_hi then x_lo, f16 each: n_pad·cols f32 words hold both.
+        // x_hi then x_lo, f16 each: n_pad·cols f32 words hold both. v1: Σx per 32 values (f32);
+        // v2: 16 words of Σx fragments per 256 values.
         let mut xh = self.new_buf(n_pad * cols);
-        let mut xs = self.new_buf(n_pad * (cols / 32));
+        let mut xs = self.new_buf(n_pad * (cols / if plan.v2 { 16 } else { 32 }));
         let mut inv = self.new_buf(n_pad);
         let (nn, np, c) = (n as i32, n_pad as i32, cols as i32);
         {
-            let mut b = s.launch_builder(self.func("gemm_split_x"));
+            let split = if plan.v2 { "gemm2_split_x" } else { "gemm_split_x" };
+            let mut b = s.launch_builder(self.func(split));
             b.arg(x)
                 .arg(dev_mut(&mut xh))
                 .arg(dev_mut(&mut xs))
@@ -113,57 +207,125 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches gemm_split_x in kernels/gemm.cu: x has n·cols floats, xh 2·n_pad·cols
-            // halves, xs n_pad·cols/32 floats, inv n_pad floats.
+            // SAFETY: matches gemm_split_x / gemm2_split_x in kernels/gemm.cu: x has n·cols floats,
+            // xh 2·n_pad·cols halves, xs n_pad·cols/32 floats (v2: n_pad·cols/16 words; v2 is
+            // Q4_K only, cols % 256 == 0), inv n_pad floats.
             ok(unsafe { b.launch(cfg) });
         }
-        let (r, rb) = (rows as i32, w.row_bytes as i32);
-        let name = if bn == 32 {
-            format!("{entry}_n32")
-        } else {
-            entry.to_string()
-        };
-        let mut b = s.launch_builder(self.func(&name));
-        b.arg(&w.data)
-            .arg(dev(&xh))
-            .arg(dev(&xs))
-            .arg(dev(&inv))
-            .arg(out)
-            .arg(&r)
-            .arg(&c)
-            .arg(&rb)
-            .arg(&nn)
-            .arg(&np);
-        let cfg = LaunchConfig {
-            grid_dim: ((n_pad / bn) as u32, rows.div_ceil(GEMM_BM) as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches gemm_* in kernels/gemm.cu: W is rows·row_bytes in the device layout
-        // (gemm_entry_for checked the type and row length), the pre-pass buffers are sized for
-        // n_pad tokens, out has n·rows floats. The scratch buffers go back to the pool after the
-        // launch; work on this stream that reuses them runs after this kernel.
-        ok(unsafe { b.launch(cfg) });
+        if !plan.v2 {
+            for (w, out, rows) in parts.iter_mut() {
+                let entry = gemm_entry_for(w, cols).expect("gemm: plan for an unsupported weight");
+                let name = if bn == 32 {
+                    format!("{entry}_n32")
+                } else {
+                    entry.to_string()
+                };
+                let (r, rb) = (*rows as i32, w.row_bytes as i32);
+                let mut b = s.launch_builder(self.func(&name));
+                b.arg(&w.data)
+                    .arg(dev(&xh))
+                    .arg(dev(&xs))
+                    .arg(dev(&inv))
+                    .arg(&mut **out)
+                    .arg(&r)
+                    .arg(&c)
+                    .arg(&rb)
+                    .arg(&nn)
+                    .arg(&np);
+                let cfg = LaunchConfig {
+                    grid_dim: ((n_pad / bn) as u32, rows.div_ceil(GEMM_BM) as u32, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: matches gemm_* in kernels/gemm.cu: W is rows·row_bytes in the device
+                // layout (gemm_entry_for checked the type and row length), the pre-pass buffers
+                // are sized for n_pad tokens, out has n·rows floats. The scratch buffers go back
+                // to the pool after the launch; work on this stream that reuses them runs after
+                // this kernel.
+                ok(unsafe { b.launch(cfg) });
+            }
+            return;
+        }
+        let name = if bn == 128 { "gemm2_q4_k" } else { "gemm2_q4_k_n64" };
+        for chunk in parts.chunks_mut(3) {
+            let mut m = Gemm2Parts::default();
+            let k = chunk.len();
+            let mut guards = Vec::with_capacity(2 * k);
+            let mut tiles = 0usize;
+            for (i, (w, out, rows)) in chunk.iter_mut().enumerate() {
+                assert!(
+                    w.ty == GgmlType::Q4K && w.row_bytes == cols / 256 * 144 && out.len() >= n * *rows,
+                    "gemm2: a part is not Q4_K of this width, or its output is short"
+                );
+                let (wp, gw) = w.data.device_ptr(s);
+                let (op, go) = out.device_ptr_mut(s);
+                (m.w[i], m.out[i], m.rows[i]) = (wp, op, *rows as i32);
+                guards.push(gw);
+                guards.push(go);
+                tiles += rows.div_ceil(GEMM_BM);
+                if i < 2 {
+                    m.tend[i] = tiles as i32;
+                }
+            }
+            for i in k..2 {
+                m.tend[i] = tiles as i32;
+            }
+            let mut b = s.launch_builder(self.func(name));
+            b.arg(&m)
+                .arg(dev(&xh))
+                .arg(dev(&xs))
+                .arg(dev(&inv))
+                .arg(&c)
+                .arg(&nn)
+                .arg(&np);
+            let cfg = LaunchConfig {
+                grid_dim: ((n_pad / bn) as u32, tiles as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: gemm2_smem(bn) as u32,
+            };
+            // SAFETY: matches gemm2_q4_k[_n64] in kernels/gemm.cu: each part's W is rows·row_bytes
+            // of Q4_K in the device layout (checked above) and its out n·rows floats, the grid's
+            // row tiles are the parts' in order (tend), the pre-pass buffers are sized for n_pad
+            // tokens, and the dynamic shared memory is G2<NI>::SMEM (gemm2_smem; the function's
+            // limit was raised at load). The pointers stay valid (and ordered on this stream)
+            // while `guards` lives, past the launch.
+            ok(unsafe { b.launch(cfg) });
+            drop(guards);
+        }
     }
 
-    /// `Backend::linear` through the GEMM with token tile `bn` (`Some`) or the SIMT matmul
-    /// (`None`), for the checks; says whether the GEMM was taken.
-    fn linear_path(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf, bn: Option<usize>) -> bool {
-        let prev = self.gemm.set(bn.is_some(), bn.unwrap_or(64));
-        let dw = self.weight(w, &self.stream);
-        let took = n > 1 && self.gemm_entry(&dw, w.cols()).is_some();
-        self.linear(x, n, w, out);
-        self.gemm.set(prev.0, prev.1);
-        took
+    /// `Backend::linear` (one weight) or `linear_many` (`ws` of several) with the GEMM set to
+    /// `path` (a `PATHS` setting), for the checks; says whether the GEMM was taken, and v2.
+    fn linear_path(
+        &self,
+        x: &Buf,
+        n: usize,
+        ws: &[WeightRef<'_>],
+        outs: &mut [&mut Buf],
+        path: (bool, bool, usize),
+    ) -> Option<GemmPlan> {
+        let prev = self.gemm.set(path);
+        let dws: Vec<_> = ws.iter().map(|w| self.weight(*w, &self.stream)).collect();
+        let parts: Vec<_> = dws.iter().zip(ws).map(|(d, w)| (&**d, w.rows())).collect();
+        let plan = self.gemm_plan(&parts, ws[0].cols(), n);
+        if let ([w], [out]) = (ws, &mut *outs) {
+            self.linear(x, n, *w, out);
+        } else {
+            self.linear_many(x, n, ws, outs);
+        }
+        self.gemm.set(prev);
+        plan
     }
 
     /// The GEMM against the CPU engine: Q4_K, Q8_0 and Q4_1 at row counts that are not a
-    /// multiple of the 128-row tile, n = 2, 9, 17, 65, 130 (partial 64-token tiles), one and
+    /// multiple of the 128-row tile, n = 2, 9, 17, 65, 130 (partial token tiles), one and
     /// several blocks per row, rows whose length is or is not a multiple of 16 bytes; tokens of
     /// very different magnitudes (×3e4, ×1e-6, an all-zero token, one outlier value ×100) so the
-    /// per-token scaling and hi/lo split are exercised. rel_l2 is taken per token (a large token
-    /// would hide a small one's error) and the worst is reported. Also the SIMT matmul on the
-    /// same types (the `LLMDIFF_GEMM=0` path).
+    /// per-token scaling and hi/lo split are exercised; on v2 at both token tiles (Q4_K; Q8_0
+    /// and Q4_1 take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
+    /// hide a small one's error) and the worst is reported. Also the SIMT matmul on the same
+    /// types (the `LLMDIFF_GEMM=0` path), and three Q4_K weights sharing x (`linear_many`, one
+    /// pre-pass; on v2 one launch).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
         let cases: [(GgmlType, &[(usize, usize)]); 3] = [
@@ -177,53 +339,97 @@ impl CudaBackend {
                 let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
                 let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
-                    let x = gemm_test_x(n, cols);
-                    let mut c = CpuBackend.alloc(n * rows);
-                    CpuBackend.linear(&Buf::host(x.clone()), n, w, &mut c);
-                    let c = c.as_host().to_vec();
-                    let paths: &[Option<usize>] = if n == 9 {
-                        &[Some(64), Some(32), None]
-                    } else {
-                        &[Some(64), Some(32)]
-                    };
-                    for &bn in paths {
-                        let xd = self.upload(&x);
-                        let mut g = self.upload(&vec![f32::NAN; n * rows]);
-                        let took = self.linear_path(&xd, n, w, &mut g, bn);
-                        let g = self.download(&g);
-                        let path = bn.map_or("simt".to_string(), |b| format!("gemm{b}"));
-                        let mut check = per_token(
-                            format!("MUL_MAT(type={name},ne=[{cols},{rows}],n={n},path={path})"),
-                            &g,
-                            &c,
-                            n,
-                            rows,
-                            1e-5,
-                        );
-                        // The case must have taken the path it names.
-                        check.pass &= took == bn.is_some();
-                        out.push(check);
-                    }
+                    let paths = if n == 9 { &PATHS[1..] } else { &PATHS[1..5] };
+                    out.extend(self.gemm_case(name, &[w], cols, n, paths));
                 }
                 self.weights.lock().expect("weight map").clear();
             }
         }
+        // Three Q4_K weights of one width sharing x.
+        let cols = 512;
+        let bytes: Vec<(usize, Vec<u8>)> = [37usize, 130, 259]
+            .iter()
+            .map(|&r| (r, test_bytes(GgmlType::Q4K, r, cols, 90 + r as u64)))
+            .collect();
+        let ws: Vec<WeightRef<'_>> = bytes
+            .iter()
+            .map(|(r, b)| test_weight(GgmlType::Q4K, b, *r, cols))
+            .collect();
+        for n in [9usize, 130] {
+            out.extend(self.gemm_case("q4_K", &ws, cols, n, &PATHS[1..5]));
+        }
+        self.weights.lock().expect("weight map").clear();
         out
     }
 
-    /// Times a prefill-shaped product on the GEMM (64- and 32-token tiles) and on the SIMT
-    /// matmul (`bench_linear` with the GEMM switched).
+    /// One check per path in `paths` of the product(s) of `ws` (sharing x of n tokens) against
+    /// the CPU engine: per-token rel_l2 ≤ 1e-5 over every output, and the case must have taken
+    /// the path it names (v2 paths: v2 for Q4_K, v1 for the other types).
+    fn gemm_case(
+        &self,
+        name: &str,
+        ws: &[WeightRef<'_>],
+        cols: usize,
+        n: usize,
+        paths: &[(&str, (bool, bool, usize))],
+    ) -> Vec<KernelCheck> {
+        let x = gemm_test_x(n, cols);
+        let cpu: Vec<Vec<f32>> = ws
+            .iter()
+            .map(|w| {
+                let mut c = CpuBackend.alloc(n * w.rows());
+                CpuBackend.linear(&Buf::host(x.clone()), n, *w, &mut c);
+                c.as_host().to_vec()
+            })
+            .collect();
+        let rows: Vec<usize> = ws.iter().map(|w| w.rows()).collect();
+        let mut out = Vec::new();
+        for &(label, path) in paths {
+            let xd = self.upload(&x);
+            let mut gs: Vec<Buf> = rows.iter().map(|r| self.upload(&vec![f32::NAN; n * r])).collect();
+            let mut refs: Vec<&mut Buf> = gs.iter_mut().collect();
+            let plan = self.linear_path(&xd, n, ws, &mut refs, path);
+            let shape = rows.iter().map(|r| format!("{cols},{r}")).collect::<Vec<_>>().join(";");
+            let mut check = compare(
+                format!("MUL_MAT(type={name},ne=[{shape}],n={n},path={label})"),
+                &[],
+                &[],
+                1e-5,
+            );
+            for ((g, c), &r) in gs.iter().zip(&cpu).zip(&rows) {
+                let one = per_token(String::new(), &self.download(g), c, n, r, 1e-5);
+                check.rel_l2 = check.rel_l2.max(one.rel_l2);
+                check.max_abs = check.max_abs.max(one.max_abs);
+                check.pass &= one.pass;
+            }
+            // The case must have taken the path it names.
+            let want_v2 = path.1
+                && ws
+                    .iter()
+                    .all(|w| matches!(w, WeightRef::Quant(q) if q.ty == GgmlType::Q4K));
+            let want_bn = match (want_v2, path.2) {
+                (true, 0) => None,
+                (true, b) => Some(b),
+                (false, b) => Some(if b == 32 { 32 } else { 64 }),
+            };
+            check.pass &= match plan {
+                None => !path.0,
+                Some(p) => path.0 && p.v2 == want_v2 && want_bn.is_none_or(|b| b == p.bn),
+            };
+            out.push(check);
+        }
+        out
+    }
+
+    /// Times a prefill-shaped product on each of `PATHS` (`bench_linear` with the GEMM switched).
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
         let mut paths = Vec::new();
-        for (label, on, bn, iters) in [
-            ("gemm64", true, 64, 50),
-            ("gemm32", true, 32, 50),
-            ("simt", false, 64, 10),
-        ] {
-            let prev = self.gemm.set(on, bn);
+        for (label, path) in PATHS {
+            let iters = if path.0 { 50 } else { 10 };
+            let prev = self.gemm.set(path);
             let r = self.bench_linear(ty, rows, cols, n, iters);
-            self.gemm.set(prev.0, prev.1);
+            self.gemm.set(prev);
             let secs = r?.seconds;
             paths.push((label.to_string(), secs, flop / secs / 1e12));
         }

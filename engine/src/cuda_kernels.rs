@@ -103,7 +103,9 @@ impl KernelId {
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Gemm => std::iter::once("gemm_split_x".to_string())
+            KernelId::Gemm => ["gemm_split_x", "gemm2_split_x", "gemm2_q4_k", "gemm2_q4_k_n64"]
+                .map(String::from)
+                .into_iter()
                 .chain(
                     ["q4_k", "q8_0", "q4_1"]
                         .iter()
@@ -461,6 +463,10 @@ mod tests {
                             let (t, nw) = rest.split_once("_w").unwrap();
                             src.contains(&format!("{mac}({t}, {nw})\n"))
                         })
+                    }
+                    || {
+                        // gemm2_q4_k[_n64] come from GEMM2_ENTRY(<name>, <NI>).
+                        src.contains(&format!("GEMM2_ENTRY({f}, "))
                     }
                     || {
                         // gemm_<ty> and gemm_<ty>_n32 come from GEMM_ENTRY(<ty>, ...).
