@@ -70,6 +70,24 @@ __device__ float block_max(float v, float* scratch) {
     return t;
 }
 
+// Asynchronous global→shared copies (sm_80+): a copy of 16 bytes (cached in L2 only), a commit
+// closing the thread's group of copies so far, and a wait until at
+// most N of its groups are still in flight. All are compiler memory barriers, so shared-memory
+// reads stay between the wait and the next copy into the same place.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
 // to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1

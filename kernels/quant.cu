@@ -516,6 +516,12 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // A block with a non-finite x gets s = NaN (and zero limbs), so NaN and inf reach the output as
 // they do in the float forms; an all-zero block gets s = 0.
 //
+// On the H200 (tests/gpu/h200-results/round7) it cuts a Q4_K row-unit from ~5 to ~3 instructions
+// a weight and the 8B GEMVs by 8–12 %, pre-pass included (its launch is ~2.6 µs); the kernel
+// then issues on ~56 % of cycles and waits on memory the rest. Two ways to hide that latency
+// were tried and removed: the next step's weights double-buffered in registers, and a ring of
+// steps staged through shared memory by cp.async (both slower).
+//
 // Layout of the pre-pass's output (bytes, cols % 32 == 0): limb planes 0, 1, 2 (cols int8 each,
 // in x order), then s per 32 values (cols/32 f32), then Σx per 8 values (cols/8 f32).
 
@@ -776,7 +782,7 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 // the NW warps in shared memory in warp order (deterministic). No x slice is kept resident and
 // nothing is double-buffered, so registers are few and many warps keep many loads in flight.
 
-template <int TY, int R, int NW, int U, int MODE, bool DB>
+template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
                                            int rows, int cols, int row_bytes) {
     constexpr int V = gemv_vals<TY>();
@@ -789,8 +795,8 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    // One step's weight loads: U chunks × R rows (a chunk wholly past the end is skipped).
-    auto load = [&](int c0, WFrag<TY>(&f)[U][R]) {
+    for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
+        WFrag<TY> f[U][R];
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;
@@ -799,17 +805,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 #pragma unroll
                 for (int r = 0; r < R; r++) gemv_load<TY>(rp[r], u, cols, f[k][r]);
             }
-        }
-    };
-    WFrag<TY> f[U][R];
-    if constexpr (DB) load(warp * 32, f);
-    for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
-        // DB: the next step's weights are in flight while this step computes.
-        WFrag<TY> nf[U][R];
-        if constexpr (DB) {
-            if (c0 + STEP < n_units) load(c0 + STEP, nf);
-        } else {
-            load(c0, f);
         }
 #pragma unroll
         for (int k = 0; k < U; k++) {
@@ -831,12 +826,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 }
             }
         }
-        if constexpr (DB) {
-#pragma unroll
-            for (int k = 0; k < U; k++)
-#pragma unroll
-                for (int r = 0; r < R; r++) f[k][r] = nf[k][r];
-        }
     }
     __shared__ float red[NW][R];
 #pragma unroll
@@ -856,25 +845,18 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 
 // Entry points gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>, launched with NW·32 threads; the list is
 // `GEMV_VARIANTS` in engine/src/cuda_kernels.rs (one line here per entry there).
-// MODE 2 entries take the pre-pass's output (gemv_x_limbs) after x; `_m2d` ones double-buffer
-// the weights (the next step's loads issued before this step's dots).
+// MODE 2 entries take the pre-pass's output (gemv_x_limbs) after x.
 #define GEMVW_ENTRY(NAME, TY, R, NW, U, M)                                                                \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, int rows, int cols,         \
                                                   int row_bytes) {                                        \
-        gemvw_body<TY, R, NW, U, M, false>(m, x, nullptr, rows, cols, row_bytes);                         \
+        gemvw_body<TY, R, NW, U, M>(m, x, nullptr, rows, cols, row_bytes);                                \
     }
 #define GEMVW_ENTRY_Q(NAME, TY, R, NW, U)                                                                 \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m2(GemvRows m, const float* x, const u8* xq, int rows,       \
                                                 int cols, int row_bytes) {                                \
-        gemvw_body<TY, R, NW, U, 2, false>(m, x, xq, rows, cols, row_bytes);                              \
-    }
-#define GEMVW_ENTRY_QD(NAME, TY, R, NW, U)                                                                \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
-        gemvw_##NAME##_r##R##_w##NW##_u##U##_m2d(GemvRows m, const float* x, const u8* xq, int rows,      \
-                                                 int cols, int row_bytes) {                               \
-        gemvw_body<TY, R, NW, U, 2, true>(m, x, xq, rows, cols, row_bytes);                               \
+        gemvw_body<TY, R, NW, U, 2>(m, x, xq, rows, cols, row_bytes);                                     \
     }
 
 GEMVW_ENTRY(q4_k, TY_Q4_K, 1, 4, 2, 0)
@@ -932,12 +914,3 @@ GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 1)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 2)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 1)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 2)
-GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 2, 4, 1)
-GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 4, 2, 1)
-GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 4, 4, 1)
-GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 8, 2, 1)
-GEMVW_ENTRY_QD(q4_k, TY_Q4_K, 8, 4, 1)
-GEMVW_ENTRY_QD(q4_1, TY_Q4_1, 4, 4, 1)
-GEMVW_ENTRY_QD(q4_1, TY_Q4_1, 8, 4, 1)
-GEMVW_ENTRY_QD(q8_0, TY_Q8_0, 4, 4, 1)
-GEMVW_ENTRY_QD(q8_0, TY_Q8_0, 8, 4, 1)

@@ -148,8 +148,6 @@ pub struct GemvVariant {
     pub nw: usize,
     pub upt: usize,
     pub mode: usize,
-    /// Warp-rows only: the next step's weights are loaded while this step computes (`_m2d`).
-    pub db: bool,
 }
 
 impl GemvVariant {
@@ -159,14 +157,7 @@ impl GemvVariant {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
-            GemvKind::Wr => format!(
-                "gemvw_{s}_r{}_w{}_u{}_m{}{}",
-                self.r,
-                self.nw,
-                self.upt,
-                self.mode,
-                if self.db { "d" } else { "" }
-            ),
+            GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Tc => format!(
                 "gemvt_{s}_t{}_w{}{}",
                 self.upt,
@@ -199,7 +190,6 @@ const fn gv(ty: GgmlType, r: usize, upt: usize, mode: usize) -> GemvVariant {
         nw: 0,
         upt,
         mode,
-        db: false,
     }
 }
 
@@ -211,15 +201,6 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
         nw,
         upt: u,
         mode,
-        db: false,
-    }
-}
-
-/// A double-buffered warp-rows variant of the integer form (`GEMVW_ENTRY_QD`).
-const fn gwd(ty: GgmlType, r: usize, nw: usize, u: usize) -> GemvVariant {
-    GemvVariant {
-        db: true,
-        ..gw(ty, r, nw, u, 2)
     }
 }
 
@@ -231,7 +212,6 @@ const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
         nw,
         upt: t,
         mode,
-        db: false,
     }
 }
 
@@ -256,8 +236,8 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
 /// Q8_0, F16, BF16; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
-/// pre-pass) for Q4_K, Q4_1 and Q8_0, then its double-buffered variants (`GEMVW_ENTRY_QD`).
-const GEMVW_VARIANTS: [GemvVariant; 64] = {
+/// pre-pass) for Q4_K, Q4_1 and Q8_0.
+const GEMVW_VARIANTS: [GemvVariant; 55] = {
     use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
     [
         gw(Q4K, 1, 4, 2, 0),
@@ -315,15 +295,6 @@ const GEMVW_VARIANTS: [GemvVariant; 64] = {
         gw(Q8_0, 4, 4, 2, 2),
         gw(Q8_0, 8, 4, 1, 2),
         gw(Q8_0, 8, 4, 2, 2),
-        gwd(Q4K, 2, 4, 1),
-        gwd(Q4K, 4, 2, 1),
-        gwd(Q4K, 4, 4, 1),
-        gwd(Q4K, 8, 2, 1),
-        gwd(Q4K, 8, 4, 1),
-        gwd(Q4_1, 4, 4, 1),
-        gwd(Q4_1, 8, 4, 1),
-        gwd(Q8_0, 4, 4, 1),
-        gwd(Q8_0, 8, 4, 1),
     ]
 };
 
@@ -331,7 +302,7 @@ const GEMVW_VARIANTS: [GemvVariant; 64] = {
 /// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
 /// ([`GEMVW_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 111] = {
+pub const GEMV_VARIANTS: [GemvVariant; 102] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -341,7 +312,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 111] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 111];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 102];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -446,9 +417,6 @@ mod tests {
                             let (nw, tail) = tail.split_once("_u").unwrap();
                             let (u, m) = tail.split_once("_m").unwrap();
                             let tyc = format!("TY_{}", ty.to_uppercase());
-                            if m == "2d" {
-                                return src.contains(&format!("GEMVW_ENTRY_QD({ty}, {tyc}, {r}, {nw}, {u})\n"));
-                            }
                             src.contains(&format!("GEMVW_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
                                 || (m == "2" && src.contains(&format!("GEMVW_ENTRY_Q({ty}, {tyc}, {r}, {nw}, {u})\n")))
                         })
