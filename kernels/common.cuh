@@ -108,3 +108,47 @@ struct GemvRows {
         return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
     }
 };
+
+// The integer GEMV's x limbs (see the integer form in quant.cu): for the float4 `v` = x values
+// 4·i4 .. 4·i4 + 4 of a row of `cols` (cols % 32 == 0), writes their three int8 limbs to the limb
+// planes of `xq`, and (one lane of each group) the 32-value block's scale and the 8-value sums.
+// Eight neighbouring lanes (8g .. 8g + 7) hold one 32-value block, so the whole warp must call it
+// with i4 = (its first value)/4 + lane; lanes with live = false (past the row, whole groups of
+// 8) take part in the shuffles and write nothing.
+__device__ __forceinline__ void x_limbs4(float4 v, int i4, u8* __restrict__ xq, int cols, bool live) {
+    const int lane = threadIdx.x & 31;
+    const float e4[4] = {v.x, v.y, v.z, v.w};
+    float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    bool bad = !(isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        bad |= __shfl_xor_sync(0xffffffffu, (int)bad, o) != 0;
+    }
+    u32 w0 = 0, w1 = 0, w2 = 0;
+    float s = bad ? __int_as_float(0x7fc00000) : 0.0f;
+    if (!bad && m > 0.0f) {
+        int e;
+        const float mant = frexpf(m, &e), k = 127.0f / mant;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float y = ldexpf(e4[j], -e) * k;
+            const float r0 = rintf(y), t = (y - r0) * 128.0f, r1 = rintf(t), r2 = rintf((t - r1) * 128.0f);
+            w0 |= ((u32)(int)r0 & 0xFFu) << (8 * j);
+            w1 |= ((u32)(int)r1 & 0xFFu) << (8 * j);
+            w2 |= ((u32)(int)r2 & 0xFFu) << (8 * j);
+        }
+        s = ldexpf(mant / 127.0f, e - 14);
+    }
+    // Σx per 8 values: this lane's four, then its neighbour's (lanes 2h, 2h + 1), fixed order.
+    float a = (v.x + v.y) + (v.z + v.w);
+    a += __shfl_xor_sync(0xffffffffu, a, 1);
+    if (!live) return;
+    u32* planes = (u32*)xq;
+    planes[i4] = w0;
+    planes[cols / 4 + i4] = w1;
+    planes[cols / 2 + i4] = w2;
+    float* sc = (float*)(xq + 3 * (size_t)cols);
+    if ((lane & 7) == 0) sc[i4 / 8] = s;
+    if ((lane & 1) == 0) sc[cols / 32 + i4 / 2] = a;
+}

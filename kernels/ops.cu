@@ -6,8 +6,10 @@
 // rather than a serial walk. The sum of squares is f64 (as the CPU engine), each thread's share
 // summed in order, then the block's in a fixed shuffle tree (deterministic, no atomics). vec:
 // d % 4 == 0 (rows and weight 16-byte aligned), read and written as float4.
+// xq (may be null): also the output row's int8 limbs for the integer GEMV (x_limbs4), which
+// needs d % 128 == 0 (so each warp's float4s are all in the row or all past it).
 __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ weight,
-                                             float* __restrict__ o, int d, float eps) {
+                                             float* __restrict__ o, int d, float eps, u8* __restrict__ xq) {
     __shared__ double scratch[32];
     const bool vec = (d & 3) == 0;
     double ss = 0.0;
@@ -39,15 +41,17 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
             v.z = v.z * scale * w.z;
             v.w = v.w * scale * w.w;
             o4[i] = v;
+            if (xq) x_limbs4(v, i, xq, d, true);
         }
     } else {
         for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = xr[i] * scale * weight[i];
     }
 }
 
+// xq: null, or (one row) its limbs, see rms_norm_row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
-                                    float* __restrict__ out, int d, float eps) {
-    rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps);
+                                    float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
+    rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
 }
 
 // x + a, rounded through f16 when f16_round (the f16-residual fault), as add_assign.
@@ -66,7 +70,7 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 // elements it then reads, so the result is bit for bit the two kernels'.
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
-                                        int f16_round) {
+                                        int f16_round, u8* __restrict__ xq) {
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
     if ((d & 3) == 0) {
@@ -83,7 +87,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     } else {
         for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = resid_add(xr[i], ar[i], f16_round);
     }
-    rms_norm_row(xr, weight, out + (size_t)blockIdx.x * d, d, eps);
+    rms_norm_row(xr, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
 }
 
 // RoPE in place on the q and k of the same rows, in one launch: q [n, qh·q_stride] and k
@@ -140,12 +144,27 @@ extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, fl
     }
 }
 
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 // gate = silu(gate) · up.
 extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
-    float g = gate[i];
-    gate[i] = g / (1.0f + expf(-g)) * up[i];
+    gate[i] = silu_mul(gate[i], up[i]);
+}
+
+// The same for one row of len values (len % 128 == 0), a thread per 4, and the result's int8
+// limbs for the integer GEMV (x_limbs4).
+extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {
+    const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = i4 < len / 4;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (live) {
+        const float4 g = ((const float4*)gate)[i4], u = ((const float4*)up)[i4];
+        v = make_float4(silu_mul(g.x, u.x), silu_mul(g.y, u.y), silu_mul(g.z, u.z), silu_mul(g.w, u.w));
+        ((float4*)gate)[i4] = v;
+    }
+    x_limbs4(v, i4, xq, len, live);
 }
 
 // out = parts[0] + parts[1] + ... + parts[n_parts-1], summed left to right (the CPU engine's

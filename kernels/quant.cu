@@ -531,38 +531,12 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     return d;
 }
 
-// One warp per block of 32 values; blocks of 256 threads.
+// A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
 extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
-    const int lane = threadIdx.x & 31, blk = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    if (blk >= cols / 32) return;
-    const int i = blk * 32 + lane;
-    const float v = x[i];
-    float m = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const bool bad = __any_sync(0xffffffffu, !isfinite(v));
-    int l0 = 0, l1 = 0, l2 = 0;
-    float s = bad ? __int_as_float(0x7fc00000) : 0.0f;
-    if (!bad && m > 0.0f) {
-        int e;
-        const float mant = frexpf(m, &e);
-        const float y = ldexpf(v, -e) * (127.0f / mant);
-        const float r0 = rintf(y), t = (y - r0) * 128.0f, r1 = rintf(t), r2 = rintf((t - r1) * 128.0f);
-        l0 = (int)r0;
-        l1 = (int)r1;
-        l2 = (int)r2;
-        s = ldexpf(mant / 127.0f, e - 14);
-    }
-    xq[i] = (u8)l0;
-    xq[cols + i] = (u8)l1;
-    xq[2 * cols + i] = (u8)l2;
-    float* sc = (float*)(xq + 3 * (size_t)cols);
-    if (lane == 0) sc[blk] = s;
-    // Σx per 8 values, summed in a fixed shuffle order.
-    float a = v + __shfl_xor_sync(0xffffffffu, v, 1);
-    a += __shfl_xor_sync(0xffffffffu, a, 2);
-    a += __shfl_xor_sync(0xffffffffu, a, 4);
-    if ((lane & 7) == 0) sc[cols / 32 + i / 8] = a;
+    const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = i4 < cols / 4;
+    const float4 v = live ? ((const float4*)x)[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x_limbs4(v, i4, xq, cols, live);
 }
 
 // A unit's x in limbs: l[limb][word] in gemv_dot's word order (Q4_K: words 0..3 the low-nibble

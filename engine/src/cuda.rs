@@ -225,6 +225,11 @@ pub struct DevBuf {
     data: std::mem::ManuallyDrop<CudaSlice<f32>>,
     len: usize,
     pool: Arc<BufPool>,
+    /// The integer GEMV's x limbs of these `len` values (the `gemv_x_limbs` layout), when the op
+    /// that wrote them wrote those too (a decode row's RMSNorm or SwiGLU: see
+    /// `CudaBackend::limbs_out`), so the GEMV that reads this row skips its pre-pass. Every other
+    /// write drops them: writes go through `dev_mut` (or set `len`), which clear this.
+    limbs: Option<Box<Buf>>,
 }
 
 impl Drop for DevBuf {
@@ -285,6 +290,7 @@ impl DevBuf {
     pub(crate) fn set_len(&mut self, len: usize) {
         assert!(len <= self.data.len(), "cuda: set_len past the buffer's capacity");
         self.len = len;
+        self.limbs = None;
     }
 }
 
@@ -348,11 +354,36 @@ fn dev(b: &Buf) -> &CudaSlice<f32> {
     }
 }
 
+/// A device buffer to write: its limbs (see [`DevBuf::limbs`]) no longer describe it.
 fn dev_mut(b: &mut Buf) -> &mut CudaSlice<f32> {
     match &mut b.repr {
-        BufRepr::Dev(d) => &mut d.data,
+        BufRepr::Dev(d) => {
+            d.limbs = None;
+            &mut d.data
+        }
         BufRepr::Host(_) => panic!("cuda: a host buffer given to a device op"),
     }
+}
+
+/// The limbs of `x` when it is one row of `cols` values written with them (see [`DevBuf::limbs`]).
+fn limbs_of(x: &Buf, cols: usize) -> Option<&CudaSlice<f32>> {
+    match &x.repr {
+        BufRepr::Dev(d) if d.len == cols => d.limbs.as_deref().map(dev),
+        _ => None,
+    }
+}
+
+/// Attaches limbs written by the op that just wrote `out` (after its `dev_mut`).
+fn attach_limbs(out: &mut Buf, limbs: Option<Buf>) {
+    if let BufRepr::Dev(d) = &mut out.repr {
+        d.limbs = limbs.map(Box::new);
+    }
+}
+
+/// The f32 words of the integer GEMV's x limbs for `cols` values: three int8 planes, a scale per
+/// 32 values and a sum per 8 (`gemv_x_limbs` in kernels/quant.cu).
+fn limbs_words(cols: usize) -> usize {
+    3 * cols / 4 + cols / 32 + cols / 8
 }
 
 /// The one-token GEMV's settings, read once from the environment (for benchmarks and sweeps):
@@ -756,6 +787,7 @@ impl CudaBackend {
         rows: usize,
         cols: usize,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<f32>>,
         out: &mut CudaSlice<f32>,
         v: GemvVariant,
     ) {
@@ -788,14 +820,20 @@ impl CudaBackend {
             shared_mem_bytes: smem,
         };
         if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
-            return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, v);
+            return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
-        let limbs = (v.mode == 2).then(|| self.gemv_x_limbs(s, x, cols));
+        let pre;
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x);
-        if let Some(q) = &limbs {
-            b.arg(dev(q));
+        if v.mode == 2 {
+            b.arg(match xq {
+                Some(q) => q,
+                None => {
+                    pre = self.gemv_x_limbs(s, x, cols);
+                    dev(&pre)
+                }
+            });
         }
         b.arg(out).arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
@@ -812,6 +850,7 @@ impl CudaBackend {
         parts: &mut [(&DevWeight, &mut CudaSlice<f32>, usize)],
         cols: usize,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<f32>>,
         v: GemvVariant,
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -851,15 +890,22 @@ impl CudaBackend {
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
-        // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8.
-        let limbs = (v.kind == GemvKind::Wr && v.mode == 2).then(|| self.gemv_x_limbs(s, x, cols));
+        // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8,
+        // unless x came with them (`xq`, see DevBuf::limbs).
+        let pre;
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
             b.arg(dev(xb)).arg(dev(xs));
         }
-        if let Some(q) = &limbs {
-            b.arg(dev(q));
+        if v.kind == GemvKind::Wr && v.mode == 2 {
+            b.arg(match xq {
+                Some(q) => q,
+                None => {
+                    pre = self.gemv_x_limbs(s, x, cols);
+                    dev(&pre)
+                }
+            });
         }
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
@@ -872,18 +918,27 @@ impl CudaBackend {
         drop(guards);
     }
 
+    /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that
+    /// an integer-form GEMV (mode 2) may read: d % 128 == 0 (the fused kernels' warps hold whole
+    /// 32-value blocks) and d ≥ 2048 (narrower rows take the float GEMV by default, see
+    /// `gemv_select`), unless the environment rules mode 2 out. None: no limbs.
+    fn limbs_out(&self, len: usize, d: usize) -> Option<Buf> {
+        let may = self.gemv.on && matches!(self.gemv.mode, None | Some(2));
+        (may && len == d && d % 128 == 0 && d >= 2048).then(|| self.new_buf(limbs_words(d)))
+    }
+
     /// The x pre-pass of the integer warp-rows GEMV (mode 2, `gemv_x_limbs` in kernels/quant.cu):
     /// x's three int8 limb planes (cols bytes each), its scale per 32 values and Σx per 8 values
     /// (f32), in pooled scratch that goes back to the pool when dropped (after the launches that
     /// use it are enqueued on this stream).
     fn gemv_x_limbs(&self, s: &Arc<CudaStream>, x: &CudaSlice<f32>, cols: usize) -> Buf {
         assert!(cols % 32 == 0 && x.len() >= cols, "gemv: x is not whole blocks of 32");
-        let mut q = self.new_buf(3 * cols / 4 + cols / 32 + cols / 8);
+        let mut q = self.new_buf(limbs_words(cols));
         let c = cols as i32;
         let mut b = s.launch_builder(self.func("gemv_x_limbs"));
         b.arg(x).arg(dev_mut(&mut q)).arg(&c);
         let cfg = LaunchConfig {
-            grid_dim: (cols.div_ceil(256) as u32, 1, 1),
+            grid_dim: ((cols / 4).div_ceil(256) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -903,13 +958,14 @@ impl CudaBackend {
         rows: usize,
         cols: usize,
         x: &CudaSlice<f32>,
+        xq: Option<&CudaSlice<f32>>,
         n: usize,
         out: &mut CudaSlice<f32>,
         force: Option<GemvVariant>,
     ) {
         if n == 1 {
             if let Some(v) = force.or_else(|| self.gemv_variant(w, cols)) {
-                return self.launch_gemv(s, w, rows, cols, x, out, v);
+                return self.launch_gemv(s, w, rows, cols, x, xq, out, v);
             }
         }
         if let Some(plan) = self.gemm_plan(&[(w, rows)], cols, n) {
@@ -940,7 +996,7 @@ impl CudaBackend {
         }
         let s = &self.stream;
         let dw = self.weight(w, s);
-        self.launch_linear_with(s, &dw, rows, cols, dev(x), n, dev_mut(out), force);
+        self.launch_linear_with(s, &dw, rows, cols, dev(x), limbs_of(x, cols), n, dev_mut(out), force);
     }
 
     /// `Backend::linear_many`, with the one-token GEMV variant forced (`Some`, a warp-rows or
@@ -989,7 +1045,7 @@ impl CudaBackend {
             assert_eq!(out.len(), w.rows(), "linear_many: out is not [1, out]");
             parts.push((d, dev_mut(out), w.rows()));
         }
-        self.launch_gemv_rows(s, &mut parts, cols, dev(x), v);
+        self.launch_gemv_rows(s, &mut parts, cols, dev(x), limbs_of(x, cols), v);
     }
 
     /// The device copy of a small f32 parameter (a norm weight), uploaded on first use.
@@ -1020,6 +1076,7 @@ impl CudaBackend {
                 data: std::mem::ManuallyDrop::new(data),
                 len,
                 pool: self.pool.clone(),
+                limbs: None,
             }),
         }
     }
@@ -1329,6 +1386,7 @@ impl Backend for CudaBackend {
             unreachable!("the cache is on the device here")
         };
         d.len = total;
+        d.limbs = None;
         if capturing && slot0 == pos0 && width > 0 && new.len() % width == 0 {
             // Recorded for replay: the row index comes from the position word.
             let cap_rows = d.data.len() / width;
@@ -1360,10 +1418,18 @@ impl Backend for CudaBackend {
         let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
             return;
         };
-        let (di, mut b) = (weight.len() as i32, self.stream.launch_builder(self.func("rms_norm")));
+        let q = self.limbs_out(x.len(), weight.len());
+        let (di, null) = (weight.len() as i32, 0u64);
+        let mut b = self.stream.launch_builder(self.func("rms_norm"));
         b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
-        // SAFETY: matches rms_norm in kernels/ops.cu: x and out [n, d], weight d.
+        match &q {
+            Some(q) => b.arg(dev(q)),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches rms_norm in kernels/ops.cu: x and out [n, d], weight d; xq (one row of
+        // d % 128 == 0, see limbs_out) limbs_words(d) words, or null.
         ok(unsafe { b.launch(cfg) });
+        attach_limbs(out, q);
     }
 
     fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
@@ -1371,12 +1437,19 @@ impl Backend for CudaBackend {
         let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
             return;
         };
-        let (di, f16) = (weight.len() as i32, f16_round as i32);
+        let q = self.limbs_out(x.len(), weight.len());
+        let (di, f16, null) = (weight.len() as i32, f16_round as i32, 0u64);
         let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
         b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
         b.arg(&di).arg(&eps).arg(&f16);
-        // SAFETY: matches add_rms_norm in kernels/ops.cu: x, a and out [n, d], weight d.
+        match &q {
+            Some(q) => b.arg(dev(q)),
+            None => b.arg(&null),
+        };
+        // SAFETY: matches add_rms_norm in kernels/ops.cu: x, a and out [n, d], weight d; xq as in
+        // rms_norm.
         ok(unsafe { b.launch(cfg) });
+        attach_limbs(out, q);
     }
 
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
@@ -1450,6 +1523,20 @@ impl Backend for CudaBackend {
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         if gate.is_empty() {
             return;
+        }
+        // A one-token row (the widest FFN the presets use is well under 2^16 values; a prefill's
+        // [n, ffn] is wider or small): the same products and the row's limbs in one launch.
+        if gate.len() < 1 << 16 {
+            if let Some(q) = self.limbs_out(gate.len(), gate.len()) {
+                let (len, cfg) = (gate.len() as i32, Self::elementwise_cfg(gate.len() / 4));
+                let mut b = self.stream.launch_builder(self.func("swiglu_limbs"));
+                b.arg(dev_mut(gate)).arg(dev(up)).arg(&len).arg(dev(&q));
+                // SAFETY: matches swiglu_limbs in kernels/ops.cu: gate and up len floats (len %
+                // 128 == 0, see limbs_out), xq limbs_words(len) words.
+                ok(unsafe { b.launch(cfg) });
+                attach_limbs(gate, Some(q));
+                return;
+            }
         }
         let len = gate.len() as i64;
         let mut b = self.stream.launch_builder(self.func("swiglu"));
@@ -1906,6 +1993,50 @@ impl CudaBackend {
                         compare(case, &g, &c, 1e-5)
                     });
                 }
+            }
+            self.weights.lock().expect("weight map").clear();
+        }
+        // The limbs a decode row's RMSNorm, add+RMSNorm or SwiGLU writes beside it (DevBuf::limbs):
+        // the GEMV that reads them gives bit for bit what it gives after its own pre-pass, and a
+        // later write to the row (an add) drops them, so the next GEMV sees the new values.
+        {
+            let (ty, d, rows) = (GgmlType::Q4K, 4096, 37);
+            let bytes = test_bytes(ty, rows, d, 90);
+            let w = test_weight(ty, &bytes, rows, d);
+            let (x, a, wn) = (noise(d, 91), noise(d, 92), noise(d, 93));
+            let expect = self.limbs_out(d, d).is_some();
+            let gemv = |b: &Buf| {
+                let mut o = self.alloc(rows);
+                self.linear(b, 1, w, &mut o);
+                self.download(&o)
+            };
+            for producer in ["rms_norm", "add_rms_norm", "swiglu"] {
+                let mut row = self.alloc(d);
+                match producer {
+                    "rms_norm" => self.rms_norm(&self.upload(&x), &wn, 1e-5, &mut row),
+                    "add_rms_norm" => {
+                        self.add_rms_norm(&mut self.upload(&x), &self.upload(&a), false, &wn, 1e-5, &mut row)
+                    }
+                    _ => {
+                        row = self.upload(&x);
+                        self.swiglu(&mut row, &self.upload(&a));
+                    }
+                }
+                let had = limbs_of(&row, d).is_some();
+                let (g1, g2) = (gemv(&row), gemv(&self.upload(&self.download(&row))));
+                self.add_assign(&mut row, &self.upload(&a), false);
+                let dropped = limbs_of(&row, d).is_none();
+                let (g3, g4) = (gemv(&row), gemv(&self.upload(&self.download(&row))));
+                let same = |p: &[f32], q: &[f32]| p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits());
+                out.push(KernelCheck {
+                    pass: had == expect && dropped && same(&g1, &g2) && same(&g3, &g4),
+                    ..compare(
+                        format!("GEMV_LIMBS(producer={producer},type=q4_k,ne=[{d},{rows}],fused={had})"),
+                        &g1,
+                        &g2,
+                        0.0,
+                    )
+                });
             }
             self.weights.lock().expect("weight map").clear();
         }
@@ -2465,12 +2596,12 @@ impl CudaBackend {
                 }
             }
             for w in ws.iter().take(3) {
-                self.launch_linear_with(&s, w, rows, cols, &x, n, &mut out, v);
+                self.launch_linear_with(&s, w, rows, cols, &x, None, n, &mut out, v);
             }
             let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
             let t0 = s.record_event(flags).map_err(drv("event"))?;
             for i in 0..iters {
-                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, n, &mut out, v);
+                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, None, n, &mut out, v);
             }
             let t1 = s.record_event(flags).map_err(drv("event"))?;
             t1.synchronize().map_err(drv("sync"))?;

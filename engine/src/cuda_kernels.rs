@@ -78,6 +78,7 @@ impl KernelId {
                 "add_rms_norm",
                 "rope_qk",
                 "swiglu",
+                "swiglu_limbs",
                 "all_reduce_sum",
                 "fill_u32",
                 "copy_cols",
