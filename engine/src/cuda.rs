@@ -12,7 +12,9 @@
 //!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
 //!   `LLMDIFF_GEMM=0` turns it off, `LLMDIFF_GEMM_KIND=v1` picks the older kernel); weights that
 //!   share x (`linear_many`) share its x pre-pass. Other types and shapes keep the SIMT `matmul_*`.
-//! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`),
+//! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`;
+//!   Q4_K/Q4_1 rows of 128 units or more in the integer form: dp4a on x in int8 limbs, which a
+//!   decode row's norm or SwiGLU writes beside the row, [`DevBuf`]'s `limbs`, else a pre-pass),
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
 //!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
 //!   `cuda_gemv_tc.rs`).

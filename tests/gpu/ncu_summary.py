@@ -1,5 +1,6 @@
 """Sums Nsight Compute's gpu__time_duration CSV per kernel name (tests/gpu/h200_*_run.sh); an
-optional second argument divides the totals by that many passes (per decode step)."""
+optional second argument divides the totals by that many passes (per decode step), or, as
+`per:NAME`, by the number of launches of kernel NAME (one a pass)."""
 import collections
 import csv
 import sys
@@ -17,7 +18,8 @@ for r in rows[1:]:
     name = r[ki].split("(")[0]
     tot[name] += v
     cnt[name] += 1
-steps = float(sys.argv[2]) if len(sys.argv) > 2 else 1.0
+arg = sys.argv[2] if len(sys.argv) > 2 else "1"
+steps = float(cnt[arg[4:]] or 1) if arg.startswith("per:") else float(arg)
 print(f"{sum(cnt.values())} kernels over {steps:g} pass(es): {sum(tot.values()) / steps:.1f} us a pass (gpu__time_duration)")
 for k, v in sorted(tot.items(), key=lambda x: -x[1]):
     print(f"{k:40s} n/pass={cnt[k] / steps:6.1f} us/pass {v / steps:9.1f}  mean {v / cnt[k]:7.2f} us")
