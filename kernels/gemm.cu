@@ -53,6 +53,19 @@
 //   are 256 bytes (x_hi, x_lo) with 16-byte chunks XOR-swizzled by token parity (conflict-free
 //   loads). Grid: x = token tiles, y = the row tiles of up to three matrices (Gemm2Parts) that
 //   share x; rows past a matrix's end read its last row and are not stored.
+// - gemm2_q4_k_wg (LLMDIFF_GEMM_KIND=wg): the same tile (BM = BN = 128, 4 stages), pre-pass,
+//   loaders, headers and super-block fold, on Hopper's wgmma (sm_90a only: the module must be
+//   compiled for sm_90a; elsewhere the entry traps and the host does not pick it). Two warpgroups
+//   of 64 rows; a warp holds 16 rows × all 128 tokens (m64n128k16, 64 f32 of tmp and 64 of acc).
+//   A fragments are built in registers from the quants as in v2 (same layout as mma.m16n8k16's
+//   A), but a k16 tile is 16 consecutive positions of the pre-pass's x order, so each register
+//   takes bytes (t & 1), (t & 1) + 2 of one quant word (word >> 8·(t & 1), one mask, one
+//   HFMA2). x stages are stored as 8-token × 8-value core matrices ([chunk][token / 8], 128 bytes
+//   each) and read by the tensor cores through descriptors (no swizzle). The x_hi and x_lo
+//   products are two wgmmas into the same f32 tmp, exactly as the two mma.syncs of v2, so the
+//   precision argument is unchanged. One batch of 8 wgmmas (a step) stays in flight across the
+//   next step's barrier and A construction (A double-buffered by step parity); cp.async runs
+//   S − 2 steps ahead (the slot of step ks − 1 may still be read by its wgmmas).
 //
 // mma.m16n8k16 fragments (groupID g = lane/4, t = lane%4): A (16 × 16, row-major) {a0,a1} =
 // (row g, k 2t, 2t+1), {a2,a3} = (row g+8, k 2t..), {a4,a5} = (row g, k 2t+8..), {a6,a7} =
