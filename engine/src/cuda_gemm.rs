@@ -4,12 +4,15 @@
 //!
 //! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0 or Q4_1 (cols % 64
 //! == 0) weight in the repacked device layout, unless `LLMDIFF_GEMM=0`; everything else keeps the
-//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Two kernels, `LLMDIFF_GEMM_KIND=v1|v2`:
+//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
 //! - v2 (the default; Q4_K only, other types take v1): `gemm2_q4_k`, 128 rows × 128 tokens per
 //!   block, `cp.async` stages, quants dequantized from shared memory straight into the MMA
 //!   fragments, or `gemm2_q4_k_n64` (64 tokens) when the grid would leave SMs idle (picked per
 //!   launch by [`gemm2_bn`]; `LLMDIFF_GEMM_BN=128|64` forces one). Up to three weights that share
 //!   x (`linear_many`: q/k/v, gate/up) go in one launch.
+//! - wg (Q4_K only, and only where the kernels were compiled for `sm_90a`; elsewhere it falls back
+//!   to v2): `gemm2_q4_k_wg`, v2's 128 × 128 tile, pre-pass and launch on Hopper's `wgmma`
+//!   (A fragments in registers, x by descriptor from shared memory, asynchronous).
 //! - v1: `gemm_<type>`, 128 rows × 64 tokens, or 32 (`gemm_<type>_n32`, fewer registers, two
 //!   blocks per SM) with `LLMDIFF_GEMM_BN=32`.
 //!
@@ -30,12 +33,17 @@ use std::sync::Arc;
 /// Weight-row tile (both kernels).
 const GEMM_BM: usize = 128;
 
+/// `GemmState::kind`, `GemmPlan::kind`: v1, v2, v2 on wgmma.
+const KIND_V1: usize = 1;
+const KIND_V2: usize = 2;
+const KIND_WG: usize = 3;
+
 /// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul), the kernel
-/// (`LLMDIFF_GEMM_KIND=v1`, else v2) and the token tile asked for (`LLMDIFF_GEMM_BN`; 0: the
-/// kernel's default). Atomics so the checks and benches can switch them.
+/// (`LLMDIFF_GEMM_KIND=v1` or `wg`, else v2) and the token tile asked for (`LLMDIFF_GEMM_BN`; 0:
+/// the kernel's default). Atomics so the checks and benches can switch them.
 pub(super) struct GemmState {
     on: AtomicBool,
-    v2: AtomicBool,
+    kind: AtomicUsize,
     bn: AtomicUsize,
     /// The device's opt-in shared memory per block: v2 tiles that need more are not used.
     smem_max: usize,
@@ -47,17 +55,21 @@ impl GemmState {
         let num = |k: &str| get(k).and_then(|v| v.parse::<usize>().ok());
         GemmState {
             on: AtomicBool::new(num("LLMDIFF_GEMM") != Some(0)),
-            v2: AtomicBool::new(get("LLMDIFF_GEMM_KIND").as_deref() != Some("v1")),
+            kind: AtomicUsize::new(match get("LLMDIFF_GEMM_KIND").as_deref() {
+                Some("v1") => KIND_V1,
+                Some("wg") => KIND_WG,
+                _ => KIND_V2,
+            }),
             bn: AtomicUsize::new(num("LLMDIFF_GEMM_BN").unwrap_or(0)),
             smem_max,
         }
     }
 
-    /// Sets (on, v2, bn), returning the previous settings.
-    fn set(&self, s: (bool, bool, usize)) -> (bool, bool, usize) {
+    /// Sets (on, kind, bn), returning the previous settings.
+    fn set(&self, s: (bool, usize, usize)) -> (bool, usize, usize) {
         (
             self.on.swap(s.0, Ordering::Relaxed),
-            self.v2.swap(s.1, Ordering::Relaxed),
+            self.kind.swap(s.1, Ordering::Relaxed),
             self.bn.swap(s.2, Ordering::Relaxed),
         )
     }
@@ -76,15 +88,15 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
     }
 }
 
-/// How products of n > 1 tokens that share x run: v2 with token tile `bn` (128 or 64), or v1
-/// with `bn` (64 or 32).
+/// How products of n > 1 tokens that share x run: `kind` v2 with token tile `bn` (128 or 64), wg
+/// (bn 128), or v1 with `bn` (64 or 32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct GemmPlan {
-    v2: bool,
+    kind: usize,
     bn: usize,
 }
 
-/// Dynamic shared memory of `gemm2_q4_k` (bn 128) or `gemm2_q4_k_n64`: `G2<NI>::SMEM` in
+/// Dynamic shared memory of `gemm2_q4_k` and `gemm2_q4_k_wg` (bn 128) or `gemm2_q4_k_n64`: `G2<NI>::SMEM` in
 /// kernels/gemm.cu (stages of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
 /// buffers of 128 headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row constants).
 /// The kernel traps if it gets less.
@@ -126,27 +138,41 @@ unsafe impl cudarc::driver::DeviceRepr for Gemm2Parts {}
 pub struct GemmBench {
     pub case: String,
     /// (path, seconds per product, TFLOP/s = 2·rows·cols·n / seconds / 1e12), path `gemm2`
-    /// (v2, tile chosen per launch), `gemm2_128`, `gemm2_64`, `gemm64`, `gemm32` (v1) or `simt`.
+    /// (v2, tile chosen per launch), `gemm2_128`, `gemm2_64`, `gemm2_wg` (on sm_90a only),
+    /// `gemm64`, `gemm32` (v1) or `simt`.
     pub paths: Vec<(String, f64, f64)>,
 }
 
 /// A product of n > 1 tokens on the GEMM: its weight, output and rows.
 pub(super) type GemmPart<'a> = (&'a DevWeight, &'a mut CudaSlice<f32>, usize);
 
-/// The settings of the paths the checks and benches name: (label, (on, v2, bn)).
-const PATHS: [(&str, (bool, bool, usize)); 6] = [
-    ("gemm2", (true, true, 0)),
-    ("gemm2_128", (true, true, 128)),
-    ("gemm2_64", (true, true, 64)),
-    ("gemm64", (true, false, 64)),
-    ("gemm32", (true, false, 32)),
-    ("simt", (false, false, 0)),
+/// The settings of the paths the checks and benches name: (label, (on, kind, bn)).
+type GemmPath = (&'static str, (bool, usize, usize));
+const PATHS: [GemmPath; 7] = [
+    ("gemm2", (true, KIND_V2, 0)),
+    ("gemm2_128", (true, KIND_V2, 128)),
+    ("gemm2_64", (true, KIND_V2, 64)),
+    ("gemm2_wg", (true, KIND_WG, 128)),
+    ("gemm64", (true, KIND_V1, 64)),
+    ("gemm32", (true, KIND_V1, 32)),
+    ("simt", (false, KIND_V1, 0)),
 ];
 
 impl CudaBackend {
+    /// Whether `gemm2_q4_k_wg` has its wgmma body: the kernels were compiled for sm_90a.
+    fn gemm_wg_ok(&self) -> bool {
+        self.arch == "sm_90a" && gemm2_smem(128) <= self.gemm.smem_max
+    }
+
+    /// `PATHS` less `gemm2_wg` where it would not run (it would fall back to v2).
+    fn gemm_paths(&self, paths: &[GemmPath]) -> Vec<GemmPath> {
+        let wg = self.gemm_wg_ok();
+        paths.iter().filter(|p| wg || p.1 .1 != KIND_WG).copied().collect()
+    }
+
     /// How products of n > 1 tokens with `ws` (weight, rows) that share x of `cols` run on the
-    /// GEMM, if all of them can (`None` when off). v2 takes them when all are Q4_K and its tile
-    /// fits the device's shared memory; otherwise v1.
+    /// GEMM, if all of them can (`None` when off). v2 (or wg, asked for and available) takes them
+    /// when all are Q4_K and its tile fits the device's shared memory; otherwise v1.
     pub(super) fn gemm_plan(&self, ws: &[(&DevWeight, usize)], cols: usize, n: usize) -> Option<GemmPlan> {
         let st = &self.gemm;
         if !st.on.load(Ordering::Relaxed) || n < 2 || ws.is_empty() {
@@ -156,7 +182,11 @@ impl CudaBackend {
             return None;
         }
         let bn = st.bn.load(Ordering::Relaxed);
-        if st.v2.load(Ordering::Relaxed) && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
+        let kind = st.kind.load(Ordering::Relaxed);
+        if kind >= KIND_V2 && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
+            if kind == KIND_WG && self.gemm_wg_ok() {
+                return Some(GemmPlan { kind, bn: 128 });
+            }
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
             let bn = if bn == 128 || bn == 64 {
                 bn
@@ -164,11 +194,11 @@ impl CudaBackend {
                 gemm2_bn(tiles, n, self.sms as usize)
             };
             if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b) <= st.smem_max) {
-                return Some(GemmPlan { v2: true, bn });
+                return Some(GemmPlan { kind: KIND_V2, bn });
             }
         }
         Some(GemmPlan {
-            v2: false,
+            kind: KIND_V1,
             bn: if bn == 32 { 32 } else { 64 },
         })
     }
@@ -185,15 +215,16 @@ impl CudaBackend {
         plan: GemmPlan,
     ) {
         let bn = plan.bn;
+        let v2 = plan.kind >= KIND_V2;
         let n_pad = n.div_ceil(bn) * bn;
         // x_hi then x_lo, f16 each: n_pad·cols f32 words hold both. v1: Σx per 32 values (f32);
         // v2: 16 words of Σx fragments per 256 values.
         let mut xh = self.new_buf(n_pad * cols);
-        let mut xs = self.new_buf(n_pad * (cols / if plan.v2 { 16 } else { 32 }));
+        let mut xs = self.new_buf(n_pad * (cols / if v2 { 16 } else { 32 }));
         let mut inv = self.new_buf(n_pad);
         let (nn, np, c) = (n as i32, n_pad as i32, cols as i32);
         {
-            let split = if plan.v2 { "gemm2_split_x" } else { "gemm_split_x" };
+            let split = if v2 { "gemm2_split_x" } else { "gemm_split_x" };
             let mut b = s.launch_builder(self.func(split));
             b.arg(x)
                 .arg(dev_mut(&mut xh))
@@ -212,7 +243,7 @@ impl CudaBackend {
             // Q4_K only, cols % 256 == 0), inv n_pad floats.
             ok(unsafe { b.launch(cfg) });
         }
-        if !plan.v2 {
+        if !v2 {
             for (w, out, rows) in parts.iter_mut() {
                 let entry = gemm_entry_for(w, cols).expect("gemm: plan for an unsupported weight");
                 let name = if bn == 32 {
@@ -246,7 +277,11 @@ impl CudaBackend {
             }
             return;
         }
-        let name = if bn == 128 { "gemm2_q4_k" } else { "gemm2_q4_k_n64" };
+        let name = match (plan.kind, bn) {
+            (KIND_WG, _) => "gemm2_q4_k_wg",
+            (_, 128) => "gemm2_q4_k",
+            _ => "gemm2_q4_k_n64",
+        };
         for chunk in parts.chunks_mut(3) {
             let mut m = Gemm2Parts::default();
             let k = chunk.len();
@@ -283,7 +318,8 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: gemm2_smem(bn) as u32,
             };
-            // SAFETY: matches gemm2_q4_k[_n64] in kernels/gemm.cu: each part's W is rows·row_bytes
+            // SAFETY: matches gemm2_q4_k[_n64|_wg] in kernels/gemm.cu (gemm2_q4_k_wg only on
+            // sm_90a, gemm_wg_ok): each part's W is rows·row_bytes
             // of Q4_K in the device layout (checked above) and its out n·rows floats, the grid's
             // row tiles are the parts' in order (tend), the pre-pass buffers are sized for n_pad
             // tokens, and the dynamic shared memory is G2<NI>::SMEM (gemm2_smem; the function's
@@ -295,14 +331,14 @@ impl CudaBackend {
     }
 
     /// `Backend::linear` (one weight) or `linear_many` (`ws` of several) with the GEMM set to
-    /// `path` (a `PATHS` setting), for the checks; says whether the GEMM was taken, and v2.
+    /// `path` (a `PATHS` setting), for the checks; says whether the GEMM was taken, and how.
     fn linear_path(
         &self,
         x: &Buf,
         n: usize,
         ws: &[WeightRef<'_>],
         outs: &mut [&mut Buf],
-        path: (bool, bool, usize),
+        path: (bool, usize, usize),
     ) -> Option<GemmPlan> {
         let prev = self.gemm.set(path);
         let dws: Vec<_> = ws.iter().map(|w| self.weight(*w, &self.stream)).collect();
@@ -323,9 +359,9 @@ impl CudaBackend {
     /// very different magnitudes (×3e4, ×1e-6, an all-zero token, one outlier value ×100) so the
     /// per-token scaling and hi/lo split are exercised; on v2 at both token tiles (Q4_K; Q8_0
     /// and Q4_1 take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
-    /// hide a small one's error) and the worst is reported. Also the SIMT matmul on the same
-    /// types (the `LLMDIFF_GEMM=0` path), and three Q4_K weights sharing x (`linear_many`, one
-    /// pre-pass; on v2 one launch).
+    /// hide a small one's error) and the worst is reported. Also the wgmma variant (Q4_K; only
+    /// where it runs, sm_90a), the SIMT matmul on the same types (the `LLMDIFF_GEMM=0` path),
+    /// and three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
         let cases: [(GgmlType, &[(usize, usize)]); 3] = [
@@ -339,8 +375,8 @@ impl CudaBackend {
                 let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
                 let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
-                    let paths = if n == 9 { &PATHS[1..] } else { &PATHS[1..5] };
-                    out.extend(self.gemm_case(name, &[w], cols, n, paths));
+                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..6] });
+                    out.extend(self.gemm_case(name, &[w], cols, n, &paths));
                 }
                 self.weights.lock().expect("weight map").clear();
             }
@@ -356,7 +392,7 @@ impl CudaBackend {
             .map(|(r, b)| test_weight(GgmlType::Q4K, b, *r, cols))
             .collect();
         for n in [9usize, 130] {
-            out.extend(self.gemm_case("q4_K", &ws, cols, n, &PATHS[1..5]));
+            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..6])));
         }
         self.weights.lock().expect("weight map").clear();
         out
@@ -364,14 +400,14 @@ impl CudaBackend {
 
     /// One check per path in `paths` of the product(s) of `ws` (sharing x of n tokens) against
     /// the CPU engine: per-token rel_l2 ≤ 1e-5 over every output, and the case must have taken
-    /// the path it names (v2 paths: v2 for Q4_K, v1 for the other types).
+    /// the path it names (v2 and wg paths: that for Q4_K, v1 for the other types).
     fn gemm_case(
         &self,
         name: &str,
         ws: &[WeightRef<'_>],
         cols: usize,
         n: usize,
-        paths: &[(&str, (bool, bool, usize))],
+        paths: &[GemmPath],
     ) -> Vec<KernelCheck> {
         let x = gemm_test_x(n, cols);
         let cpu: Vec<Vec<f32>> = ws
@@ -403,18 +439,18 @@ impl CudaBackend {
                 check.pass &= one.pass;
             }
             // The case must have taken the path it names.
-            let want_v2 = path.1
-                && ws
-                    .iter()
-                    .all(|w| matches!(w, WeightRef::Quant(q) if q.ty == GgmlType::Q4K));
-            let want_bn = match (want_v2, path.2) {
-                (true, 0) => None,
-                (true, b) => Some(b),
-                (false, b) => Some(if b == 32 { 32 } else { 64 }),
+            let q4k = ws
+                .iter()
+                .all(|w| matches!(w, WeightRef::Quant(q) if q.ty == GgmlType::Q4K));
+            let want_kind = if q4k && path.1 >= KIND_V2 { path.1 } else { KIND_V1 };
+            let want_bn = match (want_kind, path.2) {
+                (KIND_V1, b) => Some(if b == 32 { 32 } else { 64 }),
+                (_, 0) => None,
+                (_, b) => Some(b),
             };
             check.pass &= match plan {
                 None => !path.0,
-                Some(p) => path.0 && p.v2 == want_v2 && want_bn.is_none_or(|b| b == p.bn),
+                Some(p) => path.0 && p.kind == want_kind && want_bn.is_none_or(|b| b == p.bn),
             };
             out.push(check);
         }
@@ -425,7 +461,7 @@ impl CudaBackend {
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
         let mut paths = Vec::new();
-        for (label, path) in PATHS {
+        for (label, path) in self.gemm_paths(&PATHS) {
             let iters = if path.0 { 50 } else { 10 };
             let prev = self.gemm.set(path);
             let r = self.bench_linear(ty, rows, cols, n, iters);

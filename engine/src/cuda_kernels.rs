@@ -104,15 +104,21 @@ impl KernelId {
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Gemm => ["gemm_split_x", "gemm2_split_x", "gemm2_q4_k", "gemm2_q4_k_n64"]
-                .map(String::from)
-                .into_iter()
-                .chain(
-                    ["q4_k", "q8_0", "q4_1"]
-                        .iter()
-                        .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
-                )
-                .collect(),
+            KernelId::Gemm => [
+                "gemm_split_x",
+                "gemm2_split_x",
+                "gemm2_q4_k",
+                "gemm2_q4_k_n64",
+                "gemm2_q4_k_wg",
+            ]
+            .map(String::from)
+            .into_iter()
+            .chain(
+                ["q4_k", "q8_0", "q4_1"]
+                    .iter()
+                    .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
+            )
+            .collect(),
             KernelId::GemvTc => std::iter::once("gemvt_split_x".to_string())
                 .chain(GEMVT_VARIANTS.iter().map(|v| v.entry()))
                 .collect(),
@@ -434,7 +440,7 @@ mod tests {
                         })
                     }
                     || {
-                        // gemm2_q4_k[_n64] come from GEMM2_ENTRY(<name>, <NI>).
+                        // gemm2_q4_k[_n64|_wg] come from GEMM2_ENTRY(<name>, <NI>, <WG>).
                         src.contains(&format!("GEMM2_ENTRY({f}, "))
                     }
                     || {
