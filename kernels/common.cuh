@@ -88,14 +88,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched with it (`CudaBackend::launch_pdl`)
-// may start while the kernel before it on the stream is still running; griddep_wait() blocks
-// until that kernel has completed and its writes are visible (a no-op for a plain launch), so
-// such a kernel reads nothing a previous kernel wrote, and writes nothing, before it.
-// griddep_launch() lets a dependent kernel start before this one ends.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
 // The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
 // to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1

@@ -533,7 +533,6 @@ __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
 
 // A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
 extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
-    griddep_launch();
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < cols / 4;
     const float4 v = live ? ((const float4*)x)[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -781,8 +780,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 for (int r = 0; r < R; r++) gemv_load<TY>(rp[r], u, cols, f[k][r]);
             }
         }
-        // Launched early (PDL): the weights are in flight before x (another kernel's output) is.
-        if (c0 == warp * 32) griddep_wait();
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;

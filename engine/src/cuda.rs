@@ -465,9 +465,6 @@ pub struct CudaBackend {
     pool: Arc<BufPool>,
     /// Decode graphs on (`LLMDIFF_CUDA_GRAPH=0` turns them off).
     graphs_on: bool,
-    /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`;
-    /// `LLMDIFF_PDL=1`).
-    pdl: bool,
     /// The decode graph being recorded, if any.
     capture: Mutex<CaptureState>,
     /// The position a recorded decode step's kernels read (`*_dpos` kernels).
@@ -580,7 +577,6 @@ impl CudaBackend {
             clock: CommClock::default(),
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
-            pdl: std::env::var("LLMDIFF_PDL").is_ok_and(|v| v == "1"),
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             rope_table: Mutex::new(None),
@@ -898,27 +894,20 @@ impl CudaBackend {
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8,
         // unless x came with them (`xq`, see DevBuf::limbs).
-        let int = v.kind == GemvKind::Wr && v.mode == 2;
-        let pre = (int && xq.is_none()).then(|| self.gemv_x_limbs(s, x, cols));
-        let q = if int { xq.or(pre.as_ref().map(dev)) } else { None };
-        if self.pdl && v.kind == GemvKind::Wr {
-            // The arguments, each a pointer to its value, for cuLaunchKernelEx.
-            let mut ptrs: Vec<u64> = std::iter::once(x).chain(q).map(|p| p.device_ptr(s).0).collect();
-            let mut params: Vec<*mut std::ffi::c_void> = vec![(&mut m as *mut GemvRows).cast()];
-            params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
-            params.extend([&r, &c, &rb].map(|v| (v as *const i32).cast_mut().cast()));
-            // SAFETY: as below; gemvw_* wait (griddep_wait) before reading x or writing out.
-            unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
-            drop(guards);
-            return;
-        }
+        let pre;
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
             b.arg(dev(xb)).arg(dev(xs));
         }
-        if let Some(q) = q {
-            b.arg(q);
+        if v.kind == GemvKind::Wr && v.mode == 2 {
+            b.arg(match xq {
+                Some(q) => q,
+                None => {
+                    pre = self.gemv_x_limbs(s, x, cols);
+                    dev(&pre)
+                }
+            });
         }
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
@@ -929,36 +918,6 @@ impl CudaBackend {
         // stay valid (and ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
-    }
-
-    /// Launches kernel `name` with programmatic stream serialization (sm_90 PDL): it may start
-    /// while the previous kernel on `s` is still running (and run its prologue, e.g. weight
-    /// loads), and must `griddep_wait()` (kernels/common.cuh) before it reads what earlier kernels
-    /// wrote or writes anything. Recorded into decode graphs as a programmatic edge.
-    ///
-    /// # Safety
-    /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
-    unsafe fn launch_pdl(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) {
-        use cudarc::driver::sys;
-        // SAFETY: a plain C struct (an id and a union of plain values); all zeros is valid.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let lc = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: s.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let f = self.func(name).cu_function();
-        // SAFETY: the caller's contract on `params`; `lc` and `attr` outlive the call.
-        ok(unsafe { sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result());
     }
 
     /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that
