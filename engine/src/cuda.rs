@@ -101,10 +101,12 @@ fn ok<T>(r: Result<T, DriverError>) -> T {
     r.unwrap_or_else(|e| panic!("cuda: {e}"))
 }
 
-/// The `-arch` NVRTC gets for a compute capability.
+/// The `-arch` NVRTC gets for a compute capability. Hopper gets `sm_90a`: its arch-specific
+/// instructions (wgmma, for the prefill GEMM's wg variant) run on compute capability 9.0, and
+/// 9.0 is the only device that code meets.
 fn arch_name(major: i32, minor: i32) -> &'static str {
     match (major, minor) {
-        (9, 0) => "sm_90",
+        (9, 0) => "sm_90a",
         (8, 0) => "sm_80",
         (8, 6) => "sm_86",
         (8, 9) => "sm_89",
