@@ -5,7 +5,8 @@
 # the 8B shape; the 8B prefill also with the old GEMM, LLMDIFF_GEMM_KIND=v1, and decode with the
 # float GEMV, LLMDIFF_GEMV_MODE=0), entropy/gate/generate on CUDA against the CPU engine,
 # diff-layers timed on the 8B shape, and Nsight Compute per-kernel times of 8B decode steps and
-# of a 512-token prefill while time is left. Every step has its own timeout.
+# of a 512-token prefill while time is left. Every step has its own timeout; the most wanted
+# figures come first, since the device call may end before the script does.
 # Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round7_run.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 B=${LLMDIFF:-$PWD/llmdiff}
@@ -23,29 +24,30 @@ import json, sys
 d = json.load(open(sys.argv[1])); c = d["checks"]
 print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [x["case"] for x in c if not x["pass"]][:20])
 PY
-say "kernels --bench"
-timeout 150 $B kernels --bench --json >$OUT/kernels_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
-python3 - $OUT/kernels_bench.json <<'PY' | tee $W/kernels_bench.txt | tee -a $LOG
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("copy GB/s", round(d["copy_gb_per_s"]))
-cases = {}
-for r in d["bench"]:
-    cases.setdefault(r["case"], []).append(r)
-for c, rs in cases.items():
-    dflt = [r for r in rs if r["default"]] or [r for r in rs if r["variant"] is None]
-    best = sorted((r for r in rs if r["variant"]), key=lambda r: r["seconds"])[:3]
-    print(c, f"default {dflt[0]['variant']} {dflt[0]['seconds']*1e6:.2f} us {100*dflt[0]['fraction_of_copy']:.1f} %" if dflt else "",
-          "; best " + ", ".join(f"{r['variant']} {r['seconds']*1e6:.2f} us {100*r['fraction_of_copy']:.1f} %" for r in best))
-for g in d.get("gemm_bench", []):
-    print(g["case"], " | ".join(f"{p['path']} {p['seconds']*1e6:.1f} us {p['tflops']:.1f} TF" for p in g["paths"]))
-print("attention", d.get("attention_bench"))
-PY
 say "synth"
 for p in deepseek-v3-mini glm5-mini smollm2-135m; do $B synth --preset $p --seed 1 -o $M/$p.gguf >/dev/null 2>>$LOG; done
 for p in deepseek-v3-mini llama-tiny; do $B synth --preset $p --quant Q4_K --seed 2 -o $M/$p-q4k.gguf >/dev/null 2>>$LOG; done
 timeout 100 $B synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant Q4_K --seed 3 -o $M/llama8b.gguf >/dev/null 2>>$LOG
 TOK=1,5,9,13,17,21,25,29
+say "model bench"
+bench() { # label VAR=value model args...
+  local label=$1 envs=$2; shift 2
+  env $envs timeout 90 $B bench "$@" --backend cuda --json 2>/dev/null >$W/b.json
+  python3 -c "
+import json; d=json.load(open('$W/b.json')); d['label']='$label'; print(json.dumps(d))" >>$OUT/bench.jsonl 2>>$LOG
+}
+bench smollm2 X=1 $M/smollm2-135m.gguf --n-prompt 512 --n-decode 64 --reps 3
+bench 8b X=1 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
+bench 8b-gemm-v1 LLMDIFF_GEMM_KIND=v1 $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
+bench 8b-gemv-mode0 LLMDIFF_GEMV_MODE=0 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
+[ -n "$EXTRA_BENCH_ENV" ] && bench 8b-extra $EXTRA_BENCH_ENV $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
+python3 - $OUT/bench.jsonl <<'PY' | tee -a $LOG
+import json, sys
+for l in open(sys.argv[1]):
+    d = json.loads(l)
+    print(d["label"], "decode %.3f ms" % (d["decode_s_per_token"] * 1e3), "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]),
+          "prefill_all %.4f s" % d["prefill_s"], "graphs:", (d.get("decode_graphs") or {}).get("logits_bitwise_equal"))
+PY
 say "healthy diff-layers"
 for p in deepseek-v3-mini glm5-mini smollm2-135m; do
   tps="1 2 8"; [ $p = smollm2-135m ] && tps="1 3"
@@ -78,24 +80,23 @@ PY
   done
 done
 grep -c SAME $OUT/faults.txt | sed 's/^/fault cases SAME: /' | tee -a $LOG
-say "model bench"
-bench() { # label VAR=value model args...
-  local label=$1 envs=$2; shift 2
-  env $envs timeout 90 $B bench "$@" --backend cuda --json 2>/dev/null >$W/b.json
-  python3 -c "
-import json; d=json.load(open('$W/b.json')); d['label']='$label'; print(json.dumps(d))" >>$OUT/bench.jsonl 2>>$LOG
-}
-bench smollm2 X=1 $M/smollm2-135m.gguf --n-prompt 512 --n-decode 64 --reps 3
-bench 8b X=1 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
-bench 8b-gemm-v1 LLMDIFF_GEMM_KIND=v1 $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
-bench 8b-gemv-mode0 LLMDIFF_GEMV_MODE=0 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
-[ -n "$EXTRA_BENCH_ENV" ] && bench 8b-extra $EXTRA_BENCH_ENV $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
-python3 - $OUT/bench.jsonl <<'PY' | tee -a $LOG
+say "kernels --bench"
+timeout 150 $B kernels --bench --json >$OUT/kernels_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
+python3 - $OUT/kernels_bench.json <<'PY' | tee $W/kernels_bench.txt | tee -a $LOG
 import json, sys
-for l in open(sys.argv[1]):
-    d = json.loads(l)
-    print(d["label"], "decode %.3f ms" % (d["decode_s_per_token"] * 1e3), "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]),
-          "prefill_all %.4f s" % d["prefill_s"], "graphs:", (d.get("decode_graphs") or {}).get("logits_bitwise_equal"))
+d = json.load(open(sys.argv[1]))
+print("copy GB/s", round(d["copy_gb_per_s"]))
+cases = {}
+for r in d["bench"]:
+    cases.setdefault(r["case"], []).append(r)
+for c, rs in cases.items():
+    dflt = [r for r in rs if r["default"]] or [r for r in rs if r["variant"] is None]
+    best = sorted((r for r in rs if r["variant"]), key=lambda r: r["seconds"])[:3]
+    print(c, f"default {dflt[0]['variant']} {dflt[0]['seconds']*1e6:.2f} us {100*dflt[0]['fraction_of_copy']:.1f} %" if dflt else "",
+          "; best " + ", ".join(f"{r['variant']} {r['seconds']*1e6:.2f} us {100*r['fraction_of_copy']:.1f} %" for r in best))
+for g in d.get("gemm_bench", []):
+    print(g["case"], " | ".join(f"{p['path']} {p['seconds']*1e6:.1f} us {p['tflops']:.1f} TF" for p in g["paths"]))
+print("attention", d.get("attention_bench"))
 PY
 say "entropy, gate, generate on cuda against cpu"
 printf '{"tokens":[1,5,9,13,17,21]}\n{"tokens":[2,4,6,8]}\n' >$W/prompts.jsonl
