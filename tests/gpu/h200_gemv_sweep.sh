@@ -22,17 +22,5 @@ timeout 120 $B kernels --bench >$OUT/gemv_bench.txt 2>&1; echo "rc=$?" >>$LOG
 echo "== kernels --bench --json (t=$(( $(date +%s)-T0 ))s)" | tee -a $LOG
 timeout 120 $B kernels --bench --json >$OUT/gemv_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
 # Per case: the default, then the three best variants.
-python3 - "$OUT/gemv_bench.json" <<'PY' | tee -a $LOG
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("copy GB/s", round(d["copy_gb_per_s"]))
-cases = {}
-for r in d["bench"]:
-    cases.setdefault(r["case"], []).append(r)
-for c, rs in cases.items():
-    dflt = [r for r in rs if r["variant"] is None]
-    best = sorted((r for r in rs if r["variant"]), key=lambda r: r["seconds"])[:3]
-    line = f"{c}: default {dflt[0]['seconds']*1e6:.2f} us {100*dflt[0]['fraction_of_copy']:.1f} %" if dflt else c
-    print(line + "; best " + ", ".join(f"{r['variant']} {r['seconds']*1e6:.2f} us {100*r['fraction_of_copy']:.1f} %" for r in best))
-PY
+python3 $(dirname $0)/bench_summary.py "$OUT/gemv_bench.json" | tee -a $LOG
 echo "== done (t=$(( $(date +%s)-T0 ))s)" | tee -a $LOG

@@ -82,22 +82,7 @@ done
 grep -c SAME $OUT/faults.txt | sed 's/^/fault cases SAME: /' | tee -a $LOG
 say "kernels --bench"
 timeout 150 $B kernels --bench --json >$OUT/kernels_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
-python3 - $OUT/kernels_bench.json <<'PY' | tee $W/kernels_bench.txt | tee -a $LOG
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("copy GB/s", round(d["copy_gb_per_s"]))
-cases = {}
-for r in d["bench"]:
-    cases.setdefault(r["case"], []).append(r)
-for c, rs in cases.items():
-    dflt = [r for r in rs if r["default"]] or [r for r in rs if r["variant"] is None]
-    best = sorted((r for r in rs if r["variant"]), key=lambda r: r["seconds"])[:3]
-    print(c, f"default {dflt[0]['variant']} {dflt[0]['seconds']*1e6:.2f} us {100*dflt[0]['fraction_of_copy']:.1f} %" if dflt else "",
-          "; best " + ", ".join(f"{r['variant']} {r['seconds']*1e6:.2f} us {100*r['fraction_of_copy']:.1f} %" for r in best))
-for g in d.get("gemm_bench", []):
-    print(g["case"], " | ".join(f"{p['path']} {p['seconds']*1e6:.1f} us {p['tflops']:.1f} TF" for p in g["paths"]))
-print("attention", d.get("attention_bench"))
-PY
+python3 $D/bench_summary.py $OUT/kernels_bench.json | tee $W/kernels_bench.txt | tee -a $LOG
 say "entropy, gate, generate on cuda against cpu"
 printf '{"tokens":[1,5,9,13,17,21]}\n{"tokens":[2,4,6,8]}\n' >$W/prompts.jsonl
 for be in cuda cpu; do

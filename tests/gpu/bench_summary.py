@@ -1,0 +1,26 @@
+"""Summarizes `llmdiff kernels --bench --json` (tests/gpu/h200_*.sh): the copy bandwidth, then per
+GEMV case the default variant and the three fastest, then the prefill GEMM paths and the
+attention bench when present."""
+import json
+import sys
+
+d = json.load(open(sys.argv[1]))
+print("copy GB/s", round(d["copy_gb_per_s"]))
+cases = {}
+for r in d["bench"]:
+    cases.setdefault(r["case"], []).append(r)
+
+
+def fmt(r):
+    return f"{r['variant']} {r['seconds'] * 1e6:.2f} us {100 * r['fraction_of_copy']:.1f} %"
+
+
+for c, rs in cases.items():
+    dflt = [r for r in rs if r.get("default")] or [r for r in rs if r["variant"] is None]
+    best = sorted((r for r in rs if r["variant"]), key=lambda r: r["seconds"])[:3]
+    head = f"{c}: default {fmt(dflt[0])}" if dflt else c
+    print(head + "; best " + ", ".join(fmt(r) for r in best))
+for g in d.get("gemm_bench", []):
+    print(g["case"], " | ".join(f"{p['path']} {p['seconds'] * 1e6:.1f} us {p['tflops']:.1f} TF" for p in g["paths"]))
+if "attention_bench" in d:
+    print("attention", d["attention_bench"])
