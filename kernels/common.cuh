@@ -71,9 +71,9 @@ __device__ float block_max(float v, float* scratch) {
 }
 
 // Asynchronous global→shared copies (sm_80+): a copy of 16 bytes (cached in L2 only), a commit
-// closing the thread's group of copies so far, and a wait until at
-// most N of its groups are still in flight. All are compiler memory barriers, so shared-memory
-// reads stay between the wait and the next copy into the same place.
+// closing the thread's group of copies so far, and a wait until at most N of its groups are
+// still in flight. All are compiler memory barriers, so shared-memory reads stay between the
+// wait and the next copy into the same place.
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));

@@ -360,7 +360,8 @@ __device__ __forceinline__ float q4k_unit(u32 hword, int u, float s0, float s1, 
     return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * x0 + m1 * x1);
 }
 
-// One unit's dot with its x slice xv (V values) and, for Q4_K, xs = the two 32-value sums.
+// One unit's dot with its x slice xv (V values) and, for Q4_K, xs = its two 16-value runs' sums
+// (Q4_1: the sum of its 16 values).
 template <int TY, int MODE>
 __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, const float* xs, int u) {
     if constexpr (TY == TY_F16 || TY == TY_BF16) {
@@ -499,12 +500,13 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer GEMV form (warp-rows MODE 2; Q4_K, Q4_1, Q8_0): the weights' integers meet x as int8
+// Integer GEMV form (MODE 2, both work splits; Q4_K, Q4_1, Q8_0): the weights' integers meet x as int8
 // through dp4a, four products and their sum in one instruction, where the float forms spend two
 // or three instructions a weight (the H200 sweep found Q4_K and Q8_0 limited by that decode and
 // FMA work, not by memory: the same time for the same weights, although Q8_0 has twice the bytes).
 //
-// Precision argument. A pre-pass (gemv_x_limbs, one launch per x) writes, for every block of 32
+// Precision argument. x_limbs4 (common.cuh: in the pre-pass gemv_x_limbs, one launch per x, or
+// in the norm or SwiGLU that wrote a decode row) writes, for every block of 32
 // x values with max |x| = m·2^e (m in [0.5, 1)), y = x·2^-e·(127/m) (|y| ≤ 127) as three int8
 // limbs y ≈ l0 + l1/128 + l2/128² (l0 = rint(y), l1 = rint(128·(y − l0)), l2 = rint(128·(128·(y −
 // l0) − l1)); every subtraction and ×128 is exact), so |y − limbs| ≤ 2^-15: each x is carried to

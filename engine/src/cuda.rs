@@ -384,6 +384,22 @@ fn attach_limbs(out: &mut Buf, limbs: Option<Buf>) {
     }
 }
 
+/// An integer-form GEMV's x limbs: borrowed from x's buffer, or made by the pre-pass for this
+/// launch (pooled scratch, back to the pool when dropped after the launch is enqueued).
+enum XLimbs<'a> {
+    Given(&'a CudaSlice<f32>),
+    Made(Buf),
+}
+
+impl XLimbs<'_> {
+    fn get(&self) -> &CudaSlice<f32> {
+        match self {
+            XLimbs::Given(q) => q,
+            XLimbs::Made(b) => dev(b),
+        }
+    }
+}
+
 /// The f32 words of the integer GEMV's x limbs for `cols` values: three int8 planes, a scale per
 /// 32 values and a sum per 8 (`gemv_x_limbs` in kernels/quant.cu).
 fn limbs_words(cols: usize) -> usize {
@@ -668,8 +684,9 @@ impl CudaBackend {
     /// bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q4_K and Q4_1 take warp-rows,
     /// which is as fast there (all splits within ~3 %) and lets `linear_many` put a layer's q/k/v
     /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
-    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Warp-rows takes the integer form
-    /// (mode 2: dp4a on x in int8 limbs, round 7), the others mode 0. The nearest compiled
+    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Q4_K/Q4_1 warp-rows from 128
+    /// units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on
+    /// the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. The nearest compiled
     /// variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
     pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
@@ -827,17 +844,11 @@ impl CudaBackend {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
-        let pre;
+        let limbs = (v.mode == 2).then(|| self.x_limbs(s, x, cols, xq));
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x);
-        if v.mode == 2 {
-            b.arg(match xq {
-                Some(q) => q,
-                None => {
-                    pre = self.gemv_x_limbs(s, x, cols);
-                    dev(&pre)
-                }
-            });
+        if let Some(q) = &limbs {
+            b.arg(q.get());
         }
         b.arg(out).arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
@@ -896,20 +907,14 @@ impl CudaBackend {
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8,
         // unless x came with them (`xq`, see DevBuf::limbs).
-        let pre;
+        let limbs = (v.kind == GemvKind::Wr && v.mode == 2).then(|| self.x_limbs(s, x, cols, xq));
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
             b.arg(dev(xb)).arg(dev(xs));
         }
-        if v.kind == GemvKind::Wr && v.mode == 2 {
-            b.arg(match xq {
-                Some(q) => q,
-                None => {
-                    pre = self.gemv_x_limbs(s, x, cols);
-                    dev(&pre)
-                }
-            });
+        if let Some(q) = &limbs {
+            b.arg(q.get());
         }
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
@@ -929,6 +934,20 @@ impl CudaBackend {
     fn limbs_out(&self, len: usize, d: usize) -> Option<Buf> {
         let may = self.gemv.on && matches!(self.gemv.mode, None | Some(2));
         (may && len == d && d % 128 == 0 && d >= 2048).then(|| self.new_buf(limbs_words(d)))
+    }
+
+    /// The limbs an integer-form GEMV reads: those x came with (`xq`), else the pre-pass's.
+    fn x_limbs<'a>(
+        &self,
+        s: &Arc<CudaStream>,
+        x: &CudaSlice<f32>,
+        cols: usize,
+        xq: Option<&'a CudaSlice<f32>>,
+    ) -> XLimbs<'a> {
+        match xq {
+            Some(q) => XLimbs::Given(q),
+            None => XLimbs::Made(self.gemv_x_limbs(s, x, cols)),
+        }
     }
 
     /// The x pre-pass of the integer warp-rows GEMV (mode 2, `gemv_x_limbs` in kernels/quant.cu):
