@@ -1,6 +1,30 @@
 // Element-wise and row ops: RMSNorm (f64 mean of squares, as the CPU engine), RoPE NORM/NEOX
 // (angles in f64), SwiGLU, and the fixed-order all-reduce sum.
 
+// A row of at most one float4 per thread (a decode row: the host sizes the block to it), the
+// thread's float4 v of x and w of the weight already in registers (zeros past the row): the same
+// sums and products as rms_norm_row's loops, without reloading x and the weight after the sum.
+__device__ __forceinline__ void rms_norm_one(float4 v, float4 w, float* __restrict__ o, int d, float eps,
+                                             u8* __restrict__ xq) {
+    __shared__ double scratch[32];
+    const int i = threadIdx.x;
+    double ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                (double)v.w * (double)v.w;
+    ss = block_sum_f64(ss, scratch);
+    float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    if (i >= (d >> 2)) return;
+    v.x = v.x * scale * w.x;
+    v.y = v.y * scale * w.y;
+    v.z = v.z * scale * w.z;
+    v.w = v.w * scale * w.w;
+    ((float4*)o)[i] = v;
+    if (xq) x_limbs4(v, i, xq, d, true);
+}
+
+__device__ __forceinline__ float4 ld4_or_zero(const float* p, int i, bool live) {
+    return live ? ((const float4*)p)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
 // out[row] = x[row] / sqrt(mean(x²) + eps) · weight; one block per row, sized by the host to
 // cover the row in float4s (up to 1024 threads), so a one-row decode norm is one load per thread
 // rather than a serial walk. The sum of squares is f64 (as the CPU engine), each thread's share
@@ -12,6 +36,11 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
                                              float* __restrict__ o, int d, float eps, u8* __restrict__ xq) {
     __shared__ double scratch[32];
     const bool vec = (d & 3) == 0;
+    if (vec && (d >> 2) <= (int)blockDim.x) {
+        const bool live = (int)threadIdx.x < (d >> 2);
+        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), ld4_or_zero(weight, threadIdx.x, live), o, d, eps, xq);
+        return;
+    }
     double ss = 0.0;
     if (vec) {
         const int d4 = d >> 2;
@@ -73,6 +102,20 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
                                         int f16_round, u8* __restrict__ xq) {
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
+    float* orow = out + (size_t)blockIdx.x * d;
+    if ((d & 3) == 0 && (d >> 2) <= (int)blockDim.x) {
+        const int i = threadIdx.x;
+        const bool live = i < (d >> 2);
+        float4 v = ld4_or_zero(xr, i, live), w = ld4_or_zero(weight, i, live);
+        const float4 av = ld4_or_zero(ar, i, live);
+        v.x = resid_add(v.x, av.x, f16_round);
+        v.y = resid_add(v.y, av.y, f16_round);
+        v.z = resid_add(v.z, av.z, f16_round);
+        v.w = resid_add(v.w, av.w, f16_round);
+        if (live) ((float4*)xr)[i] = v;
+        rms_norm_one(v, w, orow, d, eps, xq);
+        return;
+    }
     if ((d & 3) == 0) {
         float4* x4 = (float4*)xr;
         const float4* a4 = (const float4*)ar;
@@ -87,7 +130,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
     } else {
         for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] = resid_add(xr[i], ar[i], f16_round);
     }
-    rms_norm_row(xr, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
+    rms_norm_row(xr, weight, orow, d, eps, xq);
 }
 
 // RoPE in place on the q and k of the same rows, in one launch: q [n, qh·q_stride] and k
@@ -119,12 +162,32 @@ extern "C" __global__ void rope_table_dpos(float2* cs, int n, int rope_dim, cons
     rope_table_at(cs, n, rope_dim, *pos_dev, base);
 }
 
+// rope_qk (see above). With kc set (GQA: the layer fills its cache in the same launch), the new rows are
+// also appended to the caches at row `slot` (*pos_dev when set, for a captured graph), as
+// kv_write does: kc [T, kh·k_stride] takes k after RoPE (the rotating thread writes both copies;
+// extra threads copy the dims RoPE leaves alone), vc [T, v_width] takes v.
 extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
-                                   int k_off, int n, int rope_dim, const float2* __restrict__ cs, int style) {
+                                   int k_off, int n, int rope_dim, const float2* __restrict__ cs, int style,
+                                   float* __restrict__ kc, const float* __restrict__ v, float* __restrict__ vc,
+                                   int v_width, int slot, const int* __restrict__ pos_dev) {
     int half = rope_dim / 2, heads = qh + kh, chunks = (heads + ROPE_HEADS - 1) / ROPE_HEADS;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)n * chunks * half;
-    if (idx >= total) return;
+    const int k_width = kh * k_stride;
+    const size_t kc_row0 = kc ? (size_t)(pos_dev ? *pos_dev : slot) * k_width : 0;
+    if (idx >= total) {
+        if (!kc) return;
+        long long c = idx - total;
+        const long long nk = (long long)n * k_width;
+        if (c < nk) {
+            const int d = (int)(c % k_width) % k_stride;
+            if (d < k_off || d >= k_off + rope_dim) kc[kc_row0 + c] = k[c];
+        } else if (c - nk < (long long)n * v_width) {
+            const size_t row0 = (size_t)(pos_dev ? *pos_dev : slot) * v_width;
+            vc[row0 + (c - nk)] = v[c - nk];
+        }
+        return;
+    }
     int i = (int)(idx % half);
     int ch = (int)((idx / half) % chunks);
     int r = (int)(idx / ((long long)half * chunks));
@@ -136,11 +199,16 @@ extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, fl
     for (int u = 0; u < ROPE_HEADS; u++) {
         int h = ch * ROPE_HEADS + u;
         if (h >= heads) break;
-        float* p = h < qh ? q + ((size_t)r * qh + h) * q_stride + q_off
-                          : k + ((size_t)r * kh + (h - qh)) * k_stride + k_off;
+        const size_t at = h < qh ? ((size_t)r * qh + h) * q_stride + q_off : ((size_t)r * kh + (h - qh)) * k_stride + k_off;
+        float* p = (h < qh ? q : k) + at;
         float x0 = p[ia], x1 = p[ib];
-        p[ia] = x0 * c - x1 * s;
-        p[ib] = x0 * s + x1 * c;
+        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        p[ia] = y0;
+        p[ib] = y1;
+        if (kc && h >= qh) {
+            kc[kc_row0 + at + ia] = y0;
+            kc[kc_row0 + at + ib] = y1;
+        }
     }
 }
 

@@ -197,6 +197,28 @@ pub trait Backend: Send + Sync {
         self.rope(q, q_layout, pos0, base, style);
         self.rope(k, k_layout, pos0, base, style);
     }
+    /// `rope_qk`, then the new rows of k (after RoPE) and of v appended to their caches at
+    /// `pos0` (`kv_write` without a slot shift): one launch on CUDA. k's rows are
+    /// `k_layout.n_heads·head_stride` wide, v's `v_width`; `caches` = [k cache, v cache].
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        v: &Buf,
+        v_width: usize,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+        caches: [&mut Buf; 2],
+    ) {
+        let [kc, vc] = caches;
+        self.rope_qk(q, q_layout, k, k_layout, pos0, base, style);
+        self.kv_write(kc, k, k_layout.n_heads * k_layout.head_stride, pos0, pos0);
+        self.kv_write(vc, v, v_width, pos0, pos0);
+    }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.

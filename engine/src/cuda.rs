@@ -73,6 +73,17 @@ mod gemv_tc;
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
 
+/// `rope_qk`'s cache append (see `Backend::rope_qk_cache`): the k cache, v and its cache, v's row
+/// width, and the first row written: `slot`, or the position word when `dpos` (a recording).
+struct KvAppend<'a> {
+    kc: &'a mut CudaSlice<f32>,
+    v: &'a CudaSlice<f32>,
+    vc: &'a mut CudaSlice<f32>,
+    v_width: usize,
+    slot: usize,
+    dpos: bool,
+}
+
 /// Runs `f`, turning a panic of cudarc's dynamic loader (no libcuda / libnvrtc) into an error.
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
     let hook = std::panic::take_hook();
@@ -1190,6 +1201,7 @@ impl CudaBackend {
         pos0: usize,
         base: f32,
         style: RopeStyle,
+        append: Option<KvAppend<'_>>,
     ) {
         let q_width = ql.n_heads * ql.head_stride;
         let half = ql.rope_dim / 2;
@@ -1226,10 +1238,63 @@ impl CudaBackend {
             b.arg(a);
         }
         b.arg(&n_i).arg(&dim).arg(dev(cs)).arg(&st);
+        let (vw, slot) = append.as_ref().map_or((0, 0), |a| (a.v_width as i32, a.slot as i32));
+        let copies = append.as_ref().map_or(0, |a| n * (kh * ks + a.v_width));
+        match append {
+            Some(a) => {
+                b.arg(a.kc).arg(a.v).arg(a.vc).arg(&vw).arg(&slot);
+                match a.dpos {
+                    true => b.arg(&*self.pos_dev),
+                    false => b.arg(&null),
+                }
+            }
+            // kc null: no copies, the rest unread.
+            None => b.arg(&null).arg(&null).arg(&null).arg(&vw).arg(&slot).arg(&null),
+        };
         let chunks = (ql.n_heads + kh).div_ceil(ROPE_HEADS);
         // SAFETY: matches rope_qk in kernels/ops.cu; one thread per (row, chunk of ROPE_HEADS
-        // heads, pair); q holds n·q_width floats, k n·kh·ks, cs n·rope_dim/2 float2s.
-        ok(unsafe { b.launch(Self::elementwise_cfg(n * chunks * half)) });
+        // heads, pair), then (with a cache append) one per k and v value copied; q holds
+        // n·q_width floats, k n·kh·ks, cs n·rope_dim/2 float2s; the caches were reserved for the
+        // n rows at `slot` (or at the position word, within the recording's capacity).
+        ok(unsafe { b.launch(Self::elementwise_cfg(n * chunks * half + copies)) });
+    }
+
+    /// Makes `cache` hold rows up to `pos0 + new_len / width` (growing it and keeping its first
+    /// `pos0` rows), its length set to that and its limbs dropped. True when the append is being
+    /// recorded for replay (no slot shift, whole rows): the caller's write must then take its row
+    /// from the position word (`pos_dev`), and the recording's replayable rows shrink to fit.
+    fn kv_reserve(&self, cache: &mut Buf, new_len: usize, width: usize, pos0: usize, slot0: usize) -> bool {
+        let keep = pos0 * width;
+        let total = keep + new_len;
+        let cap = match &cache.repr {
+            BufRepr::Dev(d) => d.data.len(),
+            BufRepr::Host(v) => {
+                assert!(v.is_empty(), "kv_write: a host cache");
+                0
+            }
+        };
+        if total > cap || cache.is_host() {
+            let mut grown = self.new_buf(total.max(2 * cap).max(64 * width.max(1)));
+            if keep > 0 {
+                let kept = cache.len().min(keep);
+                self.copy(cache, 0, &mut grown, 0, kept);
+            }
+            *cache = grown;
+        }
+        let capturing = self.capturing();
+        if capturing && slot0 != pos0 {
+            self.spoil("a shifted KV slot");
+        }
+        let BufRepr::Dev(d) = &mut cache.repr else {
+            unreachable!("the cache is on the device here")
+        };
+        d.len = total;
+        d.limbs = None;
+        let dpos = capturing && slot0 == pos0 && width > 0 && new_len % width == 0;
+        if dpos {
+            self.limit_rows(d.data.len() / width + 1 - (new_len / width).max(1));
+        }
+        dpos
     }
 
     fn elementwise_cfg(len: usize) -> LaunchConfig {
@@ -1384,49 +1449,75 @@ impl Backend for CudaBackend {
     }
 
     fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize) {
-        let keep = pos0 * width;
-        let total = keep + new.len();
-        let cap = match &cache.repr {
-            BufRepr::Dev(d) => d.data.len(),
-            BufRepr::Host(v) => {
-                assert!(v.is_empty(), "kv_write: a host cache");
-                0
-            }
-        };
-        if total > cap || cache.is_host() {
-            let mut grown = self.new_buf(total.max(2 * cap).max(64 * width.max(1)));
-            if keep > 0 {
-                let kept = cache.len().min(keep);
-                self.copy(cache, 0, &mut grown, 0, kept);
-            }
-            *cache = grown;
-        }
-        let capturing = self.capturing();
-        if capturing && slot0 != pos0 {
-            self.spoil("a shifted KV slot");
-        }
-        let BufRepr::Dev(d) = &mut cache.repr else {
-            unreachable!("the cache is on the device here")
-        };
-        d.len = total;
-        d.limbs = None;
-        if capturing && slot0 == pos0 && width > 0 && new.len() % width == 0 {
-            // Recorded for replay: the row index comes from the position word.
-            let cap_rows = d.data.len() / width;
-            let n_new = new.len() / width;
-            self.limit_rows(cap_rows + 1 - n_new.max(1));
+        let (keep, total) = (pos0 * width, pos0 * width + new.len());
+        if self.kv_reserve(cache, new.len(), width, pos0, slot0) {
             let (len, w) = (new.len() as i64, width as i32);
             let mut b = self.stream.launch_builder(self.func("kv_append_dpos"));
-            b.arg(&*d.data).arg(dev(new)).arg(&len).arg(&w).arg(&*self.pos_dev);
+            b.arg(dev_mut(cache))
+                .arg(dev(new))
+                .arg(&len)
+                .arg(&w)
+                .arg(&*self.pos_dev);
             // SAFETY: matches kv_append_dpos in kernels/ops.cu; rows up to the recorded capacity.
             ok(unsafe { b.launch(Self::elementwise_cfg(new.len())) });
             return;
         }
         if slot0 != pos0 && total > keep {
             // Rows nothing writes (the new token's own slot under an off-by-one mapping) are zero.
-            ok(self.stream.memset_zeros(&mut d.data.slice_mut(keep..total)));
+            ok(self.stream.memset_zeros(&mut dev_mut(cache).slice_mut(keep..total)));
         }
         self.copy(new, 0, cache, slot0 * width, new.len());
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        v: &Buf,
+        v_width: usize,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+        caches: [&mut Buf; 2],
+    ) {
+        let [kc, vc] = caches;
+        let k_width = k_layout.n_heads * k_layout.head_stride;
+        let n = k.len() / k_width.max(1);
+        let fits = n > 0
+            && q_layout.rope_dim > 0
+            && k_width > 0
+            && v_width > 0
+            && k.len() == n * k_width
+            && v.len() == n * v_width
+            && q.len() == n * q_layout.n_heads * q_layout.head_stride;
+        if !fits {
+            self.rope_qk(q, q_layout, k, k_layout, pos0, base, style);
+            self.kv_write(kc, k, k_width, pos0, pos0);
+            self.kv_write(vc, v, v_width, pos0, pos0);
+            return;
+        }
+        let dpos = self.kv_reserve(kc, k.len(), k_width, pos0, pos0);
+        self.kv_reserve(vc, v.len(), v_width, pos0, pos0);
+        let append = KvAppend {
+            kc: dev_mut(kc),
+            v: dev(v),
+            vc: dev_mut(vc),
+            v_width,
+            slot: pos0,
+            dpos,
+        };
+        self.launch_rope(
+            dev_mut(q),
+            q_layout,
+            Some((dev_mut(k), k_layout)),
+            pos0,
+            base,
+            style,
+            Some(append),
+        )
     }
 
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
@@ -1476,7 +1567,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        self.launch_rope(dev_mut(x), layout, None, pos0, base, style)
+        self.launch_rope(dev_mut(x), layout, None, pos0, base, style, None)
     }
 
     fn rope_qk(
@@ -1489,7 +1580,15 @@ impl Backend for CudaBackend {
         base: f32,
         style: RopeStyle,
     ) {
-        self.launch_rope(dev_mut(q), q_layout, Some((dev_mut(k), k_layout)), pos0, base, style)
+        self.launch_rope(
+            dev_mut(q),
+            q_layout,
+            Some((dev_mut(k), k_layout)),
+            pos0,
+            base,
+            style,
+            None,
+        )
     }
 
     fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
@@ -2228,6 +2327,43 @@ impl CudaBackend {
                 &c,
                 1e-5,
             ));
+        }
+        // RoPE with the KV-cache append in one launch (rope_qk_cache), after 7 cached rows:
+        // against the CPU engine, and bit for bit against the GPU's separate launches (rope_qk,
+        // then kv_write twice). GQA-like (4 + 2 heads of 16, NORM; 1 and 3 rows) and a partial
+        // rope (dims 8..24 of heads of 24, NEOX).
+        for (hd, off, dim, style, n) in [
+            (16usize, 0usize, 16usize, RopeStyle::Norm, 1usize),
+            (16, 0, 16, RopeStyle::Norm, 3),
+            (24, 8, 16, RopeStyle::Neox, 2),
+        ] {
+            let layout = |heads| RopeLayout {
+                n_heads: heads,
+                head_stride: hd,
+                offset: off,
+                rope_dim: dim,
+            };
+            let (ql, kl, vw, pos0) = (layout(4), layout(2), 20usize, 7usize);
+            let (xq, xk, xv) = (noise(n * 4 * hd, 17), noise(n * 2 * hd, 18), noise(n * vw, 19));
+            let (old_k, old_v) = (noise(pos0 * 2 * hd, 20), noise(pos0 * vw, 21));
+            let run = |be: &dyn Backend, fused: bool| {
+                let (mut q, mut k, v) = (be.upload(&xq), be.upload(&xk), be.upload(&xv));
+                let (mut kc, mut vc) = (Buf::default(), Buf::default());
+                be.kv_write(&mut kc, &be.upload(&old_k), 2 * hd, 0, 0);
+                be.kv_write(&mut vc, &be.upload(&old_v), vw, 0, 0);
+                if fused {
+                    be.rope_qk_cache(&mut q, ql, &mut k, kl, &v, vw, pos0, 10000.0, style, [&mut kc, &mut vc]);
+                } else {
+                    be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, style);
+                    be.kv_write(&mut kc, &k, 2 * hd, pos0, pos0);
+                    be.kv_write(&mut vc, &v, vw, pos0, pos0);
+                }
+                [be.download(&q), be.download(&k), be.download(&kc), be.download(&vc)].concat()
+            };
+            let case = format!("ROPE_QK_CACHE(hd={hd},off={off},dim={dim},style={style:?},n={n},pos0={pos0})");
+            let (g, c) = both(self, |be| run(be, true));
+            out.push(compare(case.clone(), &g, &c, 1e-5));
+            out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
         }
         {
             let gate = noise(1001, 14);

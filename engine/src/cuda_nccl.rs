@@ -221,6 +221,23 @@ impl Backend for NcclBackend {
     ) {
         self.dev().rope_qk(q, q_layout, k, k_layout, pos0, base, style)
     }
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        q_layout: RopeLayout,
+        k: &mut Buf,
+        k_layout: RopeLayout,
+        v: &Buf,
+        v_width: usize,
+        pos0: usize,
+        base: f32,
+        style: RopeStyle,
+        caches: [&mut Buf; 2],
+    ) {
+        self.dev()
+            .rope_qk_cache(q, q_layout, k, k_layout, v, v_width, pos0, base, style, caches)
+    }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         self.dev().swiglu(gate, up)
     }

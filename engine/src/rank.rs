@@ -288,20 +288,19 @@ impl Rank {
                     offset: 0,
                     rope_dim: c.rope_dim,
                 };
-                be.rope_qk(
-                    &mut qv,
-                    layout(h_r),
-                    &mut kv,
-                    layout(kv_r),
-                    ctx.pos0,
-                    hy.rope_base,
-                    hy.rope_style,
-                );
+                let (ql, kl) = (layout(h_r), layout(kv_r));
+                let (pos0, base, style) = (ctx.pos0, hy.rope_base, hy.rope_style);
+                if off_by_one {
+                    be.rope_qk(&mut qv, ql, &mut kv, kl, pos0, base, style);
+                    cache_write(be, &mut cache.k, &kv, k.rows, pos0, true);
+                    cache_write(be, &mut cache.v, &vv, v.rows, pos0, true);
+                } else {
+                    let caches = [&mut cache.k, &mut cache.v];
+                    be.rope_qk_cache(&mut qv, ql, &mut kv, kl, &vv, v.rows, pos0, base, style, caches);
+                }
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::K, &kv, k.rows, Emit::Column);
                 taps.emit_buf(be, Site::V, &vv, v.rows, Emit::Column);
-                cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, off_by_one);
-                cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, off_by_one);
                 out_width = h_r * hd;
                 let shape = GqaShape {
                     n_heads: h_r,
