@@ -343,7 +343,9 @@ pub struct BenchArgs {
     /// Prompt length for the prefill (token ids cycle through the vocabulary deterministically).
     #[arg(long, default_value_t = 64)]
     pub n_prompt: usize,
-    /// Decode steps after the prefill (engine backends).
+    /// Decode steps after the prefill (engine backends). The per-token figure leaves out the
+    /// first 2 (an op-by-op warm-up step and the one that records the CUDA decode graph) when
+    /// there are more than 2; the figure with them is reported too.
     #[arg(long, default_value_t = 32)]
     pub n_decode: usize,
     /// Timed repetitions; the best is reported.
