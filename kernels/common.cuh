@@ -93,10 +93,25 @@ __device__ __forceinline__ void cp_async_wait() {
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
 // [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
 // pointers are null and never touched.
+// RoPE's rotation of the pair (x0, x1) by the angle of cosine c and sine s, each operation rounded
+// (no FMA contraction, as the CPU engine's f32): rope_qk and a GEMV's q/k store give the same bits.
+__device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, float& y0, float& y1) {
+    y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 struct GemvRows {
     const u8 *w0, *w1, *w2;
     float *out0, *out1, *out2;
     int end0, end1;
+    // A one-row q/k/v launch's store (cs null: plain stores; see store): NORM RoPE on the rows
+    // below end1 (q, then k) by the angles cs[i] of pair i, each head of head_dim rows rotating
+    // its first rope_dim; the rows from end0 on (k, then v) also appended to the caches kc
+    // [T, end1 - end0] and vc [T, rows - end1] at row *pos_dev (a recording) or kv_row.
+    const float2* cs;
+    float *kc, *vc;
+    const int* pos_dev;
+    int head_dim, rope_dim, kv_row, rows;
     // Row `row`'s weight row (of row_bytes) and output slot; selects, not an indexed array, so the
     // parameter block is never copied to local memory.
     __device__ __forceinline__ const u8* weight(int row, int row_bytes) const {
@@ -106,6 +121,30 @@ struct GemvRows {
     __device__ __forceinline__ float* slot(int row) const {
         float* base = row < end0 ? out0 : row < end1 ? out1 : out2;
         return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
+    }
+    // Stores row `row`'s sum s; `pair` is row (row ^ 1)'s (the same block's: R, end0 and end1
+    // even when cs is set), the other half of its RoPE pair.
+    __device__ __forceinline__ void store(int row, float s, float pair) const {
+        const int local = row - (row < end0 ? 0 : row < end1 ? end0 : end1);
+        float v = s, other;
+        if (cs && row < end1) {
+            const int d = local % head_dim;
+            if (d < rope_dim) {
+                const float2 a = cs[d >> 1];
+                if (d & 1)
+                    rope_rot(pair, s, a.x, a.y, other, v);
+                else
+                    rope_rot(s, pair, a.x, a.y, v, other);
+            }
+        }
+        *slot(row) = v;
+        if (cs && row >= end0) {
+            const size_t at = (size_t)(pos_dev ? *pos_dev : kv_row);
+            if (row < end1)
+                kc[at * (end1 - end0) + local] = v;
+            else
+                vc[at * (rows - end1) + local] = v;
+        }
     }
 };
 

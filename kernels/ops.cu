@@ -201,8 +201,8 @@ extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, fl
         if (h >= heads) break;
         const size_t at = h < qh ? ((size_t)r * qh + h) * q_stride + q_off : ((size_t)r * kh + (h - qh)) * k_stride + k_off;
         float* p = (h < qh ? q : k) + at;
-        float x0 = p[ia], x1 = p[ib];
-        const float y0 = x0 * c - x1 * s, y1 = x0 * s + x1 * c;
+        float y0, y1;
+        rope_rot(p[ia], p[ib], c, s, y0, y1);
         p[ia] = y0;
         p[ib] = y1;
         if (kc && h >= qh) {

@@ -810,12 +810,16 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
         if (lane == 0) red[warp][r] = v;
     }
     __syncthreads();
-    if (threadIdx.x < R) {
+    // Warp 0's lanes below R store the rows; each also passes its sum to its RoPE pair (lane ^ 1).
+    if (warp == 0) {
         float s = 0.0f;
+        if (lane < R) {
 #pragma unroll
-        for (int w = 0; w < NW; w++) s += red[w][threadIdx.x];
-        int row = row0 + threadIdx.x;
-        if (row < rows) *m.slot(row) = s;
+            for (int w = 0; w < NW; w++) s += red[w][lane];
+        }
+        const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
+        const int row = row0 + lane;
+        if (lane < R && row < rows) m.store(row, s, pair);
     }
 }
 

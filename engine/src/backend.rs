@@ -15,7 +15,7 @@
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
-use crate::kernels::{self, GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use crate::kernels::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use half::f16;
 use references::config::MoeConfig;
@@ -199,25 +199,28 @@ pub trait Backend: Send + Sync {
     }
     /// `rope_qk`, then the new rows of k (after RoPE) and of v appended to their caches at
     /// `pos0` (`kv_write` without a slot shift): one launch on CUDA. k's rows are
-    /// `k_layout.n_heads·head_stride` wide, v's `v_width`; `caches` = [k cache, v cache].
-    #[allow(clippy::too_many_arguments)]
-    fn rope_qk_cache(
+    /// `rope.k.n_heads·head_stride` wide, v's `v_width`; `caches` = [k cache, v cache].
+    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
+        let [kc, vc] = caches;
+        self.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
+        self.kv_write(kc, k, rope.k.n_heads * rope.k.head_stride, rope.pos0, rope.pos0);
+        self.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
+    }
+    /// A GQA layer's q, k and v products (`linear_many` of `ws` into `outs`), then
+    /// `rope_qk_cache`. On CUDA a one-row step under a warp-rows GEMV does it all in the GEMV's
+    /// launch (NORM RoPE and the appends in its store).
+    fn linear_qkv_rope(
         &self,
-        q: &mut Buf,
-        q_layout: RopeLayout,
-        k: &mut Buf,
-        k_layout: RopeLayout,
-        v: &Buf,
-        v_width: usize,
-        pos0: usize,
-        base: f32,
-        style: RopeStyle,
+        x: &Buf,
+        n: usize,
+        ws: [WeightRef<'_>; 3],
+        outs: [&mut Buf; 3],
+        rope: QkRope,
         caches: [&mut Buf; 2],
     ) {
-        let [kc, vc] = caches;
-        self.rope_qk(q, q_layout, k, k_layout, pos0, base, style);
-        self.kv_write(kc, k, k_layout.n_heads * k_layout.head_stride, pos0, pos0);
-        self.kv_write(vc, v, v_width, pos0, pos0);
+        let [q, k, v] = outs;
+        self.linear_many(x, n, &ws, &mut [&mut *q, &mut *k, &mut *v]);
+        self.rope_qk_cache(q, k, v, ws[2].rows(), rope, caches);
     }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);

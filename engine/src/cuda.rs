@@ -50,7 +50,7 @@
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
-use crate::kernels::{GqaShape, Mat, MlaShape, QMat, RopeLayout, RopeStyle, WeightRef};
+use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
@@ -82,6 +82,20 @@ struct KvAppend<'a> {
     v_width: usize,
     slot: usize,
     dpos: bool,
+}
+
+/// A one-row q/k/v GEMV's store (see `GemvRows`): NORM RoPE by the table `cs`, k and v appended to
+/// their caches. `done` is set when the launch took it (a warp-rows GEMV of even R over even q and
+/// k row counts); otherwise the caller still owes the RoPE and the appends.
+struct GemvEpi<'a> {
+    cs: &'a CudaSlice<f32>,
+    kc: &'a mut CudaSlice<f32>,
+    vc: &'a mut CudaSlice<f32>,
+    head_dim: usize,
+    rope_dim: usize,
+    slot: usize,
+    dpos: bool,
+    done: bool,
 }
 
 /// Runs `f`, turning a panic of cudarc's dynamic loader (no libcuda / libnvrtc) into an error.
@@ -173,10 +187,18 @@ struct GemvRows {
     w: [u64; 3],
     out: [u64; 3],
     end: [i32; 2],
+    /// The q/k/v store (`GemvRows::store` in common.cuh; `cs` 0: plain stores): the RoPE angle
+    /// table, the k and v caches, the position word (0: `kv_row`), then head_dim, rope_dim,
+    /// kv_row and the total rows.
+    cs: u64,
+    kc: u64,
+    vc: u64,
+    pos_dev: u64,
+    rope: [i32; 4],
 }
 
 // SAFETY: #[repr(C)] plain integers laid out as the kernel's struct (three 8-byte pointers, three
-// more, two ints: 56 bytes, 8-byte aligned).
+// more, two ints, four pointers, four ints: 104 bytes, 8-byte aligned).
 unsafe impl cudarc::driver::DeviceRepr for GemvRows {}
 
 /// Rows of blocks as the device keeps them: in each row, every block's quant bytes back to back,
@@ -852,7 +874,7 @@ impl CudaBackend {
             shared_mem_bytes: smem,
         };
         if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
-            return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v);
+            return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let limbs = (v.mode == 2).then(|| self.x_limbs(s, x, cols, xq));
@@ -870,6 +892,7 @@ impl CudaBackend {
     /// Launches warp-rows (or tensor-core: the same arguments) GEMV variant `v` over one to three
     /// weights of one type and width that share `x`, each `(weight, out, rows)`, in one launch
     /// (`GemvRows`): a block per R rows of their rows taken one after another.
+    #[allow(clippy::too_many_arguments)]
     fn launch_gemv_rows(
         &self,
         s: &Arc<CudaStream>,
@@ -878,6 +901,7 @@ impl CudaBackend {
         x: &CudaSlice<f32>,
         xq: Option<&CudaSlice<f32>>,
         v: GemvVariant,
+        epi: Option<&mut GemvEpi<'_>>,
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
@@ -907,6 +931,23 @@ impl CudaBackend {
         }
         for e in n_parts..2 {
             m.end[e] = total as i32;
+        }
+        let even = |r: i32| r % 2 == 0;
+        let epi =
+            epi.filter(|_| v.kind == GemvKind::Wr && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
+        if let Some(e) = epi {
+            let (cs, gc) = e.cs.device_ptr(s);
+            let (kc, gk) = e.kc.device_ptr_mut(s);
+            let (vc, gv) = e.vc.device_ptr_mut(s);
+            guards.extend([gc, gk, gv]);
+            (m.cs, m.kc, m.vc) = (cs, kc, vc);
+            if e.dpos {
+                let (pd, gp) = self.pos_dev.device_ptr(s);
+                m.pos_dev = pd;
+                guards.push(gp);
+            }
+            m.rope = [e.head_dim as i32, e.rope_dim as i32, e.slot as i32, total as i32];
+            e.done = true;
         }
         let cfg = LaunchConfig {
             grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
@@ -1035,6 +1076,8 @@ impl CudaBackend {
 
     /// `Backend::linear_many`, with the one-token GEMV variant forced (`Some`, a warp-rows or
     /// tensor-core one) or chosen by default.
+    /// `linear_many`, with GEMV variant `force` if given, and the q/k/v store `epi` if the launch
+    /// can take it (see GemvEpi).
     fn linear_many_with(
         &self,
         x: &Buf,
@@ -1042,6 +1085,7 @@ impl CudaBackend {
         ws: &[WeightRef<'_>],
         outs: &mut [&mut Buf],
         force: Option<GemvVariant>,
+        epi: Option<&mut GemvEpi<'_>>,
     ) {
         assert_eq!(ws.len(), outs.len(), "linear_many: one output per weight");
         let s = &self.stream;
@@ -1079,7 +1123,7 @@ impl CudaBackend {
             assert_eq!(out.len(), w.rows(), "linear_many: out is not [1, out]");
             parts.push((d, dev_mut(out), w.rows()));
         }
-        self.launch_gemv_rows(s, &mut parts, cols, dev(x), limbs_of(x, cols), v);
+        self.launch_gemv_rows(s, &mut parts, cols, dev(x), limbs_of(x, cols), v, epi);
     }
 
     /// The device copy of a small f32 parameter (a norm weight), uploaded on first use.
@@ -1469,55 +1513,85 @@ impl Backend for CudaBackend {
         self.copy(new, 0, cache, slot0 * width, new.len());
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn rope_qk_cache(
-        &self,
-        q: &mut Buf,
-        q_layout: RopeLayout,
-        k: &mut Buf,
-        k_layout: RopeLayout,
-        v: &Buf,
-        v_width: usize,
-        pos0: usize,
-        base: f32,
-        style: RopeStyle,
-        caches: [&mut Buf; 2],
-    ) {
+    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
         let [kc, vc] = caches;
-        let k_width = k_layout.n_heads * k_layout.head_stride;
+        let k_width = rope.k.n_heads * rope.k.head_stride;
         let n = k.len() / k_width.max(1);
         let fits = n > 0
-            && q_layout.rope_dim > 0
+            && rope.q.rope_dim > 0
             && k_width > 0
             && v_width > 0
             && k.len() == n * k_width
             && v.len() == n * v_width
-            && q.len() == n * q_layout.n_heads * q_layout.head_stride;
+            && q.len() == n * rope.q.n_heads * rope.q.head_stride;
         if !fits {
-            self.rope_qk(q, q_layout, k, k_layout, pos0, base, style);
-            self.kv_write(kc, k, k_width, pos0, pos0);
-            self.kv_write(vc, v, v_width, pos0, pos0);
+            self.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
+            self.kv_write(kc, k, k_width, rope.pos0, rope.pos0);
+            self.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
             return;
         }
-        let dpos = self.kv_reserve(kc, k.len(), k_width, pos0, pos0);
-        self.kv_reserve(vc, v.len(), v_width, pos0, pos0);
+        let dpos = self.kv_reserve(kc, k.len(), k_width, rope.pos0, rope.pos0);
+        self.kv_reserve(vc, v.len(), v_width, rope.pos0, rope.pos0);
         let append = KvAppend {
             kc: dev_mut(kc),
             v: dev(v),
             vc: dev_mut(vc),
             v_width,
-            slot: pos0,
+            slot: rope.pos0,
             dpos,
         };
-        self.launch_rope(
-            dev_mut(q),
-            q_layout,
-            Some((dev_mut(k), k_layout)),
-            pos0,
-            base,
-            style,
-            Some(append),
-        )
+        let (q, k) = (dev_mut(q), Some((dev_mut(k), rope.k)));
+        self.launch_rope(q, rope.q, k, rope.pos0, rope.base, rope.style, Some(append))
+    }
+
+    fn linear_qkv_rope(
+        &self,
+        x: &Buf,
+        n: usize,
+        ws: [WeightRef<'_>; 3],
+        outs: [&mut Buf; 3],
+        rope: QkRope,
+        caches: [&mut Buf; 2],
+    ) {
+        let [q, k, v] = outs;
+        let [kc, vc] = caches;
+        let (hd, dim) = (rope.q.head_stride, rope.q.rope_dim);
+        let (q_rows, k_rows, v_rows) = (ws[0].rows(), ws[1].rows(), ws[2].rows());
+        // The GEMV's store rotates NORM pairs (rows 2i, 2i + 1 of a head) from each head's start.
+        let store_fits = n == 1
+            && rope.style == RopeStyle::Norm
+            && (rope.q.offset, rope.k.offset) == (0, 0)
+            && rope.k.head_stride == hd
+            && rope.k.rope_dim == dim
+            && hd % 2 == 0
+            && dim % 2 == 0
+            && dim > 0
+            && dim <= hd
+            && q_rows == rope.q.n_heads * hd
+            && k_rows == rope.k.n_heads * hd;
+        if store_fits {
+            let dpos = self.kv_reserve(kc, k_rows, k_rows, rope.pos0, rope.pos0);
+            self.kv_reserve(vc, v_rows, v_rows, rope.pos0, rope.pos0);
+            let mut memo = self.rope_table.lock().expect("rope table");
+            let cs = self.rope_table_for(&mut memo, 1, dim, rope.pos0, rope.base);
+            let mut epi = GemvEpi {
+                cs: dev(cs),
+                kc: dev_mut(kc),
+                vc: dev_mut(vc),
+                head_dim: hd,
+                rope_dim: dim,
+                slot: rope.pos0,
+                dpos,
+                done: false,
+            };
+            self.linear_many_with(x, 1, &ws, &mut [&mut *q, &mut *k, &mut *v], None, Some(&mut epi));
+            if epi.done {
+                return;
+            }
+        } else {
+            self.linear_many(x, n, &ws, &mut [&mut *q, &mut *k, &mut *v]);
+        }
+        self.rope_qk_cache(q, k, v, v_rows, rope, [kc, vc]);
     }
 
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
@@ -1525,7 +1599,7 @@ impl Backend for CudaBackend {
     }
 
     fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
-        self.linear_many_with(x, n, ws, outs, None)
+        self.linear_many_with(x, n, ws, outs, None, None)
     }
 
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
@@ -2267,6 +2341,57 @@ impl CudaBackend {
             ));
             self.weights.lock().expect("weight map").clear();
         }
+        // q/k/v with RoPE and the KV-cache append in the GEMV's store (linear_qkv_rope), after 7
+        // cached rows: against the CPU engine, and bit for bit against the GPU's separate launches
+        // (linear_many, rope_qk_cache). Q4_K rows of 4096 (the integer GEMV) with whole-head RoPE,
+        // of 512 (the float GEMV) with a partial one; NEOX takes the separate launches.
+        for (cols, hd, dim, style) in [
+            (4096usize, 64usize, 64usize, RopeStyle::Norm),
+            (512, 48, 32, RopeStyle::Norm),
+            (512, 32, 32, RopeStyle::Neox),
+        ] {
+            let (qh, kh, pos0) = (4usize, 2usize, 7usize);
+            let rows = [qh * hd, kh * hd, kh * hd];
+            let bytes = [0, 1, 2].map(|i| test_bytes(GgmlType::Q4K, rows[i], cols, 95 + i as u64));
+            let ws = [0, 1, 2].map(|i| test_weight(GgmlType::Q4K, &bytes[i], rows[i], cols));
+            let x = noise(cols, 98);
+            let (old_k, old_v) = (noise(pos0 * rows[1], 99), noise(pos0 * rows[2], 100));
+            let layout = |heads| RopeLayout {
+                n_heads: heads,
+                head_stride: hd,
+                offset: 0,
+                rope_dim: dim,
+            };
+            let rope = QkRope {
+                q: layout(qh),
+                k: layout(kh),
+                pos0,
+                base: 10000.0,
+                style,
+            };
+            let run = |be: &dyn Backend, fused: bool| {
+                let xb = be.upload(&x);
+                let [mut q, mut k, mut v] = rows.map(|r| be.alloc(r));
+                let (mut kc, mut vc) = (Buf::default(), Buf::default());
+                be.kv_write(&mut kc, &be.upload(&old_k), rows[1], 0, 0);
+                be.kv_write(&mut vc, &be.upload(&old_v), rows[2], 0, 0);
+                if fused {
+                    be.linear_qkv_rope(&xb, 1, ws, [&mut q, &mut k, &mut v], rope, [&mut kc, &mut vc]);
+                } else {
+                    be.linear_many(&xb, 1, &ws, &mut [&mut q, &mut k, &mut v]);
+                    be.rope_qk_cache(&mut q, &mut k, &v, rows[2], rope, [&mut kc, &mut vc]);
+                }
+                [&q, &k, &v, &kc, &vc]
+                    .iter()
+                    .flat_map(|b| be.download(b))
+                    .collect::<Vec<f32>>()
+            };
+            let case = format!("MUL_MAT_QKV_ROPE(type=q4_k,cols={cols},hd={hd},dim={dim},style={style:?},pos0={pos0})");
+            let (g, c) = both(self, |be| run(be, true));
+            out.push(compare(case.clone(), &g, &c, 1e-5));
+            out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
+            self.weights.lock().expect("weight map").clear();
+        }
         // The residual add fused with the next norm: x after the add, then the normed rows.
         for (d, n, f16) in [(4096usize, 2usize, false), (4098, 3, true), (576, 5, false)] {
             let (x, a, wt) = (noise(n * d, 19), noise(n * d, 20), noise(d, 21));
@@ -2352,7 +2477,14 @@ impl CudaBackend {
                 be.kv_write(&mut kc, &be.upload(&old_k), 2 * hd, 0, 0);
                 be.kv_write(&mut vc, &be.upload(&old_v), vw, 0, 0);
                 if fused {
-                    be.rope_qk_cache(&mut q, ql, &mut k, kl, &v, vw, pos0, 10000.0, style, [&mut kc, &mut vc]);
+                    let rope = QkRope {
+                        q: ql,
+                        k: kl,
+                        pos0,
+                        base: 10000.0,
+                        style,
+                    };
+                    be.rope_qk_cache(&mut q, &mut k, &v, vw, rope, [&mut kc, &mut vc]);
                 } else {
                     be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, style);
                     be.kv_write(&mut kc, &k, 2 * hd, pos0, pos0);

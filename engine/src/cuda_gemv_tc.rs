@@ -169,7 +169,7 @@ impl CudaBackend {
                 for v in GEMVT_VARIANTS {
                     let mut os: Vec<Buf> = rows_each.iter().map(|&r| self.upload(&vec![f32::NAN; r])).collect();
                     let mut refs: Vec<&mut Buf> = os.iter_mut().collect();
-                    self.linear_many_with(&xd, 1, &ws, &mut refs, Some(v));
+                    self.linear_many_with(&xd, 1, &ws, &mut refs, Some(v), None);
                     let g: Vec<f32> = os.iter().flat_map(|o| self.download(o)).collect();
                     out.push(compare(
                         format!(

@@ -25,7 +25,7 @@
 
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cuda::CudaBackend;
-use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle, WeightRef};
+use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::Route;
 use crate::EngineError;
 use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
@@ -221,22 +221,19 @@ impl Backend for NcclBackend {
     ) {
         self.dev().rope_qk(q, q_layout, k, k_layout, pos0, base, style)
     }
-    #[allow(clippy::too_many_arguments)]
-    fn rope_qk_cache(
+    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
+        self.dev().rope_qk_cache(q, k, v, v_width, rope, caches)
+    }
+    fn linear_qkv_rope(
         &self,
-        q: &mut Buf,
-        q_layout: RopeLayout,
-        k: &mut Buf,
-        k_layout: RopeLayout,
-        v: &Buf,
-        v_width: usize,
-        pos0: usize,
-        base: f32,
-        style: RopeStyle,
+        x: &Buf,
+        n: usize,
+        ws: [WeightRef<'_>; 3],
+        outs: [&mut Buf; 3],
+        rope: QkRope,
         caches: [&mut Buf; 2],
     ) {
-        self.dev()
-            .rope_qk_cache(q, q_layout, k, k_layout, v, v_width, pos0, base, style, caches)
+        self.dev().linear_qkv_rope(x, n, ws, outs, rope, caches)
     }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         self.dev().swiglu(gate, up)

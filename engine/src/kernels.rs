@@ -280,6 +280,17 @@ pub struct RopeLayout {
     pub rope_dim: usize,
 }
 
+/// A GQA layer's RoPE in one step: q's and k's layouts, rows at positions `pos0 ..`, the base and
+/// the pair style (see `Backend::rope_qk_cache`).
+#[derive(Clone, Copy, Debug)]
+pub struct QkRope {
+    pub q: RopeLayout,
+    pub k: RopeLayout,
+    pub pos0: usize,
+    pub base: f32,
+    pub style: RopeStyle,
+}
+
 /// RoPE on `x` (`[n, n_heads·head_stride]`), row `i` at position `pos0 + i`, with
 /// θ_i = pos·base^(−2i/rope_dim) computed in f64.
 pub fn rope(x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {

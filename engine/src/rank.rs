@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, Buf};
 use crate::fault::{Fault, FaultSet};
-use crate::kernels::{GqaShape, MlaShape, RopeLayout, RopeStyle};
+use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle};
 use crate::taps::{Emit, RankTaps, TapPlan};
 use crate::weights::{AttnShard, FfnShard, MlpShard, MoeShard, RankShard};
 use references::config::{Gating, MoeConfig};
@@ -281,22 +281,28 @@ impl Rank {
                 let mut qv = be.alloc(n * q.rows);
                 let mut kv = be.alloc(n * k.rows);
                 let mut vv = be.alloc(n * v.rows);
-                be.linear_many(&h, n, &[q.view(), k.view(), v.view()], &mut [&mut qv, &mut kv, &mut vv]);
                 let layout = |heads| RopeLayout {
                     n_heads: heads,
                     head_stride: hd,
                     offset: 0,
                     rope_dim: c.rope_dim,
                 };
-                let (ql, kl) = (layout(h_r), layout(kv_r));
-                let (pos0, base, style) = (ctx.pos0, hy.rope_base, hy.rope_style);
+                let rope = QkRope {
+                    q: layout(h_r),
+                    k: layout(kv_r),
+                    pos0: ctx.pos0,
+                    base: hy.rope_base,
+                    style: hy.rope_style,
+                };
+                let ws = [q.view(), k.view(), v.view()];
                 if off_by_one {
-                    be.rope_qk(&mut qv, ql, &mut kv, kl, pos0, base, style);
-                    cache_write(be, &mut cache.k, &kv, k.rows, pos0, true);
-                    cache_write(be, &mut cache.v, &vv, v.rows, pos0, true);
+                    be.linear_many(&h, n, &ws, &mut [&mut qv, &mut kv, &mut vv]);
+                    be.rope_qk(&mut qv, rope.q, &mut kv, rope.k, rope.pos0, rope.base, rope.style);
+                    cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, true);
+                    cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, true);
                 } else {
-                    let caches = [&mut cache.k, &mut cache.v];
-                    be.rope_qk_cache(&mut qv, ql, &mut kv, kl, &vv, v.rows, pos0, base, style, caches);
+                    let outs = [&mut qv, &mut kv, &mut vv];
+                    be.linear_qkv_rope(&h, n, ws, outs, rope, [&mut cache.k, &mut cache.v]);
                 }
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::K, &kv, k.rows, Emit::Column);

@@ -1,0 +1,49 @@
+#!/bin/bash
+# Round 8 of issue #8, an experiment call (one device call): kernel checks (summary), the 8B and
+# smollm2 decode/prefill benches under the configurations named in BENCH_ENVS (space-separated
+# label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1, and Nsight
+# per-kernel times of 8B decode steps (graphs off) when NCU=1.
+# Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round8_dev.sh
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
+B=${LLMDIFF:-$PWD/llmdiff}
+D=$(cd $(dirname $0) && pwd)
+W=/tmp/gpu; M=$W/models; mkdir -p $M
+T0=$(date +%s)
+LOG=$OUT/log.txt
+el() { echo $(( $(date +%s)-T0 )); }
+say() { echo "== $* (t=$(el)s)" | tee -a $LOG; }
+say "kernels --check"
+timeout 150 $B kernels --check --json >$W/kernels_check.json 2>>$LOG; echo "rc=$?" >>$LOG
+python3 - $W/kernels_check.json <<'PY' | tee -a $LOG
+import json, sys
+d = json.load(open(sys.argv[1])); c = d["checks"]
+print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [(x["case"], x["rel_l2"]) for x in c if not x["pass"]][:20])
+PY
+say "synth"
+$B synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
+timeout 100 $B synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant Q4_K --seed 3 -o $M/llama8b.gguf >/dev/null 2>>$LOG
+say "model bench"
+for cfg in ${BENCH_ENVS:-default}; do
+  label=${cfg%%=*}; envs=X=1; [ "$label" != "$cfg" ] && envs=$(echo ${cfg#*=} | tr ',' ' ')
+  for m in llama8b ${SMOL:+smollm2-135m}; do
+    env $envs timeout 120 $B bench $M/$m.gguf --backend cuda --n-prompt 512 --n-decode 48 --reps 2 --json 2>>$LOG >$W/b.json
+    python3 -c "
+import json; d=json.load(open('$W/b.json')); g=d.get('decode_graphs') or {}
+print('$m $label', 'decode %.3f ms (with warm-up %.3f; plain %.3f)' % (d['decode_s_per_token']*1e3, d['decode_s_per_token_with_warmup']*1e3, g.get('decode_plain_s_per_token',0)*1e3),
+      'prefill_last %.4f s (%.0f tok/s)' % (d['prefill_last_s'], d['prefill_last_tok_s']), 'bitwise', g.get('logits_bitwise_equal'))" 2>&1 | tee -a $LOG
+  done
+done
+if [ "$KBENCH" = 1 ]; then
+  say "kernels --bench"
+  timeout 200 $B kernels --bench --json >$W/kernels_bench.json 2>>$LOG
+  python3 $D/bench_summary.py $W/kernels_bench.json 2>&1 | tee -a $LOG
+fi
+if [ "$NCU" = 1 ]; then
+  NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  K=${NCU_DECODE_K:-292}
+  say "ncu decode"
+  LLMDIFF_CUDA_GRAPH=0 timeout 90 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
+    --launch-skip $((2 * K)) --launch-count $((3 * K)) $B bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1 >$W/ncu.csv 2>$W/ncu.err
+  python3 $D/ncu_summary.py $W/ncu.csv per:rope_table 2>&1 | head -16 | tee -a $LOG
+fi
+say "done"
