@@ -454,6 +454,8 @@ fn limbs_words(cols: usize) -> usize {
 ///   (Q4_K) as 1 + q/128, 2 (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8
 ///   limbs from a pre-pass; a mode the type or split lacks falls back to 0.
 /// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
+/// - `LLMDIFF_GEMV_QKV_STORE=0`: a layer's q/k/v GEMV stores plainly; RoPE and the cache append
+///   take their own launch (`rope_qk_cache`) instead of the GEMV's store (`linear_qkv_rope`).
 ///
 /// Defaults: see [`CudaBackend::gemv_default`].
 #[derive(Clone, Debug)]
@@ -469,6 +471,7 @@ struct GemvConfig {
     /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
     tc_pre: bool,
     bps: Option<u32>,
+    qkv_store: bool,
 }
 
 impl GemvConfig {
@@ -489,6 +492,7 @@ impl GemvConfig {
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 2),
             tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
+            qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
     }
 }
@@ -1559,6 +1563,7 @@ impl Backend for CudaBackend {
         let (q_rows, k_rows, v_rows) = (ws[0].rows(), ws[1].rows(), ws[2].rows());
         // The GEMV's store rotates NORM pairs (rows 2i, 2i + 1 of a head) from each head's start.
         let store_fits = n == 1
+            && self.gemv.qkv_store
             && rope.style == RopeStyle::Norm
             && (rope.q.offset, rope.k.offset) == (0, 0)
             && rope.k.head_stride == hd
