@@ -1,9 +1,12 @@
-// Causal attention over a KV cache. Two forms:
+// Causal attention over a KV cache. Three forms:
 //
 // - `gqa_attention`, `gqa_attention_dpos`, `mla_attention`: one block per (token, query head) of
 //   256 threads, or 1024 when there are fewer blocks than SMs (decode; see `attn_threads` in
 //   crate::cuda): scores in shared memory, max-subtracted softmax with the sum in f64, then the
-//   weighted sum of V. Serve decode (n = 1), the captured decode graph (`*_dpos`) and MLA; row t
+//   weighted sum of V. Serve MLA, and GQA where the split kernel below does not take it (off with
+//   `LLMDIFF_ATTN_SPLIT=0`, or a shape it does not take: head_dim not a multiple of 4 or over
+//   256, more than 16 query heads per KV head) in decode (n = 1) and the captured decode graph
+//   (`*_dpos`), and short prefill chunks; row t
 //   of the new tokens sees positions 0 ..= pos0 + t. Dynamic shared memory: (q width + pos0 + n
 //   + G·out width) floats, G = max(1, blockDim / out width) (see attn_weighted_sum).
 //   Memory-level parallelism matters more than arithmetic here (a decode step reads the whole
@@ -16,6 +19,16 @@
 //   flash-attention style on CUDA cores in f32: a block per 64 (token, query head) rows of one KV
 //   head, K/V tiles staged once for the group's query heads, an online softmax. See the comment
 //   above gqa_tiled.
+//
+// - `gqa_split_<HD>` and `gqa_split_<HD>_dpos` (HD = 128, 256): GQA decode (n = 1), op by op and
+//   recorded, split over the context (flash-decoding): a block per (chunk of L = 16, 32 or 64
+//   positions, KV head) holds the chunk's K/V rows in registers for the group's query heads and
+//   writes their partial softmax (max, Σexp in f64, Σexp·v); the last block of each KV head to
+//   finish combines the chunks in a fixed order (so the result does not depend on which block
+//   that is) and writes the output row and, for the o-projection's integer GEMV, its int8 limbs
+//   (x_limbs4). At the 8B shape (8 KV heads) and L = 32 a 512-token context is 128 blocks where
+//   the per-(token, head) kernel had 32. Selection and scratch in engine/src/cuda_attn.rs; see the
+//   comment above gqa_split.
 
 // dot(q, k[0..len)) with four accumulators; float4 loads when `vec`.
 __device__ __forceinline__ float attn_dot(const float* qs, const float* kr, int len, bool vec) {
@@ -391,3 +404,288 @@ __device__ __forceinline__ void gqa_tiled(const float* __restrict__ q, const flo
 GQA_TILED(64, 2)
 GQA_TILED(128, 2)
 GQA_TILED(256, 1)
+
+// ---------------------------------------------------------------------------------------------
+// Decode GQA attention split over the context (flash-decoding): one new token (n = 1), row 0
+// sees positions 0 ..= pos0 (n_ctx = pos0 + 1).
+//
+// Grid: a block per (context split, KV head), blockIdx.x = split·KV + kv head, so the live splits
+// are the first blocks. A block owns the G = H/KV query heads of its KV head and the chunk of
+// L = 4·(warps) positions [split·L, split·L + L) ∩ [0, n_ctx); L is the host's (a function of the
+// shape and the setting alone, never of the position, so the `_dpos` form and the plain one
+// agree bit for bit). Blocks whose chunk starts at or past n_ctx exit at once (the `_dpos` grid
+// covers the cache's capacity). Warp w holds positions split·L + p·(warps) + w, p < 4: each lane
+// loads float4 columns lane and lane + 32 (CW = 1 for hd ≤ 128, 2 for hd ≤ 256) of its K and V
+// rows into registers at the start (one round trip for the whole chunk), so each K/V row is read
+// once for the G heads.
+//
+// Per block, per head h of the group: s_j = dot(q_h, k_j)·scale (the lane's columns by fmaf, then
+// a warp butterfly); m = max over the chunk (fmaxf, so NaN scores do not set it); e_j = expf(s_j −
+// m) (m = −inf, a chunk of only −inf or NaN scores: e_j = expf(s_j), so −inf gives 0 and NaN
+// stays NaN); the partial sum l = Σ e_j in f64 (lane-strided, then a butterfly); the partial row
+// o = Σ e_j·v_j in f32 (each warp's positions in order, then the warps in order through shared
+// memory, `hr` heads at a time). Partials go to `part` (layout below), then the last block of the
+// KV head to arrive (an atomic counter per KV head, after a barrier and __threadfence; that block
+// resets it to 0, so the next launch and a replayed graph find it at 0) combines the S =
+// ceil(n_ctx / L) splits for its G heads: M = max m_s; α_s = expf(m_s − M); l = Σ α_s·l_s (f64,
+// lane-strided then a butterfly); O = Σ α_s·o_s (f32, each column's splits strided over R =
+// max(1, blockDim / (G·hd/4)) thread groups, eight splits' loads in flight, then the groups in
+// order); out = O · (float)(1 / l). Every sum runs in an order fixed by (n_ctx, L, shape), so
+// the result does not depend on which block arrives last. The combining block also writes the
+// output row's int8 limbs for the integer GEMV (x_limbs4) when `xq` is not null (the host passes
+// it when the row H·hd is a multiple of 128 and G·hd of 32, so every 32-value block lies in one
+// KV head's span and each warp's 8-lane groups hold whole blocks).
+//
+// `part` (floats, N = s_cap·KV·G): Σe per (split, kv head, head) as f64 (2N floats), then m (N),
+// then from round_up(3N, 4) the partial rows, (split, kv head) major, G·hd each. `cnt`: one
+// unsigned per KV head, 0 between launches. Both belong to one rank (crate::cuda's attn
+// submodule, cuda_attn.rs), so ranks on separate streams never share them.
+//
+// Dynamic shared memory (floats): q G·hd, scores/exps G·L, then max(warps·hr·hd, round_up(2G, 4) +
+// 4·R·(G·hd/4)) for the warps' partial rows and the combine (`split_plan` in cuda_attn.rs).
+
+#define AS_PPW 4
+
+__device__ __forceinline__ float4 as_fma4(float a, float4 b, float4 c) {
+    return make_float4(fmaf(a, b.x, c.x), fmaf(a, b.y, c.y), fmaf(a, b.z, c.z), fmaf(a, b.w, c.w));
+}
+
+__device__ __forceinline__ float4 as_add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+__device__ __forceinline__ float as_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double as_warp_sum64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int CW>
+__device__ __forceinline__ void gqa_split(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, float* __restrict__ out, float* part,
+                                          unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
+                                          int n_kv_heads, int hd, float scale, int s_cap, int hr) {
+    extern __shared__ __align__(16) float as_sm[];
+    __shared__ int as_last;
+    const int KV = n_kv_heads, G = n_heads / KV;
+    const int nw = blockDim.x >> 5, L = nw * AS_PPW;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kvh = blockIdx.x % KV, sp = blockIdx.x / KV;
+    const int n_ctx = pos0 + 1, j0 = sp * L;
+    if (j0 >= n_ctx) return;
+    const int S = (n_ctx + L - 1) / L;
+    const int hd4 = hd >> 2, kvw = KV * hd, ncol = G * hd4;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    const size_t N = (size_t)s_cap * KV * G;
+    double* part_s = (double*)part;
+    float* part_m = part + 2 * N;
+    float* part_o = part + ((3 * N + 3) & ~(size_t)3);
+    const size_t slot = (size_t)sp * KV + kvh;
+
+    // The chunk's K and V rows, in flight while q is staged.
+    float4 kr[AS_PPW][CW], vr[AS_PPW][CW];
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        const int j = j0 + p * nw + w;
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            float4 a = zero, b = zero;
+            if (j < n_ctx && col < hd4) {
+                const size_t off = (size_t)j * kvw + (size_t)kvh * hd + 4 * col;
+                a = *(const float4*)(k + off);
+                b = *(const float4*)(v + off);
+            }
+            kr[p][c] = a;
+            vr[p][c] = b;
+        }
+    }
+    float* qs = as_sm;
+    float* es = qs + G * hd;
+    float* red = es + G * L;
+    const float4* q4 = (const float4*)(q + (size_t)kvh * G * hd);
+    for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
+    __syncthreads();
+
+    // Scores.
+    for (int h = 0; h < G; h++) {
+        float4 qv[CW];
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
+        }
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                s = fmaf(qv[c].x, kr[p][c].x, s);
+                s = fmaf(qv[c].y, kr[p][c].y, s);
+                s = fmaf(qv[c].z, kr[p][c].z, s);
+                s = fmaf(qv[c].w, kr[p][c].w, s);
+            }
+            s = warp_sum(s);
+            if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
+        }
+    }
+    __syncthreads();
+
+    // The chunk's max and Σ exp per head (a warp per head).
+    for (int h = w; h < G; h += nw) {
+        float m = NEG_INF;
+        for (int i = lane; i < L; i += 32) m = fmaxf(m, es[h * L + i]);
+        m = as_warp_max(m);
+        const float ms = m == NEG_INF ? 0.0f : m;
+        double sum = 0.0;
+        for (int i = lane; i < L; i += 32) {
+            const float e = expf(es[h * L + i] - ms);
+            es[h * L + i] = e;
+            sum += (double)e;
+        }
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            part_m[slot * G + h] = m;
+            part_s[slot * G + h] = sum;
+        }
+    }
+    __syncthreads();
+
+    // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in order.
+    float4* po = (float4*)(part_o + slot * G * hd);
+    float4* red4 = (float4*)red;
+    for (int h0 = 0; h0 < G; h0 += hr) {
+        const int nh = min(hr, G - h0);
+        for (int hh = 0; hh < nh; hh++) {
+            const int h = h0 + hh;
+            float4 acc[CW];
+#pragma unroll
+            for (int c = 0; c < CW; c++) acc[c] = zero;
+#pragma unroll
+            for (int p = 0; p < AS_PPW; p++) {
+                const float e = es[h * L + p * nw + w];
+#pragma unroll
+                for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
+            }
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                const int col = lane + 32 * c;
+                if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < nh * hd4; i += blockDim.x) {
+            float4 a = red4[i];
+            for (int u = 1; u < nw; u++) a = as_add4(a, red4[u * nh * hd4 + i]);
+            po[h0 * hd4 + i] = a;
+        }
+        __syncthreads();
+    }
+
+    // The last block of this KV head to arrive combines. As cooperative groups' grid sync: the
+    // block's partials are ordered before thread 0's fence and arrival by the barrier, and the
+    // last block's reads after its fence by the barrier that follows (they bypass L1: __ldcg).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned t = atomicAdd(cnt + kvh, 1u);
+        as_last = t == (unsigned)(S - 1);
+        if (as_last) {
+            atomicExch(cnt + kvh, 0u);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!as_last) return;
+
+    float* Ms = red;
+    float* Is = red + G;
+    float4* acc4 = (float4*)(red + ((2 * G + 3) & ~3));
+    const size_t ms_stride = (size_t)KV * G;
+    const float* pm = part_m + (size_t)kvh * G;
+    const double* ps = part_s + (size_t)kvh * G;
+    for (int h = w; h < G; h += nw) {
+        float m = NEG_INF;
+        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(pm + s * ms_stride + h));
+        m = as_warp_max(m);
+        double sum = 0.0;
+        for (int s = lane; s < S; s += 32)
+            sum += (double)expf(__ldcg(pm + s * ms_stride + h) - m) * __ldcg(ps + s * ms_stride + h);
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            Ms[h] = m;
+            Is[h] = (float)(1.0 / sum);
+        }
+    }
+    __syncthreads();
+
+    const int R = max(1, (int)blockDim.x / ncol);
+    const float4* pc = (const float4*)(part_o + (size_t)kvh * G * hd);
+    const size_t o_stride = (size_t)KV * ncol;
+    for (int t = threadIdx.x; t < R * ncol; t += blockDim.x) {
+        const int r = t / ncol, c = t - r * ncol, h = c / hd4;
+        const float M = Ms[h];
+        float4 a = zero;
+        int s = r;
+        // Eight splits' loads in flight, then their terms in split order.
+        for (; s + 7 * R < S; s += 8 * R) {
+            float m8[8];
+            float4 o8[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                m8[u] = __ldcg(pm + (size_t)(s + u * R) * ms_stride + h);
+                o8[u] = __ldcg(pc + (size_t)(s + u * R) * o_stride + c);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) a = as_fma4(expf(m8[u] - M), o8[u], a);
+        }
+        for (; s < S; s += R)
+            a = as_fma4(expf(__ldcg(pm + (size_t)s * ms_stride + h) - M), __ldcg(pc + (size_t)s * o_stride + c), a);
+        acc4[t] = a;
+    }
+    __syncthreads();
+
+    float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
+    for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
+        const int c = c0 + lane;
+        const bool live = c < ncol;
+        float4 a = zero;
+        if (live) {
+            a = acc4[c];
+            for (int r = 1; r < R; r++) a = as_add4(a, acc4[r * ncol + c]);
+            const float inv = Is[c / hd4];
+            a = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            out4[c] = a;
+        }
+        if (xq) x_limbs4(a, kvh * ncol + c, xq, n_heads * hd, live);
+    }
+}
+
+// q [1, H·hd], k/v [≥ pos0 + 1, KV·hd] (16-byte aligned rows: hd % 4 == 0), out [1, H·hd]; part
+// and cnt as above (s_cap splits); xq null or the row's limbs. Grid: KV · (live splits, or s_cap
+// for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
+// bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
+// (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
+#define GQA_SPLIT(NAME, CW)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                     \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
+        float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
+        int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
+        float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
+        const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);      \
+    }
+GQA_SPLIT(gqa_split_128, 1)
+GQA_SPLIT(gqa_split_256, 2)

@@ -506,7 +506,7 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // FMA work, not by memory: the same time for the same weights, although Q8_0 has twice the bytes).
 //
 // Precision argument. x_limbs4 (common.cuh: in the pre-pass gemv_x_limbs, one launch per x, or
-// in the norm or SwiGLU that wrote a decode row) writes, for every block of 32
+// in the norm, SwiGLU or split GQA attention that wrote a decode row) writes, for every block of 32
 // x values with max |x| = m·2^e (m in [0.5, 1)), y = x·2^-e·(127/m) (|y| ≤ 127) as three int8
 // limbs y ≈ l0 + l1/128 + l2/128² (l0 = rint(y), l1 = rint(128·(y − l0)), l2 = rint(128·(128·(y −
 // l0) − l1)); every subtraction and ×128 is exact), so |y − limbs| ≤ 2^-15: each x is carried to

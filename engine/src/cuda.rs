@@ -14,15 +14,19 @@
 //!   share x (`linear_many`) share its x pre-pass. Other types and shapes keep the SIMT `matmul_*`.
 //! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`;
 //!   Q4_K/Q4_1 rows of 128 units or more in the integer form: dp4a on x in int8 limbs, which a
-//!   decode row's norm or SwiGLU writes beside the row, [`DevBuf`]'s `limbs`, else a pre-pass),
+//!   decode row's norm, SwiGLU or split GQA attention writes beside the row, [`DevBuf`]'s
+//!   `limbs`, else a pre-pass),
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
 //!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
 //!   `cuda_gemv_tc.rs`).
 //! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
 //!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
 //!   tiles staged once for the group's query heads, online softmax; `cuda_attn.rs`,
-//!   `LLMDIFF_ATTN_TILED=0` turns it off, `=1` takes it for every n > 1); decode, the recorded
-//!   decode step and MLA keep a block per (token, head).
+//!   `LLMDIFF_ATTN_TILED=0` turns it off, `=1` takes it for every n > 1); GQA decode (n = 1, op
+//!   by op and recorded) takes the split kernel (a block per chunk of positions and KV head, the
+//!   last block of a KV head combining the chunks in a fixed order and writing the row's limbs
+//!   for the o-projection; `LLMDIFF_ATTN_SPLIT=0` turns it off, `=16|32|64` sets the chunk);
+//!   MLA and the shapes neither takes keep a block per (token, head).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
@@ -39,8 +43,9 @@
 //! - Decode graphs ([`Backend::graph_begin`]/[`Backend::graph_end`]): a plain decode step's work
 //!   is recorded by stream capture and replayed as one `cuGraphLaunch` per token. While recording,
 //!   RoPE, the KV append and GQA attention take their `*_dpos` forms, which read the position
-//!   from a device word set before each replay, and attention's shared memory is sized for the
-//!   KV cache's capacity; an allocation, a shifted KV slot or MLA attention during the recording
+//!   from a device word set before each replay (the split attention's grid and partials cover the
+//!   KV cache's capacity; the per-(token, head) kernel's shared memory is sized for it); an
+//!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
 //!   `cuLaunchKernel` (cudarc's builder adds nothing measurable); a graph node costs ~0.7 µs.
 //!
@@ -64,7 +69,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 mod attn;
 #[path = "cuda_gemm.rs"]
 mod gemm;
-pub use attn::AttnBench;
+pub use attn::{AttnBench, AttnDecodeBench};
 pub use gemm::GemmBench;
 
 #[path = "cuda_gemv_tc.rs"]
@@ -263,7 +268,7 @@ pub struct DevBuf {
     len: usize,
     pool: Arc<BufPool>,
     /// The integer GEMV's x limbs of these `len` values (the `gemv_x_limbs` layout), when the op
-    /// that wrote them wrote those too (a decode row's RMSNorm or SwiGLU: see
+    /// that wrote them wrote those too (a decode row's RMSNorm, SwiGLU or split GQA attention: see
     /// `CudaBackend::limbs_out`), so the GEMV that reads this row skips its pre-pass. Every other
     /// write drops them: writes go through `dev_mut` (or set `len`), which clear this.
     limbs: Option<Box<Buf>>,
@@ -1760,6 +1765,10 @@ impl Backend for CudaBackend {
                 return;
             }
         }
+        // Decode: the split kernel (cuda_attn.rs; recorded too), unless LLMDIFF_ATTN_SPLIT=0.
+        if n == 1 && self.gqa_split(q, k, v, pos0, shape, out) {
+            return;
+        }
         let threads = attn_threads(slots, self.sms);
         let args = [
             pos0 as i32,
@@ -1957,6 +1966,23 @@ fn compare(case: String, gpu: &[f32], cpu: &[f32], tol: f64) -> KernelCheck {
         max_abs,
         tol,
         pass,
+    }
+}
+
+/// [`compare`] for outputs that should hold NaN or inf: passes when `gpu` is non-finite exactly
+/// where `cpu` is (and `cpu` somewhere is) and the finite rest agrees within `tol`.
+fn compare_nonfinite(case: String, gpu: &[f32], cpu: &[f32], tol: f64) -> KernelCheck {
+    let same = gpu.len() == cpu.len() && gpu.iter().zip(cpu).all(|(a, b)| a.is_finite() == b.is_finite());
+    let (g, c): (Vec<f32>, Vec<f32>) = gpu
+        .iter()
+        .zip(cpu)
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .map(|(a, b)| (*a, *b))
+        .unzip();
+    let r = compare(case, &g, &c, tol);
+    KernelCheck {
+        pass: r.pass && same && cpu.iter().any(|v| !v.is_finite()),
+        ..r
     }
 }
 
@@ -2197,9 +2223,10 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
-        // The limbs a decode row's RMSNorm, add+RMSNorm or SwiGLU writes beside it (DevBuf::limbs):
-        // the GEMV that reads them gives bit for bit what it gives after its own pre-pass, and a
-        // later write to the row (an add) drops them, so the next GEMV sees the new values.
+        // The limbs a decode row's RMSNorm, add+RMSNorm, SwiGLU or GQA attention (the split kernel,
+        // 32/8 heads of 128 over 300 positions) writes beside it (DevBuf::limbs): the GEMV that
+        // reads them gives bit for bit what it gives after its own pre-pass, and a later write to
+        // the row (an add) drops them, so the next GEMV sees the new values.
         {
             let (ty, d, rows) = (GgmlType::Q4K, 4096, 37);
             let bytes = test_bytes(ty, rows, d, 90);
@@ -2211,9 +2238,22 @@ impl CudaBackend {
                 self.linear(b, 1, w, &mut o);
                 self.download(&o)
             };
-            for producer in ["rms_norm", "add_rms_norm", "swiglu"] {
+            let attn_shape = GqaShape {
+                n_heads: 32,
+                n_kv_heads: 8,
+                head_dim: d / 32,
+                scale: 1.0 / ((d / 32) as f32).sqrt(),
+            };
+            let ctx = 300;
+            let (kc, vc) = (noise(ctx * d / 4, 94), noise(ctx * d / 4, 95));
+            for producer in ["rms_norm", "add_rms_norm", "swiglu", "gqa_attention"] {
+                let expect = expect && (producer != "gqa_attention" || self.attn_split_plan(attn_shape).is_some());
                 let mut row = self.alloc(d);
                 match producer {
+                    "gqa_attention" => {
+                        let (kd, vd) = (self.upload(&kc), self.upload(&vc));
+                        self.gqa_attention(&self.upload(&x), &kd, &vd, ctx - 1, attn_shape, &mut row)
+                    }
                     "rms_norm" => self.rms_norm(&self.upload(&x), &wn, 1e-5, &mut row),
                     "add_rms_norm" => {
                         self.add_rms_norm(&mut self.upload(&x), &self.upload(&a), false, &wn, 1e-5, &mut row)
@@ -2512,8 +2552,10 @@ impl CudaBackend {
             });
             out.push(compare("SWIGLU(ne=[1001])".into(), &g, &c, 1e-6));
         }
-        // The per-(token, head) kernel in prefill too (the tiled one has its own cases below).
+        // The per-(token, head) kernel in prefill and decode (the tiled and split ones have their
+        // own cases below).
         let tiled = self.attn.set(false);
+        let split = self.attn.set_split(0);
         for (pos0, n, hd) in [
             (0usize, 7usize, 40usize),
             (7, 1, 40),
@@ -2568,6 +2610,7 @@ impl CudaBackend {
             ));
         }
         self.attn.set(tiled);
+        self.attn.set_split(split);
         {
             let parts: Vec<Vec<f32>> = (0..8).map(|r| noise(999, 30 + r)).collect();
             let (g, c) = both(self, |be| {
@@ -2686,7 +2729,15 @@ impl CudaBackend {
         out.extend(self.gemm_checks());
         out.extend(self.gemv_tc_checks());
         out.extend(self.attn_tiled_checks());
-        out.push(self.check_decode_graph());
+        out.extend(self.attn_split_checks());
+        // The recorded step with the split decode attention (at its setting, the default where it
+        // is off) and with the per-(token, head) kernel.
+        let split = self.attn.split_chunk();
+        for chunk in [if split == 0 { attn::SPLIT_CHUNK_DEFAULT } else { split }, 0] {
+            self.attn.set_split(chunk);
+            out.push(self.check_decode_graph(chunk));
+        }
+        self.attn.set_split(split);
         out
     }
 
@@ -2694,7 +2745,7 @@ impl CudaBackend {
     /// graph at one position and replayed at the next, against the same ops launched one by one
     /// on this GPU: bit-exact (the same kernels, the position read from device memory), and the
     /// last value says whether the recorded side really was recorded and replayed (1).
-    fn check_decode_graph(&self) -> KernelCheck {
+    fn check_decode_graph(&self, split: usize) -> KernelCheck {
         let (hd, nh, nkv, pos0) = (64usize, 4usize, 2usize, 37usize);
         let (kw, qw) = (nkv * hd, nh * hd);
         let shape = GqaShape {
@@ -2754,7 +2805,14 @@ impl CudaBackend {
         };
         let (g, c) = (run(true), run(false));
         compare(
-            format!("DECODE_GRAPH(rope+kv_append+gqa,hd={hd},heads={nh}/{nkv},pos0={pos0},replayed at pos0+1)"),
+            format!(
+                "DECODE_GRAPH(rope+kv_append+gqa,hd={hd},heads={nh}/{nkv},pos0={pos0},replayed at pos0+1,attn={})",
+                if split == 0 {
+                    "per-head".to_string()
+                } else {
+                    format!("split{split}")
+                }
+            ),
             &g,
             &c,
             0.0,

@@ -1,22 +1,37 @@
-//! The tiled prefill GQA attention (`gqa_attn_tiled_<HD>` in `kernels/attention.cu`): which calls
-//! take it, its launch, its checks against the CPU engine, and its benchmark beside the
-//! per-(token, head) kernel.
+//! GQA attention beside the per-(token, head) kernel: the tiled prefill kernel
+//! (`gqa_attn_tiled_<HD>`) and the split-context decode kernel (`gqa_split_<HD>`, flash-decoding),
+//! both in `kernels/attention.cu`: which calls take them, their launches, their checks against
+//! the CPU engine, and their benchmarks beside the per-(token, head) kernel.
 //!
-//! Selection: [`Backend::gqa_attention`] with n > 1 new tokens making at least 32 rows (n ·
-//! H/KV; any n > 1 with `LLMDIFF_ATTN_TILED=1`), not being recorded into a decode graph,
+//! Tiled prefill. Selection: [`Backend::gqa_attention`] with n > 1 new tokens making at least 32
+//! rows (n · H/KV; any n > 1 with `LLMDIFF_ATTN_TILED=1`), not being recorded into a decode graph,
 //! head_dim ≤ 256, n_heads a multiple of n_kv_heads and the block's shared memory within the
-//! device's opt-in limit, unless `LLMDIFF_ATTN_TILED=0`; decode (n = 1), short chunks, the
-//! captured `gqa_attention_dpos` and MLA keep the per-(token, head) kernels. A block owns 64 (token, query
+//! device's opt-in limit, unless `LLMDIFF_ATTN_TILED=0`; short chunks and MLA keep the
+//! per-(token, head) kernels. A block owns 64 (token, query
 //! head) rows of one KV head, so the G = H/KV query heads that share a KV head read each K/V tile
 //! once, and walks the causal prefix in 32-position tiles with an online softmax (running max;
 //! the denominator summed in f64, the rest f32; see the kernel's comment).
+//!
+//! Split decode. Selection: n = 1 (a decode step, op by op or recorded: `_dpos`), head_dim a
+//! multiple of 4 up to 256, G = H/KV ≤ 16, KV ≤ 1024 and its shared memory within the default 48
+//! KB, unless `LLMDIFF_ATTN_SPLIT=0`. A block per (chunk of L positions, KV head) computes the G
+//! heads' partial softmax (max, Σexp in f64, Σexp·v) over its chunk, and the last block of each
+//! KV head to finish combines the chunks in a fixed order and writes the output row, with its
+//! int8 limbs for the o-projection's integer GEMV when the row takes them. L
+//! (`LLMDIFF_ATTN_SPLIT=16|32|64`, default 32) depends on nothing but that setting, so a
+//! recorded step and an op-by-op one combine the same chunks in the same order (bit for bit).
+//! Each rank (`backend::current_rank`) has its own partials and counters ([`SplitScratch`]),
+//! grown only outside a recording and never freed while the backend lives (a recorded graph
+//! keeps their addresses).
 
-use super::{compare, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck};
+use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::kernels::GqaShape;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Rows ((token, query head) pairs of one KV head) per block (`AT_R` in kernels/attention.cu).
 const AT_R: usize = 64;
@@ -32,24 +47,75 @@ const AT_THREADS: u32 = 256;
 /// cache), where the per-(token, head) kernel has n·H blocks.
 const AT_MIN_ROWS: usize = AT_R / 2;
 
+/// Positions per warp of the split decode kernel (`AS_PPW`): a block of 32·L/4 threads.
+const AS_PPW: usize = 4;
+/// The split decode kernel's chunk lengths (positions per block; blocks of 128, 256, 512 threads)
+/// and the default.
+const SPLIT_CHUNKS: [usize; 3] = [16, 32, 64];
+pub(super) const SPLIT_CHUNK_DEFAULT: usize = 32;
+/// Most query heads per KV head the split kernel takes. Its block does the G heads' dot products
+/// and rows one after another, and stages the G query rows and G·L scores in shared memory; at
+/// G = 16 (e.g. 32 query heads on 2 KV heads), hd 256 and L 64 that is still within 48 KB, with
+/// room for the warps' partial rows. Wider groups (MQA with many heads) keep the per-(token,
+/// head) kernel, which has H blocks to spread anyway.
+const SPLIT_MAX_GROUP: usize = 16;
+/// KV heads a rank's counters cover.
+const SPLIT_MAX_KV: usize = 1024;
+/// The split kernel's dynamic shared memory budget in floats: 48 KB (no opt-in needed) less 256
+/// bytes for its static shared memory (`as_last`).
+const SPLIT_SMEM_FLOATS: usize = 12 * 1024 - 64;
+
 /// The tiled attention's settings: on unless `LLMDIFF_ATTN_TILED=0` (an atomic so the bench can
 /// switch it), `LLMDIFF_ATTN_TILED=1` takes it for every n > 1 (not only from [`AT_MIN_ROWS`]
-/// rows), and the dynamic shared memory its entries were allowed at load.
+/// rows), and the dynamic shared memory its entries were allowed at load. The split decode
+/// kernel's chunk length (`LLMDIFF_ATTN_SPLIT`: 0 off, 16, 32 or 64; anything else the default
+/// 32; an atomic so the bench can switch it) and each rank's scratch for it.
 pub(super) struct AttnState {
     on: AtomicBool,
     force: bool,
     smem_max: usize,
+    split: AtomicUsize,
+    scratch: Mutex<HashMap<usize, SplitScratch>>,
+}
+
+/// One rank's partials and counters for the split decode kernel (see `gqa_split` in
+/// kernels/attention.cu). `part` only grows, outside a recording; the buffers it replaces are
+/// kept in `retired` (a recorded graph may still hold their addresses), so nothing here is freed
+/// before the backend is.
+struct SplitScratch {
+    /// One counter per KV head, zero between launches (each launch's last block resets it).
+    cnt: CudaSlice<u32>,
+    part: CudaSlice<f32>,
+    retired: Vec<CudaSlice<f32>>,
 }
 
 impl AttnState {
     pub(super) fn new(smem_max: usize) -> AttnState {
         let v = std::env::var("LLMDIFF_ATTN_TILED").ok();
         let v = v.as_deref().map(str::trim);
+        let split = std::env::var("LLMDIFF_ATTN_SPLIT").ok();
+        let split = match split.as_deref().map(str::trim).map(str::parse::<usize>) {
+            Some(Ok(0)) => 0,
+            Some(Ok(c)) if SPLIT_CHUNKS.contains(&c) => c,
+            _ => SPLIT_CHUNK_DEFAULT,
+        };
         AttnState {
             on: AtomicBool::new(v != Some("0")),
             force: v == Some("1"),
             smem_max,
+            split: AtomicUsize::new(split),
+            scratch: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The split decode kernel's chunk length (0: off).
+    pub(super) fn split_chunk(&self) -> usize {
+        self.split.load(Ordering::Relaxed)
+    }
+
+    /// Sets the split decode kernel's chunk length (0: off), returning the previous one.
+    pub(super) fn set_split(&self, chunk: usize) -> usize {
+        self.split.swap(chunk, Ordering::Relaxed)
     }
 
     /// Sets on/off, returning the previous setting.
@@ -77,6 +143,67 @@ pub(super) fn attn_tiled_smem(hd: usize) -> usize {
     (AT_R * qs + AT_BK * qs + AT_BK * hd4 + AT_R * AT_PS) * 4
 }
 
+/// A launch shape of the split decode kernel for one GQA shape and chunk length.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SplitPlan {
+    entry: &'static str,
+    entry_dpos: &'static str,
+    /// Positions per block (L).
+    chunk: usize,
+    threads: u32,
+    /// Heads per round of the partial rows' reduction over the warps (`hr`).
+    hr: usize,
+    /// Dynamic shared memory in bytes.
+    smem: usize,
+}
+
+/// The split decode kernel's launch shape for `shape` at chunk length `chunk`, if it takes the
+/// shape (see the module docs): shared memory (floats) q G·hd, scores G·L, then the larger of
+/// the warps' partial rows (warps·hr·hd) and the combine's (round_up(2G, 4) + 4·R·G·hd/4, R =
+/// max(1, threads / (G·hd/4))), as `gqa_split` in kernels/attention.cu lays it out; hr is as
+/// many heads as fit in the 48 KB budget.
+fn split_plan(shape: GqaShape, chunk: usize) -> Option<SplitPlan> {
+    let (h, kv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+    if !SPLIT_CHUNKS.contains(&chunk) || kv == 0 || kv > SPLIT_MAX_KV || h % kv != 0 {
+        return None;
+    }
+    let g = h / kv;
+    if g > SPLIT_MAX_GROUP || hd == 0 || hd % 4 != 0 || hd > 256 {
+        return None;
+    }
+    let nw = chunk / AS_PPW;
+    let threads = 32 * nw;
+    let ncol = g * hd / 4;
+    let r = (threads / ncol).max(1);
+    let comb = (2 * g).div_ceil(4) * 4 + 4 * r * ncol;
+    let fixed = g * hd + g * chunk;
+    let avail = SPLIT_SMEM_FLOATS.checked_sub(fixed)?;
+    let hr = (avail / (nw * hd)).min(g);
+    if hr == 0 || comb > avail {
+        return None;
+    }
+    let (entry, entry_dpos) = if hd <= 128 {
+        ("gqa_split_128", "gqa_split_128_dpos")
+    } else {
+        ("gqa_split_256", "gqa_split_256_dpos")
+    };
+    Some(SplitPlan {
+        entry,
+        entry_dpos,
+        chunk,
+        threads: threads as u32,
+        hr,
+        smem: (fixed + (nw * hr * hd).max(comb)) * 4,
+    })
+}
+
+/// Floats of the split kernel's partials for `s_cap` chunks: Σexp (f64) and the max per (chunk,
+/// KV head, head), then from a multiple of 4 the partial rows (see `gqa_split`).
+fn split_words(s_cap: usize, kv: usize, g: usize, hd: usize) -> usize {
+    let n = s_cap * kv * g;
+    (3 * n).div_ceil(4) * 4 + n * hd
+}
+
 /// A timing of the prefill attention: the per-(token, head) kernel and the tiled one.
 #[derive(Clone, Debug)]
 pub struct AttnBench {
@@ -85,6 +212,18 @@ pub struct AttnBench {
     pub old_s: f64,
     /// Seconds per call, tiled kernel.
     pub tiled_s: f64,
+}
+
+/// A timing of decode attention (one new token after `ctx - 1` cached positions): the
+/// per-(token, head) kernel, then the split one at each chunk length (NaN where it does not take
+/// the shape). The split timings include its writing the output's limbs where the row takes them.
+#[derive(Clone, Debug)]
+pub struct AttnDecodeBench {
+    pub case: String,
+    /// Seconds per call, per-(token, head) kernel.
+    pub old_s: f64,
+    /// (chunk length, seconds per call) of the split kernel.
+    pub split_s: Vec<(usize, f64)>,
 }
 
 impl CudaBackend {
@@ -151,6 +290,275 @@ impl CudaBackend {
         // k and v (pos0 + n)·KV·hd, H % KV == 0, hd within the entry's width, shared memory as
         // attn_tiled_smem (allowed at load up to smem_max).
         ok(unsafe { b.launch(cfg) });
+    }
+
+    /// The split decode kernel's launch shape for `shape` under the current setting, if it is on
+    /// and takes the shape.
+    pub(super) fn attn_split_plan(&self, shape: GqaShape) -> Option<SplitPlan> {
+        split_plan(shape, self.attn.split.load(Ordering::Relaxed))
+    }
+
+    /// A decode step's GQA attention (n = 1) on the split kernel, if it takes the shape: true when
+    /// launched. While recording, the `_dpos` form; where this rank's scratch cannot serve the
+    /// recording (it grows only outside one), the recording is spoiled (run once, not kept) and
+    /// false sends the caller to the per-(token, head) kernel.
+    pub(super) fn gqa_split(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) -> bool {
+        let Some(plan) = self.attn_split_plan(shape) else {
+            return false;
+        };
+        if self.launch_gqa_split(&plan, q, k, v, out, pos0, self.capturing(), shape) {
+            return true;
+        }
+        self.spoil("attention split scratch");
+        false
+    }
+
+    /// Launches the split decode kernel on q [1, H·hd], k/v (at least pos0 + 1 rows of KV·hd; their
+    /// capacity counts), out [1, H·hd]: the plain form at `pos0`, or with `dpos` the `_dpos` form,
+    /// which reads the position word and has a grid for the caches' capacity (a recording; `pos0`
+    /// is then only checked against the capacity). The partials are sized for the capacity in both
+    /// forms, so an op-by-op step leaves the scratch that a recording at the same capacity needs.
+    /// Where the row takes them (H·hd a multiple of 128 and wide enough, see `limbs_out`; G·hd a
+    /// multiple of 32) the kernel also writes the row's limbs, attached to `out` as rms_norm does.
+    /// False, with nothing launched, while recording if this rank's scratch is missing or too small.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_gqa_split(
+        &self,
+        plan: &SplitPlan,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        out: &mut Buf,
+        pos0: usize,
+        dpos: bool,
+        shape: GqaShape,
+    ) -> bool {
+        let (h, kv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
+        let g = h / kv;
+        assert!(
+            out.len() == h * hd && q.len() == h * hd,
+            "gqa_split: q and out are not one row"
+        );
+        let cap_rows = dev(k).len().min(dev(v).len()) / (kv * hd);
+        assert!(
+            pos0 < cap_rows,
+            "gqa_split: position {pos0} past the caches' {cap_rows} rows"
+        );
+        let s_cap = cap_rows.div_ceil(plan.chunk);
+        let words = split_words(s_cap, kv, g, hd);
+        let recording = self.capturing();
+        let rank = crate::backend::current_rank();
+        let mut map = self.attn.scratch.lock().expect("split scratch");
+        let sc = match map.entry(rank) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(_) if recording => return false,
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(SplitScratch {
+                cnt: ok(self.stream.alloc_zeros::<u32>(SPLIT_MAX_KV)),
+                // SAFETY: the kernel writes every partial it reads (see gqa_split).
+                part: ok(unsafe { self.stream.alloc::<f32>(words.next_power_of_two()) }),
+                retired: Vec::new(),
+            }),
+        };
+        if sc.part.len() < words {
+            if recording {
+                return false;
+            }
+            // SAFETY: as above.
+            let grown = ok(unsafe { self.stream.alloc::<f32>(words.next_power_of_two()) });
+            let old = std::mem::replace(&mut sc.part, grown);
+            sc.retired.push(old);
+        }
+        if recording {
+            self.limit_rows(cap_rows);
+        }
+        let xq = if (g * hd) % 32 == 0 {
+            self.limbs_out(out.len(), h * hd)
+        } else {
+            None
+        };
+        let live = (pos0 + 1).div_ceil(plan.chunk);
+        let blocks = kv * if dpos { s_cap } else { live };
+        let args = [h as i32, kv as i32, hd as i32];
+        let (p0, s_cap_i, hr, null) = (pos0 as i32, s_cap as i32, plan.hr as i32, 0u64);
+        let mut b = self
+            .stream
+            .launch_builder(self.func(if dpos { plan.entry_dpos } else { plan.entry }));
+        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
+        b.arg(&sc.part).arg(&sc.cnt);
+        match &xq {
+            Some(x) => b.arg(dev(x)),
+            None => b.arg(&null),
+        };
+        if dpos {
+            b.arg(&*self.pos_dev);
+        } else {
+            b.arg(&p0);
+        }
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&shape.scale).arg(&s_cap_i).arg(&hr);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (plan.threads, 1, 1),
+            shared_mem_bytes: plan.smem as u32,
+        };
+        // SAFETY: matches gqa_split_* in kernels/attention.cu: q and out hold H·hd floats, k and v
+        // cap_rows ≥ pos0 + 1 rows of KV·hd (hd % 4 == 0, 16-byte aligned rows), part
+        // split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV zeroed counters (this rank's,
+        // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
+        // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
+        // memory as split_plan.
+        ok(unsafe { b.launch(cfg) });
+        drop(map);
+        super::attach_limbs(out, xq);
+        true
+    }
+
+    /// Sets the position word the `_dpos` kernels read.
+    fn set_pos_word(&self, pos: usize) {
+        let p = pos as i32;
+        let mut b = self.stream.launch_builder(self.func("set_i32"));
+        b.arg(&*self.pos_dev).arg(&p);
+        // SAFETY: matches set_i32 in kernels/ops.cu; pos_dev holds one int.
+        ok(unsafe { b.launch(LaunchConfig::for_num_elems(1)) });
+    }
+
+    /// The split decode kernel against the CPU engine (tolerance 1e-5 as the other attention
+    /// checks) at its chunk length (the default 32 where `LLMDIFF_ATTN_SPLIT=0`): heads/KV 4/4
+    /// (G = 1), 6/2, 32/8 and 16/2 (G = 8) at hd 64, 128 and 68 over contexts 1, 2, 63, 64, 65,
+    /// 1000 and 4097; hd 256 and 200 (two float4 columns a lane, the second partial), G = 16;
+    /// chunk lengths 16 and 64; `sharp` cases (q ×8, keys scaled up along the positions, so the
+    /// chunks' maxima differ widely); NaN in q, k or v and inf in v (`x=`: passes when the output
+    /// is non-finite exactly where the CPU engine's is and the rest agrees). The caches have 37
+    /// rows of NaN past the context (a row the kernel must not read), the output is NaN-filled
+    /// first (an element left unwritten fails). `form=op` is the plain kernel, run twice (the
+    /// second must be bitwise the first: the counters were reset); `form=dpos` the `_dpos` form
+    /// (position word, grid for the capacity), which must also be bitwise the plain one.
+    pub(super) fn attn_split_checks(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
+        let configured = self.attn.split.load(Ordering::Relaxed);
+        let chunk0 = if configured == 0 {
+            SPLIT_CHUNK_DEFAULT
+        } else {
+            configured
+        };
+        let mut cases: Vec<(usize, usize, usize, usize, usize, &'static str)> = Vec::new();
+        for (h, kv) in [(4usize, 4usize), (6, 2), (32, 8), (16, 2)] {
+            for hd in [64usize, 128, 68] {
+                for ctx in [1usize, 2, 63, 64, 65, 1000, 4097] {
+                    cases.push((h, kv, hd, ctx, chunk0, ""));
+                }
+            }
+        }
+        for (h, kv, hd, ctx) in [
+            (16, 1, 256, 65),
+            (16, 1, 256, 1000),
+            (8, 2, 200, 1000),
+            (16, 1, 128, 4097),
+        ] {
+            cases.push((h, kv, hd, ctx, chunk0, ""));
+        }
+        for chunk in [16usize, 64] {
+            for (h, kv, hd, ctx) in [(32, 8, 128, 63), (32, 8, 128, 1000), (32, 8, 128, 4097), (6, 2, 68, 65)] {
+                cases.push((h, kv, hd, ctx, chunk, ""));
+            }
+        }
+        for (h, kv, hd, ctx) in [
+            (32, 8, 128, 1000),
+            (32, 8, 128, 4097),
+            (6, 2, 68, 1000),
+            (4, 4, 64, 4097),
+        ] {
+            cases.push((h, kv, hd, ctx, chunk0, "sharp"));
+        }
+        for x in ["nan_q", "nan_k", "nan_v", "inf_v"] {
+            cases.push((32, 8, 128, 1000, chunk0, x));
+        }
+        cases.push((6, 2, 68, 65, chunk0, "nan_k"));
+        const PAD: usize = 37;
+        for (h, kv, hd, ctx, chunk, kind) in cases {
+            let s = GqaShape {
+                n_heads: h,
+                n_kv_heads: kv,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let kvw = kv * hd;
+            let pos0 = ctx - 1;
+            let extra = if kind.is_empty() {
+                String::new()
+            } else if kind == "sharp" {
+                ",sharp".into()
+            } else {
+                format!(",x={kind}")
+            };
+            let name =
+                |form: &str| format!("ATTN_GQA_SPLIT(H={h},KV={kv},hd={hd},ctx={ctx},L={chunk}{extra},form={form})");
+            let Some(plan) = split_plan(s, chunk) else {
+                for form in ["op", "dpos"] {
+                    out.push(KernelCheck {
+                        case: name(form),
+                        rel_l2: f64::NAN,
+                        max_abs: f64::NAN,
+                        tol: 1e-5,
+                        pass: false,
+                    });
+                }
+                continue;
+            };
+            let seed = (h * 1000 + hd * 10 + ctx) as u64;
+            let mut q = noise(h * hd, seed);
+            let mut k = noise(ctx * kvw, seed + 1);
+            let mut v = noise(ctx * kvw, seed + 2);
+            match kind {
+                "sharp" => {
+                    q.iter_mut().for_each(|x| *x *= 8.0);
+                    for (j, row) in k.chunks_exact_mut(kvw).enumerate() {
+                        let f = 0.5 + j as f32 / ctx as f32;
+                        row.iter_mut().for_each(|x| *x *= f);
+                    }
+                }
+                "nan_q" => q[hd + 5] = f32::NAN,
+                "nan_k" => k[(ctx / 2) * kvw + 3] = f32::NAN,
+                "nan_v" => v[(ctx / 3) * kvw + kvw - 1] = f32::NAN,
+                "inf_v" => v[(7 % ctx) * kvw + hd.min(kvw - 1)] = f32::INFINITY,
+                _ => {}
+            }
+            k.extend(std::iter::repeat_n(f32::NAN, PAD * kvw));
+            v.extend(std::iter::repeat_n(f32::NAN, PAD * kvw));
+            let c = {
+                let be = &CpuBackend;
+                let mut o = be.alloc(h * hd);
+                be.gqa_attention(&be.upload(&q), &be.upload(&k), &be.upload(&v), pos0, s, &mut o);
+                be.download(&o)
+            };
+            let (qd, kd, vd) = (self.upload(&q), self.upload(&k), self.upload(&v));
+            let run = |dpos: bool| {
+                let mut o = self.upload(&vec![f32::NAN; h * hd]);
+                if dpos {
+                    self.set_pos_word(pos0);
+                }
+                let launched = self.launch_gqa_split(&plan, &qd, &kd, &vd, &mut o, pos0, dpos, s);
+                assert!(launched, "gqa_split: not launched outside a recording");
+                self.download(&o)
+            };
+            let (g1, g2, g3) = (run(false), run(false), run(true));
+            let bitwise =
+                |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            let check = |form: &str, g: &[f32], same: bool| {
+                let mut r = if kind.starts_with("nan") || kind.starts_with("inf") {
+                    compare_nonfinite(name(form), g, &c, 1e-5)
+                } else {
+                    compare(name(form), g, &c, 1e-5)
+                };
+                r.pass &= same;
+                r
+            };
+            out.push(check("op", &g1, bitwise(&g1, &g2)));
+            out.push(check("dpos", &g3, bitwise(&g1, &g3)));
+        }
+        out
     }
 
     /// The tiled kernel against the CPU engine (tolerance 1e-5 as the other attention checks):
@@ -248,6 +656,64 @@ impl CudaBackend {
             out.push(compare(case, &g, &c, 1e-5));
         }
         out
+    }
+
+    /// Times decode GQA attention (one new token, `ctx` positions in the cache) with `h` query
+    /// heads, `kv` KV heads of width `hd`: the per-(token, head) kernel, then the split one at each
+    /// chunk length, on the same device buffers; the mean of `iters` calls each, after two warm-up
+    /// calls. Where the row takes limbs (32·128 = 4096 values does) the split timings include
+    /// writing them, which saves the o-projection's x pre-pass.
+    pub fn bench_attention_decode(
+        &self,
+        ctx: usize,
+        h: usize,
+        kv: usize,
+        hd: usize,
+        iters: usize,
+    ) -> Result<AttnDecodeBench, EngineError> {
+        assert!(ctx > 0, "bench_attention_decode: an empty context");
+        let s = GqaShape {
+            n_heads: h,
+            n_kv_heads: kv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let (q, k, v) = (
+            self.upload(&noise(h * hd, 61)),
+            self.upload(&noise(ctx * kv * hd, 62)),
+            self.upload(&noise(ctx * kv * hd, 63)),
+        );
+        let mut o: Buf = self.alloc(h * hd);
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut time = |chunk: usize| -> Result<f64, EngineError> {
+            let prev = self.attn.set_split(chunk);
+            for _ in 0..2 {
+                self.gqa_attention(&q, &k, &v, ctx - 1, s, &mut o);
+            }
+            let t0 = self.stream.record_event(flags).map_err(drv("event"))?;
+            for _ in 0..iters {
+                self.gqa_attention(&q, &k, &v, ctx - 1, s, &mut o);
+            }
+            let t1 = self.stream.record_event(flags).map_err(drv("event"))?;
+            t1.synchronize().map_err(drv("sync"))?;
+            self.attn.set_split(prev);
+            Ok(t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64)
+        };
+        let old_s = time(0)?;
+        let mut split_s = Vec::new();
+        for chunk in SPLIT_CHUNKS {
+            let t = if split_plan(s, chunk).is_some() {
+                time(chunk)?
+            } else {
+                f64::NAN
+            };
+            split_s.push((chunk, t));
+        }
+        Ok(AttnDecodeBench {
+            case: format!("ATTN_GQA_DECODE(H={h},KV={kv},hd={hd},ctx={ctx})"),
+            old_s,
+            split_s,
+        })
     }
 
     /// Times GQA attention of `n` new tokens at pos0 = 0 (a prefill) with `h` query heads, `kv`

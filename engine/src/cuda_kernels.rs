@@ -101,6 +101,10 @@ impl KernelId {
                 "gqa_attn_tiled_64",
                 "gqa_attn_tiled_128",
                 "gqa_attn_tiled_256",
+                "gqa_split_128",
+                "gqa_split_128_dpos",
+                "gqa_split_256",
+                "gqa_split_256_dpos",
             ]
             .map(String::from)
             .to_vec(),
@@ -409,6 +413,11 @@ mod tests {
                         // gqa_attn_tiled_<HD> come from GQA_TILED(<HD>, <min blocks>).
                         f.strip_prefix("gqa_attn_tiled_")
                             .is_some_and(|hd| src.contains(&format!("GQA_TILED({hd},")))
+                    }
+                    || {
+                        // gqa_split_<HD> and gqa_split_<HD>_dpos come from GQA_SPLIT(gqa_split_<HD>, CW).
+                        let base = f.strip_suffix("_dpos").unwrap_or(&f);
+                        f.starts_with("gqa_split_") && src.contains(&format!("GQA_SPLIT({base},"))
                     }
                     || {
                         // matvec_/matmul_/gather_ entry points come from the MATMUL_ENTRY macro.

@@ -1,6 +1,6 @@
 """Summarizes `llmdiff kernels --bench --json` (tests/gpu/h200_*.sh): the copy bandwidth, then per
 GEMV case the default variant and the three fastest, then the prefill GEMM paths and the
-attention bench when present."""
+attention benches when present."""
 import json
 import sys
 
@@ -24,3 +24,6 @@ for g in d.get("gemm_bench", []):
     print(g["case"], " | ".join(f"{p['path']} {p['seconds'] * 1e6:.1f} us {p['tflops']:.1f} TF" for p in g["paths"]))
 if "attention_bench" in d:
     print("attention", d["attention_bench"])
+for a in d.get("attention_decode_bench", []):
+    parts = " | ".join(f"L={s['chunk']} {s['seconds'] * 1e6:.1f} us" for s in a["split"])
+    print(a["case"], f"per-head {a['old_seconds'] * 1e6:.1f} us | split {parts}")

@@ -6,8 +6,9 @@
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
 //! variant and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside
 //! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128)
-//! per-(token, head) beside tiled in µs, and the per-launch cost of the launch paths (cudarc's
-//! builder, raw `cuLaunchKernel`, a graph).
+//! per-(token, head) beside tiled in µs, decode GQA attention (one token after 512 and 4096
+//! positions) per-(token, head) beside split at each chunk length, and the per-launch cost of
+//! the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
 
 use crate::cli::KernelsArgs;
@@ -168,6 +169,32 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             );
         }
         doc["attention_bench"] = json!({"case": r.case, "old_seconds": r.old_s, "tiled_seconds": r.tiled_s});
+        // Decode attention (the 8B's 32/8 heads of 128, one token after 512 and 4096 positions):
+        // the per-(token, head) kernel beside the split one at each chunk length.
+        let mut dec = Vec::new();
+        for ctx in [512usize, 4096] {
+            let r = be.bench_attention_decode(ctx, 32, 8, 128, 50)?;
+            if !a.json {
+                let parts: Vec<String> = r
+                    .split_s
+                    .iter()
+                    .map(|(c, s)| format!("L={c} {:>6.1} µs ({:.1}x)", s * 1e6, r.old_s / s))
+                    .collect();
+                println!(
+                    "{:<44} per-(token, head) {:>8.1} µs   split {}",
+                    r.case,
+                    r.old_s * 1e6,
+                    parts.join("  ")
+                );
+            }
+            let split: Vec<_> = r
+                .split_s
+                .iter()
+                .map(|(c, s)| json!({"chunk": c, "seconds": s}))
+                .collect();
+            dec.push(json!({"case": r.case, "old_seconds": r.old_s, "split": split}));
+        }
+        doc["attention_decode_bench"] = json!(dec);
         let lc = be.launch_cost(5000)?;
         if !a.json {
             println!(
