@@ -1,6 +1,7 @@
 """Sums Nsight Compute's gpu__time_duration CSV per kernel name (tests/gpu/h200_*_run.sh); an
 optional second argument divides the totals by that many passes (per decode step), or, as
-`per:NAME`, by the number of launches of kernel NAME (one a pass)."""
+`per:NAME`, by the number of launches of kernel NAME (one a pass). Further arguments
+`cycle:NAME:N` print NAME's mean time by launch index mod N (e.g. a layer's 4 GEMVs)."""
 import collections
 import csv
 import sys
@@ -12,14 +13,24 @@ if not rows:
 h = rows[0]
 ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
 tot, cnt = collections.defaultdict(float), collections.Counter()
+seq = collections.defaultdict(list)
 for r in rows[1:]:
     u, v = r[ui], float(r[vi].replace(",", ""))
     v = v / 1e3 if u in ("ns", "nsecond") else (v * 1e3 if u in ("ms", "msecond") else v)
     name = r[ki].split("(")[0]
     tot[name] += v
     cnt[name] += 1
+    seq[name].append(v)
 arg = sys.argv[2] if len(sys.argv) > 2 else "1"
 steps = float(cnt[arg[4:]] or 1) if arg.startswith("per:") else float(arg)
 print(f"{sum(cnt.values())} kernels over {steps:g} pass(es): {sum(tot.values()) / steps:.1f} us a pass (gpu__time_duration)")
 for k, v in sorted(tot.items(), key=lambda x: -x[1]):
     print(f"{k:40s} n/pass={cnt[k] / steps:6.1f} us/pass {v / steps:9.1f}  mean {v / cnt[k]:7.2f} us")
+for a in sys.argv[3:]:
+    _, name, n = a.split(":")
+    n = int(n)
+    ts = seq.get(name, [])
+    for i in range(n):
+        part = ts[i::n]
+        if part:
+            print(f"{name} launch {i} mod {n}: mean {sum(part) / len(part):7.2f} us over {len(part)}")
