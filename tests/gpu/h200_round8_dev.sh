@@ -44,6 +44,6 @@ if [ "$NCU" = 1 ]; then
   say "ncu decode"
   LLMDIFF_CUDA_GRAPH=0 timeout 90 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip $((2 * K)) --launch-count $((3 * K)) $B bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1 >$W/ncu.csv 2>$W/ncu.err
-  python3 $D/ncu_summary.py $W/ncu.csv per:rope_table ${NCU_CYCLE} 2>&1 | head -24 | tee -a $LOG
+  python3 $D/ncu_summary.py $W/ncu.csv per:rope_table ${NCU_GRID} 2>&1 | head -24 | tee -a $LOG
 fi
 say "done"
