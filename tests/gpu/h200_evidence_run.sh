@@ -1,13 +1,16 @@
 #!/bin/bash
-# Round 7 of issue #8, the evidence call (one device call, under 10 minutes): kernel checks and
-# kernels --bench (GEMV variants against the copy bandwidth, prefill GEMM paths), the healthy and
-# fault matrices on CUDA (faults also on the CPU engine, to compare), model benches (smollm2 and
-# the 8B shape; the 8B prefill also with the old GEMM, LLMDIFF_GEMM_KIND=v1, and decode with the
-# float GEMV, LLMDIFF_GEMV_MODE=0), entropy/gate/generate on CUDA against the CPU engine,
-# diff-layers timed on the 8B shape, and Nsight Compute per-kernel times of 8B decode steps and
-# of a 512-token prefill while time is left. Every step has its own timeout; the most wanted
-# figures come first, since the device call may end before the script does.
-# Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round7_run.sh
+# Issue #8's evidence call (one device call, under 10 minutes; rounds 7 and 8): kernel checks and
+# kernels --bench (GEMV variants against the copy bandwidth, prefill GEMM paths, decode
+# attention), the healthy and fault matrices on CUDA (faults also on the CPU engine, to compare),
+# model benches (smollm2 and the 8B shape, the 8B one also under each BENCH_AB configuration:
+# label=VAR=value[,VAR=value], one fused path or kernel choice turned back), entropy/gate/generate
+# on CUDA against the CPU engine, diff-layers timed on the 8B shape, and Nsight Compute per-kernel
+# times of 8B decode steps (the GEMV per launch shape too) and of a 512-token prefill while time
+# is left. Every step has its own timeout; the most wanted figures come first, since the device
+# call may end before the script does. $OUT gets at most 8 files (a device call returns no more):
+# log.txt (every summary), kernels_check.json, kernels_bench.json, bench.jsonl, healthy.txt,
+# faults.txt, gate_cuda.json.
+# Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_evidence_run.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 B=${LLMDIFF:-$PWD/llmdiff}
 D=$(cd $(dirname $0) && pwd); R=$(cd $D/../.. && pwd)
@@ -38,15 +41,16 @@ import json; d=json.load(open('$W/b.json')); d['label']='$label'; print(json.dum
 }
 bench smollm2 X=1 $M/smollm2-135m.gguf --n-prompt 512 --n-decode 64 --reps 3
 bench 8b X=1 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
-bench 8b-gemm-v1 LLMDIFF_GEMM_KIND=v1 $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
-bench 8b-gemv-mode0 LLMDIFF_GEMV_MODE=0 $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
-[ -n "$EXTRA_BENCH_ENV" ] && bench 8b-extra $EXTRA_BENCH_ENV $M/llama8b.gguf --n-prompt 512 --n-decode 8 --reps 2
+for cfg in $BENCH_AB; do
+  bench 8b-${cfg%%=*} "$(echo ${cfg#*=} | tr ',' ' ')" $M/llama8b.gguf --n-prompt 512 --n-decode 32 --reps 2
+done
 python3 - $OUT/bench.jsonl <<'PY' | tee -a $LOG
 import json, sys
 for l in open(sys.argv[1]):
     d = json.loads(l)
-    print(d["label"], "decode %.3f ms" % (d["decode_s_per_token"] * 1e3), "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]),
-          "prefill_all %.4f s" % d["prefill_s"], "graphs:", (d.get("decode_graphs") or {}).get("logits_bitwise_equal"))
+    g = d.get("decode_graphs") or {}
+    print(d["label"], "decode %.3f ms (with warm-up %.3f, graphs off %.3f)" % (d["decode_s_per_token"] * 1e3, d["decode_s_per_token_with_warmup"] * 1e3, g.get("decode_plain_s_per_token", 0) * 1e3),
+          "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]), "prefill_all %.4f s" % d["prefill_s"], "graphs bitwise:", g.get("logits_bitwise_equal"))
 PY
 say "healthy diff-layers"
 for p in deepseek-v3-mini glm5-mini smollm2-135m; do
@@ -89,7 +93,7 @@ for be in cuda cpu; do
   timeout 60 $B entropy $M/deepseek-v3-mini.gguf --prompts $W/prompts.jsonl --backend $be --tp 2 --against-reference --json >$W/entropy_$be.json 2>>$LOG
   timeout 60 $B generate $M/smollm2-135m.gguf --tokens 1,2,3,4 --max-new-tokens 24 --backend $be --json >$W/generate_$be.json 2>>$LOG
 done
-python3 - $W <<'PY' | tee $OUT/commands_cuda.txt | tee -a $LOG
+python3 - $W <<'PY' | tee -a $LOG
 import json, sys
 w = sys.argv[1]
 for be in ("cuda", "cpu"):
@@ -106,7 +110,7 @@ timeout 120 $B diff-layers $M/llama8b.gguf --tokens $TOK --backend cuda --json >
 echo "rc=$? wall $(python3 -c "print(round($(date +%s.%N)-$T1,2))") s" | tee -a $LOG
 python3 -c "
 import json;d=json.load(open('$W/diff8b.json'))
-print(json.dumps({k:d.get(k) for k in ('verdict','backend','first_divergence','timings_s')}))" | tee $OUT/diff8b.json | tee -a $LOG
+print(json.dumps({k:d.get(k) for k in ('verdict','backend','first_divergence','timings_s')}))" | tee -a $LOG
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 ncu_case() { # name skip count passes args...
   local name=$1 skip=$2 cnt=$3 steps=$4; shift 4
@@ -114,12 +118,11 @@ ncu_case() { # name skip count passes args...
   say "ncu $name"
   LLMDIFF_CUDA_GRAPH=0 timeout 60 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
     --launch-skip $skip --launch-count $cnt $B "$@" >$W/ncu_$name.csv 2>$W/ncu_$name.err
-  python3 $D/ncu_summary.py $W/ncu_$name.csv $steps >$OUT/ncu_$name.txt 2>&1
-  cat $OUT/ncu_$name.txt | head -14 | tee -a $LOG
+  python3 $D/ncu_summary.py $W/ncu_$name.csv $steps $NCU_EXTRA 2>&1 | head -24 | tee -a $LOG
 }
 # Decode: windows of 3 passes after 2 (NCU_DECODE_K kernels a pass; the totals are divided by the
 # launches of rope_table, one a pass, so a wrong K shows as a count other than 3).
-K=${NCU_DECODE_K:-324}
-ncu_case llama8b_decode $((2 * K)) $((3 * K)) per:rope_table bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1
+K=${NCU_DECODE_K:-260}
+NCU_EXTRA="grid:${NCU_GEMV:-gemvw_q4_k_r8_w4_u1_m2}:2" ncu_case llama8b_decode $((2 * K)) $((3 * K)) per:rope_table bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1
 ncu_case llama8b_prefill 0 3000 2 bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 0 --reps 1
 say "all done"
