@@ -275,7 +275,8 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // Q4_K: 32, one 16-byte load of quants, 16 values of
 // sub-block 2j in the low nibbles and the same 16 positions of sub-block 2j+1 in the high ones,
 // plus its super-block's 16-byte header, shared by 8 neighbouring threads, so in both splits the
-// units of a warp are 32 consecutive ones starting at a multiple of 32). x-stationary: thread t
+// units of a warp are 32 consecutive ones starting at a multiple of 32; warp-rows MODE 3 takes
+// pair units of 64 instead, see the integer form below). x-stationary: thread t
 // of a block owns units t, t + T, ... (UPT of them) for every row: it loads its slice of x into registers
 // once (and, for Q4_K, the slice's per-sub-block sums of x), then the block walks groups of R
 // rows (grid-stride), loading the next group's weights while it computes the current one, and
@@ -312,18 +313,32 @@ __device__ __forceinline__ float byte_f(u32 w, float bias) {
 }
 
 template <int TY>
-struct WFrag {
-    uint4 a, h;
-};
-
-template <int TY>
 __host__ __device__ constexpr int gemv_vals() {
     return TY == TY_Q4_K ? 32 : (TY == TY_Q8_0 || TY == TY_Q4_1) ? 16 : 8;
 }
 
-template <int TY>
-__device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<TY>& f) {
-    if constexpr (TY == TY_F16 || TY == TY_BF16) {
+// A unit's weights: its quants (a) and header (h; Q4_K: one word of it, see gemv_load). V is the
+// unit's values: gemv_vals, or 64 for a Q4_K pair unit (warp-rows mode 3: the quants of units
+// 2p and 2p + 1 in a and b, the whole 16-byte header in h).
+template <int TY, int V = gemv_vals<TY>()>
+struct WFrag {
+    uint4 a, h;
+};
+template <>
+struct WFrag<TY_Q4_K, 64> {
+    uint4 a, b, h;
+};
+
+template <int TY, int V>
+__device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<TY, V>& f) {
+    if constexpr (V == 64) {
+        // Pair unit p = u: quant bytes 32p .. 32p+32, and the header of super-block p/4, which
+        // the 4 lanes of a super-block load alike (one 128-byte run of 8 headers per warp).
+        static_assert(TY == TY_Q4_K, "pair units are Q4_K only");
+        f.a = ldg16(row + 32 * u);
+        f.b = ldg16(row + 32 * u + 16);
+        f.h = ldg16(row + (size_t)(cols >> 8) * 128 + 16 * (u >> 2));
+    } else if constexpr (TY == TY_F16 || TY == TY_BF16) {
         f.a = ldg16(row + 16 * u);
     } else if constexpr (TY == TY_Q8_0) {
         f.a = ldg16(row + 16 * u);
@@ -342,21 +357,31 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
     }
 }
 
+// The 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) from a Q4_K
+// super-block header's words h1 .. h3 (its 12 scale bytes q[0..12)), as the bytes sc0, sc1, m0, m1
+// of one word: for j < 2 the low 6 bits of q[2j], q[2j+1] (in h1) and q[2j+4], q[2j+5] (h2); for
+// j ≥ 2 the low (scales) and high (mins) nibbles of q[2j+4], q[2j+5] (h3) under the top 2 bits of
+// q[2j−4], q[2j−3] (h1, scales) and q[2j], q[2j+1] (h2, mins). Branch-free: j is fixed per lane.
+__device__ __forceinline__ u32 q4k_sm(u32 h1, u32 h2, u32 h3, int j) {
+    const bool hi = j >= 2;
+    const u32 sel = (j & 1) ? 0x7632u : 0x5410u;  // bytes 2(j%2), 2(j%2) + 1 of a word, then of the next
+    const u32 t = __byte_perm(h1, h2, sel);
+    const u32 n = hi ? __byte_perm(h3, h3 >> 4, sel) : t;
+    return (n & 0x0F0F0F0Fu) | ((t >> (hi ? 2 : 0)) & 0x30303030u);
+}
+
 // A Q4_K unit's dot from its two run sums s0 = Σx·q (sub-block 2j) and s1 (2j+1) and the runs'
-// Σx (x0, x1): d·(sc0·s0 + sc1·s1) − dmin·(m0·x0 + m1·x1), with the 6-bit scales and mins of
-// sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) decoded two at a time from the super-block
-// header, whose four words the 8 threads of the super-block hold one each (see gemv_load).
+// Σx (x0, x1): d·(sc0·s0 + sc1·s1) − dmin·(m0·x0 + m1·x1), with d, dmin (word h0) and the scales
+// and mins (q4k_sm) from the super-block header, whose four words the 8 threads of the
+// super-block hold one each (see gemv_load) and gather with 4 shuffles.
 __device__ __forceinline__ float q4k_unit(u32 hword, int u, float s0, float s1, float x0, float x1) {
-    int j = (u & 7) >> 1, sh = (j & 1) * 16;
     const int base = (threadIdx.x & 31) & ~7;
     u32 h0 = __shfl_sync(0xffffffffu, hword, base), h1 = __shfl_sync(0xffffffffu, hword, base + 1);
     u32 h2 = __shfl_sync(0xffffffffu, hword, base + 2), h3 = __shfl_sync(0xffffffffu, hword, base + 3);
-    u32 a = h1 >> sh, bq = h2 >> sh, c = h3 >> sh;
-    u32 sc = j < 2 ? (a & 0x3F3Fu) : ((c & 0x0F0Fu) | ((a >> 2) & 0x3030u));
-    u32 mn = j < 2 ? (bq & 0x3F3Fu) : (((c >> 4) & 0x0F0Fu) | ((bq >> 2) & 0x3030u));
+    const u32 sm = q4k_sm(h1, h2, h3, (u & 7) >> 1);
     float d = f16_to_f32((u16)(h0 & 0xFFFF)), dmin = f16_to_f32((u16)(h0 >> 16));
-    float sc0 = byte_f<0>(sc, 8388608.0f), sc1 = byte_f<1>(sc, 8388608.0f);
-    float m0 = byte_f<0>(mn, 8388608.0f), m1 = byte_f<1>(mn, 8388608.0f);
+    float sc0 = byte_f<0>(sm, 8388608.0f), sc1 = byte_f<1>(sm, 8388608.0f);
+    float m0 = byte_f<2>(sm, 8388608.0f), m1 = byte_f<3>(sm, 8388608.0f);
     return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * x0 + m1 * x1);
 }
 
@@ -512,8 +537,10 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // l0) − l1)); every subtraction and ×128 is exact), so |y − limbs| ≤ 2^-15: each x is carried to
 // 2^-22 of its block's max |x|, finer than the prefill GEMM's x split (2^-22 of the token's max).
 // A unit's run of 16 (Q8_0: its 16 values) gives integer sums D_l = Σ q·l_l (exact in int32);
-// D = 128²·D0 + 128·D1 + D2 is exact too (|D| < 2^29 for 4-bit q; Q8_0 keeps D0 apart) and one
-// I2F rounds it like an f32 sum; × the block's scale s = (m/127)·2^(e−14) gives Σ q·x. The
+// D = 128²·D0 + 128·D1 + D2 is exact too (|l0| ≤ 127, |l1|, |l2| ≤ 64, so for 4-bit q and n
+// values |D| ≤ 15·n·(127·128² + 64·128 + 64): < 2^29 for a run of 16, < 2^30 for a pair unit's
+// sub-block of 32; Q8_0 keeps D0 apart) and one I2F rounds it like an f32 sum; × the block's
+// scale s = (m/127)·2^(e−14) gives Σ q·x. The
 // pre-pass also writes Σx per 8 values (f32) for the offset terms (Q4_K dmin·m·Σx, Q4_1 m·Σx).
 // A block with a non-finite x gets s = NaN (and zero limbs), so NaN and inf reach the output as
 // they do in the float forms; an all-zero block gets s = 0.
@@ -524,12 +551,30 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // were tried and removed: the next step's weights double-buffered in registers, and a ring of
 // steps staged through shared memory by cp.async (both slower).
 //
+// MODE 3 (warp-rows Q4_K, pair units): a thread takes pair p = units 2p, 2p+1 of a row (quant
+// bytes 32p .. 32p+32: all 32 positions of sub-blocks 2j and 2j+1, j = p % 4, low and high
+// nibbles), 64 values, with the whole 16-byte header (one load; the 4 threads of a super-block
+// load the same one) and 64 x values × 3 limbs, both sub-blocks' scales and Σx. Each sub-block's
+// int sums cover its 32 values (one I2F each, |D| < 2^30 as above), the header is decoded once
+// per 64 weights and without shuffles, and the high nibbles stay in place (dp4a on bytes 16q, the
+// 16 taken out exactly in limbs_f16): in SASS ~126 instructions per row per 64 weights at R 4
+// (~121 at R 8), where mode 2 at R 8 spends ~174.
+// A chunk is 32 pairs (2048 values), so a 4096-wide row is 2 chunks, a 14336-wide one 7. Its
+// entries cap registers at 128 (__maxnreg__): ptxas otherwise trades the loads' early issue for
+// fewer registers (the header loads sink towards their use).
+//
 // Layout of the pre-pass's output (bytes, cols % 32 == 0): limb planes 0, 1, 2 (cols int8 each,
 // in x order), then s per 32 values (cols/32 f32), then Σx per 8 values (cols/8 f32).
 
 __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
     int d;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// The same with a's bytes unsigned (0..255).
+__device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
 
@@ -541,27 +586,33 @@ extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restr
     x_limbs4(v, i4, xq, cols, live);
 }
 
-// A unit's x in limbs: l[limb][word] in gemv_dot's word order (Q4_K: words 0..3 the low-nibble
-// run, 4..7 the high-nibble run; Q4_1: 0..1 and 2..3; Q8_0: 0..3), the scale of each run's block
-// (s[0], s[1]; one block for Q4_1 and Q8_0) and Σx of each run (Q4_1: of the unit, in xs[0]).
-template <int TY>
+// A unit's x in limbs: l[limb][word] in gemv_dot's word order (Q4_K: words 0..V/8 the
+// low-nibble run, V/8..V/4 the high-nibble run; Q4_1: 0..1 and 2..3; Q8_0: 0..3), the scale of
+// each run's block (s[0], s[1]; one block for Q4_1 and Q8_0) and Σx of each run (Q4_1: of the
+// unit, in xs[0]). V as in WFrag (a Q4_K pair unit's runs are whole sub-blocks 2j and 2j + 1).
+template <int TY, int V = gemv_vals<TY>()>
 struct XLimbs {
-    u32 l[3][gemv_vals<TY>() / 4];
+    u32 l[3][V / 4];
     float s[2], xs[2];
 };
 
-template <int TY>
-__device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols, int u, XLimbs<TY>& q) {
+template <int TY, int V>
+__device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols, int u, XLimbs<TY, V>& q) {
     const float* sc = (const float*)(xq + 3 * (size_t)cols);
     const float* s8 = sc + cols / 32;
-    const int a = gemv_x_at<TY>(u, 0);
+    const int a = V == 64 ? 64 * u : gemv_x_at<TY>(u, 0);
 #pragma unroll
     for (int l = 0; l < 3; l++) {
         const u8* p = xq + (size_t)l * cols;
         if constexpr (TY == TY_Q4_K) {
-            uint4 v = ldg16(p + a), w = ldg16(p + a + 32);
-            q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
-            q.l[l][4] = w.x, q.l[l][5] = w.y, q.l[l][6] = w.z, q.l[l][7] = w.w;
+            // The low-nibble run's V/2 values at a, the high-nibble run's 32 further on.
+#pragma unroll
+            for (int i = 0; i < V / 32; i++) {
+                uint4 v = ldg16(p + a + 16 * i), w = ldg16(p + a + 32 + 16 * i);
+                q.l[l][4 * i] = v.x, q.l[l][4 * i + 1] = v.y, q.l[l][4 * i + 2] = v.z, q.l[l][4 * i + 3] = v.w;
+                q.l[l][V / 8 + 4 * i] = w.x, q.l[l][V / 8 + 4 * i + 1] = w.y;
+                q.l[l][V / 8 + 4 * i + 2] = w.z, q.l[l][V / 8 + 4 * i + 3] = w.w;
+            }
         } else if constexpr (TY == TY_Q4_1) {
             uint2 v = *(const uint2*)(p + a), w = *(const uint2*)(p + a + 16);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = w.x, q.l[l][3] = w.y;
@@ -570,7 +621,13 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
         }
     }
-    if constexpr (TY == TY_Q4_K) {
+    if constexpr (TY == TY_Q4_K && V == 64) {
+        // Σx of each sub-block from its four sums per 8 (s8 + a/8 is 16-byte aligned: a % 64 == 0).
+        float2 s2 = *(const float2*)(sc + a / 32);
+        float4 x0 = *(const float4*)(s8 + a / 8), x1 = *(const float4*)(s8 + a / 8 + 4);
+        q.s[0] = s2.x, q.s[1] = s2.y;
+        q.xs[0] = (x0.x + x0.y) + (x0.z + x0.w), q.xs[1] = (x1.x + x1.y) + (x1.z + x1.w);
+    } else if constexpr (TY == TY_Q4_K) {
         float2 s2 = *(const float2*)(sc + a / 32);
         float2 x0 = *(const float2*)(s8 + a / 8), x1 = *(const float2*)(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
@@ -583,24 +640,42 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
 
 // 128²·D0 + 128·D1 + D2 as a float (exact in int32 for 4-bit quants, see above).
 __device__ __forceinline__ float limbs_f(int d0, int d1, int d2) { return (float)(d0 * 16384 + d1 * 128 + d2); }
+// The same from 16·D0, 16·D1, 16·D2 (sums over quants 16q, see gemv_dot_q): 16·D2 is a multiple of
+// 16, so its shift is exact, and the sum is the same integer as limbs_f's.
+__device__ __forceinline__ float limbs_f16(int d0, int d1, int d2) { return (float)(d0 * 1024 + d1 * 8 + (d2 >> 4)); }
 
 // One unit's dot in the integer form: the same value as gemv_dot's, to the precision argued above.
-template <int TY>
-__device__ __forceinline__ float gemv_dot_q(const WFrag<TY>& f, const XLimbs<TY>& q, int u) {
+template <int TY, int V>
+__device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<TY, V>& q, int u) {
     if constexpr (TY == TY_Q4_K) {
-        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        // Word k holds positions 4k .. 4k+3 of the low-nibble run and of the high-nibble one (a
+        // pair unit's 8 words, a then b: all 32 positions of sub-blocks 2j and 2j + 1).
+        u32 w[V / 8] = {f.a.x, f.a.y, f.a.z, f.a.w};
+        if constexpr (V == 64) w[4] = f.b.x, w[5] = f.b.y, w[6] = f.b.z, w[7] = f.b.w;
         int a[3] = {0, 0, 0}, b[3] = {0, 0, 0};
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+        for (int k = 0; k < V / 8; k++) {
+            // Pair units leave the high nibbles in place (bytes 16q, one op less a word; limbs_f16
+            // takes the 16 out).
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = V == 64 ? w[k] & 0xF0F0F0F0u : (w[k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int l = 0; l < 3; l++) {
                 a[l] = dp4a(lo, q.l[l][k], a[l]);
-                b[l] = dp4a(hi, q.l[l][4 + k], b[l]);
+                b[l] = V == 64 ? dp4a_u8(hi, q.l[l][V / 8 + k], b[l]) : dp4a(hi, q.l[l][V / 8 + k], b[l]);
             }
         }
-        float s0 = limbs_f(a[0], a[1], a[2]) * q.s[0], s1 = limbs_f(b[0], b[1], b[2]) * q.s[1];
-        return q4k_unit(f.h.x, u, s0, s1, q.xs[0], q.xs[1]);
+        if constexpr (V == 64) {
+            // The whole header is the lane's: (d·sc0·s0)·D0 + (d·sc1·s1)·D1 − dmin·(m0·x0 + m1·x1),
+            // the same terms as q4k_unit's, grouped so that the header's part needs no sums.
+            const u32 sm = q4k_sm(f.h.y, f.h.z, f.h.w, u & 3);
+            const float d = f16_to_f32((u16)(f.h.x & 0xFFFF)), dmin = f16_to_f32((u16)(f.h.x >> 16));
+            const float c0 = d * byte_f<0>(sm, 8388608.0f) * q.s[0], c1 = d * byte_f<1>(sm, 8388608.0f) * q.s[1];
+            const float off = dmin * (byte_f<2>(sm, 8388608.0f) * q.xs[0] + byte_f<3>(sm, 8388608.0f) * q.xs[1]);
+            return fmaf(c0, limbs_f(a[0], a[1], a[2]), fmaf(c1, limbs_f16(b[0], b[1], b[2]), -off));
+        } else {
+            float s0 = limbs_f(a[0], a[1], a[2]) * q.s[0], s1 = limbs_f(b[0], b[1], b[2]) * q.s[1];
+            return q4k_unit(f.h.x, u, s0, s1, q.xs[0], q.xs[1]);
+        }
     } else if constexpr (TY == TY_Q4_1) {
         const u32 w[2] = {f.a.x, f.a.y};
         int a[3] = {0, 0, 0};
@@ -749,19 +824,20 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 1, 512)
 GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 
 // Warp-rows GEMV: a block of NW warps computes R rows (grid ⌈rows/R⌉, no grid-stride). Warp w's
-// lane l takes units c + l for the 32-aligned chunks c = 32w, 32w + 32·NW, ... of the row, U
-// chunks per step: the step first issues all U×R weight loads (quants and headers), then per
-// chunk loads that chunk's x (from L1/L2; x is shared by the R rows) and does its R dots. A chunk
-// wholly past the row's end is skipped (a warp-uniform test, so Q4_K's full-warp shuffles in
-// gemv_dot stay whole); in a live chunk the lanes past the end use unit 0 with weight 0. Per-row
-// partial sums stay in registers; at the end each is summed over the warp (warp_sum), then over
-// the NW warps in shared memory in warp order (deterministic). No x slice is kept resident and
-// nothing is double-buffered, so registers are few and many warps keep many loads in flight.
+// lane l takes units c + l (MODE 3: pair units of 64 values) for the 32-aligned chunks c = 32w,
+// 32w + 32·NW, ... of the row, U chunks per step: the step first issues all U×R weight loads
+// (quants and headers), then per chunk loads that chunk's x (from L1/L2; x is shared by the R
+// rows) and does its R dots. A chunk wholly past the row's end is skipped (a warp-uniform test,
+// so Q4_K's full-warp shuffles in gemv_dot stay whole); in a live chunk the lanes past the end
+// use unit 0 with weight 0. Per-row partial sums stay in registers; at the end each is summed
+// over the warp (warp_sum), then over the NW warps in shared memory in warp order
+// (deterministic). No x slice is kept resident and nothing is double-buffered, so registers are
+// few and many warps keep many loads in flight.
 
 template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
                                            int rows, int cols, int row_bytes) {
-    constexpr int V = gemv_vals<TY>();
+    constexpr int V = MODE == 3 ? 64 : gemv_vals<TY>();
     constexpr int STEP = NW * 32 * U;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_units = cols / V, row0 = blockIdx.x * R;
@@ -772,7 +848,7 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
     for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
-        WFrag<TY> f[U][R];
+        WFrag<TY, V> f[U][R];
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;
@@ -789,8 +865,8 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 const bool in = c + lane < n_units;
                 const int u = in ? c + lane : 0;
                 const float live = in ? 1.0f : 0.0f;
-                if constexpr (MODE == 2) {
-                    XLimbs<TY> q;
+                if constexpr (MODE >= 2) {
+                    XLimbs<TY, V> q;
                     gemv_xq_load<TY>(xq, cols, u, q);
 #pragma unroll
                     for (int r = 0; r < R; r++) acc[r] = fmaf(live, gemv_dot_q<TY>(f[k][r], q, u), acc[r]);
@@ -825,18 +901,21 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 
 // Entry points gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>, launched with NW·32 threads; the list is
 // `GEMV_VARIANTS` in engine/src/cuda_kernels.rs (one line here per entry there).
-// MODE 2 entries take the pre-pass's output (gemv_x_limbs) after x.
+// MODE 2 and 3 entries (GEMVW_ENTRY_Q) take the pre-pass's output (gemv_x_limbs) after x; MODE 3
+// ones are bounded by registers (128) instead of threads (see the integer form).
 #define GEMVW_ENTRY(NAME, TY, R, NW, U, M)                                                                \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, int rows, int cols,         \
                                                   int row_bytes) {                                        \
         gemvw_body<TY, R, NW, U, M>(m, x, nullptr, rows, cols, row_bytes);                                \
     }
-#define GEMVW_ENTRY_Q(NAME, TY, R, NW, U)                                                                 \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
-        gemvw_##NAME##_r##R##_w##NW##_u##U##_m2(GemvRows m, const float* x, const u8* xq, int rows,       \
-                                                int cols, int row_bytes) {                                \
-        gemvw_body<TY, R, NW, U, 2>(m, x, xq, rows, cols, row_bytes);                                     \
+#define GEMVW_BOUNDS_2(NW) __launch_bounds__(NW * 32)
+#define GEMVW_BOUNDS_3(NW) __maxnreg__(128)
+#define GEMVW_ENTRY_Q(NAME, TY, R, NW, U, M)                                                              \
+    extern "C" __global__ void GEMVW_BOUNDS_##M(NW)                                                       \
+        gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, const u8* xq, int rows,     \
+                                                  int cols, int row_bytes) {                              \
+        gemvw_body<TY, R, NW, U, M>(m, x, xq, rows, cols, row_bytes);                                     \
     }
 
 GEMVW_ENTRY(q4_k, TY_Q4_K, 1, 4, 2, 0)
@@ -878,19 +957,31 @@ GEMVW_ENTRY(f16, TY_F16, 2, 4, 1, 0)
 GEMVW_ENTRY(f16, TY_F16, 2, 4, 2, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 1, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 2, 0)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 2)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 1)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 2)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1)
-GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 2)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 1, 4, 2)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 2, 4, 1)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 1)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 2)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 1)
-GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 2)
-GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 1)
-GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 2)
-GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 1)
-GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 1, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 1, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 2, 4, 1, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 1, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 4, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 1, 2)
+GEMVW_ENTRY_Q(q4_1, TY_Q4_1, 8, 4, 2, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 1, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 2, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 1, 2)
+GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 2, 2)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 1, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 2, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 7, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 1, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 2, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 7, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
+GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)

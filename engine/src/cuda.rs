@@ -54,7 +54,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
+use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -455,9 +455,11 @@ fn limbs_words(cols: usize) -> usize {
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
-/// - `LLMDIFF_GEMV_MODE=0|1|2`: how quants meet x (see [`GemvVariant`]): 0 as exact floats, 1
+/// - `LLMDIFF_GEMV_MODE=0|1|2|3`: how quants meet x (see [`GemvVariant`]): 0 as exact floats, 1
 ///   (Q4_K) as 1 + q/128, 2 (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8
-///   limbs from a pre-pass; a mode the type or split lacks falls back to 0.
+///   limbs from a pre-pass; 3 (warp-rows Q4_K) the same in pair units (64 values a thread), other
+///   types and splits keeping their default mode; modes 0–2 where the type or split lacks them
+///   fall back to 0.
 /// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
 /// - `LLMDIFF_GEMV_QKV_STORE=0`: a layer's q/k/v GEMV stores plainly; RoPE and the cache append
 ///   take their own launch (`rope_qk_cache`) instead of the GEMV's store (`linear_qkv_rope`).
@@ -494,7 +496,7 @@ impl GemvConfig {
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
-            mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 2),
+            mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
             tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
@@ -728,8 +730,10 @@ impl CudaBackend {
     /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
     /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Q4_K/Q4_1 warp-rows from 128
     /// units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on
-    /// the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. The nearest compiled
-    /// variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
+    /// the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
+    /// 3) are taken only when asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of
+    /// 2048 values). The nearest compiled variant is taken (R first, then NW, then U);
+    /// `LLMDIFF_GEMV_*` override each choice.
     pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
         self.gemv_select(ty, row_bytes, cols, &self.gemv)
@@ -774,17 +778,21 @@ impl CudaBackend {
             GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
-        // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only.
+        // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only, mode 3 (pair
+        // units) warp-rows Q4_K only, other types and splits keeping their default under it.
         let mode = match (cfg.mode, kind, ty) {
+            (Some(3), GemvKind::Wr, GgmlType::Q4K) => 3,
             (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) => 2,
             (Some(1), _, GgmlType::Q4K) => 1,
-            (Some(_), _, _) => 0,
+            (Some(m), _, _) if m != 3 => 0,
             // Narrow rows (smollm2's) lose more to the pre-pass's launch than they gain.
-            (None, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1) if units >= 128 => 2,
-            (None, _, _) => 0,
+            (_, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1) if units >= 128 => 2,
+            (_, _, _) => 0,
         };
-        // Warp-rows (R, NW, U) by type and row length in units.
+        // Warp-rows (R, NW, U) by type and row length in units; pair units (mode 3): R 4, NW by
+        // the row's chunks of 2048 values (`pair_nw`), U 1.
         let (wr_r, wr_nw, wr_u) = match ty {
+            GgmlType::Q4K if mode == 3 => (4, pair_nw(cols), 1),
             GgmlType::Q4K => (8, if units >= 128 { 4 } else { 2 }, 1),
             GgmlType::Q4_1 if units >= 128 => (8, 4, 2),
             GgmlType::Q4_1 if units >= 64 => (4, 4, 1),
@@ -886,7 +894,7 @@ impl CudaBackend {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
-        let limbs = (v.mode == 2).then(|| self.x_limbs(s, x, cols, xq));
+        let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
         let mut b = s.launch_builder(f);
         b.arg(&w.data).arg(x);
         if let Some(q) = &limbs {
@@ -966,9 +974,9 @@ impl CudaBackend {
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
-        // The integer warp-rows form's (mode 2): x in int8 limbs, block scales and Σx per 8,
-        // unless x came with them (`xq`, see DevBuf::limbs).
-        let limbs = (v.kind == GemvKind::Wr && v.mode == 2).then(|| self.x_limbs(s, x, cols, xq));
+        // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
+        // 8, unless x came with them (`xq`, see DevBuf::limbs).
+        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
@@ -980,20 +988,20 @@ impl CudaBackend {
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
         // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
-        // xb and xs, sized by gemv_tc_split_x; warp-rows mode 2 gets xq, sized by gemv_x_limbs):
-        // each part's W is rows·row_bytes
-        // in the device layout and its out at least rows floats, x has cols floats; the pointers
-        // stay valid (and ordered on this stream) while `guards` lives, past the launch.
+        // xb and xs, sized by gemv_tc_split_x; warp-rows modes 2 and 3 get xq, sized by
+        // gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
+        // rows floats, x has cols floats; the pointers stay valid (and ordered on this stream)
+        // while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
     }
 
     /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that
-    /// an integer-form GEMV (mode 2) may read: d % 128 == 0 (the fused kernels' warps hold whole
-    /// 32-value blocks) and d ≥ 2048 (narrower rows take the float GEMV by default, see
-    /// `gemv_select`), unless the environment rules mode 2 out. None: no limbs.
+    /// an integer-form GEMV (modes 2 and 3) may read: d % 128 == 0 (the fused kernels' warps hold
+    /// whole 32-value blocks) and d ≥ 2048 (narrower rows take the float GEMV by default, see
+    /// `gemv_select`), unless the environment rules the integer form out. None: no limbs.
     fn limbs_out(&self, len: usize, d: usize) -> Option<Buf> {
-        let may = self.gemv.on && matches!(self.gemv.mode, None | Some(2));
+        let may = self.gemv.on && matches!(self.gemv.mode, None | Some(2) | Some(3));
         (may && len == d && d % 128 == 0 && d >= 2048).then(|| self.new_buf(limbs_words(d)))
     }
 
@@ -1011,7 +1019,7 @@ impl CudaBackend {
         }
     }
 
-    /// The x pre-pass of the integer warp-rows GEMV (mode 2, `gemv_x_limbs` in kernels/quant.cu):
+    /// The x pre-pass of the integer GEMV (modes 2 and 3, `gemv_x_limbs` in kernels/quant.cu):
     /// x's three int8 limb planes (cols bytes each), its scale per 32 values and Σx per 8 values
     /// (f32), in pooled scratch that goes back to the pool when dropped (after the launches that
     /// use it are enqueued on this stream).
@@ -2129,7 +2137,8 @@ impl CudaBackend {
         // end (skipped), rows not a multiple of R and fewer rows than R; Q4_K from 1 to 70
         // super-blocks per row, Q4_1 with even block counts (smollm2's widths among them).
         let wr_shapes: [(GgmlType, &[(usize, usize)]); 5] = [
-            // Units: 8 (one partial chunk), 40, 152, 456, 560 (two steps at NW 4, U 4).
+            // Units: 8 (one partial chunk), 40, 152, 456, 560 (two steps at NW 4, U 4); pair units
+            // (mode 3): 4, 20, 76, 228, 280 (3 to 9 chunks: two steps at NW 7, four at NW 2).
             (
                 GgmlType::Q4K,
                 &[(256, 37), (1280, 37), (4864, 37), (14592, 3), (17920, 37)],
@@ -2180,9 +2189,10 @@ impl CudaBackend {
                 self.weights.lock().expect("weight map").clear();
             }
         }
-        // The integer form (mode 2) on x of very different magnitudes (×1e4, ×1e-30, and mixed
-        // within a block of 32 with zeros: the limbs carry each x to 2^-22 of its block's max), and
-        // on x with a NaN or an inf: the output is non-finite exactly where the CPU engine's is.
+        // The integer form (modes 2 and 3) on x of very different magnitudes (×1e4, ×1e-30, and
+        // mixed within a block of 32 with zeros: the limbs carry each x to 2^-22 of its block's
+        // max), and on x with a NaN or an inf: the output is non-finite exactly where the CPU
+        // engine's is.
         for (ty, cols, rows) in [
             (GgmlType::Q4K, 1280, 37),
             (GgmlType::Q4_1, 1216, 37),
@@ -2204,7 +2214,7 @@ impl CudaBackend {
                 let xd = self.upload(&x);
                 for v in GEMV_VARIANTS
                     .iter()
-                    .filter(|v| v.ty == ty && v.mode == 2 && self.gemv_fits(**v, cols))
+                    .filter(|v| v.ty == ty && v.takes_limbs() && self.gemv_fits(**v, cols))
                 {
                     let mut g = self.upload(&vec![0.0; rows]);
                     self.linear_with(&xd, 1, w, &mut g, Some(*v));
@@ -2225,9 +2235,14 @@ impl CudaBackend {
         }
         // The limbs a decode row's RMSNorm, add+RMSNorm, SwiGLU or GQA attention (the split kernel,
         // 32/8 heads of 128 over 300 positions) writes beside it (DevBuf::limbs): the GEMV that
-        // reads them gives bit for bit what it gives after its own pre-pass, and a later write to
-        // the row (an add) drops them, so the next GEMV sees the new values.
-        {
+        // reads them (the default, and the pair units' R 4 variant) gives bit for bit what it gives
+        // after its own pre-pass, and a later write to the row (an add) drops them, so the next
+        // GEMV sees the new values.
+        let pair = GEMV_VARIANTS
+            .iter()
+            .copied()
+            .find(|v| v.mode == 3 && v.r == 4 && v.nw == pair_nw(4096));
+        for force in [None, pair] {
             let (ty, d, rows) = (GgmlType::Q4K, 4096, 37);
             let bytes = test_bytes(ty, rows, d, 90);
             let w = test_weight(ty, &bytes, rows, d);
@@ -2235,7 +2250,7 @@ impl CudaBackend {
             let expect = self.limbs_out(d, d).is_some();
             let gemv = |b: &Buf| {
                 let mut o = self.alloc(rows);
-                self.linear(b, 1, w, &mut o);
+                self.linear_with(b, 1, w, &mut o, force);
                 self.download(&o)
             };
             let attn_shape = GqaShape {
@@ -2246,6 +2261,7 @@ impl CudaBackend {
             };
             let ctx = 300;
             let (kc, vc) = (noise(ctx * d / 4, 94), noise(ctx * d / 4, 95));
+            let label = force.map_or(String::new(), |v| format!(",variant={}", v.entry()));
             for producer in ["rms_norm", "add_rms_norm", "swiglu", "gqa_attention"] {
                 let expect = expect && (producer != "gqa_attention" || self.attn_split_plan(attn_shape).is_some());
                 let mut row = self.alloc(d);
@@ -2272,7 +2288,7 @@ impl CudaBackend {
                 out.push(KernelCheck {
                     pass: had == expect && dropped && same(&g1, &g2) && same(&g3, &g4),
                     ..compare(
-                        format!("GEMV_LIMBS(producer={producer},type=q4_k,ne=[{d},{rows}],fused={had})"),
+                        format!("GEMV_LIMBS(producer={producer},type=q4_k,ne=[{d},{rows}],fused={had}{label})"),
                         &g1,
                         &g2,
                         0.0,

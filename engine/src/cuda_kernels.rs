@@ -150,7 +150,9 @@ pub enum GemvKind {
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
 /// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
 /// to the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
-/// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs.
+/// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows
+/// Q4_K) the same with pair units: a thread takes 64 values (two sub-blocks) per row, so a chunk
+/// is 32 pairs (2048 values) and the header is decoded once per 64 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvVariant {
     pub kind: GemvKind,
@@ -185,6 +187,12 @@ impl GemvVariant {
             GgmlType::Q8_0 | GgmlType::Q4_1 => 16,
             _ => 8,
         }
+    }
+
+    /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
+    /// and warp-rows), from the `gemv_x_limbs` pre-pass or the op that wrote x.
+    pub fn takes_limbs(self) -> bool {
+        matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
     }
 
     /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
@@ -247,8 +255,9 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
 /// Q8_0, F16, BF16; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
-/// pre-pass) for Q4_K, Q4_1 and Q8_0.
-const GEMVW_VARIANTS: [GemvVariant; 55] = {
+/// pre-pass) for Q4_K, Q4_1 and Q8_0; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
+/// at U 1 (NW 7: the 7 chunks of a 14336-wide row in one step).
+const GEMVW_VARIANTS: [GemvVariant; 67] = {
     use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
     [
         gw(Q4K, 1, 4, 2, 0),
@@ -306,6 +315,18 @@ const GEMVW_VARIANTS: [GemvVariant; 55] = {
         gw(Q8_0, 4, 4, 2, 2),
         gw(Q8_0, 8, 4, 1, 2),
         gw(Q8_0, 8, 4, 2, 2),
+        gw(Q4K, 2, 1, 1, 3),
+        gw(Q4K, 2, 2, 1, 3),
+        gw(Q4K, 2, 4, 1, 3),
+        gw(Q4K, 2, 7, 1, 3),
+        gw(Q4K, 4, 1, 1, 3),
+        gw(Q4K, 4, 2, 1, 3),
+        gw(Q4K, 4, 4, 1, 3),
+        gw(Q4K, 4, 7, 1, 3),
+        gw(Q4K, 8, 1, 1, 3),
+        gw(Q4K, 8, 2, 1, 3),
+        gw(Q4K, 8, 4, 1, 3),
+        gw(Q4K, 8, 7, 1, 3),
     ]
 };
 
@@ -313,7 +334,7 @@ const GEMVW_VARIANTS: [GemvVariant; 55] = {
 /// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
 /// ([`GEMVW_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 102] = {
+pub const GEMV_VARIANTS: [GemvVariant; 114] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -323,7 +344,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 102] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 102];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 114];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -345,6 +366,19 @@ pub const GEMV_VARIANTS: [GemvVariant; 102] = {
     }
     out
 };
+
+/// The warps per block of the pair-unit GEMV (mode 3) for rows of `cols` values: of the compiled
+/// NW, the one that walks the row's chunks of 32 pairs (2048 values) in the fewest steps (U 1),
+/// then with the fewest idle warps (4096 wide: 2; 14336: 7; 8192: 4; 28672: 7, two steps).
+pub fn pair_nw(cols: usize) -> usize {
+    let chunks = (cols / 64).div_ceil(32).max(1);
+    GEMV_VARIANTS
+        .iter()
+        .filter(|v| v.mode == 3)
+        .map(|v| v.nw)
+        .min_by_key(|nw| (chunks.div_ceil(*nw), chunks.div_ceil(*nw) * nw - chunks))
+        .expect("pair-unit variants")
+}
 
 /// The x-stationary variants of the integer form (mode 2; the `GEMV_ENTRY_Q` lines of
 /// `kernels/quant.cu`, in the same order): each thread holds its x slice as int8 limbs.
@@ -426,15 +460,20 @@ mod tests {
                     }
                     || {
                         // gemvw_<ty>_r<R>_w<NW>_u<U>_m<M> come from GEMVW_ENTRY(<ty>, TY_<TY>, <R>,
-                        // <NW>, <U>, <M>).
+                        // <NW>, <U>, <M>), or GEMVW_ENTRY_Q(...) with the same arguments for the
+                        // integer form (modes 2 and 3).
                         f.strip_prefix("gemvw_").is_some_and(|rest| {
                             let (ty, tail) = rest.split_once("_r").unwrap();
                             let (r, tail) = tail.split_once("_w").unwrap();
                             let (nw, tail) = tail.split_once("_u").unwrap();
                             let (u, m) = tail.split_once("_m").unwrap();
                             let tyc = format!("TY_{}", ty.to_uppercase());
-                            src.contains(&format!("GEMVW_ENTRY({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
-                                || (m == "2" && src.contains(&format!("GEMVW_ENTRY_Q({ty}, {tyc}, {r}, {nw}, {u})\n")))
+                            let mac = if m == "2" || m == "3" {
+                                "GEMVW_ENTRY_Q"
+                            } else {
+                                "GEMVW_ENTRY"
+                            };
+                            src.contains(&format!("{mac}({ty}, {tyc}, {r}, {nw}, {u}, {m})\n"))
                         })
                     }
                     || {
@@ -481,6 +520,22 @@ mod tests {
     }
 
     #[test]
+    fn pair_units_take_the_warps_that_fit_the_row() {
+        for (cols, nw) in [
+            (256, 1),
+            (2048, 1),
+            (4096, 2),
+            (5632, 4),
+            (8192, 4),
+            (14336, 7),
+            (16384, 4),
+            (28672, 7),
+        ] {
+            assert_eq!(pair_nw(cols), nw, "cols {cols}");
+        }
+    }
+
+    #[test]
     fn gemv_variants_are_distinct_and_warp_rows_are_well_formed() {
         for (i, a) in GEMV_VARIANTS.iter().enumerate() {
             assert!(
@@ -489,8 +544,14 @@ mod tests {
                 a.entry()
             );
             if a.kind != GemvKind::Xs {
-                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
+                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 7, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
             }
+            // Pair units (mode 3) are warp-rows Q4_K only.
+            assert!(
+                a.mode != 3 || (a.kind == GemvKind::Wr && a.ty == GgmlType::Q4K),
+                "{}",
+                a.entry()
+            );
         }
         for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
             assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt);

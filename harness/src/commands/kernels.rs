@@ -4,7 +4,7 @@
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
 //! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
-//! variant and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside
+//! variant, the pair-unit ones (mode 3) and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside
 //! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128)
 //! per-(token, head) beside tiled in µs, decode GQA attention (one token after 512 and 4096
 //! positions) per-(token, head) beside split at each chunk length, and the per-launch cost of
@@ -96,11 +96,12 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                     let mut vs = vec![None];
                     let extra = ty == GgmlType::Q4K && cols == 4096 && rows != 14336;
                     if n == 1 && extra {
-                        // The extra Q4_K shapes: the default variant and the tensor-core ones.
+                        // The extra Q4_K shapes: the default variant, the pair-unit ones (mode 3)
+                        // and the tensor-core ones.
                         vs.extend(
                             GEMV_VARIANTS
                                 .iter()
-                                .filter(|v| Some(v.entry()) == default)
+                                .filter(|v| Some(v.entry()) == default || v.mode == 3)
                                 .map(|v| Some(*v)),
                         );
                     } else if n == 1 {
