@@ -2,7 +2,8 @@
 # Round 8 of issue #8, an experiment call (one device call): kernel checks (summary), the 8B and
 # smollm2 decode/prefill benches under the configurations named in BENCH_ENVS (space-separated
 # label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1, and Nsight
-# per-kernel times of 8B decode steps (graphs off) when NCU=1.
+# per-kernel times of 8B decode steps (graphs off; the GEMV by launch shape) when NCU=1, under
+# each configuration of NCU_ENVS (as BENCH_ENVS).
 # Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round8_dev.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 B=${LLMDIFF:-$PWD/llmdiff}
@@ -40,10 +41,16 @@ if [ "$KBENCH" = 1 ]; then
 fi
 if [ "$NCU" = 1 ]; then
   NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  K=${NCU_DECODE_K:-292}
-  say "ncu decode"
-  LLMDIFF_CUDA_GRAPH=0 timeout 90 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
-    --launch-skip $((2 * K)) --launch-count $((3 * K)) $B bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1 >$W/ncu.csv 2>$W/ncu.err
-  python3 $D/ncu_summary.py $W/ncu.csv per:rope_table ${NCU_GRID} 2>&1 | head -24 | tee -a $LOG
+  K=${NCU_DECODE_K:-260}
+  for cfg in ${NCU_ENVS:-default}; do
+    label=${cfg%%=*}; envs=X=1; [ "$label" != "$cfg" ] && envs=$(echo ${cfg#*=} | tr ',' ' ')
+    say "ncu decode $label"
+    env $envs LLMDIFF_CUDA_GRAPH=0 timeout 90 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-skip $((2 * K)) --launch-count $((3 * K)) $B bench $M/llama8b.gguf --backend cuda --n-prompt 1 --n-decode 4 --reps 1 >$W/ncu.csv 2>$W/ncu.err
+    G=$(python3 -c "
+import csv; r=[x for x in csv.reader(open('$W/ncu.csv')) if len(x)>10]; h=r[0]; k=h.index('Kernel Name')
+import collections; c=collections.Counter(x[k].split('(')[0] for x in r[1:] if x[k].startswith('gemv')); print(c.most_common(1)[0][0] if c else '')" 2>/dev/null)
+    python3 $D/ncu_summary.py $W/ncu.csv per:rope_table ${G:+grid:$G:2} 2>&1 | head -24 | tee -a $LOG
+  done
 fi
 say "done"
