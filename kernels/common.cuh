@@ -93,6 +93,41 @@ __device__ __forceinline__ void cp_async_wait() {
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
 // [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
 // pointers are null and never touched.
+// Programmatic dependent launch (sm_90; `CudaBackend::launch_pdl`): a kernel so launched may start
+// while the kernel before it on the stream still runs. griddep_wait() returns once that kernel has
+// completed and its writes are visible (at once for a plain launch), so before it such a kernel
+// reads nothing an earlier kernel wrote (only weights) and writes nothing. griddep_launch() lets
+// the next kernel, if so launched, start before this one ends.
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+// 16, 8 or 4 bytes of another kernel's output (a GEMV's x or x limbs): coherent loads (not the
+// read-only .nc path: under PDL the writer may still be running when this kernel starts), volatile
+// so that they stay after griddep_wait.
+__device__ __forceinline__ uint4 ldx16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint2 ldx8(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ldx4f(const void* p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ldx16f(const void* p) {
+    const uint4 v = ldx16(p);
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+__device__ __forceinline__ float2 ldx8f(const void* p) {
+    const uint2 v = ldx8(p);
+    return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
+}
+
 // RoPE's rotation of the pair (x0, x1) by the angle of cosine c and sine s, each operation rounded
 // (no FMA contraction, as the CPU engine's f32): rope_qk and a GEMV's q/k store give the same bits.
 __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, float& y0, float& y1) {

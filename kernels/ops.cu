@@ -80,6 +80,7 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
 // xq: null, or (one row) its limbs, see rms_norm_row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
+    griddep_launch();  // the GEMV after it, if launched early, waits for it (PDL, common.cuh)
     rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
 }
 
@@ -100,6 +101,7 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
                                         int f16_round, u8* __restrict__ xq) {
+    griddep_launch();  // as rms_norm
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
     float* orow = out + (size_t)blockIdx.x * d;
@@ -224,6 +226,7 @@ extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
 // The same for one row of len values (len % 128 == 0), a thread per 4, and the result's int8
 // limbs for the integer GEMV (x_limbs4).
 extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {
+    griddep_launch();  // as rms_norm
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < len / 4;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

@@ -500,7 +500,7 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
     constexpr int V = gemv_vals<TY>();
 #pragma unroll
     for (int i = 0; i < V / 4; i++) {
-        float4 v = *(const float4*)(x + gemv_x_at<TY>(u, i));
+        float4 v = ldx16f(x + gemv_x_at<TY>(u, i));
         xv[4 * i] = v.x;
         xv[4 * i + 1] = v.y;
         xv[4 * i + 2] = v.z;
@@ -580,6 +580,7 @@ __device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
 
 // A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
 extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
+    griddep_launch();  // the GEMV after it may start early (PDL, common.cuh)
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < cols / 4;
     const float4 v = live ? ((const float4*)x)[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -608,33 +609,33 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
             // The low-nibble run's V/2 values at a, the high-nibble run's 32 further on.
 #pragma unroll
             for (int i = 0; i < V / 32; i++) {
-                uint4 v = ldg16(p + a + 16 * i), w = ldg16(p + a + 32 + 16 * i);
+                uint4 v = ldx16(p + a + 16 * i), w = ldx16(p + a + 32 + 16 * i);
                 q.l[l][4 * i] = v.x, q.l[l][4 * i + 1] = v.y, q.l[l][4 * i + 2] = v.z, q.l[l][4 * i + 3] = v.w;
                 q.l[l][V / 8 + 4 * i] = w.x, q.l[l][V / 8 + 4 * i + 1] = w.y;
                 q.l[l][V / 8 + 4 * i + 2] = w.z, q.l[l][V / 8 + 4 * i + 3] = w.w;
             }
         } else if constexpr (TY == TY_Q4_1) {
-            uint2 v = *(const uint2*)(p + a), w = *(const uint2*)(p + a + 16);
+            uint2 v = ldx8(p + a), w = ldx8(p + a + 16);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = w.x, q.l[l][3] = w.y;
         } else {
-            uint4 v = ldg16(p + a);
+            uint4 v = ldx16(p + a);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
         }
     }
     if constexpr (TY == TY_Q4_K && V == 64) {
         // Σx of each sub-block from its four sums per 8 (s8 + a/8 is 16-byte aligned: a % 64 == 0).
-        float2 s2 = *(const float2*)(sc + a / 32);
-        float4 x0 = *(const float4*)(s8 + a / 8), x1 = *(const float4*)(s8 + a / 8 + 4);
+        float2 s2 = ldx8f(sc + a / 32);
+        float4 x0 = ldx16f(s8 + a / 8), x1 = ldx16f(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
         q.xs[0] = (x0.x + x0.y) + (x0.z + x0.w), q.xs[1] = (x1.x + x1.y) + (x1.z + x1.w);
     } else if constexpr (TY == TY_Q4_K) {
-        float2 s2 = *(const float2*)(sc + a / 32);
-        float2 x0 = *(const float2*)(s8 + a / 8), x1 = *(const float2*)(s8 + a / 8 + 4);
+        float2 s2 = ldx8f(sc + a / 32);
+        float2 x0 = ldx8f(s8 + a / 8), x1 = ldx8f(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
         q.xs[0] = x0.x + x0.y, q.xs[1] = x1.x + x1.y;
     } else {
-        q.s[0] = sc[a / 32], q.s[1] = 0.0f;
-        q.xs[0] = TY == TY_Q4_1 ? s8[a / 8] + s8[a / 8 + 2] : 0.0f, q.xs[1] = 0.0f;
+        q.s[0] = ldx4f(sc + a / 32), q.s[1] = 0.0f;
+        q.xs[0] = TY == TY_Q4_1 ? ldx4f(s8 + a / 8) + ldx4f(s8 + a / 8 + 2) : 0.0f, q.xs[1] = 0.0f;
     }
 }
 
@@ -858,6 +859,9 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
                 for (int r = 0; r < R; r++) gemv_load<TY>(rp[r], u, cols, f[k][r]);
             }
         }
+        // Launched early (PDL): the first weights are in flight before x (the previous kernel's
+        // output) is read. A warp with no chunk reads and writes no global memory.
+        if (c0 == warp * 32) griddep_wait();
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;

@@ -75,6 +75,9 @@ pub use gemm::GemmBench;
 #[path = "cuda_gemv_tc.rs"]
 mod gemv_tc;
 
+/// Warp-rows GEMVs take programmatic dependent launch unless `LLMDIFF_PDL=0` (see `launch_pdl`).
+const PDL_DEFAULT: bool = false;
+
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
 
@@ -527,6 +530,9 @@ pub struct CudaBackend {
     pool: Arc<BufPool>,
     /// Decode graphs on (`LLMDIFF_CUDA_GRAPH=0` turns them off).
     graphs_on: bool,
+    /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`;
+    /// `LLMDIFF_PDL=0` turns it off).
+    pdl: bool,
     /// The decode graph being recorded, if any.
     capture: Mutex<CaptureState>,
     /// The position a recorded decode step's kernels read (`*_dpos` kernels).
@@ -639,6 +645,7 @@ impl CudaBackend {
             clock: CommClock::default(),
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
+            pdl: std::env::var("LLMDIFF_PDL").map_or(PDL_DEFAULT, |v| v != "0"),
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             rope_table: Mutex::new(None),
@@ -977,6 +984,27 @@ impl CudaBackend {
         // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
         // 8, unless x came with them (`xq`, see DevBuf::limbs).
         let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
+        if self.pdl && v.kind == GemvKind::Wr {
+            use cudarc::driver::DevicePtr;
+            let (xp, gx) = x.device_ptr(s);
+            let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
+            if let Some(q) = &limbs {
+                let (qp, gq) = q.get().device_ptr(s);
+                ptrs.push(qp);
+                x_guards.push(gq);
+            }
+            let mut params: Vec<*mut std::ffi::c_void> = vec![(&mut m as *mut GemvRows).cast()];
+            params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
+            let mut ints = [r, c, rb];
+            params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
+            // SAFETY: gemvw_* take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
+            // sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
+            // or writing anything; `params` and the pointers they name outlive the call, and
+            // `guards` keeps the buffers ordered on this stream.
+            unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
+            drop((x_guards, guards));
+            return;
+        }
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
@@ -994,6 +1022,37 @@ impl CudaBackend {
         // while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
+    }
+
+    /// Launches kernel `name` with programmatic stream serialization (sm_90 programmatic dependent
+    /// launch): it may start while the kernel before it on `s` still runs (the kernels before a
+    /// GEMV call `griddep_launch` at their start) and issue its first weight loads, and waits
+    /// (`griddep_wait`, kernels/common.cuh) before it reads what earlier kernels wrote or writes
+    /// anything. A recorded decode graph keeps it as a programmatic edge.
+    ///
+    /// # Safety
+    /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
+    unsafe fn launch_pdl(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) {
+        use cudarc::driver::sys;
+        // SAFETY: a plain C struct (an id and a union of plain values); all zeros is valid.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let f = self.func(name).cu_function();
+        // SAFETY: the caller's contract on `params`; `lc` and `attr` outlive the call.
+        ok(unsafe { sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result());
     }
 
     /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that

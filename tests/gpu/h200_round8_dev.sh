@@ -1,5 +1,6 @@
 #!/bin/bash
-# Round 8 of issue #8, an experiment call (one device call): kernel checks (summary), the 8B and
+# Round 8 of issue #8, an experiment call (one device call): kernel checks (summary; under each
+# configuration of CHECK_ENVS, as BENCH_ENVS below), the 8B and
 # smollm2 decode/prefill benches under the configurations named in BENCH_ENVS (space-separated
 # label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1, and Nsight
 # per-kernel times of 8B decode steps (graphs off; the GEMV by launch shape) when NCU=1, under
@@ -13,13 +14,16 @@ T0=$(date +%s)
 LOG=$OUT/log.txt
 el() { echo $(( $(date +%s)-T0 )); }
 say() { echo "== $* (t=$(el)s)" | tee -a $LOG; }
-say "kernels --check"
-timeout 150 $B kernels --check --json >$W/kernels_check.json 2>>$LOG; echo "rc=$?" >>$LOG
-python3 - $W/kernels_check.json <<'PY' | tee -a $LOG
+for cfg in ${CHECK_ENVS:-default}; do
+  label=${cfg%%=*}; envs=X=1; [ "$label" != "$cfg" ] && envs=$(echo ${cfg#*=} | tr ',' ' ')
+  say "kernels --check $label"
+  env $envs timeout 150 $B kernels --check --json >$W/kernels_check.json 2>>$LOG; echo "rc=$?" >>$LOG
+  python3 - $W/kernels_check.json <<'PY' | tee -a $LOG
 import json, sys
 d = json.load(open(sys.argv[1])); c = d["checks"]
 print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [(x["case"], x["rel_l2"]) for x in c if not x["pass"]][:20])
 PY
+done
 say "synth"
 $B synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
 timeout 100 $B synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant Q4_K --seed 3 -o $M/llama8b.gguf >/dev/null 2>>$LOG
