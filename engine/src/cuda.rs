@@ -42,12 +42,16 @@
 //!   decode step makes no allocation calls after the first.
 //! - Decode graphs ([`Backend::graph_begin`]/[`Backend::graph_end`]): a plain decode step's work
 //!   is recorded by stream capture and replayed as one `cuGraphLaunch` per token. While recording,
-//!   RoPE, the KV append and GQA attention take their `*_dpos` forms, which read the position
+//!   RoPE, the KV append (also in the q/k/v GEMV's store) and GQA attention take their `*_dpos` forms, which read the position
 //!   from a device word set before each replay (the split attention's grid and partials cover the
 //!   KV cache's capacity; the per-(token, head) kernel's shared memory is sized for it); an
 //!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
 //!   `cuLaunchKernel` (cudarc's builder adds nothing measurable); a graph node costs ~0.7 µs.
+//! - Warp-rows GEMVs are launched with programmatic dependent launch (`launch_pdl`; off with
+//!   `LLMDIFF_PDL=0`): each starts while the kernel before it runs and waits for it only before
+//!   reading x. A GQA layer's one-token q/k/v GEMV also rotates q and k and appends k and v to the
+//!   KV cache in its store (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
