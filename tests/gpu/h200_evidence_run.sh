@@ -85,7 +85,7 @@ PY
 done
 grep -c SAME $OUT/faults.txt | sed 's/^/fault cases SAME: /' | tee -a $LOG
 say "kernels --bench"
-timeout 150 $B kernels --bench --json >$OUT/kernels_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
+timeout 200 $B kernels --bench --json >$OUT/kernels_bench.json 2>>$LOG; echo "rc=$?" >>$LOG
 python3 $D/bench_summary.py $OUT/kernels_bench.json | tee $W/kernels_bench.txt | tee -a $LOG
 say "entropy, gate, generate on cuda against cpu"
 printf '{"tokens":[1,5,9,13,17,21]}\n{"tokens":[2,4,6,8]}\n' >$W/prompts.jsonl
