@@ -201,10 +201,7 @@ pub trait Backend: Send + Sync {
     /// `pos0` (`kv_write` without a slot shift): one launch on CUDA. k's rows are
     /// `rope.k.n_heads·head_stride` wide, v's `v_width`; `caches` = [k cache, v cache].
     fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
-        let [kc, vc] = caches;
-        self.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
-        self.kv_write(kc, k, rope.k.n_heads * rope.k.head_stride, rope.pos0, rope.pos0);
-        self.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
+        rope_qk_then_append(self, q, k, v, v_width, rope, caches)
     }
     /// A GQA layer's q, k and v products (`linear_many` of `ws` into `outs`), then
     /// `rope_qk_cache`. On CUDA a one-row step under a warp-rows GEMV does it all in the GEMV's
@@ -284,6 +281,23 @@ pub trait StepGraph: Send {
 /// The host backend: ranks are threads, ops are the rayon kernels.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
+
+/// `Backend::rope_qk_cache` composed of its parts: `rope_qk`, then `kv_write` of k and of v (the
+/// default, and a backend's fallback for shapes its fused launch does not take).
+pub(crate) fn rope_qk_then_append<B: Backend + ?Sized>(
+    be: &B,
+    q: &mut Buf,
+    k: &mut Buf,
+    v: &Buf,
+    v_width: usize,
+    rope: QkRope,
+    caches: [&mut Buf; 2],
+) {
+    let [kc, vc] = caches;
+    be.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
+    be.kv_write(kc, k, rope.k.n_heads * rope.k.head_stride, rope.pos0, rope.pos0);
+    be.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
+}
 
 fn h(b: &Buf) -> &[f32] {
     b.as_host()

@@ -1606,10 +1606,7 @@ impl Backend for CudaBackend {
             && v.len() == n * v_width
             && q.len() == n * rope.q.n_heads * rope.q.head_stride;
         if !fits {
-            self.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
-            self.kv_write(kc, k, k_width, rope.pos0, rope.pos0);
-            self.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
-            return;
+            return crate::backend::rope_qk_then_append(self, q, k, v, v_width, rope, [kc, vc]);
         }
         let dpos = self.kv_reserve(kc, k.len(), k_width, rope.pos0, rope.pos0);
         self.kv_reserve(vc, v.len(), v_width, rope.pos0, rope.pos0);
