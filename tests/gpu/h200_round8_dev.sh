@@ -42,6 +42,7 @@ done
 if [ "$KBENCH" = 1 ]; then
   say "kernels --bench"
   timeout 200 $B kernels --bench --json >$W/kernels_bench.json 2>>$LOG
+  cp $W/kernels_bench.json $OUT/
   python3 $D/bench_summary.py $W/kernels_bench.json 2>&1 | tee -a $LOG
 fi
 if [ "$NCU" = 1 ]; then
