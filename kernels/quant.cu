@@ -329,27 +329,16 @@ struct WFrag<TY_Q4_K, 64> {
     uint4 a, b, h;
 };
 
-// 16 weight bytes from global memory (read-only path) or, SM, from shared memory (the bulk GEMV's
-// stages; row is then a shared address).
-template <bool SM>
-__device__ __forceinline__ uint4 ldw16(const u8* p) {
-    if constexpr (SM)
-        return *(const uint4*)p;
-    else
-        return ldg16(p);
-}
-
-template <int TY, int V, bool SM = false>
+template <int TY, int V>
 __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<TY, V>& f) {
     if constexpr (V == 64) {
         // Pair unit p = u: quant bytes 32p .. 32p+32, and the header of super-block p/4, which
         // the 4 lanes of a super-block load alike (one 128-byte run of 8 headers per warp).
         static_assert(TY == TY_Q4_K, "pair units are Q4_K only");
-        f.a = ldw16<SM>(row + 32 * u);
-        f.b = ldw16<SM>(row + 32 * u + 16);
-        f.h = ldw16<SM>(row + (size_t)(cols >> 8) * 128 + 16 * (u >> 2));
+        f.a = ldg16(row + 32 * u);
+        f.b = ldg16(row + 32 * u + 16);
+        f.h = ldg16(row + (size_t)(cols >> 8) * 128 + 16 * (u >> 2));
     } else if constexpr (TY == TY_F16 || TY == TY_BF16) {
-        static_assert(!SM, "shared-memory weights are pair units only");
         f.a = ldg16(row + 16 * u);
     } else if constexpr (TY == TY_Q8_0) {
         f.a = ldg16(row + 16 * u);
@@ -1000,133 +989,3 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
-
-// ---------------------------------------------------------------------------------------------
-// Staged GEMV (Q4_K, pair units, the integer form of MODE 3; entry gemvb_q4_k): the weights
-// reach shared memory by asynchronous copies, a ring of NB stages of R consecutive rows per block,
-// so a block keeps up to NB·R rows in flight while its warps compute, and x stays in registers for
-// the whole launch. Two copy paths, the same numerics: TMA = 0, every thread's 16-byte cp.async
-// (the stage's copies spread over the block), tied to the stage's mbarrier by
-// cp.async.mbarrier.arrive (count: the block's threads); TMA = 1, one bulk copy per row by the
-// copy engine (cp.async.bulk, thread 0; the mbarrier counts the bytes).
-//
-// A row of P = cols/64 pair units is C = ⌈P/32⌉ chunks of 32 pairs. A block has NW = C·S warps:
-// warp w takes chunk w % C of the rows rr ≡ w / C (mod S) of each stage (lane l: pair
-// 32·(w % C) + l), so a lane's x limbs (one pair: 64 values × 3 limbs, scales and Σx) are loaded
-// once, after griddep_wait, and kept. Block b takes stages b, b + gridDim.x, ... (grid: the
-// resident blocks, at most one per stage). Per stage: wait for its mbarrier (phase parity = use
-// count & 1), each warp sums its rows' dots over its lanes (gemv_dot_q, as mode 3) and writes them
-// to red[stage parity][rr·C + chunk]; a block barrier; the block refills the stage's slot with
-// stage + NB·gridDim.x (the slot's reads are done); warp 0's lanes rr < R add their row's C
-// partials in chunk order and store it (GemvRows::store, RoPE pairs rr, rr ^ 1 when R is even).
-// red alternates between two halves, so the next stage's writes never meet this one's reads (a
-// barrier lies between a half's reads and its next writes).
-// The first NB stages are requested before griddep_wait (weights only), so under PDL a launch's
-// first rows load while the kernel before it still runs.
-// Dynamic shared memory (host: `CudaBackend::gemvb_shape`): NB·R·row_bytes of stages (row_bytes
-// % 16 == 0), then NB mbarriers, then red (2·R·C floats).
-
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-// Arrives once on `bar` and adds `bytes` to the bytes its current phase waits for.
-__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-// Returns once the phase of `bar` with this parity has completed.
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n .reg .pred p;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT;\n}" ::"r"(
-            smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by the
-// copy engine; their arrival completes on `bar`.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-
-// Every thread's cp.async copies so far arrive on `bar` once they complete.
-__device__ __forceinline__ void cp_async_arrive(u64* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-extern "C" __global__ void __launch_bounds__(512) gemvb_q4_k(GemvRows m, const float* x, const u8* __restrict__ xq,
-                                                              int rows, int cols, int row_bytes, int R, int NB,
-                                                              int TMA) {
-    extern __shared__ __align__(128) u8 gb_sm[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int pairs = cols / 64, C = (pairs + 31) / 32, S = (blockDim.x >> 5) / C;
-    const int stage_bytes = R * row_bytes, stages = (rows + R - 1) / R;
-    u64* bar = (u64*)(gb_sm + (size_t)NB * stage_bytes);
-    float* red = (float*)(bar + NB);
-    // Requests stage g into slot b (the whole block calls it): its R rows (the last row again
-    // past the end).
-    auto issue = [&](int g, int b) {
-        u8* dst = gb_sm + (size_t)b * stage_bytes;
-        if (TMA) {
-            if (threadIdx.x == 0) {
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                mbar_expect_tx(bar + b, (u32)stage_bytes);
-                for (int r = 0; r < R; r++)
-                    bulk_copy(dst + (size_t)r * row_bytes, m.weight(min(g * R + r, rows - 1), row_bytes),
-                              (u32)row_bytes, bar + b);
-            }
-        } else {
-            const int per_row = row_bytes / 16;
-            for (int i = threadIdx.x; i < R * per_row; i += blockDim.x) {
-                const int r = i / per_row, c = i - r * per_row;
-                cp_async16(dst + (size_t)r * row_bytes + 16 * c,
-                           m.weight(min(g * R + r, rows - 1), row_bytes) + 16 * c);
-            }
-            cp_async_arrive(bar + b);
-        }
-    };
-    if (threadIdx.x == 0) {
-        for (int b = 0; b < NB; b++) mbar_init(bar + b, TMA ? 1 : blockDim.x);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();  // the mbarriers' initialization, before any thread arrives or waits
-    for (int b = 0; b < NB && blockIdx.x + b * gridDim.x < stages; b++) issue(blockIdx.x + b * gridDim.x, b);
-    griddep_wait();
-    griddep_launch();
-    const int chunk = warp % C, slot = warp / C, p = 32 * chunk + lane;
-    const bool live = slot < S && p < pairs;
-    XLimbs<TY_Q4_K, 64> q;
-    if (live) gemv_xq_load<TY_Q4_K>(xq, cols, p, q);
-    int it = 0;
-    for (int g = blockIdx.x; g < stages; g += gridDim.x, it++) {
-        const int b = it % NB;
-        const u8* st = gb_sm + (size_t)b * stage_bytes;
-        float* rh = red + (it & 1) * R * C;
-        mbar_wait(bar + b, (u32)(it / NB) & 1u);
-        if (slot < S) {
-#pragma unroll 2
-            for (int rr = slot; rr < R; rr += S) {
-                float v = 0.0f;
-                if (live) {
-                    WFrag<TY_Q4_K, 64> f;
-                    gemv_load<TY_Q4_K, 64, true>(st + (size_t)rr * row_bytes, p, cols, f);
-                    v = gemv_dot_q<TY_Q4_K>(f, q, p);
-                }
-                v = warp_sum(v);
-                if (lane == 0) rh[rr * C + chunk] = v;
-            }
-        }
-        __syncthreads();
-        const int gn = g + NB * gridDim.x;
-        if (gn < stages) issue(gn, b);
-        if (warp == 0) {
-            float s = 0.0f;
-            if (lane < R)
-                for (int c = 0; c < C; c++) s += rh[lane * C + c];
-            const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
-            const int row = g * R + lane;
-            if (lane < R && row < rows) m.store(row, s, pair);
-        }
-    }
-}

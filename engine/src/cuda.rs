@@ -58,9 +58,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{
-    gb, pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVB_VARIANTS, GEMVT_VARIANTS, GEMV_VARIANTS,
-};
+use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -488,10 +486,6 @@ struct GemvConfig {
     /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
     tc_pre: bool,
     bps: Option<u32>,
-    /// `LLMDIFF_GEMV_NB`: the bulk GEMV's stages in flight per block.
-    nb: Option<usize>,
-    /// `LLMDIFF_GEMV_TMA=1`: the bulk GEMV copies rows by the copy engine (else by cp.async).
-    tma: bool,
     qkv_store: bool,
 }
 
@@ -505,7 +499,6 @@ impl GemvConfig {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
                 Ok("tc" | "tcp") => Some(GemvKind::Tc),
-                Ok("bulk") => Some(GemvKind::Bulk),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
@@ -514,8 +507,6 @@ impl GemvConfig {
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
             tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
-            nb: get("LLMDIFF_GEMV_NB").filter(|n| (1..=16).contains(n)),
-            tma: get("LLMDIFF_GEMV_TMA") == Some(1),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
     }
@@ -531,8 +522,6 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
-    /// The most dynamic shared memory a block may opt in to.
-    smem_optin: usize,
     gemv: GemvConfig,
     /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
     gemm: gemm::GemmState,
@@ -636,7 +625,7 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gemm2_q4_k") || f == "gemvb_q4_k" {
+                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gemm2_q4_k") {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         attn_smem_max as i32,
@@ -654,7 +643,6 @@ impl CudaBackend {
             stream,
             weights: Mutex::new(HashMap::new()),
             sms,
-            smem_optin: attn_smem_max,
             gemv: GemvConfig::from_env(),
             gemm: gemm::GemmState::from_env(attn_smem_max),
             attn: attn::AttnState::new(attn_smem_max),
@@ -785,7 +773,7 @@ impl CudaBackend {
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
         if let Some(name) = &cfg.variant {
-            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS).chain(&GEMVB_VARIANTS);
+            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS);
             if let Some(v) = all.into_iter().find(|v| v.ty == ty && v.entry() == *name) {
                 if self.gemv_fits(*v, cols) {
                     return Some(*v);
@@ -795,16 +783,7 @@ impl CudaBackend {
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
             Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
-            Some(GemvKind::Bulk) if ty == GgmlType::Q4K => {
-                // Stages of about 16 KB: R 4 for 4096-wide rows, 2 for 14336-wide ones.
-                let r = cfg.r.unwrap_or(1 << (16384 / row_bytes).clamp(1, 8).ilog2()).min(32);
-                let v = gb(r, cfg.nb.unwrap_or(4));
-                if self.gemv_fits(v, cols) {
-                    return Some(v);
-                }
-                None
-            }
-            Some(GemvKind::Tc | GemvKind::Bulk) => None,
+            Some(GemvKind::Tc) => None,
             k => k,
         };
         let kind = kind.unwrap_or(match ty {
@@ -845,7 +824,7 @@ impl CudaBackend {
                 .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
         match kind {
-            GemvKind::Tc | GemvKind::Bulk => None,
+            GemvKind::Tc => None,
             GemvKind::Xs => {
                 let upt = xs_upt?;
                 // R 6 and 8 exist for Q4_K at UPT 1 only, the integer form at fewer (R, UPT);
@@ -876,28 +855,7 @@ impl CudaBackend {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
             GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
-            GemvKind::Bulk => {
-                v.ty == GgmlType::Q4K
-                    && cols % 256 == 0
-                    && (1..=32).contains(&v.r)
-                    && v.upt >= 1
-                    && self
-                        .gemvb_shape(v, cols)
-                        .is_some_and(|(_, smem)| smem <= self.smem_optin)
-            }
         }
-    }
-
-    /// The bulk GEMV's block for rows of `cols` values: (warps, dynamic shared memory bytes).
-    /// A row is C chunks of 32 pair units; the block has C·S warps, S (rows of a stage worked at
-    /// once) from `LLMDIFF_GEMV_NW` (default 8) warps, at most R, within 16 warps. Shared
-    /// memory: NB stages of R rows, NB mbarriers, and the two halves of the row partials (see
-    /// `gemvb_q4_k` in kernels/quant.cu). None when a chunk per warp does not fit in 16 warps.
-    fn gemvb_shape(&self, v: GemvVariant, cols: usize) -> Option<(usize, usize)> {
-        let c = (cols / 64).div_ceil(32).max(1);
-        let s = (self.gemv.nw.unwrap_or(8) / c).clamp(1, v.r).min(16 / c.min(16));
-        let row_bytes = cols / 256 * 144;
-        (c * s <= 16).then(|| (c * s, v.upt * v.r * row_bytes + v.upt * 8 + 2 * v.r * c * 4))
     }
 
     /// Launches GEMV variant `v` (n = 1). x-stationary: a block of ⌈units/UPT⌉ threads (whole
@@ -916,7 +874,7 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         v: GemvVariant,
     ) {
-        let name = v.kernel();
+        let name = v.entry();
         let f = self.func(&name);
         let occupancy = |threads: u32, smem: u32| {
             let mut m = self.occupancy.lock().expect("occupancy map");
@@ -937,14 +895,14 @@ impl CudaBackend {
                 let groups = rows.div_ceil(v.r);
                 (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
-            GemvKind::Wr | GemvKind::Tc | GemvKind::Bulk => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Wr | GemvKind::Tc => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Bulk) {
+        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
@@ -976,7 +934,7 @@ impl CudaBackend {
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
-            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Bulk),
+            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc),
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
@@ -1004,13 +962,8 @@ impl CudaBackend {
             m.end[e] = total as i32;
         }
         let even = |r: i32| r % 2 == 0;
-        let epi = epi.filter(|_| {
-            matches!(v.kind, GemvKind::Wr | GemvKind::Bulk)
-                && v.r % 2 == 0
-                && n_parts == 3
-                && even(m.end[0])
-                && even(m.end[1])
-        });
+        let epi =
+            epi.filter(|_| v.kind == GemvKind::Wr && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);
             let (kc, gk) = e.kc.device_ptr_mut(s);
@@ -1025,47 +978,18 @@ impl CudaBackend {
             m.rope = [e.head_dim as i32, e.rope_dim as i32, e.slot as i32, total as i32];
             e.done = true;
         }
-        let cfg = if v.kind == GemvKind::Bulk {
-            // A persistent grid: the resident blocks, at most one per stage.
-            let (nw, smem) = self
-                .gemvb_shape(v, cols)
-                .expect("gemv: the bulk variant fits (gemv_fits)");
-            let (threads, smem) = ((nw * 32) as u32, smem as u32);
-            let per_sm = {
-                let mut m = self.occupancy.lock().expect("occupancy map");
-                *m.entry((v.kernel(), threads, smem)).or_insert_with(|| {
-                    ok(self.func(&v.kernel()).occupancy_max_active_blocks_per_multiprocessor(
-                        threads,
-                        smem as usize,
-                        None,
-                    ))
-                    .max(1)
-                })
-            };
-            let blocks = total
-                .div_ceil(v.r)
-                .min((self.sms * self.gemv.bps.map_or(per_sm, |b| b.min(per_sm))) as usize);
-            LaunchConfig {
-                grid_dim: (blocks.max(1) as u32, 1, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem,
-            }
-        } else {
-            LaunchConfig {
-                grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
-                block_dim: ((v.nw * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            }
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
+            block_dim: ((v.nw * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
-        // The bulk GEMV's R, NB and copy path (arguments of its one kernel).
-        let bulk = (v.kind == GemvKind::Bulk).then_some([v.r as i32, v.upt as i32, i32::from(self.gemv.tma)]);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
         // 8, unless x came with them (`xq`, see DevBuf::limbs).
-        let limbs = (v.kind != GemvKind::Xs && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
-        if self.pdl && matches!(v.kind, GemvKind::Wr | GemvKind::Bulk) {
+        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
+        if self.pdl && v.kind == GemvKind::Wr {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
             let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
@@ -1078,19 +1002,15 @@ impl CudaBackend {
             params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
             let mut ints = [r, c, rb];
             params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
-            let mut rn = bulk.unwrap_or_default();
-            if bulk.is_some() {
-                params.extend(rn.iter_mut().map(|v| (v as *mut i32).cast()));
-            }
             // SAFETY: gemvw_* take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
-            // gemvb_q4_k the same with xq, then R, NB and TMA; sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
+            // sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
             // or writing anything; `params` and the pointers they name outlive the call, and
             // `guards` keeps the buffers ordered on this stream.
-            unsafe { self.launch_pdl(s, &v.kernel(), cfg, &mut params) };
+            unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
             drop((x_guards, guards));
             return;
         }
-        let mut b = s.launch_builder(self.func(&v.kernel()));
+        let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
             b.arg(dev(xb)).arg(dev(xs));
@@ -1099,10 +1019,7 @@ impl CudaBackend {
             b.arg(q.get());
         }
         b.arg(&r).arg(&c).arg(&rb);
-        if let Some(rn) = &bulk {
-            b.arg(&rn[0]).arg(&rn[1]).arg(&rn[2]);
-        }
-        // SAFETY: the arguments match gemvw_* (and gemvb_q4_k, with R, NB and TMA after them) in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
+        // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
         // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
         // xb and xs, sized by gemv_tc_split_x; warp-rows modes 2 and 3 get xq, sized by
         // gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
@@ -1274,7 +1191,7 @@ impl CudaBackend {
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
             .then(|| force.or_else(|| self.gemv_variant(&dws[0], cols)))
             .flatten()
-            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Bulk));
+            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc));
         let Some(v) = v else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.linear_with(x, n, *w, out, force);
@@ -2311,7 +2228,6 @@ impl CudaBackend {
                 let wr = GEMV_VARIANTS
                     .iter()
                     .chain(&GEMVT_VARIANTS)
-                    .chain(&GEMVB_VARIANTS)
                     .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
                     .map(|v| (Some(*v), v.entry()));
                 let default = (
@@ -2359,7 +2275,6 @@ impl CudaBackend {
                 let xd = self.upload(&x);
                 for v in GEMV_VARIANTS
                     .iter()
-                    .chain(&GEMVB_VARIANTS)
                     .filter(|v| v.ty == ty && v.takes_limbs() && self.gemv_fits(**v, cols))
                 {
                     let mut g = self.upload(&vec![0.0; rows]);

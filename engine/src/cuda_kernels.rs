@@ -71,7 +71,7 @@ impl KernelId {
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
-                .chain(["gemv_x_limbs".to_string(), GEMVB_VARIANTS[0].kernel()])
+                .chain(std::iter::once("gemv_x_limbs".to_string()))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
@@ -144,11 +144,6 @@ pub enum GemvKind {
     /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
     /// 0: each warp splits its x; 1 (`_p`): a pre-pass (`gemvt_split_x`) splits it once per launch.
     Tc,
-    /// bulk copies (`gemvb_q4_k`, Q4_K only, pair units as mode 3): a persistent block per SM
-    /// (or more) pulls stages of R rows into shared memory with the copy engine, NB stages in
-    /// flight (`upt` = NB), x held in registers for the launch; R and NB are arguments, so
-    /// every variant is one kernel.
-    Bulk,
 }
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
@@ -182,16 +177,6 @@ impl GemvVariant {
                 self.nw,
                 if self.mode == 1 { "_p" } else { "" }
             ),
-            GemvKind::Bulk => format!("gemvb_{s}_r{}_b{}", self.r, self.upt),
-        }
-    }
-
-    /// The kernel that runs it: the entry point, but `gemvb_q4_k` for every bulk variant (R and
-    /// NB are its arguments).
-    pub fn kernel(self) -> String {
-        match self.kind {
-            GemvKind::Bulk => "gemvb_q4_k".into(),
-            _ => self.entry(),
         }
     }
 
@@ -207,7 +192,7 @@ impl GemvVariant {
     /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
     /// and warp-rows), from the `gemv_x_limbs` pre-pass or the op that wrote x.
     pub fn takes_limbs(self) -> bool {
-        self.kind == GemvKind::Bulk || matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
+        matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
     }
 
     /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
@@ -266,22 +251,6 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
     gt(4, 4, 1),
     gt(4, 8, 1),
 ];
-
-/// A bulk-copy variant: R rows per stage, NB stages in flight per block (see [`GemvKind::Bulk`]).
-pub const fn gb(r: usize, nb: usize) -> GemvVariant {
-    GemvVariant {
-        kind: GemvKind::Bulk,
-        ty: GgmlType::Q4K,
-        r,
-        nw: 0,
-        upt: nb,
-        mode: 3,
-    }
-}
-
-/// The bulk-copy variants that `kernels --check` and `--bench` run (any R ≤ 32 and NB fit the
-/// one kernel; `LLMDIFF_GEMV_KIND=bulk` with `LLMDIFF_GEMV_R` and `LLMDIFF_GEMV_NB` pick others).
-pub const GEMVB_VARIANTS: [GemvVariant; 6] = [gb(1, 8), gb(2, 4), gb(2, 8), gb(4, 4), gb(8, 2), gb(8, 4)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
