@@ -436,11 +436,6 @@ GQA_TILED(256, 1)
 // it when the row H·hd is a multiple of 128 and G·hd of 32, so every 32-value block lies in one
 // KV head's span and each warp's 8-lane groups hold whole blocks).
 //
-// Launched with PDL (common.cuh): the entries call griddep_wait first, before the position word,
-// q and the caches are read and anything is written (q, k, v and the position word come from
-// earlier kernels: no __restrict__ on them, so no read-only load the compiler could move above
-// the wait).
-//
 // `part` (floats, N = s_cap·KV·G): Σe per (split, kv head, head) as f64 (2N floats), then m (N),
 // then from round_up(3N, 4) the partial rows, (split, kv head) major, G·hd each. `cnt`: one
 // unsigned per KV head, 0 between launches. Both belong to one rank (crate::cuda's attn
@@ -472,8 +467,8 @@ __device__ __forceinline__ double as_warp_sum64(double v) {
 }
 
 template <int CW>
-__device__ __forceinline__ void gqa_split(const float* q, const float* k, const float* v, float* __restrict__ out,
-                                          float* part,
+__device__ __forceinline__ void gqa_split(const float* __restrict__ q, const float* __restrict__ k,
+                                          const float* __restrict__ v, float* __restrict__ out, float* part,
                                           unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
                                           int n_kv_heads, int hd, float scale, int s_cap, int hr) {
     extern __shared__ __align__(16) float as_sm[];
@@ -680,20 +675,19 @@ __device__ __forceinline__ void gqa_split(const float* q, const float* k, const 
 // bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
 // (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
 #define GQA_SPLIT(NAME, CW)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                  \
-        const float* q, const float* k, const float* v, float* __restrict__ out, float* part, unsigned* cnt,    \
-        u8* __restrict__ xq, int pos0, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) {   \
-        griddep_launch(); /* the o-projection GEMV may start early (PDL, common.cuh) */                         \
-        griddep_wait();   /* this kernel may have started early: the kernel before wrote q, k and v */          \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);            \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                           \
-        const float* q, const float* k, const float* v, float* __restrict__ out, float* part, unsigned* cnt,    \
-        u8* __restrict__ xq, const int* pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap,   \
-        int hr) {                                                                                               \
-        griddep_launch();                                                                                       \
-        griddep_wait();                                                                                         \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);        \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                     \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
+        float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
+        int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
+        griddep_launch(); /* the o-projection GEMV may start early (PDL, common.cuh) */                        \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);          \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
+        float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
+        const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
+        griddep_launch();                                                                                      \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);      \
     }
 GQA_SPLIT(gqa_split_128, 1)
 GQA_SPLIT(gqa_split_256, 2)

@@ -88,23 +88,16 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Programmatic dependent launch (sm_90; `CudaBackend::launch_k` with pdl, off with LLMDIFF_PDL=0):
-// a kernel so launched may start while the kernel before it on the stream still runs, once that
-// one has called griddep_launch() (every block, or ended). griddep_wait() returns once the kernel
-// before has completed and its writes are visible (at once for a plain launch, and for a second
-// call). So before it such a kernel reads nothing an earlier kernel wrote (only weights and
-// other constants) and writes nothing, and it is called by every block (all of a block's threads
-// that touch such data), before any early exit that could let the grid end unwaited: then a
-// kernel's completion implies its predecessor's, and kernels further back are done too.
-// PDL-launched: the warp-rows GEMVs (gemvw_*, quant.cu: wait after the first weight loads), and
-// rms_norm, add_rms_norm (after the weight load), swiglu_limbs, rope_qk (ops.cu) and gqa_split_*
-// (attention.cu), which wait first. Their reads of earlier kernels' output may not take the
-// read-only path (.nc, __ldg, or a `const __restrict__` pointer, from which the compiler derives
-// it and may hoist the load above the wait): the GEMVs use the ldx* loads below, the others plain
-// pointers, whose loads the wait's "memory" clobber keeps after it.
-// griddep_launch() lets the next kernel, if so launched, start before this one ends (it then
-// waits for this one): the norms, SwiGLU, rope_qk, the x pre-pass and the split attention call it
-// at their start, the GEMVs right after their wait.
+// The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
+// to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
+// one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
+// [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
+// pointers are null and never touched.
+// Programmatic dependent launch (sm_90; `CudaBackend::launch_pdl`): a kernel so launched may start
+// while the kernel before it on the stream still runs. griddep_wait() returns once that kernel has
+// completed and its writes are visible (at once for a plain launch), so before it such a kernel
+// reads nothing an earlier kernel wrote (only weights) and writes nothing. griddep_launch() lets
+// the next kernel, if so launched, start before this one ends.
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
@@ -142,11 +135,6 @@ __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, f
     y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
 }
 
-// The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
-// to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
-// one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
-// [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
-// pointers are null and never touched.
 struct GemvRows {
     const u8 *w0, *w1, *w2;
     float *out0, *out1, *out2;

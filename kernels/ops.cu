@@ -32,20 +32,15 @@ __device__ __forceinline__ float4 ld4_or_zero(const float* p, int i, bool live) 
 // d % 4 == 0 (rows and weight 16-byte aligned), read and written as float4.
 // xq (may be null): also the output row's int8 limbs for the integer GEMV (x_limbs4), which
 // needs d % 128 == 0 (so each warp's float4s are all in the row or all past it).
-// PDL (common.cuh): the weight is loaded before griddep_wait, xr (the kernel before's output: no
-// __restrict__, so no read-only load the compiler could move above the wait) and o after it.
-__device__ __forceinline__ void rms_norm_row(const float* xr, const float* __restrict__ weight,
+__device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const float* __restrict__ weight,
                                              float* __restrict__ o, int d, float eps, u8* __restrict__ xq) {
     __shared__ double scratch[32];
     const bool vec = (d & 3) == 0;
     if (vec && (d >> 2) <= (int)blockDim.x) {
         const bool live = (int)threadIdx.x < (d >> 2);
-        const float4 w = ld4_or_zero(weight, threadIdx.x, live);
-        griddep_wait();
-        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), w, o, d, eps, xq);
+        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), ld4_or_zero(weight, threadIdx.x, live), o, d, eps, xq);
         return;
     }
-    griddep_wait();
     double ss = 0.0;
     if (vec) {
         const int d4 = d >> 2;
@@ -82,9 +77,9 @@ __device__ __forceinline__ void rms_norm_row(const float* xr, const float* __res
     }
 }
 
-// xq: null, or (one row) its limbs, see rms_norm_row. Launched with PDL (it waits in rms_norm_row).
-extern "C" __global__ void rms_norm(const float* x, const float* __restrict__ weight, float* __restrict__ out,
-                                    int d, float eps, u8* __restrict__ xq) {
+// xq: null, or (one row) its limbs, see rms_norm_row.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
+                                    float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
     griddep_launch();  // the GEMV after it, if launched early, waits for it (PDL, common.cuh)
     rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
 }
@@ -102,12 +97,10 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 
 // The residual add and the next block's RMSNorm in one launch: x[row] += a[row] (as add_assign),
 // then out[row] = rms_norm(x[row]) (as rms_norm, same block shape): each thread adds exactly the
-// elements it then reads, so the result is bit for bit the two kernels'. Launched with PDL: the
-// weight is loaded before griddep_wait; x and a (earlier kernels' output, no __restrict__, as
-// rms_norm_row's xr) after it, and nothing is written before it.
-extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* __restrict__ weight,
-                                        float* __restrict__ out, int d, float eps, int f16_round,
-                                        u8* __restrict__ xq) {
+// elements it then reads, so the result is bit for bit the two kernels'.
+extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
+                                        const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
+                                        int f16_round, u8* __restrict__ xq) {
     griddep_launch();  // as rms_norm
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
@@ -115,9 +108,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* _
     if ((d & 3) == 0 && (d >> 2) <= (int)blockDim.x) {
         const int i = threadIdx.x;
         const bool live = i < (d >> 2);
-        const float4 w = ld4_or_zero(weight, i, live);
-        griddep_wait();
-        float4 v = ld4_or_zero(xr, i, live);
+        float4 v = ld4_or_zero(xr, i, live), w = ld4_or_zero(weight, i, live);
         const float4 av = ld4_or_zero(ar, i, live);
         v.x = resid_add(v.x, av.x, f16_round);
         v.y = resid_add(v.y, av.y, f16_round);
@@ -127,7 +118,6 @@ extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* _
         rms_norm_one(v, w, orow, d, eps, xq);
         return;
     }
-    griddep_wait();  // (rms_norm_row's own wait below then returns at once)
     if ((d & 3) == 0) {
         float4* x4 = (float4*)xr;
         const float4* a4 = (const float4*)ar;
@@ -178,15 +168,10 @@ extern "C" __global__ void rope_table_dpos(float2* cs, int n, int rope_dim, cons
 // also appended to the caches at row `slot` (*pos_dev when set, for a captured graph), as
 // kv_write does: kc [T, kh·k_stride] takes k after RoPE (the rotating thread writes both copies;
 // extra threads copy the dims RoPE leaves alone), vc [T, v_width] takes v.
-// Launched with PDL: everything it reads (q, k, v, the table cs, the position word: earlier
-// kernels' output, so no __restrict__ read-only loads) comes after griddep_wait, which every
-// thread calls first.
 extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, float* k, int kh, int k_stride,
-                                   int k_off, int n, int rope_dim, const float2* cs, int style,
-                                   float* __restrict__ kc, const float* v, float* __restrict__ vc, int v_width,
-                                   int slot, const int* pos_dev) {
-    griddep_launch();  // the split attention after it may start early (PDL, common.cuh)
-    griddep_wait();
+                                   int k_off, int n, int rope_dim, const float2* __restrict__ cs, int style,
+                                   float* __restrict__ kc, const float* __restrict__ v, float* __restrict__ vc,
+                                   int v_width, int slot, const int* __restrict__ pos_dev) {
     int half = rope_dim / 2, heads = qh + kh, chunks = (heads + ROPE_HEADS - 1) / ROPE_HEADS;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)n * chunks * half;
@@ -239,11 +224,9 @@ extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
 }
 
 // The same for one row of len values (len % 128 == 0), a thread per 4, and the result's int8
-// limbs for the integer GEMV (x_limbs4). Launched with PDL: it reads and writes only after
-// griddep_wait (gate and up are earlier kernels' output).
+// limbs for the integer GEMV (x_limbs4).
 extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {
     griddep_launch();  // as rms_norm
-    griddep_wait();
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < len / 4;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

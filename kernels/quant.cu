@@ -860,12 +860,8 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
             }
         }
         // Launched early (PDL): the first weights are in flight before x (the previous kernel's
-        // output) is read. A warp with no chunk reads and writes no global memory. Once past the
-        // wait, the kernel after it (if launched with PDL) may start: it waits for this one too.
-        if (c0 == warp * 32) {
-            griddep_wait();
-            griddep_launch();
-        }
+        // output) is read. A warp with no chunk reads and writes no global memory.
+        if (c0 == warp * 32) griddep_wait();
 #pragma unroll
         for (int k = 0; k < U; k++) {
             const int c = c0 + k * NW * 32;

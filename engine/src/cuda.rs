@@ -48,16 +48,10 @@
 //!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
 //!   `cuLaunchKernel` (cudarc's builder adds nothing measurable); a graph node costs ~0.7 µs.
-//! - The kernels of a decode step are launched with programmatic dependent launch (PDL; off with
-//!   `LLMDIFF_PDL=0`): the warp-rows GEMVs, `rms_norm`, `add_rms_norm`, `swiglu_limbs`, `rope_qk`
-//!   and the split attention `gqa_split_*`. Each may start while the kernel before it runs (once
-//!   that one calls `griddep_launch`: at its start, or for a GEMV after its own wait), does what
-//!   needs no earlier kernel's output (a GEMV's first weight loads, a norm's weight), and waits
-//!   for that kernel (`griddep_wait`, kernels/common.cuh) before it reads its output or writes
-//!   anything. Their launch sites list a kernel's parameters once (`KArgs`) and launch through
-//!   `CudaBackend::launch_k`, plain or with PDL.
-//! - A GQA layer's one-token q/k/v GEMV also rotates q and k and appends k and v to the KV cache
-//!   in its store (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
+//! - Warp-rows GEMVs are launched with programmatic dependent launch (`launch_pdl`; off with
+//!   `LLMDIFF_PDL=0`): each starts while the kernel before it runs and waits for it only before
+//!   reading x. A GQA layer's one-token q/k/v GEMV also rotates q and k and appends k and v to the
+//!   KV cache in its store (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
@@ -85,10 +79,8 @@ pub use gemm::GemmBench;
 #[path = "cuda_gemv_tc.rs"]
 mod gemv_tc;
 
-/// Decode kernels take programmatic dependent launch unless `LLMDIFF_PDL=0` (see `launch_k`). With
-/// the warp-rows GEMVs alone: 8B decode 2.11 against 2.23 ms on the H200, graph-replayed logits
-/// bitwise the op-by-op step's. The norms, SwiGLU, RoPE and the split attention joined later,
-/// not yet run on a GPU.
+/// Warp-rows GEMVs take programmatic dependent launch unless `LLMDIFF_PDL=0` (see `launch_pdl`):
+/// 8B decode 2.11 against 2.23 ms on the H200, graph-replayed logits bitwise the op-by-op step's.
 const PDL_DEFAULT: bool = true;
 
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
@@ -221,97 +213,6 @@ struct GemvRows {
 // SAFETY: #[repr(C)] plain integers laid out as the kernel's struct (three 8-byte pointers, three
 // more, two ints, four pointers, four ints: 104 bytes, 8-byte aligned).
 unsafe impl cudarc::driver::DeviceRepr for GemvRows {}
-
-/// A kernel's parameter list for [`CudaBackend::launch_k`], written once for both of its launch
-/// forms (plain, or programmatic dependent launch): host values borrowed for the list's life (as
-/// cudarc's `launch_builder` does), device buffers held as their pointers beside cudarc's guards,
-/// which order the buffers on the stream and are dropped (recording the use) after the launch.
-struct KArgs<'a> {
-    s: &'a CudaStream,
-    args: Vec<KArg<'a>>,
-    guards: Vec<cudarc::driver::SyncOnDrop<'a>>,
-}
-
-/// One kernel parameter: a host value (a scalar or a `#[repr(C)]` struct), or a device pointer
-/// (0: null), which the list keeps so that the driver can be given its address.
-enum KArg<'a> {
-    Val(&'a dyn cudarc::driver::DeviceRepr),
-    Ptr(u64),
-}
-
-impl<'a> KArgs<'a> {
-    fn new(s: &'a CudaStream) -> Self {
-        KArgs {
-            s,
-            args: Vec::with_capacity(20),
-            guards: Vec::new(),
-        }
-    }
-
-    /// A host value, passed by value (the kernel's parameter of type `T`).
-    fn val<T: cudarc::driver::DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.args.push(KArg::Val(v));
-        self
-    }
-
-    /// A buffer the kernel reads.
-    fn buf<T>(&mut self, b: &'a CudaSlice<T>) -> &mut Self {
-        let p = self.keep(b);
-        self.args.push(KArg::Ptr(p));
-        self
-    }
-
-    /// A buffer the kernel writes.
-    fn buf_mut<T>(&mut self, b: &'a mut CudaSlice<T>) -> &mut Self {
-        let p = self.keep_mut(b);
-        self.args.push(KArg::Ptr(p));
-        self
-    }
-
-    /// A buffer the kernel reads, or a null pointer.
-    fn opt<T>(&mut self, b: Option<&'a CudaSlice<T>>) -> &mut Self {
-        match b {
-            Some(b) => self.buf(b),
-            None => self.null(),
-        }
-    }
-
-    /// A null pointer.
-    fn null(&mut self) -> &mut Self {
-        self.args.push(KArg::Ptr(0));
-        self
-    }
-
-    /// The device pointer of a buffer the kernel reads through a parameter struct (`GemvRows`),
-    /// its guard kept with the list's.
-    fn keep<T>(&mut self, b: &'a CudaSlice<T>) -> u64 {
-        use cudarc::driver::DevicePtr;
-        let (p, g) = b.device_ptr(self.s);
-        self.guards.push(g);
-        p
-    }
-
-    /// As `keep`, for a buffer the kernel writes.
-    fn keep_mut<T>(&mut self, b: &'a mut CudaSlice<T>) -> u64 {
-        use cudarc::driver::DevicePtrMut;
-        let (p, g) = b.device_ptr_mut(self.s);
-        self.guards.push(g);
-        p
-    }
-
-    /// The driver's parameter array: the address of each value, valid while `self` is borrowed.
-    fn params(&self) -> Vec<*mut std::ffi::c_void> {
-        self.args
-            .iter()
-            .map(|a| match a {
-                KArg::Val(v) => (*v as *const dyn cudarc::driver::DeviceRepr)
-                    .cast::<std::ffi::c_void>()
-                    .cast_mut(),
-                KArg::Ptr(p) => (p as *const u64).cast::<std::ffi::c_void>().cast_mut(),
-            })
-            .collect()
-    }
-}
 
 /// Rows of blocks as the device keeps them: in each row, every block's quant bytes back to back,
 /// then every block's `header` leading bytes (its scales); the same bytes and row length as the
@@ -634,8 +535,8 @@ pub struct CudaBackend {
     pool: Arc<BufPool>,
     /// Decode graphs on (`LLMDIFF_CUDA_GRAPH=0` turns them off).
     graphs_on: bool,
-    /// Decode kernels (warp-rows GEMVs, norms, SwiGLU, RoPE, split attention) launched with
-    /// programmatic dependent launch (`launch_k`; `LLMDIFF_PDL=0` turns it off).
+    /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`;
+    /// `LLMDIFF_PDL=0` turns it off).
     pdl: bool,
     /// The decode graph being recorded, if any.
     capture: Mutex<CaptureState>,
@@ -1031,25 +932,15 @@ impl CudaBackend {
         v: GemvVariant,
         epi: Option<&mut GemvEpi<'_>>,
     ) {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
             (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc),
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
         let (total, n_parts): (usize, usize) = (parts.iter().map(|p| p.2).sum(), parts.len());
-        let cfg = LaunchConfig {
-            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
-            block_dim: ((v.nw * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
-        // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
-        let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
-        // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
-        // 8, unless x came with them (`xq`, see DevBuf::limbs).
-        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
         let mut m = GemvRows::default();
-        let mut a = KArgs::new(s);
+        let mut guards = Vec::with_capacity(2 * parts.len());
         let mut end = 0usize;
         for (i, (w, out, rows)) in parts.iter_mut().enumerate() {
             assert!(
@@ -1057,7 +948,11 @@ impl CudaBackend {
                 "gemv: parts differ in type or width"
             );
             assert!(out.len() >= *rows, "gemv: an output is shorter than its rows");
-            (m.w[i], m.out[i]) = (a.keep(&w.data), a.keep_mut(out));
+            let (wp, gw) = w.data.device_ptr(s);
+            let (op, go) = out.device_ptr_mut(s);
+            (m.w[i], m.out[i]) = (wp, op);
+            guards.push(gw);
+            guards.push(go);
             end += *rows;
             if i < 2 {
                 m.end[i] = end as i32;
@@ -1070,48 +965,80 @@ impl CudaBackend {
         let epi =
             epi.filter(|_| v.kind == GemvKind::Wr && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
-            (m.cs, m.kc, m.vc) = (a.keep(e.cs), a.keep_mut(e.kc), a.keep_mut(e.vc));
+            let (cs, gc) = e.cs.device_ptr(s);
+            let (kc, gk) = e.kc.device_ptr_mut(s);
+            let (vc, gv) = e.vc.device_ptr_mut(s);
+            guards.extend([gc, gk, gv]);
+            (m.cs, m.kc, m.vc) = (cs, kc, vc);
             if e.dpos {
-                m.pos_dev = a.keep(&*self.pos_dev);
+                let (pd, gp) = self.pos_dev.device_ptr(s);
+                m.pos_dev = pd;
+                guards.push(gp);
             }
             m.rope = [e.head_dim as i32, e.rope_dim as i32, e.slot as i32, total as i32];
             e.done = true;
         }
-        a.val(&m).buf(x);
+        let cfg = LaunchConfig {
+            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
+            block_dim: ((v.nw * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
+        // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
+        let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
+        // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
+        // 8, unless x came with them (`xq`, see DevBuf::limbs).
+        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
+        if self.pdl && v.kind == GemvKind::Wr {
+            use cudarc::driver::DevicePtr;
+            let (xp, gx) = x.device_ptr(s);
+            let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
+            if let Some(q) = &limbs {
+                let (qp, gq) = q.get().device_ptr(s);
+                ptrs.push(qp);
+                x_guards.push(gq);
+            }
+            let mut params: Vec<*mut std::ffi::c_void> = vec![(&mut m as *mut GemvRows).cast()];
+            params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
+            let mut ints = [r, c, rb];
+            params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
+            // SAFETY: gemvw_* take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
+            // sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
+            // or writing anything; `params` and the pointers they name outlive the call, and
+            // `guards` keeps the buffers ordered on this stream.
+            unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
+            drop((x_guards, guards));
+            return;
+        }
+        let mut b = s.launch_builder(self.func(&v.entry()));
+        b.arg(&m).arg(x);
         if let Some((xb, xs)) = &split {
-            a.buf(dev(xb)).buf(dev(xs));
+            b.arg(dev(xb)).arg(dev(xs));
         }
         if let Some(q) = &limbs {
-            a.buf(q.get());
+            b.arg(q.get());
         }
-        a.val(&r).val(&c).val(&rb);
+        b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
         // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
         // xb and xs, sized by gemv_tc_split_x; warp-rows modes 2 and 3 get xq, sized by
         // gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
-        // rows floats, x has cols floats; `a` keeps the pointers in `m` valid (and ordered on
-        // this stream) past the launch. PDL for the warp-rows form only: gemvw_* wait
-        // (griddep_wait) before they read x or xq or write anything; gemvt_* do not.
-        unsafe { self.launch_k(&v.entry(), cfg, self.pdl && v.kind == GemvKind::Wr, a) };
+        // rows floats, x has cols floats; the pointers stay valid (and ordered on this stream)
+        // while `guards` lives, past the launch.
+        ok(unsafe { b.launch(cfg) });
+        drop(guards);
     }
 
-    /// Launches kernel `name` on the stream of `args` with those parameters, then drops them (the
-    /// guards record the buffers' use after the launch). Without `pdl` a plain launch (no launch
-    /// attributes: `cuLaunchKernel`'s). With `pdl` (callers pass `self.pdl`, which `LLMDIFF_PDL=0`
-    /// clears) programmatic stream serialization (sm_90 programmatic dependent launch): the kernel
-    /// may start while the kernel before it on the stream still runs (once that one's blocks have
-    /// called `griddep_launch`, or it has ended), do what needs nothing an earlier kernel wrote
-    /// (load weights), and wait (`griddep_wait`, kernels/common.cuh) before it reads what earlier
-    /// kernels wrote or writes anything. A recorded decode graph keeps it as a programmatic edge.
+    /// Launches kernel `name` with programmatic stream serialization (sm_90 programmatic dependent
+    /// launch): it may start while the kernel before it on `s` still runs (the kernels before a
+    /// GEMV call `griddep_launch` at their start) and issue its first weight loads, and waits
+    /// (`griddep_wait`, kernels/common.cuh) before it reads what earlier kernels wrote or writes
+    /// anything. A recorded decode graph keeps it as a programmatic edge.
     ///
     /// # Safety
-    /// `args` are the kernel's parameters, in order and of its types, each buffer as large as the
-    /// launch reads or writes; with `pdl` the kernel waits as above in every block, and its reads
-    /// of other kernels' output cannot be moved above the wait (no `.nc`/`__ldg` loads, no
-    /// `const __restrict__` pointers to such data).
-    unsafe fn launch_k(&self, name: &str, cfg: LaunchConfig, pdl: bool, args: KArgs<'_>) {
+    /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
+    unsafe fn launch_pdl(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) {
         use cudarc::driver::sys;
-        let s = args.s;
         // SAFETY: a plain C struct (an id and a union of plain values); all zeros is valid.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -1126,16 +1053,11 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(pdl),
+            numAttrs: 1,
         };
         let f = self.func(name).cu_function();
-        let mut params = args.params();
-        // As cudarc's launch: the stream's context current on this thread.
-        ok(s.context().bind_to_thread());
-        // SAFETY: the caller's contract on `args`; `params` points into `args`, which with `lc`
-        // and `attr` outlives the call.
+        // SAFETY: the caller's contract on `params`; `lc` and `attr` outlive the call.
         ok(unsafe { sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result());
-        drop(args);
     }
 
     /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that
@@ -1424,40 +1346,42 @@ impl CudaBackend {
             RopeStyle::Norm => 0i32,
             RopeStyle::Neox => 1,
         };
+        let null = 0u64;
         let mut memo = self.rope_table.lock().expect("rope table");
         let cs = self.rope_table_for(&mut memo, n, ql.rope_dim, pos0, base);
-        let (vw, slot) = append.as_ref().map_or((0, 0), |a| (a.v_width as i32, a.slot as i32));
-        let copies = append.as_ref().map_or(0, |a| n * (kh * ks + a.v_width));
-        let mut b = KArgs::new(&self.stream);
-        b.buf_mut(q);
+        let mut b = self.stream.launch_builder(self.func("rope_qk"));
+        b.arg(q);
         for a in &q_args {
-            b.val(a);
+            b.arg(a);
         }
         match k {
-            Some((k, _)) => b.buf_mut(k),
+            Some((k, _)) => b.arg(k),
             // kh = 0: the kernel never reads k.
-            None => b.null(),
+            None => b.arg(&null),
         };
         for a in &k_args {
-            b.val(a);
+            b.arg(a);
         }
-        b.val(&n_i).val(&dim).buf(dev(cs)).val(&st);
+        b.arg(&n_i).arg(&dim).arg(dev(cs)).arg(&st);
+        let (vw, slot) = append.as_ref().map_or((0, 0), |a| (a.v_width as i32, a.slot as i32));
+        let copies = append.as_ref().map_or(0, |a| n * (kh * ks + a.v_width));
         match append {
             Some(a) => {
-                b.buf_mut(a.kc).buf(a.v).buf_mut(a.vc).val(&vw).val(&slot);
-                b.opt(a.dpos.then_some(&*self.pos_dev))
+                b.arg(a.kc).arg(a.v).arg(a.vc).arg(&vw).arg(&slot);
+                match a.dpos {
+                    true => b.arg(&*self.pos_dev),
+                    false => b.arg(&null),
+                }
             }
             // kc null: no copies, the rest unread.
-            None => b.null().null().null().val(&vw).val(&slot).null(),
+            None => b.arg(&null).arg(&null).arg(&null).arg(&vw).arg(&slot).arg(&null),
         };
         let chunks = (ql.n_heads + kh).div_ceil(ROPE_HEADS);
-        let cfg = Self::elementwise_cfg(n * chunks * half + copies);
         // SAFETY: matches rope_qk in kernels/ops.cu; one thread per (row, chunk of ROPE_HEADS
         // heads, pair), then (with a cache append) one per k and v value copied; q holds
         // n·q_width floats, k n·kh·ks, cs n·rope_dim/2 float2s; the caches were reserved for the
-        // n rows at `slot` (or at the position word, within the recording's capacity). PDL: it
-        // waits first.
-        unsafe { self.launch_k("rope_qk", cfg, self.pdl, b) };
+        // n rows at `slot` (or at the position word, within the recording's capacity).
+        ok(unsafe { b.launch(Self::elementwise_cfg(n * chunks * half + copies)) });
     }
 
     /// Makes `cache` hold rows up to `pos0 + new_len / width` (growing it and keeping its first
@@ -1762,14 +1686,16 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
-        let di = weight.len() as i32;
-        let mut a = KArgs::new(&self.stream);
-        a.buf(dev(x)).buf(&wd.data).buf_mut(dev_mut(out)).val(&di).val(&eps);
-        a.opt(q.as_ref().map(dev));
+        let (di, null) = (weight.len() as i32, 0u64);
+        let mut b = self.stream.launch_builder(self.func("rms_norm"));
+        b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
+        match &q {
+            Some(q) => b.arg(dev(q)),
+            None => b.arg(&null),
+        };
         // SAFETY: matches rms_norm in kernels/ops.cu: x and out [n, d], weight d; xq (one row of
-        // d % 128 == 0, see limbs_out) limbs_words(d) words, or null. PDL: it reads the weight
-        // alone before griddep_wait.
-        unsafe { self.launch_k("rms_norm", cfg, self.pdl, a) };
+        // d % 128 == 0, see limbs_out) limbs_words(d) words, or null.
+        ok(unsafe { b.launch(cfg) });
         attach_limbs(out, q);
     }
 
@@ -1779,13 +1705,17 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
-        let (di, f16) = (weight.len() as i32, f16_round as i32);
-        let mut k = KArgs::new(&self.stream);
-        k.buf_mut(dev_mut(x)).buf(dev(a)).buf(&wd.data).buf_mut(dev_mut(out));
-        k.val(&di).val(&eps).val(&f16).opt(q.as_ref().map(dev));
+        let (di, f16, null) = (weight.len() as i32, f16_round as i32, 0u64);
+        let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
+        b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
+        b.arg(&di).arg(&eps).arg(&f16);
+        match &q {
+            Some(q) => b.arg(dev(q)),
+            None => b.arg(&null),
+        };
         // SAFETY: matches add_rms_norm in kernels/ops.cu: x, a and out [n, d], weight d; xq as in
-        // rms_norm. PDL: as rms_norm.
-        unsafe { self.launch_k("add_rms_norm", cfg, self.pdl, k) };
+        // rms_norm.
+        ok(unsafe { b.launch(cfg) });
         attach_limbs(out, q);
     }
 
@@ -1874,11 +1804,11 @@ impl Backend for CudaBackend {
         if gate.len() < 1 << 16 {
             if let Some(q) = self.limbs_out(gate.len(), gate.len()) {
                 let (len, cfg) = (gate.len() as i32, Self::elementwise_cfg(gate.len() / 4));
-                let mut a = KArgs::new(&self.stream);
-                a.buf_mut(dev_mut(gate)).buf(dev(up)).val(&len).buf(dev(&q));
+                let mut b = self.stream.launch_builder(self.func("swiglu_limbs"));
+                b.arg(dev_mut(gate)).arg(dev(up)).arg(&len).arg(dev(&q));
                 // SAFETY: matches swiglu_limbs in kernels/ops.cu: gate and up len floats (len %
-                // 128 == 0, see limbs_out), xq limbs_words(len) words. PDL: it waits first.
-                unsafe { self.launch_k("swiglu_limbs", cfg, self.pdl, a) };
+                // 128 == 0, see limbs_out), xq limbs_words(len) words.
+                ok(unsafe { b.launch(cfg) });
                 attach_limbs(gate, Some(q));
                 return;
             }

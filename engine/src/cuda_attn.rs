@@ -24,7 +24,7 @@
 //! grown only outside a recording and never freed while the backend lives (a recorded graph
 //! keeps their addresses).
 
-use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KArgs, KernelCheck};
+use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::kernels::GqaShape;
 use crate::EngineError;
@@ -379,19 +379,25 @@ impl CudaBackend {
         let live = (pos0 + 1).div_ceil(plan.chunk);
         let blocks = kv * if dpos { s_cap } else { live };
         let args = [h as i32, kv as i32, hd as i32];
-        let (p0, s_cap_i, hr) = (pos0 as i32, s_cap as i32, plan.hr as i32);
-        let mut b = KArgs::new(&self.stream);
-        b.buf(dev(q)).buf(dev(k)).buf(dev(v)).buf_mut(dev_mut(out));
-        b.buf_mut(&mut sc.part).buf_mut(&mut sc.cnt).opt(xq.as_ref().map(dev));
+        let (p0, s_cap_i, hr, null) = (pos0 as i32, s_cap as i32, plan.hr as i32, 0u64);
+        let mut b = self
+            .stream
+            .launch_builder(self.func(if dpos { plan.entry_dpos } else { plan.entry }));
+        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
+        b.arg(&sc.part).arg(&sc.cnt);
+        match &xq {
+            Some(x) => b.arg(dev(x)),
+            None => b.arg(&null),
+        };
         if dpos {
-            b.buf(&*self.pos_dev);
+            b.arg(&*self.pos_dev);
         } else {
-            b.val(&p0);
+            b.arg(&p0);
         }
         for a in &args {
-            b.val(a);
+            b.arg(a);
         }
-        b.val(&shape.scale).val(&s_cap_i).val(&hr);
+        b.arg(&shape.scale).arg(&s_cap_i).arg(&hr);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (plan.threads, 1, 1),
@@ -402,9 +408,8 @@ impl CudaBackend {
         // split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV zeroed counters (this rank's,
         // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
         // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
-        // memory as split_plan. PDL: the entries wait first (griddep_wait).
-        let entry = if dpos { plan.entry_dpos } else { plan.entry };
-        unsafe { self.launch_k(entry, cfg, self.pdl, b) };
+        // memory as split_plan.
+        ok(unsafe { b.launch(cfg) });
         drop(map);
         super::attach_limbs(out, xq);
         true
