@@ -147,9 +147,6 @@ struct GemvRows {
     float *kc, *vc;
     const int* pos_dev;
     int head_dim, rope_dim, kv_row, rows;
-    // L2 prefetch (quant.cu's warp-rows GEMV; 0: none): the block also prefetches the rows pf
-    // further on (those of the block likely to follow it on its SM), and each warp its later steps.
-    int pf, pad_;
     // Row `row`'s weight row (of row_bytes) and output slot; selects, not an indexed array, so the
     // parameter block is never copied to local memory.
     __device__ __forceinline__ const u8* weight(int row, int row_bytes) const {

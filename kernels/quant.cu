@@ -835,35 +835,6 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 // (deterministic). No x slice is kept resident and nothing is double-buffered, so registers are
 // few and many warps keep many loads in flight.
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// Warp-rows L2 prefetch (m.pf > 0), issued once by each warp before its first step's loads: the
-// quant bytes of its later steps' chunks (a chunk's 32 units are one contiguous run per row: one
-// line a lane for R rows of 4 lines), then, spread over the block, every byte of the R rows pf
-// further on, those of the block likely to run next on this SM (m.pf = R × the resident blocks).
-// Hints only: what is computed does not change. Without it a block's loads start only when the
-// block before it on its SM has finished, so each block waits a whole memory latency, registers
-// bounding what is in flight; the lines prefetched into L2 are in flight without registers.
-template <int TY, int R, int NW, int U, int V>
-__device__ __forceinline__ void gemvw_prefetch(const GemvRows& m, int row0, int rows, int cols, int row_bytes,
-                                               int c0) {
-    constexpr int UB = TY == TY_Q4_1 ? 8 : V == 64 ? 32 : 16;  // quant bytes of a unit
-    constexpr int LINES = 32 * UB / 128;                        // lines of a chunk's run, per row
-    const int lane = threadIdx.x & 31, n_units = cols / V;
-    for (int c = c0 + NW * 32 * U; c < n_units; c += NW * 32) {
-        for (int i = lane; i < R * LINES; i += 32) {
-            const int r = i / LINES, off = c * UB + 128 * (i - r * LINES);
-            if (off < n_units * UB) prefetch_l2(m.weight(min(row0 + r, rows - 1), row_bytes) + off);
-        }
-    }
-    const int pr0 = row0 + m.pf, lines = (row_bytes + 127) >> 7;
-    if (pr0 >= rows) return;
-    for (int i = threadIdx.x; i < R * lines; i += NW * 32) {
-        const int r = i / lines;
-        if (pr0 + r < rows) prefetch_l2(m.weight(pr0 + r, row_bytes) + 128 * (i - r * lines));
-    }
-}
-
 template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
                                            int rows, int cols, int row_bytes) {
@@ -877,7 +848,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    if (m.pf && warp * 32 < n_units) gemvw_prefetch<TY, R, NW, U, V>(m, row0, rows, cols, row_bytes, warp * 32);
     for (int c0 = warp * 32; c0 < n_units; c0 += STEP) {
         WFrag<TY, V> f[U][R];
 #pragma unroll

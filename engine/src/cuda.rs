@@ -208,12 +208,10 @@ struct GemvRows {
     vc: u64,
     pos_dev: u64,
     rope: [i32; 4],
-    /// The warp-rows GEMV's L2 prefetch distance in rows (0: none), and padding.
-    pf: [i32; 2],
 }
 
 // SAFETY: #[repr(C)] plain integers laid out as the kernel's struct (three 8-byte pointers, three
-// more, two ints, four pointers, six ints: 112 bytes, 8-byte aligned).
+// more, two ints, four pointers, four ints: 104 bytes, 8-byte aligned).
 unsafe impl cudarc::driver::DeviceRepr for GemvRows {}
 
 /// Rows of blocks as the device keeps them: in each row, every block's quant bytes back to back,
@@ -489,9 +487,6 @@ struct GemvConfig {
     tc_pre: bool,
     bps: Option<u32>,
     qkv_store: bool,
-    /// Warp-rows GEMVs prefetch into L2 (`LLMDIFF_GEMV_PF=0` turns it off; see gemvw_prefetch
-    /// in kernels/quant.cu).
-    prefetch: bool,
 }
 
 impl GemvConfig {
@@ -513,7 +508,6 @@ impl GemvConfig {
             tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
-            prefetch: get("LLMDIFF_GEMV_PF") != Some(0),
         }
     }
 }
@@ -882,7 +876,12 @@ impl CudaBackend {
     ) {
         let name = v.entry();
         let f = self.func(&name);
-        let occupancy = |threads: u32, smem: u32| self.resident_blocks(&name, threads, smem);
+        let occupancy = |threads: u32, smem: u32| {
+            let mut m = self.occupancy.lock().expect("occupancy map");
+            *m.entry((v.entry(), threads, smem)).or_insert_with(|| {
+                ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)).max(1)
+            })
+        };
         let (grid, threads, smem) = match v.kind {
             GemvKind::Xs => {
                 let units = cols / GemvVariant::unit_values(v.ty);
@@ -917,17 +916,6 @@ impl CudaBackend {
         // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
         // device layout, x has cols floats, out rows floats; mode 2 gets xq, sized by gemv_x_limbs.
         ok(unsafe { b.launch(cfg) });
-    }
-
-    /// Resident blocks per SM of kernel `name` at a block size and dynamic shared memory (cached).
-    fn resident_blocks(&self, name: &str, threads: u32, smem: u32) -> u32 {
-        let mut m = self.occupancy.lock().expect("occupancy map");
-        *m.entry((name.to_string(), threads, smem)).or_insert_with(|| {
-            ok(self
-                .func(name)
-                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None))
-            .max(1)
-        })
     }
 
     /// Launches warp-rows (or tensor-core: the same arguments) GEMV variant `v` over one to three
@@ -995,11 +983,6 @@ impl CudaBackend {
             block_dim: ((v.nw * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        // Warp-rows L2 prefetch: the rows of the block one wave of resident blocks further on.
-        if v.kind == GemvKind::Wr && self.gemv.prefetch {
-            let resident = self.sms * self.resident_blocks(&v.entry(), cfg.block_dim.0, 0);
-            m.pf[0] = (v.r * resident as usize) as i32;
-        }
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
