@@ -989,3 +989,82 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
+
+// Persistent warp-rows GEMV (integer form; entries gemvp_<type>_r<R>_w<NW>): the warp-rows split
+// with a grid of the resident blocks, each walking groups of R rows (block b: groups b,
+// b + gridDim.x, ...) with the next group's weights loaded into registers while the current one is
+// computed, so a block has loads in flight all the time, not only between its start and its
+// compute. Every warp of a block holds one chunk of 32 units (rows of at most 32·NW units), so its
+// lanes' x limbs are loaded once, after griddep_wait, and kept. Per group: each warp's R partial
+// sums over its lanes (warp_sum), to red[group parity][warp][r]; a block barrier; warp 0's lanes
+// r < R add the NW partials in warp order and store row r (GemvRows::store; RoPE pairs r, r ^ 1).
+// red alternates between two halves, so a half's next writes come after a barrier that follows
+// its reads. The group loop is unrolled by two so that the two register buffers keep static
+// indices.
+template <int TY, int R, int NW>
+__device__ __forceinline__ void gemvp_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
+                                           int row_bytes) {
+    constexpr int V = gemv_vals<TY>();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_units = cols / V, groups = (rows + R - 1) / R;
+    const bool wlive = 32 * warp < n_units;  // warp-uniform: the shuffles in gemv_dot_q stay whole
+    const bool in = 32 * warp + lane < n_units;
+    const int u = in ? 32 * warp + lane : 0;
+    const float live = in ? 1.0f : 0.0f;
+    __shared__ float red[2][NW][R];
+    auto load = [&](WFrag<TY> (&f)[R], int g) {
+#pragma unroll
+        for (int r = 0; r < R; r++) gemv_load<TY>(m.weight(min(g * R + r, rows - 1), row_bytes), u, cols, f[r]);
+    };
+    int g = blockIdx.x, it = 0;
+    WFrag<TY> fa[R], fb[R];
+    if (wlive && g < groups) load(fa, g);
+    griddep_wait();  // launched early (PDL): the first group's weights are in flight before x is read
+    XLimbs<TY> q;
+    if (wlive) gemv_xq_load<TY>(xq, cols, u, q);
+    auto step = [&](WFrag<TY> (&cur)[R], WFrag<TY> (&nxt)[R]) {
+        if (g >= groups) return false;
+        const int gn = g + gridDim.x;
+        if (wlive && gn < groups) load(nxt, gn);
+        float (&rh)[NW][R] = red[it & 1];
+        if (wlive) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const float v = warp_sum(live * gemv_dot_q<TY>(cur[r], q, u));
+                if (lane == 0) rh[warp][r] = v;
+            }
+        } else if (lane < R) {
+            rh[warp][lane] = 0.0f;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            float s = 0.0f;
+            if (lane < R) {
+#pragma unroll
+                for (int w = 0; w < NW; w++) s += rh[w][lane];
+            }
+            const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
+            const int row = g * R + lane;
+            if (lane < R && row < rows) m.store(row, s, pair);
+        }
+        g = gn;
+        it++;
+        return true;
+    };
+    while (step(fa, fb) && step(fb, fa)) {
+    }
+}
+
+// Entry points gemvp_<type>_r<R>_w<NW>, launched with NW·32 threads and a grid of at most the
+// resident blocks; the list is `GEMVP_VARIANTS` in engine/src/cuda_kernels.rs. MINB: the blocks an
+// SM must hold (the register cap), so that several blocks share an SM.
+#define GEMVP_ENTRY(NAME, TY, R, NW, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                           \
+        gemvp_##NAME##_r##R##_w##NW(GemvRows m, const float* x, const u8* xq, int rows, int cols,        \
+                                    int row_bytes) {                                                      \
+        gemvp_body<TY, R, NW>(m, xq, rows, cols, row_bytes);                                              \
+    }
+GEMVP_ENTRY(q4_k, TY_Q4_K, 4, 4, 4)
+GEMVP_ENTRY(q4_k, TY_Q4_K, 8, 4, 3)
+GEMVP_ENTRY(q4_k, TY_Q4_K, 4, 16, 1)
+GEMVP_ENTRY(q4_k, TY_Q4_K, 2, 16, 1)
