@@ -58,9 +58,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{
-    pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVP_VARIANTS, GEMVT_VARIANTS, GEMV_VARIANTS,
-};
+use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -501,7 +499,6 @@ impl GemvConfig {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
                 Ok("tc" | "tcp") => Some(GemvKind::Tc),
-                Ok("wp") => Some(GemvKind::Wp),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
@@ -776,7 +773,7 @@ impl CudaBackend {
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
         if let Some(name) = &cfg.variant {
-            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS).chain(&GEMVP_VARIANTS);
+            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS);
             if let Some(v) = all.into_iter().find(|v| v.ty == ty && v.entry() == *name) {
                 if self.gemv_fits(*v, cols) {
                     return Some(*v);
@@ -786,19 +783,7 @@ impl CudaBackend {
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
             Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
-            // Persistent warp-rows: the fitting variant nearest to R (default 4), then the fewest warps.
-            Some(GemvKind::Wp) if ty == GgmlType::Q4K => {
-                let r = cfg.r.unwrap_or(4);
-                if let Some(v) = GEMVP_VARIANTS
-                    .iter()
-                    .filter(|v| self.gemv_fits(**v, cols))
-                    .min_by_key(|v| (v.r.abs_diff(r), v.nw))
-                {
-                    return Some(*v);
-                }
-                None
-            }
-            Some(GemvKind::Tc | GemvKind::Wp) => None,
+            Some(GemvKind::Tc) => None,
             k => k,
         };
         let kind = kind.unwrap_or(match ty {
@@ -839,7 +824,7 @@ impl CudaBackend {
                 .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
         };
         match kind {
-            GemvKind::Tc | GemvKind::Wp => None,
+            GemvKind::Tc => None,
             GemvKind::Xs => {
                 let upt = xs_upt?;
                 // R 6 and 8 exist for Q4_K at UPT 1 only, the integer form at fewer (R, UPT);
@@ -870,7 +855,6 @@ impl CudaBackend {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
             GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
-            GemvKind::Wp => v.ty == GgmlType::Q4K && units <= 32 * v.nw,
         }
     }
 
@@ -892,7 +876,12 @@ impl CudaBackend {
     ) {
         let name = v.entry();
         let f = self.func(&name);
-        let occupancy = |threads: u32, smem: u32| self.resident_blocks(&name, threads, smem);
+        let occupancy = |threads: u32, smem: u32| {
+            let mut m = self.occupancy.lock().expect("occupancy map");
+            *m.entry((v.entry(), threads, smem)).or_insert_with(|| {
+                ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)).max(1)
+            })
+        };
         let (grid, threads, smem) = match v.kind {
             GemvKind::Xs => {
                 let units = cols / GemvVariant::unit_values(v.ty);
@@ -906,14 +895,14 @@ impl CudaBackend {
                 let groups = rows.div_ceil(v.r);
                 (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
-            GemvKind::Wr | GemvKind::Tc | GemvKind::Wp => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Wr | GemvKind::Tc => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wp) {
+        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
@@ -927,17 +916,6 @@ impl CudaBackend {
         // SAFETY: the arguments match gemv_* in kernels/quant.cu; W is rows·row_bytes in the
         // device layout, x has cols floats, out rows floats; mode 2 gets xq, sized by gemv_x_limbs.
         ok(unsafe { b.launch(cfg) });
-    }
-
-    /// Resident blocks per SM of kernel `name` at a block size and dynamic shared memory (cached).
-    fn resident_blocks(&self, name: &str, threads: u32, smem: u32) -> u32 {
-        let mut m = self.occupancy.lock().expect("occupancy map");
-        *m.entry((name.to_string(), threads, smem)).or_insert_with(|| {
-            ok(self
-                .func(name)
-                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None))
-            .max(1)
-        })
     }
 
     /// Launches warp-rows (or tensor-core: the same arguments) GEMV variant `v` over one to three
@@ -956,7 +934,7 @@ impl CudaBackend {
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
-            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wp),
+            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc),
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
@@ -984,13 +962,8 @@ impl CudaBackend {
             m.end[e] = total as i32;
         }
         let even = |r: i32| r % 2 == 0;
-        let epi = epi.filter(|_| {
-            matches!(v.kind, GemvKind::Wr | GemvKind::Wp)
-                && v.r % 2 == 0
-                && n_parts == 3
-                && even(m.end[0])
-                && even(m.end[1])
-        });
+        let epi =
+            epi.filter(|_| v.kind == GemvKind::Wr && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);
             let (kc, gk) = e.kc.device_ptr_mut(s);
@@ -1005,16 +978,9 @@ impl CudaBackend {
             m.rope = [e.head_dim as i32, e.rope_dim as i32, e.slot as i32, total as i32];
             e.done = true;
         }
-        let threads = (v.nw * 32) as u32;
-        let mut blocks = total.div_ceil(v.r);
-        if v.kind == GemvKind::Wp {
-            // Persistent: at most the resident blocks, each walking groups of R rows.
-            let per_sm = self.resident_blocks(&v.entry(), threads, 0);
-            blocks = blocks.min((self.sms * self.gemv.bps.map_or(per_sm, |b| b.min(per_sm))) as usize);
-        }
         let cfg = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (threads, 1, 1),
+            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
+            block_dim: ((v.nw * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
@@ -1022,8 +988,8 @@ impl CudaBackend {
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
         // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
         // 8, unless x came with them (`xq`, see DevBuf::limbs).
-        let limbs = (v.kind != GemvKind::Xs && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
-        if self.pdl && matches!(v.kind, GemvKind::Wr | GemvKind::Wp) {
+        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
+        if self.pdl && v.kind == GemvKind::Wr {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
             let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
@@ -1225,7 +1191,7 @@ impl CudaBackend {
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
             .then(|| force.or_else(|| self.gemv_variant(&dws[0], cols)))
             .flatten()
-            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wp));
+            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc));
         let Some(v) = v else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.linear_with(x, n, *w, out, force);
@@ -2262,7 +2228,6 @@ impl CudaBackend {
                 let wr = GEMV_VARIANTS
                     .iter()
                     .chain(&GEMVT_VARIANTS)
-                    .chain(&GEMVP_VARIANTS)
                     .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
                     .map(|v| (Some(*v), v.entry()));
                 let default = (
@@ -2310,7 +2275,6 @@ impl CudaBackend {
                 let xd = self.upload(&x);
                 for v in GEMV_VARIANTS
                     .iter()
-                    .chain(&GEMVP_VARIANTS)
                     .filter(|v| v.ty == ty && v.takes_limbs() && self.gemv_fits(**v, cols))
                 {
                     let mut g = self.upload(&vec![0.0; rows]);

@@ -70,7 +70,7 @@ impl KernelId {
                     let s = type_suffix(t).expect("GPU_TYPES have suffixes");
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
-                .chain(GEMV_VARIANTS.iter().chain(&GEMVP_VARIANTS).map(|v| v.entry()))
+                .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
                 .chain(std::iter::once("gemv_x_limbs".to_string()))
                 .collect(),
             KernelId::Ops => [
@@ -144,10 +144,6 @@ pub enum GemvKind {
     /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
     /// 0: each warp splits its x; 1 (`_p`): a pre-pass (`gemvt_split_x`) splits it once per launch.
     Tc,
-    /// persistent warp-rows (`gemvp_*`, integer form): a grid of the resident blocks, each
-    /// walking groups of R rows with the next group's weights loaded while the current one is
-    /// computed; every warp holds one chunk of the row (at most 32·NW units) and its x limbs.
-    Wp,
 }
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
@@ -181,7 +177,6 @@ impl GemvVariant {
                 self.nw,
                 if self.mode == 1 { "_p" } else { "" }
             ),
-            GemvKind::Wp => format!("gemvp_{s}_r{}_w{}", self.r, self.nw),
         }
     }
 
@@ -197,7 +192,7 @@ impl GemvVariant {
     /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
     /// and warp-rows), from the `gemv_x_limbs` pre-pass or the op that wrote x.
     pub fn takes_limbs(self) -> bool {
-        self.kind == GemvKind::Wp || matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
+        matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
     }
 
     /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
@@ -256,22 +251,6 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
     gt(4, 4, 1),
     gt(4, 8, 1),
 ];
-
-const fn gp(r: usize, nw: usize) -> GemvVariant {
-    GemvVariant {
-        kind: GemvKind::Wp,
-        ty: GgmlType::Q4K,
-        r,
-        nw,
-        upt: 1,
-        mode: 2,
-    }
-}
-
-/// The persistent warp-rows variants (the `GEMVP_ENTRY` lines of `kernels/quant.cu`, in the
-/// same order): Q4_K, R 4 and 8 at NW 4 (rows of up to 4096 values), R 4 and 2 at NW 16 (up to
-/// 16384).
-pub const GEMVP_VARIANTS: [GemvVariant; 4] = [gp(4, 4), gp(8, 4), gp(4, 16), gp(2, 16)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
@@ -506,15 +485,6 @@ mod tests {
                             };
                             let (t, nw) = rest.split_once("_w").unwrap();
                             src.contains(&format!("{mac}({t}, {nw})\n"))
-                        })
-                    }
-                    || {
-                        // gemvp_<ty>_r<R>_w<NW> come from GEMVP_ENTRY(<ty>, TY_<TY>, <R>, <NW>, <MINB>).
-                        f.strip_prefix("gemvp_").is_some_and(|rest| {
-                            let (ty, tail) = rest.split_once("_r").unwrap();
-                            let (r, nw) = tail.split_once("_w").unwrap();
-                            let tyc = format!("TY_{}", ty.to_uppercase());
-                            src.contains(&format!("GEMVP_ENTRY({ty}, {tyc}, {r}, {nw}, "))
                         })
                     }
                     || {

@@ -22,7 +22,7 @@ pub fn run(_a: &KernelsArgs) -> anyhow::Result<ExitCode> {
 #[cfg(feature = "cuda")]
 pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     use engine::cuda::CudaBackend;
-    use engine::cuda_kernels::{KernelId, GEMVP_VARIANTS, GEMVT_VARIANTS, GEMV_VARIANTS};
+    use engine::cuda_kernels::{KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
     use references::GgmlType;
     use serde_json::json;
 
@@ -108,7 +108,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                         vs.extend(GEMV_VARIANTS.iter().filter(|v| v.ty == ty).map(|v| Some(*v)));
                     }
                     if n == 1 && ty == GgmlType::Q4K {
-                        vs.extend(GEMVT_VARIANTS.iter().chain(&GEMVP_VARIANTS).map(|v| Some(*v)));
+                        vs.extend(GEMVT_VARIANTS.iter().map(|v| Some(*v)));
                     }
                     for r in be.bench_linear_variants(ty, rows, cols, n, 200, &vs)? {
                         let frac = r.gb_per_s * 1e9 / copy;
