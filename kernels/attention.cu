@@ -136,14 +136,14 @@ extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __
                                          const float* __restrict__ k_pe, const float* __restrict__ v,
                                          float* __restrict__ out, int pos0, int n_heads, int nope, int rope, int vd,
                                          float scale) {
-    extern __shared__ float sm[];
+    extern __shared__ float mla_sm[];
     __shared__ float red[32];
     __shared__ double red64[32];
     int slot = blockIdx.x, tok = slot / n_heads, head = slot % n_heads;
     int qw = nope + rope, kw = n_heads * nope, vw = n_heads * vd;
     int n_ctx = pos0 + tok + 1;
-    float* qs = sm;
-    float* p = sm + qw;
+    float* qs = mla_sm;
+    float* p = mla_sm + qw;
     float* part = p + pos0 + (int)(gridDim.x / n_heads);
     for (int i = threadIdx.x; i < qw; i += blockDim.x) qs[i] = q[(size_t)slot * qw + i];
     __syncthreads();
