@@ -5,7 +5,7 @@
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64
 B=$PWD/.wtcuda/llmdiff; M=/tmp/gpu/models; mkdir -p $M; KC=/tmp/kc
 $B synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>&1
-t() { local s=$(date +%s.%N); "$@"; echo "  wall $(echo "$(date +%s.%N) - $s" | bc) s"; }
+t() { local s=$(date +%s%N); "$@"; local e=$(date +%s%N); echo "  wall $(( (e - s) / 1000000 )) ms"; }
 echo "== kernels --check, cold disk cache"; t env LLMDIFF_KERNEL_CACHE=$KC $B kernels --check --json >$OUT/kc.json 2>$OUT/kc.err; tail -2 $OUT/kc.err
 python3 -c "import json; d=json.load(open('$OUT/kc.json')); c=d['checks']; print(sum(x['pass'] for x in c),'of',len(c),'pass; compile_s',d.get('compile_s'),'from_disk',d.get('compile_from_disk'))"
 ls $KC | head
