@@ -156,107 +156,30 @@ fn arch_name(major: i32, minor: i32) -> &'static str {
 
 type PtxCache = Mutex<HashMap<(KernelId, &'static str), Ptx>>;
 
-/// How the kernel modules of a backend were obtained: seconds spent, and how many came from the
-/// on-disk cache ([`crate::kernel_cache`]) rather than NVRTC.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CompileStats {
-    pub seconds: f64,
-    pub modules: usize,
-    pub from_disk: usize,
-}
-
-/// Compiles every module for `arch`, in parallel (NVRTC compiles one program on one thread;
-/// quant.cu alone takes ~20 s), each from this process's cache, the on-disk cache or NVRTC. A
-/// compile error names the kernel file.
-pub fn compile_all(arch: &'static str) -> Result<(Vec<(KernelId, Ptx)>, CompileStats), EngineError> {
-    let t0 = std::time::Instant::now();
-    let disk = crate::kernel_cache::default_dir();
-    // One guard around all the threads: a missing libnvrtc panics in cudarc's loader, and the
-    // panic hook `guarded` swaps is process-wide.
-    let done = guarded("NVRTC", || {
-        let version = nvrtc_version();
-        std::thread::scope(|sc| {
-            let jobs: Vec<_> = KernelId::ALL
-                .iter()
-                .map(|&id| {
-                    let (disk, version) = (disk.as_deref(), version.as_str());
-                    sc.spawn(move || compile_module(id, arch, version, disk).map(|(p, hit)| (id, p, hit)))
-                })
-                .collect();
-            jobs.into_iter()
-                .map(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect::<Result<Vec<_>, _>>()
-        })
-    })?;
-    let stats = CompileStats {
-        seconds: t0.elapsed().as_secs_f64(),
-        modules: done.len(),
-        from_disk: done.iter().filter(|d| d.2).count(),
-    };
-    Ok((done.into_iter().map(|(id, p, _)| (id, p)).collect(), stats))
-}
-
-/// NVRTC's version, "major.minor" (part of the on-disk cache's key).
-fn nvrtc_version() -> String {
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: NVRTC writes two ints through valid pointers.
-    let _ = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
-    format!("{major}.{minor}")
-}
-
-/// One module for `arch`: from this process's cache, else the on-disk cache in `disk`, else
-/// NVRTC (then stored in both). The bool: it came from disk.
-fn compile_module(
-    id: KernelId,
-    arch: &'static str,
-    nvrtc: &str,
-    disk: Option<&std::path::Path>,
-) -> Result<(Ptx, bool), EngineError> {
+/// Compiles one module for `arch` (cached per process). A compile error names the kernel file.
+pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
     static CACHE: OnceLock<PtxCache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(p) = cache.lock().expect("ptx cache").get(&(id, arch)) {
-        return Ok((p.clone(), false));
+        return Ok(p.clone());
     }
-    let (ptx, from_disk) = compile_module_uncached(id, arch, nvrtc, disk)?;
-    cache.lock().expect("ptx cache").insert((id, arch), ptx.clone());
-    Ok((ptx, from_disk))
-}
-
-/// `compile_module` past the process's cache.
-fn compile_module_uncached(
-    id: KernelId,
-    arch: &'static str,
-    nvrtc: &str,
-    disk: Option<&std::path::Path>,
-) -> Result<(Ptx, bool), EngineError> {
-    let options = vec!["-std=c++17".to_string()];
-    let src = id.full_source();
-    let key = crate::kernel_cache::key(&[&src, arch, &options.join(" "), nvrtc, env!("CARGO_PKG_VERSION")]);
-    let hit = disk.and_then(|d| crate::kernel_cache::load(d, id.file(), &key));
-    let from_disk = hit.is_some();
-    let ptx = match hit {
-        Some(text) => Ptx::from_src(text),
-        None => {
-            let opts = CompileOptions {
-                arch: Some(arch),
-                include_paths: vec!["/usr/local/cuda/include".into()],
-                options,
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(src, opts).map_err(|e| {
-                let msg = match &e {
-                    CompileError::CompileError { log, .. } => log.to_string_lossy().trim().to_string(),
-                    other => other.to_string(),
-                };
-                EngineError::KernelCompile { kernel: id.file(), msg }
-            })?;
-            if let Some(d) = disk {
-                crate::kernel_cache::store(d, id.file(), &key, &ptx.to_src());
-            }
-            ptx
-        }
+    let opts = CompileOptions {
+        arch: Some(arch),
+        include_paths: vec!["/usr/local/cuda/include".into()],
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
     };
-    Ok((ptx, from_disk))
+    let ptx = guarded("NVRTC", || {
+        compile_ptx_with_opts(id.full_source(), opts).map_err(|e| {
+            let msg = match &e {
+                CompileError::CompileError { log, .. } => log.to_string_lossy().trim().to_string(),
+                other => other.to_string(),
+            };
+            EngineError::KernelCompile { kernel: id.file(), msg }
+        })
+    })?;
+    cache.lock().expect("ptx cache").insert((id, arch), ptx.clone());
+    Ok(ptx)
 }
 
 /// A weight resident on the device.
@@ -599,8 +522,6 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
-    /// How the kernel modules were obtained (`compile_all`).
-    compile_stats: CompileStats,
     gemv: GemvConfig,
     /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
     gemm: gemm::GemmState,
@@ -695,8 +616,8 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_or(48 << 10, |b| b.max(48 << 10) as usize);
         let mut funcs = HashMap::new();
-        let (modules, compile_stats) = compile_all(arch)?;
-        for (id, ptx) in modules {
+        for id in KernelId::ALL {
+            let ptx = compile(id, arch)?;
             let module = ctx
                 .load_module(ptx)
                 .map_err(drv(&format!("loading kernel module {}", id.file())))?;
@@ -722,7 +643,6 @@ impl CudaBackend {
             stream,
             weights: Mutex::new(HashMap::new()),
             sms,
-            compile_stats,
             gemv: GemvConfig::from_env(),
             gemm: gemm::GemmState::from_env(attn_smem_max),
             attn: attn::AttnState::new(attn_smem_max),
@@ -744,11 +664,6 @@ impl CudaBackend {
     /// The device's name and the arch the kernels were compiled for.
     pub fn device(&self) -> (&str, &'static str) {
         (&self.device, self.arch)
-    }
-
-    /// How this backend's kernel modules were obtained.
-    pub fn compile_stats(&self) -> CompileStats {
-        self.compile_stats
     }
 
     fn func(&self, name: &str) -> &CudaFunction {
@@ -3242,24 +3157,6 @@ pub struct LaunchCost {
 #[cfg(test)]
 mod tests {
     use super::repack_headers_last;
-
-    /// Needs NVRTC (no GPU): the second compile of every module comes from the on-disk cache, as
-    /// the same text. Run with `cargo test -p engine --features cuda -- --ignored` where NVRTC is.
-    #[test]
-    #[ignore]
-    fn kernel_modules_come_back_from_the_disk_cache() {
-        let d = tempfile::tempdir().unwrap();
-        std::env::set_var("LLMDIFF_KERNEL_CACHE", d.path());
-        let (first, s1) = super::compile_all("sm_90a").expect("NVRTC");
-        assert_eq!((s1.modules, s1.from_disk), (first.len(), 0));
-        let version = super::nvrtc_version();
-        for (id, ptx) in &first {
-            let (again, hit) = super::compile_module_uncached(*id, "sm_90a", &version, Some(d.path())).unwrap();
-            assert!(hit, "{} not from disk", id.file());
-            assert_eq!(again.to_src(), ptx.to_src());
-        }
-        eprintln!("compiled {} modules in {:.1} s", s1.modules, s1.seconds);
-    }
 
     #[test]
     fn repack_puts_quants_first_then_headers_per_row() {

@@ -19,7 +19,6 @@ pub mod engine;
 mod error;
 pub mod fault;
 pub mod fault_dequant;
-pub mod kernel_cache;
 pub mod kernels;
 pub mod rank;
 pub mod taps;

@@ -42,16 +42,6 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
         for id in KernelId::ALL {
             eprintln!("compiled {} ({} entry points)", id.file(), id.functions().len());
         }
-        let cs = be.compile_stats();
-        eprintln!(
-            "kernel modules: {} in {:.1} s, {} from the on-disk cache ({})",
-            cs.modules,
-            cs.seconds,
-            cs.from_disk,
-            engine::kernel_cache::default_dir().map_or("off".into(), |d| d.display().to_string())
-        );
-        doc["compile_s"] = json!(cs.seconds);
-        doc["compile_from_disk"] = json!(cs.from_disk);
         let checks = be.self_check();
         for c in &checks {
             if !c.pass {
