@@ -357,19 +357,6 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
     }
 }
 
-// The 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) from a Q4_K
-// super-block header's words h1 .. h3 (its 12 scale bytes q[0..12)), as the bytes sc0, sc1, m0, m1
-// of one word: for j < 2 the low 6 bits of q[2j], q[2j+1] (in h1) and q[2j+4], q[2j+5] (h2); for
-// j ≥ 2 the low (scales) and high (mins) nibbles of q[2j+4], q[2j+5] (h3) under the top 2 bits of
-// q[2j−4], q[2j−3] (h1, scales) and q[2j], q[2j+1] (h2, mins). Branch-free: j is fixed per lane.
-__device__ __forceinline__ u32 q4k_sm(u32 h1, u32 h2, u32 h3, int j) {
-    const bool hi = j >= 2;
-    const u32 sel = (j & 1) ? 0x7632u : 0x5410u;  // bytes 2(j%2), 2(j%2) + 1 of a word, then of the next
-    const u32 t = __byte_perm(h1, h2, sel);
-    const u32 n = hi ? __byte_perm(h3, h3 >> 4, sel) : t;
-    return (n & 0x0F0F0F0Fu) | ((t >> (hi ? 2 : 0)) & 0x30303030u);
-}
-
 // A Q4_K unit's dot from its two run sums s0 = Σx·q (sub-block 2j) and s1 (2j+1) and the runs'
 // Σx (x0, x1): d·(sc0·s0 + sc1·s1) − dmin·(m0·x0 + m1·x1), with d, dmin (word h0) and the scales
 // and mins (q4k_sm) from the super-block header, whose four words the 8 threads of the

@@ -456,10 +456,10 @@ fn limbs_words(cols: usize) -> usize {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|tcp`: the work split (default per type, see
+/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|tcp|tci`: the work split (default per type, see
 ///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
 ///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, `tcp` the same with its
-///   x pre-pass; see `cuda_gemv_tc.rs`).
+///   x pre-pass, `tci` its integer form on x's int8 limbs; see `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
@@ -483,8 +483,9 @@ struct GemvConfig {
     nw: Option<usize>,
     u: Option<usize>,
     mode: Option<usize>,
-    /// `LLMDIFF_GEMV_KIND=tcp`: the tensor-core GEMV with its x pre-pass (mode 1).
-    tc_pre: bool,
+    /// The tensor-core GEMV's mode: 0 (`LLMDIFF_GEMV_KIND=tc`), 1 (`tcp`, with its x pre-pass) or
+    /// 2 (`tci`, the integer form).
+    tc_mode: usize,
     bps: Option<u32>,
     qkv_store: bool,
 }
@@ -498,14 +499,18 @@ impl GemvConfig {
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
-                Ok("tc" | "tcp") => Some(GemvKind::Tc),
+                Ok("tc" | "tcp" | "tci") => Some(GemvKind::Tc),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
-            tc_pre: std::env::var("LLMDIFF_GEMV_KIND").as_deref() == Ok("tcp"),
+            tc_mode: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
+                Ok("tcp") => 1,
+                Ok("tci") => 2,
+                _ => 0,
+            },
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
@@ -782,7 +787,7 @@ impl CudaBackend {
         }
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_pre)),
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_mode)),
             Some(GemvKind::Tc) => None,
             k => k,
         };
@@ -962,8 +967,9 @@ impl CudaBackend {
             m.end[e] = total as i32;
         }
         let even = |r: i32| r % 2 == 0;
-        let epi =
-            epi.filter(|_| v.kind == GemvKind::Wr && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
+        // The kernels that store through GemvRows::store: warp-rows and the integer tensor-core form.
+        let stores = v.kind == GemvKind::Wr || (v.kind == GemvKind::Tc && v.mode == 2);
+        let epi = epi.filter(|_| stores && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);
             let (kc, gk) = e.kc.device_ptr_mut(s);
@@ -986,10 +992,10 @@ impl CudaBackend {
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
         let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
-        // The integer warp-rows form's (modes 2 and 3): x in int8 limbs, block scales and Σx per
-        // 8, unless x came with them (`xq`, see DevBuf::limbs).
-        let limbs = (v.kind == GemvKind::Wr && v.takes_limbs()).then(|| self.x_limbs(s, x, cols, xq));
-        if self.pdl && v.kind == GemvKind::Wr {
+        // The integer forms' (warp-rows modes 2 and 3, tensor-core mode 2): x in int8 limbs, block
+        // scales and Σx per 8, unless x came with them (`xq`, see DevBuf::limbs).
+        let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
+        if self.pdl && stores {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
             let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
@@ -1002,7 +1008,7 @@ impl CudaBackend {
             params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
             let mut ints = [r, c, rb];
             params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
-            // SAFETY: gemvw_* take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
+            // SAFETY: gemvw_* and gemvt_*_i take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
             // sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
             // or writing anything; `params` and the pointers they name outlive the call, and
             // `guards` keeps the buffers ordered on this stream.
@@ -2275,6 +2281,7 @@ impl CudaBackend {
                 let xd = self.upload(&x);
                 for v in GEMV_VARIANTS
                     .iter()
+                    .chain(&GEMVT_VARIANTS)
                     .filter(|v| v.ty == ty && v.takes_limbs() && self.gemv_fits(**v, cols))
                 {
                     let mut g = self.upload(&vec![0.0; rows]);

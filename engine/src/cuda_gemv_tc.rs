@@ -27,13 +27,13 @@ use std::sync::Arc;
 const DEFAULT_R: usize = 32;
 const DEFAULT_NW: usize = 8;
 
-/// The tensor-core variant nearest to `r` rows per block (then `nw` warps), by default
-/// [`DEFAULT_R`] and [`DEFAULT_NW`]; with the x pre-pass (`pre`, mode 1) or not.
-pub(super) fn pick(r: Option<usize>, nw: Option<usize>, pre: bool) -> GemvVariant {
+/// The tensor-core variant of `mode` nearest to `r` rows per block (then `nw` warps), by default
+/// [`DEFAULT_R`] and [`DEFAULT_NW`].
+pub(super) fn pick(r: Option<usize>, nw: Option<usize>, mode: usize) -> GemvVariant {
     let (r, nw) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW));
     *GEMVT_VARIANTS
         .iter()
-        .filter(|v| v.mode == usize::from(pre))
+        .filter(|v| v.mode == mode)
         .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw)))
         .expect("GEMVT_VARIANTS is not empty")
 }
@@ -194,11 +194,12 @@ mod tests {
 
     #[test]
     fn pick_takes_the_nearest_tensor_core_variant() {
-        assert_eq!(pick(None, None, false).entry(), "gemvt_q4_k_t2_w8");
-        assert_eq!(pick(Some(16), Some(4), false).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(Some(64), None, false).entry(), "gemvt_q4_k_t4_w8");
-        assert_eq!(pick(Some(8), Some(2), false).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(None, None, true).entry(), "gemvt_q4_k_t2_w8_p");
-        assert_eq!(pick(Some(16), Some(8), true).entry(), "gemvt_q4_k_t1_w8_p");
+        assert_eq!(pick(None, None, 0).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(Some(16), Some(4), 0).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(64), None, 0).entry(), "gemvt_q4_k_t4_w8");
+        assert_eq!(pick(Some(8), Some(2), 0).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(None, None, 1).entry(), "gemvt_q4_k_t2_w8_p");
+        assert_eq!(pick(Some(16), Some(8), 1).entry(), "gemvt_q4_k_t1_w8_p");
+        assert_eq!(pick(Some(16), Some(4), 2).entry(), "gemvt_q4_k_t1_w4_i");
     }
 }

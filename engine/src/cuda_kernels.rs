@@ -140,9 +140,10 @@ pub enum GemvKind {
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
-    /// R = 16·T rows (T tiles of `mma.sync` m16n8k16, `upt` = T), the warps splitting the
-    /// super-blocks; x split into three bf16s (hi, mid, lo: exact) as B's first columns. `mode`
-    /// 0: each warp splits its x; 1 (`_p`): a pre-pass (`gemvt_split_x`) splits it once per launch.
+    /// R = 16·T rows (T tiles of `mma.sync`, `upt` = T), the warps splitting the super-blocks.
+    /// `mode` 0: x split into three bf16s (hi, mid, lo: exact) as B's first columns of m16n8k16,
+    /// by each warp; 1 (`_p`): the same split once per launch by a pre-pass (`gemvt_split_x`); 2
+    /// (`_i`): the quants as u8 and x's int8 limbs (the integer form) in m16n8k32.
     Tc,
 }
 
@@ -165,7 +166,7 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1).
+    /// or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1; `_i` the integer form, mode 2).
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
@@ -175,7 +176,7 @@ impl GemvVariant {
                 "gemvt_{s}_t{}_w{}{}",
                 self.upt,
                 self.nw,
-                if self.mode == 1 { "_p" } else { "" }
+                ["", "_p", "_i"][self.mode]
             ),
         }
     }
@@ -190,9 +191,10 @@ impl GemvVariant {
     }
 
     /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
-    /// and warp-rows), from the `gemv_x_limbs` pre-pass or the op that wrote x.
+    /// and warp-rows, mode 2 of the tensor-core GEMV), from the `gemv_x_limbs` pre-pass or the op
+    /// that wrote x.
     pub fn takes_limbs(self) -> bool {
-        matches!(self.kind, GemvKind::Xs | GemvKind::Wr) && matches!(self.mode, 2 | 3)
+        matches!(self.mode, 2 | 3)
     }
 
     /// The largest block an x-stationary variant was compiled for (`__launch_bounds__`).
@@ -234,10 +236,11 @@ const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
     }
 }
 
-/// The tensor-core GEMV variants (the `GEMVT_ENTRY` then `GEMVT_ENTRY_P` lines of
-/// `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
-/// 8), x split per warp (mode 0), then the same with the x pre-pass (mode 1).
-pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
+/// The tensor-core GEMV variants (the `GEMVT_ENTRY`, `GEMVT_ENTRY_P` then `GEMVT_ENTRY_I` lines
+/// of `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
+/// 8), x split per warp (mode 0), the same with the x pre-pass (mode 1), then the integer form
+/// (mode 2: x in int8 limbs, as warp-rows mode 2).
+pub const GEMVT_VARIANTS: [GemvVariant; 18] = [
     gt(1, 4, 0),
     gt(1, 8, 0),
     gt(2, 4, 0),
@@ -250,6 +253,12 @@ pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
     gt(2, 8, 1),
     gt(4, 4, 1),
     gt(4, 8, 1),
+    gt(1, 4, 2),
+    gt(1, 8, 2),
+    gt(2, 4, 2),
+    gt(2, 8, 2),
+    gt(4, 4, 2),
+    gt(4, 8, 2),
 ];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
@@ -477,11 +486,12 @@ mod tests {
                         })
                     }
                     || {
-                        // gemvt_q4_k_t<T>_w<NW>[_p] come from GEMVT_ENTRY[_P](<T>, <NW>).
+                        // gemvt_q4_k_t<T>_w<NW>[_p|_i] come from GEMVT_ENTRY[_P|_I](<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (rest, mac) = match rest.strip_suffix("_p") {
-                                Some(r) => (r, "GEMVT_ENTRY_P"),
-                                None => (rest, "GEMVT_ENTRY"),
+                            let (rest, mac) = match (rest.strip_suffix("_p"), rest.strip_suffix("_i")) {
+                                (Some(r), _) => (r, "GEMVT_ENTRY_P"),
+                                (_, Some(r)) => (r, "GEMVT_ENTRY_I"),
+                                _ => (rest, "GEMVT_ENTRY"),
                             };
                             let (t, nw) = rest.split_once("_w").unwrap();
                             src.contains(&format!("{mac}({t}, {nw})\n"))
