@@ -335,7 +335,7 @@ __device__ __forceinline__ void tc_imma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int T, int NW>
+template <int T, int NW, bool PF>
 __device__ __forceinline__ void gemvt_q4_k_int_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
                                                     int row_bytes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -361,9 +361,8 @@ __device__ __forceinline__ void gemvt_q4_k_int_body(const GemvRows& m, const u8*
     float acc[T];
 #pragma unroll
     for (int i = 0; i < T; i++) acc[i] = 0.0f;
-    for (int sb = warp; sb < nsb; sb += NW) {
-        uint2 q[T][2][4];
-        uint4 hd[T];
+    // Super-block sb's quants (rows g and g+8 of each tile) and headers (the lane's epilogue row).
+    auto load = [&](int sb, uint2 (&q)[T][2][4], uint4 (&hd)[T]) {
 #pragma unroll
         for (int i = 0; i < T; i++) {
 #pragma unroll
@@ -371,6 +370,25 @@ __device__ __forceinline__ void gemvt_q4_k_int_body(const GemvRows& m, const u8*
 #pragma unroll
                 for (int p = 0; p < 4; p++) q[i][r][p] = tc_ld8(rp[i][r] + (size_t)sb * 128 + 32 * p + 8 * t);
             hd[i] = tc_ld16((odd ? rp[i][1] : rp[i][0]) + hdr0 + 16 * sb);
+        }
+    };
+    uint2 q[T][2][4], qn[T][2][4];
+    uint4 hd[T], hn[T];
+    if (PF && warp < nsb) load(warp, qn, hn);
+    for (int sb = warp; sb < nsb; sb += NW) {
+        if constexpr (PF) {
+            // The next super-block's loads go out before this one's products (PF: prefetch).
+#pragma unroll
+            for (int i = 0; i < T; i++) {
+                hd[i] = hn[i];
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int p = 0; p < 4; p++) q[i][r][p] = qn[i][r][p];
+            }
+            if (sb + NW < nsb) load(sb + NW, qn, hn);
+        } else {
+            load(sb, q, hd);
         }
         // Launched early (PDL): the first weights are in flight before x's limbs are read.
         if (sb == warp) griddep_wait();
@@ -432,17 +450,28 @@ __device__ __forceinline__ void gemvt_q4_k_int_body(const GemvRows& m, const u8*
     }
 }
 
-// Entry points gemvt_q4_k_t<T>_w<NW>_i: the arguments of kernels/quant.cu's integer warp-rows
+// Entry points gemvt_q4_k_t<T>_w<NW>_i (and _ip: with the next super-block's weights loaded
+// before the current one's products): the arguments of kernels/quant.cu's integer warp-rows
 // entries (GemvRows, x (unused), x's limbs, rows, cols, row_bytes).
 #define GEMVT_ENTRY_I(T, NW)                                                                                   \
     extern "C" __global__ void __launch_bounds__(NW * 32) gemvt_q4_k_t##T##_w##NW##_i(                         \
         GemvRows m, const float* x, const u8* xq, int rows, int cols, int row_bytes) {                         \
-        gemvt_q4_k_int_body<T, NW>(m, xq, rows, cols, row_bytes);                                              \
+        gemvt_q4_k_int_body<T, NW, false>(m, xq, rows, cols, row_bytes);                                       \
+    }
+#define GEMVT_ENTRY_IP(T, NW)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemvt_q4_k_t##T##_w##NW##_ip(                        \
+        GemvRows m, const float* x, const u8* xq, int rows, int cols, int row_bytes) {                         \
+        gemvt_q4_k_int_body<T, NW, true>(m, xq, rows, cols, row_bytes);                                        \
     }
 
 GEMVT_ENTRY_I(1, 4)
 GEMVT_ENTRY_I(1, 8)
 GEMVT_ENTRY_I(2, 4)
 GEMVT_ENTRY_I(2, 8)
-GEMVT_ENTRY_I(4, 4)
-GEMVT_ENTRY_I(4, 8)
+GEMVT_ENTRY_I(1, 16)
+GEMVT_ENTRY_I(2, 16)
+GEMVT_ENTRY_IP(1, 4)
+GEMVT_ENTRY_IP(1, 8)
+GEMVT_ENTRY_IP(1, 16)
+GEMVT_ENTRY_IP(2, 4)
+GEMVT_ENTRY_IP(2, 8)

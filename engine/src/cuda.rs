@@ -499,16 +499,17 @@ impl GemvConfig {
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
-                Ok("tc" | "tcp" | "tci") => Some(GemvKind::Tc),
+                Ok("tc" | "tcp" | "tci" | "tcip") => Some(GemvKind::Tc),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
-            nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=8).contains(w)),
+            nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=16).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
             tc_mode: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("tcp") => 1,
                 Ok("tci") => 2,
+                Ok("tcip") => 3,
                 _ => 0,
             },
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
@@ -968,7 +969,7 @@ impl CudaBackend {
         }
         let even = |r: i32| r % 2 == 0;
         // The kernels that store through GemvRows::store: warp-rows and the integer tensor-core form.
-        let stores = v.kind == GemvKind::Wr || (v.kind == GemvKind::Tc && v.mode == 2);
+        let stores = v.kind == GemvKind::Wr || (v.kind == GemvKind::Tc && v.takes_limbs());
         let epi = epi.filter(|_| stores && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);

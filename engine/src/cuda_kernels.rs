@@ -176,7 +176,7 @@ impl GemvVariant {
                 "gemvt_{s}_t{}_w{}{}",
                 self.upt,
                 self.nw,
-                ["", "_p", "_i"][self.mode]
+                ["", "_p", "_i", "_ip"][self.mode]
             ),
         }
     }
@@ -240,7 +240,7 @@ const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
 /// of `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
 /// 8), x split per warp (mode 0), the same with the x pre-pass (mode 1), then the integer form
 /// (mode 2: x in int8 limbs, as warp-rows mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 18] = [
+pub const GEMVT_VARIANTS: [GemvVariant; 23] = [
     gt(1, 4, 0),
     gt(1, 8, 0),
     gt(2, 4, 0),
@@ -257,8 +257,13 @@ pub const GEMVT_VARIANTS: [GemvVariant; 18] = [
     gt(1, 8, 2),
     gt(2, 4, 2),
     gt(2, 8, 2),
-    gt(4, 4, 2),
-    gt(4, 8, 2),
+    gt(1, 16, 2),
+    gt(2, 16, 2),
+    gt(1, 4, 3),
+    gt(1, 8, 3),
+    gt(1, 16, 3),
+    gt(2, 4, 3),
+    gt(2, 8, 3),
 ];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
@@ -488,11 +493,10 @@ mod tests {
                     || {
                         // gemvt_q4_k_t<T>_w<NW>[_p|_i] come from GEMVT_ENTRY[_P|_I](<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (rest, mac) = match (rest.strip_suffix("_p"), rest.strip_suffix("_i")) {
-                                (Some(r), _) => (r, "GEMVT_ENTRY_P"),
-                                (_, Some(r)) => (r, "GEMVT_ENTRY_I"),
-                                _ => (rest, "GEMVT_ENTRY"),
-                            };
+                            let (rest, mac) = [("_ip", "GEMVT_ENTRY_IP"), ("_p", "GEMVT_ENTRY_P"), ("_i", "GEMVT_ENTRY_I")]
+                                .iter()
+                                .find_map(|(suf, mac)| rest.strip_suffix(suf).map(|r| (r, *mac)))
+                                .unwrap_or((rest, "GEMVT_ENTRY"));
                             let (t, nw) = rest.split_once("_w").unwrap();
                             src.contains(&format!("{mac}({t}, {nw})\n"))
                         })
