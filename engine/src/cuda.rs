@@ -17,8 +17,7 @@
 //!   decode row's norm, SwiGLU or split GQA attention writes beside the row, [`DevBuf`]'s
 //!   `limbs`, else a pre-pass),
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
-//!   `kernels/gemv_tc.cu` (exact bf16 integers × x split exactly into three bf16s;
-//!   `cuda_gemv_tc.rs`).
+//!   `kernels/gemv_tc.cu` (the same integer form in `mma.sync`; `cuda_gemv_tc.rs`).
 //! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
 //!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
 //!   tiles staged once for the group's query heads, online softmax; `cuda_attn.rs`,
@@ -456,10 +455,9 @@ fn limbs_words(cols: usize) -> usize {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|tcp|tci`: the work split (default per type, see
+/// - `LLMDIFF_GEMV_KIND=xs|wr|tc`: the work split (default per type, see
 ///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
-///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, `tcp` the same with its
-///   x pre-pass, `tci` its integer form on x's int8 limbs; see `cuda_gemv_tc.rs`).
+///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default; see `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
 ///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
@@ -483,9 +481,6 @@ struct GemvConfig {
     nw: Option<usize>,
     u: Option<usize>,
     mode: Option<usize>,
-    /// The tensor-core GEMV's mode: 0 (`LLMDIFF_GEMV_KIND=tc`), 1 (`tcp`, with its x pre-pass) or
-    /// 2 (`tci`, the integer form).
-    tc_mode: usize,
     bps: Option<u32>,
     qkv_store: bool,
 }
@@ -499,19 +494,13 @@ impl GemvConfig {
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
-                Ok("tc" | "tcp" | "tci" | "tcip") => Some(GemvKind::Tc),
+                Ok("tc") => Some(GemvKind::Tc),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
             nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=16).contains(w)),
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
-            tc_mode: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
-                Ok("tcp") => 1,
-                Ok("tci") => 2,
-                Ok("tcip") => 3,
-                _ => 0,
-            },
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
@@ -788,7 +777,7 @@ impl CudaBackend {
         }
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.tc_mode)),
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw)),
             Some(GemvKind::Tc) => None,
             k => k,
         };
@@ -968,9 +957,7 @@ impl CudaBackend {
             m.end[e] = total as i32;
         }
         let even = |r: i32| r % 2 == 0;
-        // The kernels that store through GemvRows::store: warp-rows and the integer tensor-core form.
-        let stores = v.kind == GemvKind::Wr || (v.kind == GemvKind::Tc && v.takes_limbs());
-        let epi = epi.filter(|_| stores && v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
+        let epi = epi.filter(|_| v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);
             let (kc, gk) = e.kc.device_ptr_mut(s);
@@ -991,12 +978,10 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
-        // The tensor-core GEMV's x pre-pass (mode 1): B fragments and Σx per 32 into scratch.
-        let split = (v.kind == GemvKind::Tc && v.mode == 1).then(|| self.gemv_tc_split_x(s, x, cols));
-        // The integer forms' (warp-rows modes 2 and 3, tensor-core mode 2): x in int8 limbs, block
+        // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block
         // scales and Σx per 8, unless x came with them (`xq`, see DevBuf::limbs).
         let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
-        if self.pdl && stores {
+        if self.pdl {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
             let (mut ptrs, mut x_guards) = (vec![xp], vec![gx]);
@@ -1009,8 +994,8 @@ impl CudaBackend {
             params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
             let mut ints = [r, c, rb];
             params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
-            // SAFETY: gemvw_* and gemvt_*_i take (GemvRows, x, [xq for modes 2 and 3], rows, cols, row_bytes),
-            // sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
+            // SAFETY: gemvw_* and gemvt_* take (GemvRows, x, [xq if takes_limbs], rows, cols,
+            // row_bytes), sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
             // or writing anything; `params` and the pointers they name outlive the call, and
             // `guards` keeps the buffers ordered on this stream.
             unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
@@ -1019,17 +1004,13 @@ impl CudaBackend {
         }
         let mut b = s.launch_builder(self.func(&v.entry()));
         b.arg(&m).arg(x);
-        if let Some((xb, xs)) = &split {
-            b.arg(dev(xb)).arg(dev(xs));
-        }
         if let Some(q) = &limbs {
             b.arg(q.get());
         }
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
-        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; mode 1 gets the pre-pass's
-        // xb and xs, sized by gemv_tc_split_x; warp-rows modes 2 and 3 get xq, sized by
-        // gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
+        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; they and warp-rows modes 2
+        // and 3 get xq, sized by gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
         // rows floats, x has cols floats; the pointers stay valid (and ordered on this stream)
         // while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });

@@ -1,45 +1,40 @@
 //! The tensor-core one-token GEMV for Q4_K (`kernels/gemv_tc.cu`, [`KernelId::GemvTc`](crate::cuda_kernels::KernelId)):
 //! its selection and its checks against the CPU engine; the launch is `launch_gemv_rows` (the
-//! `gemvt_*` entries take the warp-rows arguments, `GemvRows` included, so `linear_many` keeps a
-//! layer's q/k/v or gate/up in one launch).
+//! `gemvt_*` entries take the integer warp-rows arguments, `GemvRows` and x's int8 limbs included,
+//! so `linear_many` keeps a layer's q/k/v or gate/up in one launch, with the q/k/v store).
 //!
-//! Two forms: mode 0 (`gemvt_q4_k_t<T>_w<NW>`), each warp builds the B fragments of its
-//! super-blocks from x (~30 instructions per 4 values, amortized over the block's 16·T rows), and
-//! mode 1 (`..._p`), a pre-pass kernel (`gemvt_split_x`, one more launch) builds them once per
-//! launch into pooled scratch (x·6 bytes, in L2) with Σx per 32, and each warp loads them.
+//! The quants (as u8) meet x's int8 limbs, the integer form of `kernels/quant.cu`, in `mma.sync`
+//! m16n8k32: 16 rows × 32 values an instruction, with the per-(row, sub-block) scaling on every
+//! lane after one shuffle. The same exact integer sums as the dp4a form, so the same precision.
 //!
-//! Selection: only with `LLMDIFF_GEMV_KIND=tc` (mode 0) or `tcp` (mode 1) (Q4_K rows with cols %
-//! 256 == 0; other types keep their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`;
-//! `LLMDIFF_GEMV_R` (16, 32 or 64 rows per block) and `LLMDIFF_GEMV_NW` (4 or 8 warps) pick the
-//! nearest compiled variant, by default 32 rows and 8 warps. Precision: the weights' 4-bit integers are exact in bf16, x is
-//! split exactly into three bf16s (hi, mid, lo) that are B's first three columns, products are
-//! exact and accumulated in f32 (see the header of `kernels/gemv_tc.cu`).
+//! Selection: only with `LLMDIFF_GEMV_KIND=tc` (Q4_K rows with cols % 256 == 0; other types keep
+//! their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`; `LLMDIFF_GEMV_R` (16 or 32 rows per
+//! block) and `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) pick the nearest compiled variant, by default
+//! 32 rows and 8 warps. On the H200 (tests/gpu/h200-results/round10) it issues ~1.7× fewer
+//! instructions than the dp4a form and is no faster: it waits on memory (long scoreboard) instead.
 
-use super::{compare, dev_mut, noise, ok, CudaBackend, KernelCheck};
+use super::{compare, noise, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::cuda_kernels::{GemvVariant, GEMVT_VARIANTS};
 use crate::kernels::{QMat, WeightRef};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use references::GgmlType;
-use std::sync::Arc;
 
 /// Rows per block and warps per block of the tensor-core GEMV when not set.
 const DEFAULT_R: usize = 32;
 const DEFAULT_NW: usize = 8;
 
-/// The tensor-core variant of `mode` nearest to `r` rows per block (then `nw` warps), by default
+/// The tensor-core variant nearest to `r` rows per block (then `nw` warps), by default
 /// [`DEFAULT_R`] and [`DEFAULT_NW`].
-pub(super) fn pick(r: Option<usize>, nw: Option<usize>, mode: usize) -> GemvVariant {
+pub(super) fn pick(r: Option<usize>, nw: Option<usize>) -> GemvVariant {
     let (r, nw) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW));
     *GEMVT_VARIANTS
         .iter()
-        .filter(|v| v.mode == mode)
         .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw)))
         .expect("GEMVT_VARIANTS is not empty")
 }
 
 /// Test activations of one magnitude class: `noise` (in [-1, 1)), `x1e4`, `x1e-30`, or `mixed`
-/// (values cycling through ×1e4, ×1, ×1e-30, 0, ×1e-3, so one 16-value mma step holds all of
+/// (values cycling through ×1e4, ×1, ×1e-30, 0, ×1e-3, so one 32-value block of limbs holds all of
 /// them).
 pub(super) fn tc_test_x(kind: &str, cols: usize, seed: u64) -> Vec<f32> {
     let x = noise(cols, seed);
@@ -66,36 +61,10 @@ fn tc_test_w(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
 }
 
 impl CudaBackend {
-    /// The x pre-pass of the mode-1 tensor-core variants (`gemvt_split_x`): returns the B
-    /// fragments (cols/256 · 8 · 12 uint4, as f32 words: 1.5·cols) and Σx per 32 values (cols/32),
-    /// pooled scratch that goes back to the pool when dropped (after the launches that use it are
-    /// enqueued on this stream).
-    pub(super) fn gemv_tc_split_x(&self, s: &Arc<CudaStream>, x: &CudaSlice<f32>, cols: usize) -> (Buf, Buf) {
-        assert!(
-            cols % 256 == 0 && x.len() >= cols,
-            "gemv_tc: x is not whole super-blocks"
-        );
-        let mut xb = self.new_buf(cols / 256 * 8 * 12 * 4);
-        let mut xs = self.new_buf(cols / 32);
-        let threads = cols / 256 * 32;
-        let c = cols as i32;
-        let mut b = s.launch_builder(self.func("gemvt_split_x"));
-        b.arg(x).arg(dev_mut(&mut xb)).arg(dev_mut(&mut xs)).arg(&c);
-        let cfg = LaunchConfig {
-            grid_dim: (threads.div_ceil(256) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches gemvt_split_x in kernels/gemv_tc.cu: x has cols floats (cols % 256 ==
-        // 0), xb cols/256·96 uint4 (16-byte aligned: a whole pooled allocation), xs cols/32 floats.
-        ok(unsafe { b.launch(cfg) });
-        (xb, xs)
-    }
-
     /// Every tensor-core GEMV variant against the CPU engine: Q4_K rows of 1 to 56 super-blocks,
     /// row counts that are not a multiple of 16 or of the block's 16·T rows (and fewer rows than
     /// a tile), rows of different scales; x of magnitude ~1, ~1e4, ~1e-30 and mixed within a
-    /// 16-value step (with zeros); then several products in one launch (`GemvRows`, row counts
+    /// 32-value block (with zeros); then several products in one launch (`GemvRows`, row counts
     /// that split tiles between matrices). rel_l2 tolerance 1e-5, as the other GEMV checks.
     pub(super) fn gemv_tc_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
@@ -194,12 +163,10 @@ mod tests {
 
     #[test]
     fn pick_takes_the_nearest_tensor_core_variant() {
-        assert_eq!(pick(None, None, 0).entry(), "gemvt_q4_k_t2_w8");
-        assert_eq!(pick(Some(16), Some(4), 0).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(Some(64), None, 0).entry(), "gemvt_q4_k_t4_w8");
-        assert_eq!(pick(Some(8), Some(2), 0).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(None, None, 1).entry(), "gemvt_q4_k_t2_w8_p");
-        assert_eq!(pick(Some(16), Some(8), 1).entry(), "gemvt_q4_k_t1_w8_p");
-        assert_eq!(pick(Some(16), Some(4), 2).entry(), "gemvt_q4_k_t1_w4_i");
+        assert_eq!(pick(None, None).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(Some(16), Some(4)).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(64), None).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(Some(8), Some(2)).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(16), Some(16)).entry(), "gemvt_q4_k_t1_w16");
     }
 }

@@ -123,9 +123,7 @@ impl KernelId {
                     .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
             )
             .collect(),
-            KernelId::GemvTc => std::iter::once("gemvt_split_x".to_string())
-                .chain(GEMVT_VARIANTS.iter().map(|v| v.entry()))
-                .collect(),
+            KernelId::GemvTc => GEMVT_VARIANTS.iter().map(|v| v.entry()).collect(),
         }
     }
 }
@@ -139,11 +137,9 @@ pub enum GemvKind {
     /// warp-rows (`gemvw_*`): a block of NW warps computes R rows; each warp walks 32-unit
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
-    /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only): a block of NW warps computes
-    /// R = 16·T rows (T tiles of `mma.sync`, `upt` = T), the warps splitting the super-blocks.
-    /// `mode` 0: x split into three bf16s (hi, mid, lo: exact) as B's first columns of m16n8k16,
-    /// by each warp; 1 (`_p`): the same split once per launch by a pre-pass (`gemvt_split_x`); 2
-    /// (`_i`): the quants as u8 and x's int8 limbs (the integer form) in m16n8k32.
+    /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only, opt-in): a block of NW warps
+    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32, `upt` = T), the warps splitting the
+    /// super-blocks; the quants as u8 meet x's int8 limbs (the integer form, `mode` 2).
     Tc,
 }
 
@@ -166,18 +162,13 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// or `gemvt_<type>_t<T>_w<NW>` (`_p` with the x pre-pass, mode 1; `_i` the integer form, mode 2).
+    /// or `gemvt_<type>_t<T>_w<NW>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Tc => format!(
-                "gemvt_{s}_t{}_w{}{}",
-                self.upt,
-                self.nw,
-                ["", "_p", "_i", "_ip"][self.mode]
-            ),
+            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
         }
     }
 
@@ -191,8 +182,8 @@ impl GemvVariant {
     }
 
     /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
-    /// and warp-rows, mode 2 of the tensor-core GEMV), from the `gemv_x_limbs` pre-pass or the op
-    /// that wrote x.
+    /// and warp-rows, and the tensor-core GEMV), from the `gemv_x_limbs` pre-pass or the op that
+    /// wrote x.
     pub fn takes_limbs(self) -> bool {
         matches!(self.mode, 2 | 3)
     }
@@ -225,46 +216,20 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
     }
 }
 
-const fn gt(t: usize, nw: usize, mode: usize) -> GemvVariant {
+const fn gt(t: usize, nw: usize) -> GemvVariant {
     GemvVariant {
         kind: GemvKind::Tc,
         ty: GgmlType::Q4K,
         r: 16 * t,
         nw,
         upt: t,
-        mode,
+        mode: 2,
     }
 }
 
-/// The tensor-core GEMV variants (the `GEMVT_ENTRY`, `GEMVT_ENTRY_P` then `GEMVT_ENTRY_I` lines
-/// of `kernels/gemv_tc.cu`, in the same order): Q4_K, T tiles of 16 rows (1, 2, 4) × NW warps (4,
-/// 8), x split per warp (mode 0), the same with the x pre-pass (mode 1), then the integer form
-/// (mode 2: x in int8 limbs, as warp-rows mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 23] = [
-    gt(1, 4, 0),
-    gt(1, 8, 0),
-    gt(2, 4, 0),
-    gt(2, 8, 0),
-    gt(4, 4, 0),
-    gt(4, 8, 0),
-    gt(1, 4, 1),
-    gt(1, 8, 1),
-    gt(2, 4, 1),
-    gt(2, 8, 1),
-    gt(4, 4, 1),
-    gt(4, 8, 1),
-    gt(1, 4, 2),
-    gt(1, 8, 2),
-    gt(2, 4, 2),
-    gt(2, 8, 2),
-    gt(1, 16, 2),
-    gt(2, 16, 2),
-    gt(1, 4, 3),
-    gt(1, 8, 3),
-    gt(1, 16, 3),
-    gt(2, 4, 3),
-    gt(2, 8, 3),
-];
+/// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
+/// order): Q4_K, T tiles of 16 rows (1, 2) × NW warps (4, 8, 16), x in int8 limbs (mode 2).
+pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(2, 4), gt(2, 8), gt(2, 16)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
@@ -491,14 +456,10 @@ mod tests {
                         })
                     }
                     || {
-                        // gemvt_q4_k_t<T>_w<NW>[_p|_i] come from GEMVT_ENTRY[_P|_I](<T>, <NW>).
+                        // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (rest, mac) = [("_ip", "GEMVT_ENTRY_IP"), ("_p", "GEMVT_ENTRY_P"), ("_i", "GEMVT_ENTRY_I")]
-                                .iter()
-                                .find_map(|(suf, mac)| rest.strip_suffix(suf).map(|r| (r, *mac)))
-                                .unwrap_or((rest, "GEMVT_ENTRY"));
                             let (t, nw) = rest.split_once("_w").unwrap();
-                            src.contains(&format!("{mac}({t}, {nw})\n"))
+                            src.contains(&format!("GEMVT_ENTRY({t}, {nw})\n"))
                         })
                     }
                     || {
@@ -568,7 +529,7 @@ mod tests {
             );
         }
         for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
-            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt);
+            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt && a.takes_limbs());
             assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
