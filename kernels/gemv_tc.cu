@@ -56,7 +56,7 @@ __device__ __forceinline__ void tc_imma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int T, int NW, int U>
+template <int T, int NW>
 __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
                                                 int row_bytes) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -82,32 +82,20 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
     float acc[T];
 #pragma unroll
     for (int i = 0; i < T; i++) acc[i] = 0.0f;
-    for (int s0 = warp; s0 < nsb; s0 += NW * U) {
-        // U super-blocks' quants (rows g and g+8 of each tile) and headers (the epilogue row's),
-        // all issued before any is used (a super-block past the row's end loads s0's again).
-        uint2 qu[U][T][2][4];
-        uint4 hu[U][T];
+    for (int sb = warp; sb < nsb; sb += NW) {
+        // The super-block's quants (rows g and g+8 of each tile) and headers (the epilogue row's).
+        uint2 q[T][2][4];
+        uint4 hd[T];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int sb = s0 + u * NW < nsb ? s0 + u * NW : s0;
+        for (int i = 0; i < T; i++) {
 #pragma unroll
-            for (int i = 0; i < T; i++) {
+            for (int r = 0; r < 2; r++)
 #pragma unroll
-                for (int r = 0; r < 2; r++)
-#pragma unroll
-                    for (int p = 0; p < 4; p++)
-                        qu[u][i][r][p] = tc_ld8(rp[i][r] + (size_t)sb * 128 + 32 * p + 8 * t);
-                hu[u][i] = tc_ld16((odd ? rp[i][1] : rp[i][0]) + hdr0 + 16 * sb);
-            }
+                for (int p = 0; p < 4; p++) q[i][r][p] = tc_ld8(rp[i][r] + (size_t)sb * 128 + 32 * p + 8 * t);
+            hd[i] = tc_ld16((odd ? rp[i][1] : rp[i][0]) + hdr0 + 16 * sb);
         }
         // Launched early (PDL): the first weights are in flight before x's limbs are read.
-        if (s0 == warp) griddep_wait();
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-        const int sb = s0 + u * NW;
-        if (sb >= nsb) break;
-        const auto& q = qu[u];
-        const auto& hd = hu[u];
+        if (sb == warp) griddep_wait();
         uint2 b[4];
         float sx[4], xsum[4];
 #pragma unroll
@@ -142,7 +130,6 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
             }
         }
     }
-    }
     // A row's two sub-block lanes (t, t ^ 2), then the warps in order.
     __shared__ float red[NW][16 * T];
 #pragma unroll
@@ -171,21 +158,15 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
 // arguments of kernels/quant.cu's integer warp-rows entries (GemvRows, x (unused), x's limbs,
 // rows, cols, row_bytes), so `launch_gemv_rows` launches both. The list is `GEMVT_VARIANTS` in
 // engine/src/cuda_kernels.rs (one line here per entry there).
-#define GEMVT_ENTRY(T, NW, U)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(NW * 32) gemvt_q4_k_t##T##_w##NW##_u##U(                      \
+#define GEMVT_ENTRY(T, NW)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(NW * 32) gemvt_q4_k_t##T##_w##NW(                             \
         GemvRows m, const float* x, const u8* xq, int rows, int cols, int row_bytes) {                         \
-        gemvt_q4_k_body<T, NW, U>(m, xq, rows, cols, row_bytes);                                               \
+        gemvt_q4_k_body<T, NW>(m, xq, rows, cols, row_bytes);                                                  \
     }
 
-GEMVT_ENTRY(1, 4, 1)
-GEMVT_ENTRY(1, 8, 1)
-GEMVT_ENTRY(1, 16, 1)
-GEMVT_ENTRY(2, 4, 1)
-GEMVT_ENTRY(2, 8, 1)
-GEMVT_ENTRY(2, 16, 1)
-GEMVT_ENTRY(1, 4, 2)
-GEMVT_ENTRY(1, 8, 2)
-GEMVT_ENTRY(1, 4, 4)
-GEMVT_ENTRY(1, 8, 4)
-GEMVT_ENTRY(2, 4, 2)
-GEMVT_ENTRY(2, 8, 2)
+GEMVT_ENTRY(1, 4)
+GEMVT_ENTRY(1, 8)
+GEMVT_ENTRY(1, 16)
+GEMVT_ENTRY(2, 4)
+GEMVT_ENTRY(2, 8)
+GEMVT_ENTRY(2, 16)

@@ -777,7 +777,7 @@ impl CudaBackend {
         }
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.u)),
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw)),
             Some(GemvKind::Tc) => None,
             k => k,
         };

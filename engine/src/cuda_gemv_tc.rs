@@ -9,8 +9,8 @@
 //!
 //! Selection: only with `LLMDIFF_GEMV_KIND=tc` (Q4_K rows with cols % 256 == 0; other types keep
 //! their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`; `LLMDIFF_GEMV_R` (16 or 32 rows per
-//! block), `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) and `LLMDIFF_GEMV_U` (1, 2 or 4 super-blocks a
-//! step) pick the nearest compiled variant, by default 32 rows, 8 warps and 1. On the H200 (tests/gpu/h200-results/round10) it issues ~1.7× fewer
+//! block) and `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) pick the nearest compiled variant, by default
+//! 32 rows and 8 warps. On the H200 (tests/gpu/h200-results/round10) it issues ~1.7× fewer
 //! instructions than the dp4a form and is no faster: it waits on memory (long scoreboard) instead.
 
 use super::{compare, noise, CudaBackend, KernelCheck};
@@ -23,13 +23,13 @@ use references::GgmlType;
 const DEFAULT_R: usize = 32;
 const DEFAULT_NW: usize = 8;
 
-/// The tensor-core variant nearest to `r` rows per block (then `nw` warps, then `u` super-blocks
-/// a step), by default [`DEFAULT_R`], [`DEFAULT_NW`] and 1.
-pub(super) fn pick(r: Option<usize>, nw: Option<usize>, u: Option<usize>) -> GemvVariant {
-    let (r, nw, u) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW), u.unwrap_or(1));
+/// The tensor-core variant nearest to `r` rows per block (then `nw` warps), by default
+/// [`DEFAULT_R`] and [`DEFAULT_NW`].
+pub(super) fn pick(r: Option<usize>, nw: Option<usize>) -> GemvVariant {
+    let (r, nw) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW));
     *GEMVT_VARIANTS
         .iter()
-        .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
+        .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw)))
         .expect("GEMVT_VARIANTS is not empty")
 }
 
@@ -163,10 +163,10 @@ mod tests {
 
     #[test]
     fn pick_takes_the_nearest_tensor_core_variant() {
-        assert_eq!(pick(None, None, None).entry(), "gemvt_q4_k_t2_w8_u1");
-        assert_eq!(pick(Some(16), Some(4), None).entry(), "gemvt_q4_k_t1_w4_u1");
-        assert_eq!(pick(Some(64), None, Some(2)).entry(), "gemvt_q4_k_t2_w8_u2");
-        assert_eq!(pick(Some(8), Some(2), Some(4)).entry(), "gemvt_q4_k_t1_w4_u4");
-        assert_eq!(pick(Some(16), Some(16), None).entry(), "gemvt_q4_k_t1_w16_u1");
+        assert_eq!(pick(None, None).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(Some(16), Some(4)).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(64), None).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(Some(8), Some(2)).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(16), Some(16)).entry(), "gemvt_q4_k_t1_w16");
     }
 }

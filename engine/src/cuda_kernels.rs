@@ -138,9 +138,8 @@ pub enum GemvKind {
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only, opt-in): a block of NW warps
-    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32), the warps splitting the
-    /// super-blocks, U (`upt`) a step; the quants as u8 meet x's int8 limbs (the integer form,
-    /// `mode` 2).
+    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32, `upt` = T), the warps splitting the
+    /// super-blocks; the quants as u8 meet x's int8 limbs (the integer form, `mode` 2).
     Tc,
 }
 
@@ -163,13 +162,13 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// or `gemvt_<type>_t<T>_w<NW>_u<U>`.
+    /// or `gemvt_<type>_t<T>_w<NW>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}_u{}", self.r / 16, self.nw, self.upt),
+            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
         }
     }
 
@@ -217,34 +216,20 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
     }
 }
 
-const fn gt(t: usize, nw: usize, u: usize) -> GemvVariant {
+const fn gt(t: usize, nw: usize) -> GemvVariant {
     GemvVariant {
         kind: GemvKind::Tc,
         ty: GgmlType::Q4K,
         r: 16 * t,
         nw,
-        upt: u,
+        upt: t,
         mode: 2,
     }
 }
 
 /// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, T tiles of 16 rows (1, 2) × NW warps (4, 8, 16) at U 1 super-block a step,
-/// then U 2 and 4; x in int8 limbs (mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 12] = [
-    gt(1, 4, 1),
-    gt(1, 8, 1),
-    gt(1, 16, 1),
-    gt(2, 4, 1),
-    gt(2, 8, 1),
-    gt(2, 16, 1),
-    gt(1, 4, 2),
-    gt(1, 8, 2),
-    gt(1, 4, 4),
-    gt(1, 8, 4),
-    gt(2, 4, 2),
-    gt(2, 8, 2),
-];
+/// order): Q4_K, T tiles of 16 rows (1, 2) × NW warps (4, 8, 16), x in int8 limbs (mode 2).
+pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(2, 4), gt(2, 8), gt(2, 16)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
@@ -471,11 +456,10 @@ mod tests {
                         })
                     }
                     || {
-                        // gemvt_q4_k_t<T>_w<NW>_u<U> come from GEMVT_ENTRY(<T>, <NW>, <U>).
+                        // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (t, rest) = rest.split_once("_w").unwrap();
-                            let (nw, u) = rest.split_once("_u").unwrap();
-                            src.contains(&format!("GEMVT_ENTRY({t}, {nw}, {u})\n"))
+                            let (t, nw) = rest.split_once("_w").unwrap();
+                            src.contains(&format!("GEMVT_ENTRY({t}, {nw})\n"))
                         })
                     }
                     || {
@@ -545,7 +529,7 @@ mod tests {
             );
         }
         for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
-            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r % 16 == 0 && a.takes_limbs());
+            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt && a.takes_limbs());
             assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
