@@ -490,10 +490,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     float* part_o = part + ((3 * N + 3) & ~(size_t)3);
     const size_t slot = (size_t)sp * KV + kvh;
 
-    // The chunk's K and V rows, in flight while q is staged. Launched early (PDL, after the q/k/v
-    // GEMV, which writes q and the cache row at pos0): the rows before pos0, which earlier steps
-    // wrote, load before griddep_wait; row pos0 after it. Coherent loads (ldx16f): the same
-    // buffers are written by kernels of this stream.
+    // The chunk's K and V rows, in flight while q is staged.
     float4 kr[AS_PPW][CW], vr[AS_PPW][CW];
 #pragma unroll
     for (int p = 0; p < AS_PPW; p++) {
@@ -502,27 +499,13 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         for (int c = 0; c < CW; c++) {
             const int col = lane + 32 * c;
             float4 a = zero, b = zero;
-            if (j < pos0 && col < hd4) {
+            if (j < n_ctx && col < hd4) {
                 const size_t off = (size_t)j * kvw + (size_t)kvh * hd + 4 * col;
-                a = ldx16f(k + off);
-                b = ldx16f(v + off);
+                a = *(const float4*)(k + off);
+                b = *(const float4*)(v + off);
             }
             kr[p][c] = a;
             vr[p][c] = b;
-        }
-    }
-    griddep_wait();
-#pragma unroll
-    for (int p = 0; p < AS_PPW; p++) {
-        const int j = j0 + p * nw + w;
-#pragma unroll
-        for (int c = 0; c < CW; c++) {
-            const int col = lane + 32 * c;
-            if (j == pos0 && col < hd4) {
-                const size_t off = (size_t)j * kvw + (size_t)kvh * hd + 4 * col;
-                kr[p][c] = ldx16f(k + off);
-                vr[p][c] = ldx16f(v + off);
-            }
         }
     }
     float* qs = as_sm;

@@ -59,7 +59,6 @@ __device__ __forceinline__ void tc_imma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32
 template <int T, int NW>
 __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
                                                 int row_bytes) {
-    griddep_launch();  // as quant.cu's warp-rows GEMV
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nsb = cols >> 8, row0 = blockIdx.x * 16 * T;

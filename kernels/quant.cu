@@ -825,7 +825,6 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
                                            int rows, int cols, int row_bytes) {
-    griddep_launch();  // the decode attention after a q/k/v GEMV may start early (PDL, common.cuh)
     constexpr int V = MODE == 3 ? 64 : gemv_vals<TY>();
     constexpr int STEP = NW * 32 * U;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

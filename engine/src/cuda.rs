@@ -1019,31 +1019,13 @@ impl CudaBackend {
 
     /// Launches kernel `name` with programmatic stream serialization (sm_90 programmatic dependent
     /// launch): it may start while the kernel before it on `s` still runs (the kernels before a
-    /// GEMV call `griddep_launch` at their start, and the GEMVs before the decode attention) and
-    /// issue its first loads of what no running kernel writes, and waits (`griddep_wait`,
-    /// kernels/common.cuh) before it reads what earlier kernels wrote or writes anything. A
-    /// recorded decode graph keeps it as a programmatic edge.
+    /// GEMV call `griddep_launch` at their start) and issue its first weight loads, and waits
+    /// (`griddep_wait`, kernels/common.cuh) before it reads what earlier kernels wrote or writes
+    /// anything. A recorded decode graph keeps it as a programmatic edge.
     ///
     /// # Safety
     /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
     unsafe fn launch_pdl(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) {
-        // SAFETY: the caller's contract.
-        unsafe { self.launch_ex(s, name, cfg, params, true) }
-    }
-
-    /// Launches kernel `name` from its raw arguments, with programmatic stream serialization when
-    /// `pdl` (see [`CudaBackend::launch_pdl`]), else as a plain launch.
-    ///
-    /// # Safety
-    /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
-    unsafe fn launch_ex(
-        &self,
-        s: &CudaStream,
-        name: &str,
-        cfg: LaunchConfig,
-        params: &mut [*mut std::ffi::c_void],
-        pdl: bool,
-    ) {
         use cudarc::driver::sys;
         // SAFETY: a plain C struct (an id and a union of plain values); all zeros is valid.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -1059,7 +1041,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(pdl),
+            numAttrs: 1,
         };
         let f = self.func(name).cu_function();
         // SAFETY: the caller's contract on `params`; `lc` and `attr` outlive the call.

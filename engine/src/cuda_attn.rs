@@ -69,14 +69,12 @@ const SPLIT_SMEM_FLOATS: usize = 12 * 1024 - 64;
 /// switch it), `LLMDIFF_ATTN_TILED=1` takes it for every n > 1 (not only from [`AT_MIN_ROWS`]
 /// rows), and the dynamic shared memory its entries were allowed at load. The split decode
 /// kernel's chunk length (`LLMDIFF_ATTN_SPLIT`: 0 off, 16, 32 or 64; anything else the default
-/// 32; an atomic so the bench can switch it), whether it is launched early (PDL, with the
-/// backend's; `LLMDIFF_ATTN_PDL=0` turns it off for this kernel alone) and each rank's scratch.
+/// 32; an atomic so the bench can switch it) and each rank's scratch for it.
 pub(super) struct AttnState {
     on: AtomicBool,
     force: bool,
     smem_max: usize,
     split: AtomicUsize,
-    pdl: bool,
     scratch: Mutex<HashMap<usize, SplitScratch>>,
 }
 
@@ -106,7 +104,6 @@ impl AttnState {
             force: v == Some("1"),
             smem_max,
             split: AtomicUsize::new(split),
-            pdl: std::env::var("LLMDIFF_ATTN_PDL").map_or(true, |v| v.trim() != "0"),
             scratch: Mutex::new(HashMap::new()),
         }
     }
@@ -381,54 +378,38 @@ impl CudaBackend {
         };
         let live = (pos0 + 1).div_ceil(plan.chunk);
         let blocks = kv * if dpos { s_cap } else { live };
-        let (p0, s_cap_i, hr) = (pos0 as i32, s_cap as i32, plan.hr as i32);
+        let args = [h as i32, kv as i32, hd as i32];
+        let (p0, s_cap_i, hr, null) = (pos0 as i32, s_cap as i32, plan.hr as i32, 0u64);
+        let mut b = self
+            .stream
+            .launch_builder(self.func(if dpos { plan.entry_dpos } else { plan.entry }));
+        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
+        b.arg(&sc.part).arg(&sc.cnt);
+        match &xq {
+            Some(x) => b.arg(dev(x)),
+            None => b.arg(&null),
+        };
+        if dpos {
+            b.arg(&*self.pos_dev);
+        } else {
+            b.arg(&p0);
+        }
+        for a in &args {
+            b.arg(a);
+        }
+        b.arg(&shape.scale).arg(&s_cap_i).arg(&hr);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (plan.threads, 1, 1),
             shared_mem_bytes: plan.smem as u32,
         };
-        let entry = if dpos { plan.entry_dpos } else { plan.entry };
-        // The kernel's pointer arguments (q, k, v, out, part, cnt, xq or null, and the position
-        // word for `_dpos`) as device addresses, held (and ordered on this stream) by `guards`.
-        use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let s = &self.stream;
-        let mut held = vec![
-            dev(q).device_ptr(s),
-            dev(k).device_ptr(s),
-            dev(v).device_ptr(s),
-            dev_mut(out).device_ptr_mut(s),
-            sc.part.device_ptr(s),
-            sc.cnt.device_ptr(s),
-        ];
-        let xq_at = held.len();
-        if let Some(x) = &xq {
-            held.push(dev(x).device_ptr(s));
-        }
-        if dpos {
-            held.push(self.pos_dev.device_ptr(s));
-        }
-        let (mut ptrs, guards): (Vec<u64>, Vec<_>) = held.into_iter().unzip();
-        if xq.is_none() {
-            ptrs.insert(xq_at, 0);
-        }
-        let mut ints = [p0, h as i32, kv as i32, hd as i32];
-        let mut scale = shape.scale;
-        let mut tail = [s_cap_i, hr];
-        let mut params: Vec<*mut std::ffi::c_void> = ptrs.iter_mut().map(|p| (p as *mut u64).cast()).collect();
-        // `_dpos` takes the position word's address (pushed above) instead of pos0.
-        params.extend(ints.iter_mut().skip(usize::from(dpos)).map(|v| (v as *mut i32).cast()));
-        params.push((&mut scale as *mut f32).cast());
-        params.extend(tail.iter_mut().map(|v| (v as *mut i32).cast()));
-        // SAFETY: `params` are gqa_split_*'s arguments in kernels/attention.cu, in order and of its
-        // types: q and out hold H·hd floats, k and v cap_rows ≥ pos0 + 1 rows of KV·hd (hd % 4 ==
-        // 0, 16-byte aligned rows), part split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV
-        // zeroed counters (this rank's, used by one launch at a time on this stream), xq
-        // limbs_words(H·hd) words or null; the position word (dpos) holds a position < cap_rows
-        // (limit_rows while recording); shared memory as split_plan. With PDL the kernel may
-        // start while the q/k/v GEMV before it runs: before griddep_wait it reads only the cache
-        // rows below the position, which earlier steps wrote.
-        unsafe { self.launch_ex(s, entry, cfg, &mut params, self.pdl && self.attn.pdl) };
-        drop(guards);
+        // SAFETY: matches gqa_split_* in kernels/attention.cu: q and out hold H·hd floats, k and v
+        // cap_rows ≥ pos0 + 1 rows of KV·hd (hd % 4 == 0, 16-byte aligned rows), part
+        // split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV zeroed counters (this rank's,
+        // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
+        // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
+        // memory as split_plan.
+        ok(unsafe { b.launch(cfg) });
         drop(map);
         super::attach_limbs(out, xq);
         true
