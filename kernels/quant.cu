@@ -976,3 +976,33 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
+
+// A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
+// gemvw_q4_k_r8_w4_u1 (the default's) with no arithmetic but an XOR of the words, so its time is
+// what that access pattern costs on its own (`linear` = 0), or, with `linear` = 1, the same bytes
+// read as one stream (16 bytes a thread, grid-stride). One word per warp goes to `out` (4 per
+// block) so the loads are kept. Q4_K device layout, cols % 256 == 0; grid ⌈rows/8⌉ blocks of 128
+// threads.
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_read_probe(const u8* __restrict__ W, int rows, int cols, int row_bytes, int linear, u32* __restrict__ out) {
+    u32 acc = 0;
+    if (linear) {
+        const size_t n16 = (size_t)rows * row_bytes / 16;
+        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
+            const uint4 v = ldg16(W + 16 * i);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+    } else {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_units = cols / 32, row0 = blockIdx.x * 8;
+        for (int c0 = warp * 32; c0 < n_units; c0 += 4 * 32) {
+            const int u = c0 + lane < n_units ? c0 + lane : 0;
+            WFrag<TY_Q4_K> f[8];
+#pragma unroll
+            for (int r = 0; r < 8; r++) gemv_load<TY_Q4_K>(W + (size_t)min(row0 + r, rows - 1) * row_bytes, u, cols, f[r]);
+#pragma unroll
+            for (int r = 0; r < 8; r++) acc ^= f[r].a.x ^ f[r].a.y ^ f[r].a.z ^ f[r].a.w ^ f[r].h.x;
+        }
+    }
+    acc = __reduce_xor_sync(0xffffffffu, acc);
+    if ((threadIdx.x & 31) == 0) out[blockIdx.x * 4 + (threadIdx.x >> 5)] = acc;
+}

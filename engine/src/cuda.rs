@@ -2897,6 +2897,38 @@ pub struct GemvBench {
     pub gb_per_s: f64,
 }
 
+/// Enough device copies of one random `[rows, cols]` weight of type `ty` (device layout) that
+/// cycling through them exceeds L2, so every timed launch reads HBM.
+fn bench_weights(s: &Arc<CudaStream>, ty: GgmlType, rows: usize, cols: usize) -> Result<Vec<DevWeight>, EngineError> {
+    let suffix = type_suffix(ty).ok_or_else(|| EngineError::Cuda(format!("no GPU kernel for {ty:?}")))?;
+    let row_bytes = cols / ty.block_elems() * ty.block_bytes();
+    let w_bytes = rows * row_bytes;
+    let copies = (512usize << 20).div_ceil(w_bytes).clamp(1, 64);
+    let host = random_blocks(ty, w_bytes);
+    let host = device_layout(ty, &host, rows, row_bytes);
+    (0..copies)
+        .map(|_| {
+            Ok(DevWeight {
+                data: s.clone_htod(&*host).map_err(drv("upload"))?,
+                ty,
+                suffix,
+                row_bytes,
+            })
+        })
+        .collect()
+}
+
+/// The mean seconds of `launch(i)` for i in 0..iters, enqueued back to back on `s` between two
+/// events.
+fn time_launches(s: &Arc<CudaStream>, iters: usize, mut launch: impl FnMut(usize)) -> Result<f64, EngineError> {
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let t0 = s.record_event(flags).map_err(drv("event"))?;
+    (0..iters).for_each(&mut launch);
+    let t1 = s.record_event(flags).map_err(drv("event"))?;
+    t1.synchronize().map_err(drv("sync"))?;
+    Ok(t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64)
+}
+
 /// Random ggml blocks whose f16 scale fields are finite (so timings see ordinary arithmetic).
 fn random_blocks(ty: GgmlType, n_bytes: usize) -> Vec<u8> {
     let mut s = 0x2545_F491_4F6C_DD1Du64;
@@ -2990,21 +3022,9 @@ impl CudaBackend {
         variants: &[Option<GemvVariant>],
     ) -> Result<Vec<GemvBench>, EngineError> {
         let suffix = type_suffix(ty).ok_or_else(|| EngineError::Cuda(format!("no GPU kernel for {ty:?}")))?;
-        let row_bytes = cols / ty.block_elems() * ty.block_bytes();
-        let w_bytes = rows * row_bytes;
-        let copies = (512usize << 20).div_ceil(w_bytes).clamp(1, 64);
         let s = self.ctx.new_stream().map_err(drv("stream"))?;
-        let host = random_blocks(ty, w_bytes);
-        let host = device_layout(ty, &host, rows, row_bytes);
-        let mut ws = Vec::new();
-        for _ in 0..copies {
-            ws.push(DevWeight {
-                data: s.clone_htod(&*host).map_err(drv("upload"))?,
-                ty,
-                suffix,
-                row_bytes,
-            });
-        }
+        let ws = bench_weights(&s, ty, rows, cols)?;
+        let (copies, w_bytes) = (ws.len(), rows * ws[0].row_bytes);
         let x = s.clone_htod(&noise(n * cols, 3)).map_err(drv("upload"))?;
         let mut out = s.alloc_zeros::<f32>(n * rows).map_err(drv("alloc"))?;
         let mut res = Vec::new();
@@ -3018,18 +3038,59 @@ impl CudaBackend {
             for w in ws.iter().take(3) {
                 self.launch_linear_with(&s, w, rows, cols, &x, None, n, &mut out, v);
             }
-            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let t0 = s.record_event(flags).map_err(drv("event"))?;
-            for i in 0..iters {
-                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, None, n, &mut out, v);
-            }
-            let t1 = s.record_event(flags).map_err(drv("event"))?;
-            t1.synchronize().map_err(drv("sync"))?;
-            let seconds = t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64;
+            let seconds = time_launches(&s, iters, |i| {
+                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, None, n, &mut out, v)
+            })?;
             let kind = if n == 1 { "GEMV" } else { "GEMM" };
             res.push(GemvBench {
                 case: format!("{kind}(type={suffix},rows={rows},cols={cols},n={n})"),
                 variant: v.map(|v| v.entry()),
+                weight_bytes: w_bytes,
+                seconds,
+                gb_per_s: w_bytes as f64 / seconds / 1e9,
+            });
+        }
+        Ok(res)
+    }
+
+    /// The loads of the default Q4_K GEMV (warp-rows R 8, NW 4) with no arithmetic, then the same
+    /// bytes read as one stream (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K
+    /// weight as [`CudaBackend::bench_linear`] times it: what the access pattern alone costs,
+    /// beside the copy bandwidth. `variant` names the pattern (`gemvw_r8_w4` or `linear`).
+    pub fn bench_read_probe(&self, rows: usize, cols: usize, iters: usize) -> Result<Vec<GemvBench>, EngineError> {
+        assert!(cols % 256 == 0, "read probe: Q4_K rows of whole super-blocks");
+        let s = self.ctx.new_stream().map_err(drv("stream"))?;
+        let ws = bench_weights(&s, GgmlType::Q4K, rows, cols)?;
+        let (copies, row_bytes) = (ws.len(), ws[0].row_bytes);
+        let w_bytes = rows * row_bytes;
+        let grid = rows.div_ceil(8);
+        let mut out = s.alloc_zeros::<u32>(4 * grid).map_err(drv("alloc"))?;
+        let f = self.func("gemv_read_probe");
+        let cfg = LaunchConfig {
+            grid_dim: (grid as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (r, c, rb) = (rows as i32, cols as i32, row_bytes as i32);
+        let mut res = Vec::new();
+        for (linear, name) in [(0i32, "gemvw_r8_w4"), (1, "linear")] {
+            let launch = |i: usize, out: &mut CudaSlice<u32>| {
+                let mut b = s.launch_builder(f);
+                b.arg(&ws[i % copies].data)
+                    .arg(&r)
+                    .arg(&c)
+                    .arg(&rb)
+                    .arg(&linear)
+                    .arg(out);
+                // SAFETY: matches gemv_read_probe in kernels/quant.cu: W is rows·row_bytes Q4_K
+                // bytes in the device layout (cols % 256 == 0), out 4 words per block.
+                ok(unsafe { b.launch(cfg) });
+            };
+            (0..3).for_each(|i| launch(i, &mut out));
+            let seconds = time_launches(&s, iters, |i| launch(i, &mut out))?;
+            res.push(GemvBench {
+                case: format!("READ(type=q4_k,rows={rows},cols={cols})"),
+                variant: Some(name.to_string()),
                 weight_bytes: w_bytes,
                 seconds,
                 gb_per_s: w_bytes as f64 / seconds / 1e9,

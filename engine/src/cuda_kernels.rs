@@ -71,7 +71,7 @@ impl KernelId {
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
-                .chain(std::iter::once("gemv_x_limbs".to_string()))
+                .chain(["gemv_x_limbs", "gemv_read_probe"].map(String::from))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",

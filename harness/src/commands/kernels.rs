@@ -4,7 +4,9 @@
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
 //! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
-//! variant, the pair-unit ones (mode 3) and the tensor-core ones), the prefill GEMM (tensor cores, 512 tokens, Q4_K) beside
+//! variant, the pair-unit ones (mode 3) and the tensor-core ones), the default Q4_K GEMV's loads
+//! alone and the same bytes as one stream (the bound the access pattern sets), the prefill GEMM
+//! (tensor cores, 512 tokens, Q4_K) beside
 //! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128)
 //! per-(token, head) beside tiled in µs, decode GQA attention (one token after 512 and 4096
 //! positions) per-(token, head) beside split at each chunk length, and the per-launch cost of
@@ -136,6 +138,29 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        // The default Q4_K GEMV's loads alone (no arithmetic), then the same bytes as one stream:
+        // the bound its access pattern sets, beside the copy bandwidth.
+        let mut probe_out = Vec::new();
+        for (rows, cols) in [(4096usize, 14336usize), (14336, 4096)] {
+            for r in be.bench_read_probe(rows, cols, 200)? {
+                let frac = r.gb_per_s * 1e9 / copy;
+                if !a.json {
+                    println!(
+                        "{:<44} {:<12} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
+                        r.case,
+                        r.variant.as_deref().unwrap_or(""),
+                        r.seconds * 1e6,
+                        r.gb_per_s,
+                        frac * 100.0
+                    );
+                }
+                probe_out.push(
+                    json!({"case": r.case, "pattern": r.variant, "weight_bytes": r.weight_bytes,
+                    "seconds": r.seconds, "gb_per_s": r.gb_per_s, "fraction_of_copy": frac}),
+                );
+            }
+        }
+        doc["read_probe"] = json!(probe_out);
         // Prefill-shaped products (512 tokens, the 8B's FFN and attention shapes): the
         // tensor-core GEMM beside the SIMT matmul.
         let mut gemm_out = Vec::new();
