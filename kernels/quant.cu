@@ -978,19 +978,24 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
 
 // A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
-// gemvw_q4_k_r8_w4_u1 (the default's) with no arithmetic but an XOR of the words, so its time is
-// what that access pattern costs on its own (`linear` = 0), or, with `linear` = 1, the same bytes
-// read as one stream (16 bytes a thread, grid-stride). One word per warp goes to `out` (4 per
+// gemvw_q4_k_r8_w4_u1_m2 (the default's) with no arithmetic but an XOR of the words, so its time
+// is what that access pattern costs on its own: `pattern` 0 the weights' loads, 1 those and x's
+// limb loads (gemv_xq_load, from `xq`), 2 the same weight bytes read as one stream (four
+// independent 16-byte loads a thread a step, grid-stride). One word per warp goes to `out` (4 per
 // block) so the loads are kept. Q4_K device layout, cols % 256 == 0; grid ⌈rows/8⌉ blocks of 128
 // threads.
-extern "C" __global__ void __launch_bounds__(128)
-    gemv_read_probe(const u8* __restrict__ W, int rows, int cols, int row_bytes, int linear, u32* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __restrict__ W, const u8* __restrict__ xq,
+                                                                   int rows, int cols, int row_bytes, int pattern,
+                                                                   u32* __restrict__ out) {
     u32 acc = 0;
-    if (linear) {
-        const size_t n16 = (size_t)rows * row_bytes / 16;
-        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x) {
-            const uint4 v = ldg16(W + 16 * i);
-            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    if (pattern == 2) {
+        const size_t n16 = (size_t)rows * row_bytes / 16, stride = (size_t)gridDim.x * blockDim.x;
+        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += 4 * stride) {
+            uint4 v[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[k] = i + k * stride < n16 ? ldg16(W + 16 * (i + k * stride)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
         }
     } else {
         const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_units = cols / 32, row0 = blockIdx.x * 8;
@@ -999,6 +1004,15 @@ extern "C" __global__ void __launch_bounds__(128)
             WFrag<TY_Q4_K> f[8];
 #pragma unroll
             for (int r = 0; r < 8; r++) gemv_load<TY_Q4_K>(W + (size_t)min(row0 + r, rows - 1) * row_bytes, u, cols, f[r]);
+            if (pattern == 1) {
+                XLimbs<TY_Q4_K> q;
+                gemv_xq_load<TY_Q4_K>(xq, cols, u, q);
+#pragma unroll
+                for (int l = 0; l < 3; l++)
+#pragma unroll
+                    for (int k = 0; k < 8; k++) acc ^= q.l[l][k];
+                acc ^= __float_as_uint(q.s[0] + q.s[1] + q.xs[0] + q.xs[1]);
+            }
 #pragma unroll
             for (int r = 0; r < 8; r++) acc ^= f[r].a.x ^ f[r].a.y ^ f[r].a.z ^ f[r].a.w ^ f[r].h.x;
         }

@@ -3053,10 +3053,11 @@ impl CudaBackend {
         Ok(res)
     }
 
-    /// The loads of the default Q4_K GEMV (warp-rows R 8, NW 4) with no arithmetic, then the same
-    /// bytes read as one stream (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K
+    /// The loads of the default Q4_K GEMV (warp-rows R 8, NW 4) with no arithmetic: the weights'
+    /// (`gemvw_r8_w4`), those and x's limbs (`gemvw_r8_w4+x`), then the same weight bytes read as
+    /// one stream (`linear`) (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K
     /// weight as [`CudaBackend::bench_linear`] times it: what the access pattern alone costs,
-    /// beside the copy bandwidth. `variant` names the pattern (`gemvw_r8_w4` or `linear`).
+    /// beside the copy bandwidth. `variant` names the pattern.
     pub fn bench_read_probe(&self, rows: usize, cols: usize, iters: usize) -> Result<Vec<GemvBench>, EngineError> {
         assert!(cols % 256 == 0, "read probe: Q4_K rows of whole super-blocks");
         let s = self.ctx.new_stream().map_err(drv("stream"))?;
@@ -3072,18 +3073,22 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (r, c, rb) = (rows as i32, cols as i32, row_bytes as i32);
+        let x = s.clone_htod(&noise(cols, 3)).map_err(drv("upload"))?;
+        let xq = self.gemv_x_limbs(&s, &x, cols);
         let mut res = Vec::new();
-        for (linear, name) in [(0i32, "gemvw_r8_w4"), (1, "linear")] {
+        for (pattern, name) in [(0i32, "gemvw_r8_w4"), (1, "gemvw_r8_w4+x"), (2, "linear")] {
             let launch = |i: usize, out: &mut CudaSlice<u32>| {
                 let mut b = s.launch_builder(f);
                 b.arg(&ws[i % copies].data)
+                    .arg(dev(&xq))
                     .arg(&r)
                     .arg(&c)
                     .arg(&rb)
-                    .arg(&linear)
+                    .arg(&pattern)
                     .arg(out);
                 // SAFETY: matches gemv_read_probe in kernels/quant.cu: W is rows·row_bytes Q4_K
-                // bytes in the device layout (cols % 256 == 0), out 4 words per block.
+                // bytes in the device layout (cols % 256 == 0), xq x's limbs (gemv_x_limbs of cols
+                // values), out 4 words per block.
                 ok(unsafe { b.launch(cfg) });
             };
             (0..3).for_each(|i| launch(i, &mut out));

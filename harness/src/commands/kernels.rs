@@ -146,7 +146,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 let frac = r.gb_per_s * 1e9 / copy;
                 if !a.json {
                     println!(
-                        "{:<44} {:<12} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
+                        "{:<44} {:<14} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
                         r.case,
                         r.variant.as_deref().unwrap_or(""),
                         r.seconds * 1e6,
