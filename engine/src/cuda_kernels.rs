@@ -236,7 +236,7 @@ pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(
 /// Q8_0, F16, BF16; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
 /// pre-pass) for Q4_K, Q4_1 and Q8_0; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
 /// at U 1 (NW 7: the 7 chunks of a 14336-wide row in one step).
-const GEMVW_VARIANTS: [GemvVariant; 69] = {
+const GEMVW_VARIANTS: [GemvVariant; 67] = {
     use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
     [
         gw(Q4K, 1, 4, 2, 0),
@@ -284,8 +284,6 @@ const GEMVW_VARIANTS: [GemvVariant; 69] = {
         gw(Q4K, 8, 2, 1, 2),
         gw(Q4K, 8, 4, 1, 2),
         gw(Q4K, 8, 4, 2, 2),
-        gw(Q4K, 16, 2, 1, 2),
-        gw(Q4K, 16, 4, 1, 2),
         gw(Q4_1, 1, 4, 2, 2),
         gw(Q4_1, 2, 4, 1, 2),
         gw(Q4_1, 4, 4, 1, 2),
@@ -315,7 +313,7 @@ const GEMVW_VARIANTS: [GemvVariant; 69] = {
 /// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
 /// ([`GEMVW_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 116] = {
+pub const GEMV_VARIANTS: [GemvVariant; 114] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -325,7 +323,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 116] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 116];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 114];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -521,7 +519,7 @@ mod tests {
                 a.entry()
             );
             if a.kind != GemvKind::Xs {
-                assert!([1, 2, 4, 8, 16].contains(&a.r) && [1, 2, 4, 7, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
+                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 7, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
             }
             // Pair units (mode 3) are warp-rows Q4_K only.
             assert!(
