@@ -459,8 +459,9 @@ fn limbs_words(cols: usize) -> usize {
 ///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
 ///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default; see `cuda_gemv_tc.rs`).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
-///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16, 32 or
-///   64 rows per block); the nearest compiled variant is taken (R first, then NW, then U).
+///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16 or 32
+///   rows per block, NW up to 16); the nearest compiled variant is taken (R first, then NW, then
+///   U).
 /// - `LLMDIFF_GEMV_MODE=0|1|2|3`: how quants meet x (see [`GemvVariant`]): 0 as exact floats, 1
 ///   (Q4_K) as 1 + q/128, 2 (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8
 ///   limbs from a pre-pass; 3 (warp-rows Q4_K) the same in pair units (64 values a thread), other
@@ -995,9 +996,9 @@ impl CudaBackend {
             let mut ints = [r, c, rb];
             params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
             // SAFETY: gemvw_* and gemvt_* take (GemvRows, x, [xq if takes_limbs], rows, cols,
-            // row_bytes), sized as for the plain launch below; they wait (griddep_wait) before reading x or xq
-            // or writing anything; `params` and the pointers they name outlive the call, and
-            // `guards` keeps the buffers ordered on this stream.
+            // row_bytes), sized as for the plain launch below; they wait (griddep_wait) before
+            // reading x or xq or writing anything; `params` and the pointers they name outlive the
+            // call, and `guards` keeps the buffers ordered on this stream.
             unsafe { self.launch_pdl(s, &v.entry(), cfg, &mut params) };
             drop((x_guards, guards));
             return;
@@ -1010,9 +1011,9 @@ impl CudaBackend {
         b.arg(&r).arg(&c).arg(&rb);
         // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
         // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; they and warp-rows modes 2
-        // and 3 get xq, sized by gemv_x_limbs): each part's W is rows·row_bytes in the device layout and its out at least
-        // rows floats, x has cols floats; the pointers stay valid (and ordered on this stream)
-        // while `guards` lives, past the launch.
+        // and 3 get xq, sized by gemv_x_limbs): each part's W is rows·row_bytes in the device
+        // layout and its out at least rows floats, x has cols floats; the pointers stay valid (and
+        // ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
     }
