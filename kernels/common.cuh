@@ -101,6 +101,18 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
+// 16 or 8 bytes of weights (never written during a run) through the read-only path.
+__device__ __forceinline__ uint4 ldg16(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint2 ldg8(const u8* p) {
+    uint2 v;
+    asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
 // 16, 8 or 4 bytes of another kernel's output (a GEMV's x or x limbs): coherent loads (not the
 // read-only .nc path: under PDL the writer may still be running when this kernel starts), volatile
 // so that they stay after griddep_wait.

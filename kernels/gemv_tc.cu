@@ -37,18 +37,6 @@
 // first issuing all its tiles' quant and header loads, then (after griddep_wait on the first:
 // PDL, as warp-rows) x's limb words, scales and sums (shared by the T tiles).
 
-__device__ __forceinline__ uint2 tc_ld8(const u8* p) {
-    uint2 v;
-    asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 tc_ld16(const u8* p) {
-    uint4 v;
-    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ void tc_imma(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
@@ -91,8 +79,8 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
 #pragma unroll
             for (int r = 0; r < 2; r++)
 #pragma unroll
-                for (int p = 0; p < 4; p++) q[i][r][p] = tc_ld8(rp[i][r] + (size_t)sb * 128 + 32 * p + 8 * t);
-            hd[i] = tc_ld16((odd ? rp[i][1] : rp[i][0]) + hdr0 + 16 * sb);
+                for (int p = 0; p < 4; p++) q[i][r][p] = ldg8(rp[i][r] + (size_t)sb * 128 + 32 * p + 8 * t);
+            hd[i] = ldg16((odd ? rp[i][1] : rp[i][0]) + hdr0 + 16 * sb);
         }
         // Launched early (PDL): the first weights are in flight before x's limbs are read.
         if (sb == warp) griddep_wait();

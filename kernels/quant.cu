@@ -300,12 +300,6 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 
 #define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
 
-__device__ __forceinline__ uint4 ldg16(const u8* p) {
-    uint4 v;
-    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // Byte b (0..3) of w as an exact float (w's bytes are unsigned), minus `bias`.
 template <int B>
 __device__ __forceinline__ float byte_f(u32 w, float bias) {
@@ -344,7 +338,8 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
         f.a = ldg16(row + 16 * u);
         f.h.x = *(const u16*)(row + cols + 2 * (u >> 1));
     } else if constexpr (TY == TY_Q4_1) {
-        asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(f.a.x), "=r"(f.a.y) : "l"(row + 8 * u));
+        const uint2 a = ldg8(row + 8 * u);
+        f.a.x = a.x, f.a.y = a.y;
         asm("ld.global.nc.u32 %0, [%1];" : "=r"(f.h.x) : "l"(row + (cols >> 1) + 4 * (u >> 1)));
     } else {
         // One header word per thread: the 8 threads of a super-block (units 8s .. 8s+7 are 8
