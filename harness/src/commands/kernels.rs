@@ -5,7 +5,7 @@
 //! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
 //! variant, the pair-unit ones (mode 3) and the tensor-core ones), the default Q4_K GEMV's loads
-//! alone and the same bytes as one stream (the bound the access pattern sets), the prefill GEMM
+//! alone, with x's, and the same bytes as one stream (the bound the access pattern sets), the prefill GEMM
 //! (tensor cores, 512 tokens, Q4_K) beside
 //! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128)
 //! per-(token, head) beside tiled in µs, decode GQA attention (one token after 512 and 4096
@@ -138,8 +138,9 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        // The default Q4_K GEMV's loads alone (no arithmetic), then the same bytes as one stream:
-        // the bound its access pattern sets, beside the copy bandwidth.
+        // The default Q4_K GEMV's loads alone (no arithmetic), with and without x's limb loads,
+        // then the same bytes as one stream: the bound its access pattern sets, beside the copy
+        // bandwidth.
         let mut probe_out = Vec::new();
         for (rows, cols) in [(4096usize, 14336usize), (14336, 4096)] {
             for r in be.bench_read_probe(rows, cols, 200)? {
