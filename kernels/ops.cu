@@ -307,6 +307,15 @@ extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict_
 // *p = v (a decode graph's position, set before each replay).
 extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
 
+// Asks L2 for the first n bytes at p, a weight a coming kernel will read (`CudaBackend::prefetch`,
+// launched on the prefetch stream while the main stream runs ops that leave memory bandwidth idle).
+// Thread t of the grid takes chunks t, t + all threads, ... of `chunk` bytes.
+extern "C" __global__ void l2_prefetch(const u8* p, u64 n, u32 chunk) {
+    const u64 stride = (u64)gridDim.x * blockDim.x * chunk;
+    for (u64 off = (u64)(blockIdx.x * blockDim.x + threadIdx.x) * chunk; off < n; off += stride)
+        prefetch_l2(p + off, (u32)min((u64)chunk, n - off));
+}
+
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).
 extern "C" __global__ void nop() {}
 

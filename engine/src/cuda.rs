@@ -165,7 +165,9 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec!["/usr/local/cuda/include".into()],
-        options: vec!["-std=c++17".into()],
+        options: std::iter::once("-std=c++17".to_string())
+            .chain((std::env::var("LLMDIFF_GEMV_L2PF").as_deref() == Ok("1")).then(|| "-DGEMV_L2PF".to_string()))
+            .collect(),
         ..Default::default()
     };
     let ptx = guarded("NVRTC", || {
@@ -179,6 +181,14 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
     })?;
     cache.lock().expect("ptx cache").insert((id, arch), ptx.clone());
     Ok(ptx)
+}
+
+/// The key of a host weight's device copy: the address and length of its bytes.
+fn weight_key(w: WeightRef<'_>) -> (usize, usize) {
+    match w {
+        WeightRef::F32(m) => (m.data.as_ptr() as usize, m.data.len() * 4),
+        WeightRef::Quant(q) => (q.bytes.as_ptr() as usize, q.bytes.len()),
+    }
 }
 
 /// A weight resident on the device.
@@ -353,7 +363,19 @@ struct CaptureState {
     /// The most KV rows any recorded attention or KV append can address (capacity, and the
     /// attention's shared memory).
     max_rows: usize,
+    /// The prefetch stream joined the recording (it must rejoin the main stream before its end).
+    forked: bool,
 }
+
+/// L2 prefetch of coming weights ([`Backend::prefetch`]): a side stream, forked from the main
+/// stream at each hint, so its fetches overlap the main stream's next ops; `LLMDIFF_PREFETCH_MB`
+/// caps the bytes per hint (default 24, 0 turns it off).
+struct Prefetch {
+    stream: Arc<CudaStream>,
+    cap: usize,
+}
+
+const PREFETCH_MB_DEFAULT: usize = 24;
 
 /// A recorded decode step (CUDA graph) and what replaying it needs: the position word its
 /// kernels read, and the kernel that sets it.
@@ -540,6 +562,16 @@ pub struct CudaBackend {
     pos_dev: Arc<CudaSlice<i32>>,
     /// The last RoPE angle table (`rope_table`), reused by every layer of a step.
     rope_table: Mutex<Option<(RopeKey, Buf)>>,
+    prefetch: Option<Prefetch>,
+}
+
+impl Drop for CudaBackend {
+    /// Waits for the prefetch stream, whose hints may still read weights this drop frees.
+    fn drop(&mut self) {
+        if let Some(pf) = &self.prefetch {
+            let _ = pf.stream.synchronize();
+        }
+    }
 }
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -606,6 +638,17 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
+        let prefetch_mb = std::env::var("LLMDIFF_PREFETCH_MB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(PREFETCH_MB_DEFAULT);
+        let prefetch = match prefetch_mb {
+            0 => None,
+            mb => Some(Prefetch {
+                stream: ctx.new_stream().map_err(drv("stream"))?,
+                cap: mb << 20,
+            }),
+        };
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
         // 128 bytes): the opt-in limit.
         let attn_smem_max = ctx
@@ -650,6 +693,7 @@ impl CudaBackend {
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             rope_table: Mutex::new(None),
+            prefetch,
         })
     }
 
@@ -675,10 +719,8 @@ impl CudaBackend {
 
     /// The device copy of a weight, uploaded on first use.
     fn weight(&self, w: WeightRef<'_>, s: &Arc<CudaStream>) -> Arc<DevWeight> {
-        let (key, rows, cols) = match w {
-            WeightRef::F32(m) => ((m.data.as_ptr() as usize, m.data.len() * 4), m.rows, m.cols),
-            WeightRef::Quant(q) => ((q.bytes.as_ptr() as usize, q.bytes.len()), q.rows, q.cols),
-        };
+        let key = weight_key(w);
+        let (rows, cols) = (w.rows(), w.cols());
         if let Some(d) = self.weights.lock().expect("weight map").get(&key) {
             return d.clone();
         }
@@ -1927,6 +1969,45 @@ impl Backend for CudaBackend {
         self.clock.reset()
     }
 
+    fn prefetch(&self, ws: &[WeightRef<'_>]) {
+        let Some(pf) = &self.prefetch else { return };
+        // Only weights already on the device: an upload here would allocate inside a recording.
+        let resident: Vec<Arc<DevWeight>> = {
+            let map = self.weights.lock().expect("weight map");
+            ws.iter().filter_map(|w| map.get(&weight_key(*w)).cloned()).collect()
+        };
+        if resident.is_empty() {
+            return;
+        }
+        ok(pf.stream.join(&self.stream));
+        {
+            let mut c = self.capture.lock().expect("capture state");
+            c.forked |= c.active;
+        }
+        const CHUNK: u32 = 64 << 10;
+        let mut left = pf.cap;
+        for w in resident {
+            let n = w.data.len().min(left);
+            if n == 0 {
+                break;
+            }
+            left -= n;
+            let chunks = n.div_ceil(CHUNK as usize) as u32;
+            let n = n as u64;
+            let mut b = pf.stream.launch_builder(self.func("l2_prefetch"));
+            b.arg(&w.data).arg(&n).arg(&CHUNK);
+            // SAFETY: matches l2_prefetch in kernels/ops.cu; it only hints L2 within the weight's n
+            // bytes, and the weight lives until the backend's drop, which waits for this stream.
+            ok(unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (chunks.div_ceil(128), 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            });
+        }
+    }
+
     fn graph_begin(&self, pos0: usize) -> bool {
         if !self.graphs_on {
             return false;
@@ -1947,6 +2028,7 @@ impl Backend for CudaBackend {
             active: true,
             spoiled: None,
             max_rows: usize::MAX,
+            forked: false,
         };
         true
     }
@@ -1954,6 +2036,9 @@ impl Backend for CudaBackend {
     fn graph_end(&self) -> Option<Box<dyn crate::backend::StepGraph>> {
         let state = std::mem::take(&mut *self.capture.lock().expect("capture state"));
         assert!(state.active, "cuda: graph_end without graph_begin");
+        if let (true, Some(pf)) = (state.forked, &self.prefetch) {
+            ok(self.stream.join(&pf.stream));
+        }
         let graph = ok(self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)))?;

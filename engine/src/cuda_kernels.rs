@@ -90,6 +90,7 @@ impl KernelId {
                 "kv_append_dpos",
                 "set_i32",
                 "nop",
+                "l2_prefetch",
                 "moe_route",
             ]
             .map(String::from)

@@ -2,7 +2,8 @@
 # Round 8 of issue #8, an experiment call (one device call): kernel checks (summary; under each
 # configuration of CHECK_ENVS, as BENCH_ENVS below), the 8B and
 # smollm2 decode/prefill benches under the configurations named in BENCH_ENVS (space-separated
-# label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1, and Nsight
+# label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1 (under each
+# configuration of KBENCH_ENVS, as BENCH_ENVS; kernels_bench_<label>.json), and Nsight
 # per-kernel times of 8B decode steps (graphs off; the GEMV by launch shape) when NCU=1, under
 # each configuration of NCU_ENVS (as BENCH_ENVS).
 # Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round8_dev.sh
@@ -40,10 +41,13 @@ print('$m $label', 'decode %.3f ms (with warm-up %.3f; plain %.3f)' % (d['decode
   done
 done
 if [ "$KBENCH" = 1 ]; then
-  say "kernels --bench"
-  timeout 200 $B kernels --bench --json >$W/kernels_bench.json 2>>$LOG
-  cp $W/kernels_bench.json $OUT/
-  python3 $D/bench_summary.py $W/kernels_bench.json 2>&1 | tee -a $LOG
+  for cfg in ${KBENCH_ENVS:-default}; do
+    label=${cfg%%=*}; envs=X=1; [ "$label" != "$cfg" ] && envs=$(echo ${cfg#*=} | tr ',' ' ')
+    say "kernels --bench $label"
+    env $envs timeout 200 $B kernels --bench --json >$W/kernels_bench.json 2>>$LOG
+    cp $W/kernels_bench.json $OUT/kernels_bench_$label.json
+    python3 $D/bench_summary.py $W/kernels_bench.json 2>&1 | tee -a $LOG
+  done
 fi
 if [ "$NCU" = 1 ]; then
   NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
