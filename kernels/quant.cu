@@ -827,9 +827,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     const u8* rp[R];
 #pragma unroll
     for (int r = 0; r < R; r++) rp[r] = m.weight(min(row0 + r, rows - 1), row_bytes);
-#ifdef GEMV_L2PF
-    if (warp == 0 && lane < R && row0 + lane < rows) prefetch_l2(m.weight(row0 + lane, row_bytes), row_bytes);
-#endif
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;

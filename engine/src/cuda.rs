@@ -165,9 +165,7 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec!["/usr/local/cuda/include".into()],
-        options: std::iter::once("-std=c++17".to_string())
-            .chain((std::env::var("LLMDIFF_GEMV_L2PF").as_deref() == Ok("1")).then(|| "-DGEMV_L2PF".to_string()))
-            .collect(),
+        options: vec!["-std=c++17".into()],
         ..Default::default()
     };
     let ptx = guarded("NVRTC", || {
@@ -369,10 +367,12 @@ struct CaptureState {
 
 /// L2 prefetch of coming weights ([`Backend::prefetch`]): a side stream, forked from the main
 /// stream at each hint, so its fetches overlap the main stream's next ops; `LLMDIFF_PREFETCH_MB`
-/// caps the bytes per hint (default 24, 0 turns it off).
+/// caps the bytes per hint (default 24, 0 turns it off), `LLMDIFF_PREFETCH_KIND=bulk` takes bulk
+/// prefetches (sm_90) instead of one per line.
 struct Prefetch {
     stream: Arc<CudaStream>,
     cap: usize,
+    bulk: bool,
 }
 
 const PREFETCH_MB_DEFAULT: usize = 24;
@@ -647,6 +647,7 @@ impl CudaBackend {
             mb => Some(Prefetch {
                 stream: ctx.new_stream().map_err(drv("stream"))?,
                 cap: mb << 20,
+                bulk: std::env::var("LLMDIFF_PREFETCH_KIND").as_deref() == Ok("bulk"),
             }),
         };
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
@@ -1058,6 +1059,25 @@ impl CudaBackend {
         // ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
+    }
+
+    /// Asks L2 for the first `n` bytes of `w` on stream `s` (`l2_prefetch`), by line or by bulk
+    /// prefetch. `w` must outlive the work on `s`.
+    fn launch_l2_prefetch(&self, s: &CudaStream, w: &CudaSlice<u8>, n: usize, bulk: bool) {
+        const CHUNK: u32 = 64 << 10;
+        let (n, bulk) = (n.min(w.len()), bulk as i32);
+        let blocks = n.div_ceil(CHUNK as usize) as u32;
+        let n = n as u64;
+        let mut b = s.launch_builder(self.func("l2_prefetch"));
+        b.arg(w).arg(&n).arg(&CHUNK).arg(&bulk);
+        // SAFETY: matches l2_prefetch in kernels/ops.cu; it only hints L2 within w's first n bytes.
+        ok(unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        });
     }
 
     /// Launches kernel `name` with programmatic stream serialization (sm_90 programmatic dependent
@@ -1984,7 +2004,6 @@ impl Backend for CudaBackend {
             let mut c = self.capture.lock().expect("capture state");
             c.forked |= c.active;
         }
-        const CHUNK: u32 = 64 << 10;
         let mut left = pf.cap;
         for w in resident {
             let n = w.data.len().min(left);
@@ -1992,19 +2011,8 @@ impl Backend for CudaBackend {
                 break;
             }
             left -= n;
-            let chunks = n.div_ceil(CHUNK as usize) as u32;
-            let n = n as u64;
-            let mut b = pf.stream.launch_builder(self.func("l2_prefetch"));
-            b.arg(&w.data).arg(&n).arg(&CHUNK);
-            // SAFETY: matches l2_prefetch in kernels/ops.cu; it only hints L2 within the weight's n
-            // bytes, and the weight lives until the backend's drop, which waits for this stream.
-            ok(unsafe {
-                b.launch(LaunchConfig {
-                    grid_dim: (chunks.div_ceil(128), 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            });
+            // The weight lives until the backend's drop, which waits for this stream.
+            self.launch_l2_prefetch(&pf.stream, &w.data, n, pf.bulk);
         }
     }
 
@@ -3179,6 +3187,20 @@ impl CudaBackend {
             };
             (0..3).for_each(|i| launch(i, &mut out));
             let seconds = time_launches(&s, iters, |i| launch(i, &mut out))?;
+            res.push(GemvBench {
+                case: format!("READ(type=q4_k,rows={rows},cols={cols})"),
+                variant: Some(name.to_string()),
+                weight_bytes: w_bytes,
+                seconds,
+                gb_per_s: w_bytes as f64 / seconds / 1e9,
+            });
+        }
+        // The decode prefetch's kernel alone: how long its launches take to issue and retire the
+        // same bytes (whether a block waits for its prefetches to land is the hardware's choice).
+        for (bulk, name) in [(false, "l2_prefetch_line"), (true, "l2_prefetch_bulk")] {
+            let seconds = time_launches(&s, iters, |i| {
+                self.launch_l2_prefetch(&s, &ws[i % copies].data, w_bytes, bulk)
+            })?;
             res.push(GemvBench {
                 case: format!("READ(type=q4_k,rows={rows},cols={cols})"),
                 variant: Some(name.to_string()),
