@@ -165,8 +165,17 @@ fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: Nor
 /// Tells the backend that the ops issued next read `ws` (`Backend::prefetch`), in a one-token
 /// step, where every op reads a whole weight to make one row and the norms and attention between
 /// them leave memory bandwidth idle.
-fn hint(ctx: &StepCtx<'_>, ws: &[WeightRef<'_>]) {
-    if ctx.n_tokens == 1 {
+/// EXPERIMENT: `LLMDIFF_PREFETCH_SITES` is a mask of the hint sites (1 o, 2 gate/up, 4 down,
+/// 8 the next layer's q/k/v).
+fn hint(ctx: &StepCtx<'_>, site: u32, ws: &[WeightRef<'_>]) {
+    static SITES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let sites = *SITES.get_or_init(|| {
+        std::env::var("LLMDIFF_PREFETCH_SITES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(15)
+    });
+    if ctx.n_tokens == 1 && sites & site != 0 {
         ctx.backend.prefetch(ws);
     }
 }
@@ -327,7 +336,7 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                hint(ctx, &[lw.o.view()]);
+                hint(ctx, 1, &[lw.o.view()]);
                 let op = |out: &mut Buf| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
@@ -424,7 +433,7 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                hint(ctx, &[lw.o.view()]);
+                hint(ctx, 1, &[lw.o.view()]);
                 let op = |out: &mut Buf| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
@@ -435,7 +444,7 @@ impl Rank {
             }
         }
         if let FfnShard::Dense(mlp) = &lw.ffn {
-            hint(ctx, &[mlp.gate.view(), mlp.up.view()]);
+            hint(ctx, 2, &[mlp.gate.view(), mlp.up.view()]);
         }
         let attn_out = &self.attn_out[read_idx];
         taps.emit_buf(be, Site::AttnOut, attn_out, out_width, Emit::Column);
@@ -464,10 +473,10 @@ impl Rank {
                 be.linear_many(&h, n, &[mlp.gate.view(), mlp.up.view()], &mut [&mut g, &mut u]);
                 taps.emit_buf(be, Site::FfnGate, &g, f_r, Emit::Column);
                 taps.emit_buf(be, Site::FfnUp, &u, f_r, Emit::Column);
-                hint(ctx, &[mlp.down.view()]);
+                hint(ctx, 4, &[mlp.down.view()]);
                 be.swiglu(&mut g, &u);
                 if let Some(next) = self.shard.layers.get(layer_idx + 1) {
-                    hint(ctx, &next.attn.input_weights());
+                    hint(ctx, 8, &next.attn.input_weights());
                 }
                 be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
             }
