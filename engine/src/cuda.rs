@@ -189,6 +189,19 @@ fn weight_key(w: WeightRef<'_>) -> (usize, usize) {
     }
 }
 
+/// EXPERIMENT: `LLMDIFF_ABLATE`, a mask of one-token ops not launched (timing only; results are
+/// wrong): 1 attention, 2 add_rms_norm, 4 swiglu, 8 q/k/v GEMV, 16 o GEMV, 32 gate/up GEMV,
+/// 64 down GEMV.
+fn ablate() -> u32 {
+    static A: OnceLock<u32> = OnceLock::new();
+    *A.get_or_init(|| {
+        std::env::var("LLMDIFF_ABLATE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
 /// A weight resident on the device.
 struct DevWeight {
     data: CudaSlice<u8>,
@@ -1025,6 +1038,16 @@ impl CudaBackend {
         // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block
         // scales and Σx per 8, unless x came with them (`xq`, see DevBuf::limbs).
         let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
+        let class = match (n_parts, cols.cmp(&total)) {
+            (3, _) => 8,
+            (2, _) => 32,
+            (_, std::cmp::Ordering::Equal) => 16,
+            (_, std::cmp::Ordering::Greater) => 64,
+            _ => 0,
+        };
+        if ablate() & class != 0 {
+            return;
+        }
         if self.pdl {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
@@ -1756,6 +1779,10 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
+        if ablate() & 2 != 0 && q.is_some() {
+            attach_limbs(out, q);
+            return;
+        }
         let (di, f16, null) = (weight.len() as i32, f16_round as i32, 0u64);
         let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
         b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
@@ -1850,6 +1877,12 @@ impl Backend for CudaBackend {
         if gate.is_empty() {
             return;
         }
+        if ablate() & 4 != 0 && gate.len() < 1 << 16 {
+            if let Some(q) = self.limbs_out(gate.len(), gate.len()) {
+                attach_limbs(gate, Some(q));
+                return;
+            }
+        }
         // A one-token row (the widest FFN the presets use is well under 2^16 values; a prefill's
         // [n, ffn] is wider or small): the same products and the row's limbs in one launch.
         if gate.len() < 1 << 16 {
@@ -1878,6 +1911,11 @@ impl Backend for CudaBackend {
         }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
+        if ablate() & 1 != 0 && n == 1 {
+            self.limit_rows(1 << 20);
+            attach_limbs(out, self.limbs_out(out.len(), out.len()));
+            return;
+        }
         // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
         if !capturing {
             if let Some(entry) = self.attn_tiled_entry(n, shape) {
