@@ -101,19 +101,6 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// Asks L2 to fetch bytes [a, a + n) of a weight (a hint: nothing waits for it, and the kernel may
-// end while it is in flight). The bulk form (sm_90) takes 16-byte aligned ranges, so the range is
-// trimmed inward to them; older archs prefetch line by line.
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 n) {
-    const u64 a = ((u64)p + 15) & ~15ull, e = ((u64)p + n) & ~15ull;
-    if (a >= e) return;
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((u32)(e - a)) : "memory");
-#else
-    for (u64 l = a & ~127ull; l < e; l += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(l));
-#endif
-}
-
 // 16 or 8 bytes of weights (never written during a run) through the read-only path.
 __device__ __forceinline__ uint4 ldg16(const u8* p) {
     uint4 v;

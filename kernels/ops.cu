@@ -307,21 +307,6 @@ extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict_
 // *p = v (a decode graph's position, set before each replay).
 extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
 
-// Asks L2 for the first n bytes at p, a weight a coming kernel will read (`CudaBackend::prefetch`,
-// launched on the prefetch stream while the main stream runs ops that leave memory bandwidth idle).
-// Block b takes bytes [b·chunk, (b + 1)·chunk); its threads prefetch them by 128-byte line
-// (bulk 0) or by 4 KB piece, one bulk prefetch each (bulk 1).
-extern "C" __global__ void l2_prefetch(const u8* p, u64 n, u32 chunk, int bulk) {
-    const u64 b0 = (u64)blockIdx.x * chunk, e = min(n, b0 + chunk);
-    const u32 step = bulk ? 4096 : 128;
-    for (u64 off = b0 + (u64)threadIdx.x * step; off < e; off += (u64)blockDim.x * step) {
-        if (bulk)
-            prefetch_l2(p + off, (u32)min((u64)step, e - off));
-        else
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
-    }
-}
-
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).
 extern "C" __global__ void nop() {}
 

@@ -234,12 +234,6 @@ pub trait Backend: Send + Sync {
     /// outside this rank's vocab range).
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
 
-    /// A hint that the next ops will read `ws` (a one-token step's coming weights). The CUDA
-    /// backend asks L2 for their first bytes on a side stream, so the fetch overlaps the ops
-    /// before them that leave memory bandwidth idle (norms, attention). Changes no result; the
-    /// default does nothing.
-    fn prefetch(&self, _ws: &[WeightRef<'_>]) {}
-
     /// Starts recording the device work the calling thread issues next (a decode step after its
     /// embedding) into a replayable graph, the step's token being at position `pos0`. Until
     /// [`Backend::graph_end`] the work is recorded, not run, so nothing may be downloaded. Returns

@@ -181,27 +181,6 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
     Ok(ptx)
 }
 
-/// The key of a host weight's device copy: the address and length of its bytes.
-fn weight_key(w: WeightRef<'_>) -> (usize, usize) {
-    match w {
-        WeightRef::F32(m) => (m.data.as_ptr() as usize, m.data.len() * 4),
-        WeightRef::Quant(q) => (q.bytes.as_ptr() as usize, q.bytes.len()),
-    }
-}
-
-/// EXPERIMENT: `LLMDIFF_ABLATE`, a mask of one-token ops not launched (timing only; results are
-/// wrong): 1 attention, 2 add_rms_norm, 4 swiglu, 8 q/k/v GEMV, 16 o GEMV, 32 gate/up GEMV,
-/// 64 down GEMV.
-fn ablate() -> u32 {
-    static A: OnceLock<u32> = OnceLock::new();
-    *A.get_or_init(|| {
-        std::env::var("LLMDIFF_ABLATE")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    })
-}
-
 /// A weight resident on the device.
 struct DevWeight {
     data: CudaSlice<u8>,
@@ -374,21 +353,7 @@ struct CaptureState {
     /// The most KV rows any recorded attention or KV append can address (capacity, and the
     /// attention's shared memory).
     max_rows: usize,
-    /// The prefetch stream joined the recording (it must rejoin the main stream before its end).
-    forked: bool,
 }
-
-/// L2 prefetch of coming weights ([`Backend::prefetch`]): a side stream, forked from the main
-/// stream at each hint, so its fetches overlap the main stream's next ops; `LLMDIFF_PREFETCH_MB`
-/// caps the bytes per hint (default 24, 0 turns it off), `LLMDIFF_PREFETCH_KIND=bulk` takes bulk
-/// prefetches (sm_90) instead of one per line.
-struct Prefetch {
-    stream: Arc<CudaStream>,
-    cap: usize,
-    bulk: bool,
-}
-
-const PREFETCH_MB_DEFAULT: usize = 24;
 
 /// A recorded decode step (CUDA graph) and what replaying it needs: the position word its
 /// kernels read, and the kernel that sets it.
@@ -575,16 +540,6 @@ pub struct CudaBackend {
     pos_dev: Arc<CudaSlice<i32>>,
     /// The last RoPE angle table (`rope_table`), reused by every layer of a step.
     rope_table: Mutex<Option<(RopeKey, Buf)>>,
-    prefetch: Option<Prefetch>,
-}
-
-impl Drop for CudaBackend {
-    /// Waits for the prefetch stream, whose hints may still read weights this drop frees.
-    fn drop(&mut self) {
-        if let Some(pf) = &self.prefetch {
-            let _ = pf.stream.synchronize();
-        }
-    }
 }
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -651,18 +606,6 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(1).map_err(drv("alloc"))?);
-        let prefetch_mb = std::env::var("LLMDIFF_PREFETCH_MB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(PREFETCH_MB_DEFAULT);
-        let prefetch = match prefetch_mb {
-            0 => None,
-            mb => Some(Prefetch {
-                stream: ctx.new_stream().map_err(drv("stream"))?,
-                cap: mb << 20,
-                bulk: std::env::var("LLMDIFF_PREFETCH_KIND").as_deref() == Ok("bulk"),
-            }),
-        };
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
         // 128 bytes): the opt-in limit.
         let attn_smem_max = ctx
@@ -707,7 +650,6 @@ impl CudaBackend {
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             rope_table: Mutex::new(None),
-            prefetch,
         })
     }
 
@@ -733,8 +675,10 @@ impl CudaBackend {
 
     /// The device copy of a weight, uploaded on first use.
     fn weight(&self, w: WeightRef<'_>, s: &Arc<CudaStream>) -> Arc<DevWeight> {
-        let key = weight_key(w);
-        let (rows, cols) = (w.rows(), w.cols());
+        let (key, rows, cols) = match w {
+            WeightRef::F32(m) => ((m.data.as_ptr() as usize, m.data.len() * 4), m.rows, m.cols),
+            WeightRef::Quant(q) => ((q.bytes.as_ptr() as usize, q.bytes.len()), q.rows, q.cols),
+        };
         if let Some(d) = self.weights.lock().expect("weight map").get(&key) {
             return d.clone();
         }
@@ -1038,16 +982,6 @@ impl CudaBackend {
         // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block
         // scales and Σx per 8, unless x came with them (`xq`, see DevBuf::limbs).
         let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
-        let class = match (n_parts, cols.cmp(&total)) {
-            (3, _) => 8,
-            (2, _) => 32,
-            (_, std::cmp::Ordering::Equal) => 16,
-            (_, std::cmp::Ordering::Greater) => 64,
-            _ => 0,
-        };
-        if ablate() & class != 0 {
-            return;
-        }
         if self.pdl {
             use cudarc::driver::DevicePtr;
             let (xp, gx) = x.device_ptr(s);
@@ -1082,25 +1016,6 @@ impl CudaBackend {
         // ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
         drop(guards);
-    }
-
-    /// Asks L2 for the first `n` bytes of `w` on stream `s` (`l2_prefetch`), by line or by bulk
-    /// prefetch. `w` must outlive the work on `s`.
-    fn launch_l2_prefetch(&self, s: &CudaStream, w: &CudaSlice<u8>, n: usize, bulk: bool) {
-        const CHUNK: u32 = 64 << 10;
-        let (n, bulk) = (n.min(w.len()), bulk as i32);
-        let blocks = n.div_ceil(CHUNK as usize) as u32;
-        let n = n as u64;
-        let mut b = s.launch_builder(self.func("l2_prefetch"));
-        b.arg(w).arg(&n).arg(&CHUNK).arg(&bulk);
-        // SAFETY: matches l2_prefetch in kernels/ops.cu; it only hints L2 within w's first n bytes.
-        ok(unsafe {
-            b.launch(LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            })
-        });
     }
 
     /// Launches kernel `name` with programmatic stream serialization (sm_90 programmatic dependent
@@ -1779,10 +1694,6 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
-        if ablate() & 2 != 0 && q.is_some() {
-            attach_limbs(out, q);
-            return;
-        }
         let (di, f16, null) = (weight.len() as i32, f16_round as i32, 0u64);
         let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
         b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
@@ -1877,12 +1788,6 @@ impl Backend for CudaBackend {
         if gate.is_empty() {
             return;
         }
-        if ablate() & 4 != 0 && gate.len() < 1 << 16 {
-            if let Some(q) = self.limbs_out(gate.len(), gate.len()) {
-                attach_limbs(gate, Some(q));
-                return;
-            }
-        }
         // A one-token row (the widest FFN the presets use is well under 2^16 values; a prefill's
         // [n, ffn] is wider or small): the same products and the row's limbs in one launch.
         if gate.len() < 1 << 16 {
@@ -1911,11 +1816,6 @@ impl Backend for CudaBackend {
         }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
-        if ablate() & 1 != 0 && n == 1 {
-            self.limit_rows(1 << 20);
-            attach_limbs(out, self.limbs_out(out.len(), out.len()));
-            return;
-        }
         // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
         if !capturing {
             if let Some(entry) = self.attn_tiled_entry(n, shape) {
@@ -2027,33 +1927,6 @@ impl Backend for CudaBackend {
         self.clock.reset()
     }
 
-    fn prefetch(&self, ws: &[WeightRef<'_>]) {
-        let Some(pf) = &self.prefetch else { return };
-        // Only weights already on the device: an upload here would allocate inside a recording.
-        let resident: Vec<Arc<DevWeight>> = {
-            let map = self.weights.lock().expect("weight map");
-            ws.iter().filter_map(|w| map.get(&weight_key(*w)).cloned()).collect()
-        };
-        if resident.is_empty() {
-            return;
-        }
-        ok(pf.stream.join(&self.stream));
-        {
-            let mut c = self.capture.lock().expect("capture state");
-            c.forked |= c.active;
-        }
-        let mut left = pf.cap;
-        for w in resident {
-            let n = w.data.len().min(left);
-            if n == 0 {
-                break;
-            }
-            left -= n;
-            // The weight lives until the backend's drop, which waits for this stream.
-            self.launch_l2_prefetch(&pf.stream, &w.data, n, pf.bulk);
-        }
-    }
-
     fn graph_begin(&self, pos0: usize) -> bool {
         if !self.graphs_on {
             return false;
@@ -2074,7 +1947,6 @@ impl Backend for CudaBackend {
             active: true,
             spoiled: None,
             max_rows: usize::MAX,
-            forked: false,
         };
         true
     }
@@ -2082,9 +1954,6 @@ impl Backend for CudaBackend {
     fn graph_end(&self) -> Option<Box<dyn crate::backend::StepGraph>> {
         let state = std::mem::take(&mut *self.capture.lock().expect("capture state"));
         assert!(state.active, "cuda: graph_end without graph_begin");
-        if let (true, Some(pf)) = (state.forked, &self.prefetch) {
-            ok(self.stream.join(&pf.stream));
-        }
         let graph = ok(self
             .stream
             .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)))?;
@@ -3225,20 +3094,6 @@ impl CudaBackend {
             };
             (0..3).for_each(|i| launch(i, &mut out));
             let seconds = time_launches(&s, iters, |i| launch(i, &mut out))?;
-            res.push(GemvBench {
-                case: format!("READ(type=q4_k,rows={rows},cols={cols})"),
-                variant: Some(name.to_string()),
-                weight_bytes: w_bytes,
-                seconds,
-                gb_per_s: w_bytes as f64 / seconds / 1e9,
-            });
-        }
-        // The decode prefetch's kernel alone: how long its launches take to issue and retire the
-        // same bytes (whether a block waits for its prefetches to land is the hardware's choice).
-        for (bulk, name) in [(false, "l2_prefetch_line"), (true, "l2_prefetch_bulk")] {
-            let seconds = time_launches(&s, iters, |i| {
-                self.launch_l2_prefetch(&s, &ws[i % copies].data, w_bytes, bulk)
-            })?;
             res.push(GemvBench {
                 case: format!("READ(type=q4_k,rows={rows},cols={cols})"),
                 variant: Some(name.to_string()),

@@ -90,7 +90,6 @@ impl KernelId {
                 "kv_append_dpos",
                 "set_i32",
                 "nop",
-                "l2_prefetch",
                 "moe_route",
             ]
             .map(String::from)

@@ -238,9 +238,6 @@ impl Backend for NcclBackend {
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         self.dev().swiglu(gate, up)
     }
-    fn prefetch(&self, ws: &[WeightRef<'_>]) {
-        self.dev().prefetch(ws)
-    }
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         self.dev().gqa_attention(q, k, v, pos0, shape, out)
     }

@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, Buf};
 use crate::fault::{Fault, FaultSet};
-use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle};
 use crate::taps::{Emit, RankTaps, TapPlan};
 use crate::weights::{AttnShard, FfnShard, MlpShard, MoeShard, RankShard};
 use references::config::{Gating, MoeConfig};
@@ -159,24 +159,6 @@ fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: Nor
         NormAt::Attn(l) => (&shard.layers[l].attn_norm, ctx.hyper(l, rank_idx).rms_eps),
         NormAt::Ffn(l) => (&shard.layers[l].ffn_norm, ctx.hyper(l, rank_idx).rms_eps),
         NormAt::Head => (&shard.output_norm, head_hyper(ctx, rank_idx).rms_eps),
-    }
-}
-
-/// Tells the backend that the ops issued next read `ws` (`Backend::prefetch`), in a one-token
-/// step, where every op reads a whole weight to make one row and the norms and attention between
-/// them leave memory bandwidth idle.
-/// EXPERIMENT: `LLMDIFF_PREFETCH_SITES` is a mask of the hint sites (1 o, 2 gate/up, 4 down,
-/// 8 the next layer's q/k/v).
-fn hint(ctx: &StepCtx<'_>, site: u32, ws: &[WeightRef<'_>]) {
-    static SITES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let sites = *SITES.get_or_init(|| {
-        std::env::var("LLMDIFF_PREFETCH_SITES")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(15)
-    });
-    if ctx.n_tokens == 1 && sites & site != 0 {
-        ctx.backend.prefetch(ws);
     }
 }
 
@@ -336,7 +318,6 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                hint(ctx, 1, &[lw.o.view()]);
                 let op = |out: &mut Buf| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
@@ -433,7 +414,6 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                hint(ctx, 1, &[lw.o.view()]);
                 let op = |out: &mut Buf| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
@@ -442,9 +422,6 @@ impl Rank {
                     op(&mut self.attn_out[write_idx]);
                 }
             }
-        }
-        if let FfnShard::Dense(mlp) = &lw.ffn {
-            hint(ctx, 2, &[mlp.gate.view(), mlp.up.view()]);
         }
         let attn_out = &self.attn_out[read_idx];
         taps.emit_buf(be, Site::AttnOut, attn_out, out_width, Emit::Column);
@@ -473,11 +450,7 @@ impl Rank {
                 be.linear_many(&h, n, &[mlp.gate.view(), mlp.up.view()], &mut [&mut g, &mut u]);
                 taps.emit_buf(be, Site::FfnGate, &g, f_r, Emit::Column);
                 taps.emit_buf(be, Site::FfnUp, &u, f_r, Emit::Column);
-                hint(ctx, 4, &[mlp.down.view()]);
                 be.swiglu(&mut g, &u);
-                if let Some(next) = self.shard.layers.get(layer_idx + 1) {
-                    hint(ctx, 8, &next.attn.input_weights());
-                }
                 be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
             }
             FfnShard::Moe(moe) => {

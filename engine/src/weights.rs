@@ -167,19 +167,6 @@ pub struct LayerShard {
     pub ffn: FfnShard,
 }
 
-impl AttnShard {
-    /// The weights that read the attention block's normed input, in the order they run.
-    pub fn input_weights(&self) -> Vec<WeightRef<'_>> {
-        match self {
-            AttnShard::Gqa { q, k, v } => vec![q.view(), k.view(), v.view()],
-            AttnShard::Mla { q_a, q, kv_a, .. } => match q_a {
-                Some((qa, _)) => vec![qa.view(), kv_a.view()],
-                None => vec![q.view(), kv_a.view()],
-            },
-        }
-    }
-}
-
 impl LayerShard {
     /// The weights a weight tap can show, with their kinds.
     pub fn tappable(&self) -> Vec<(WeightKind, &Linear)> {
