@@ -679,7 +679,8 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
         int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
-        griddep_launch(); /* the o-projection GEMV may start early (PDL, common.cuh) */                        \
+        griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start; wait for q */               \
+        griddep_wait();                                                                                        \
         gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);          \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
@@ -687,6 +688,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
         griddep_launch();                                                                                      \
+        griddep_wait();                                                                                        \
         gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);      \
     }
 GQA_SPLIT(gqa_split_128, 1)

@@ -80,7 +80,9 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
 // xq: null, or (one row) its limbs, see rms_norm_row.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
-    griddep_launch();  // the GEMV after it, if launched early, waits for it (PDL, common.cuh)
+    // Launched early (PDL, common.cuh): lets the GEMV after it start, then waits for its input.
+    griddep_launch();
+    griddep_wait();
     rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
 }
 
@@ -102,6 +104,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
                                         int f16_round, u8* __restrict__ xq) {
     griddep_launch();  // as rms_norm
+    griddep_wait();
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
     float* orow = out + (size_t)blockIdx.x * d;
@@ -227,6 +230,7 @@ extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
 // limbs for the integer GEMV (x_limbs4).
 extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {
     griddep_launch();  // as rms_norm
+    griddep_wait();
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < len / 4;
     float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

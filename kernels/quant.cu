@@ -824,6 +824,7 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     constexpr int STEP = NW * 32 * U;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_units = cols / V, row0 = blockIdx.x * R;
+    griddep_launch();  // the norm, SwiGLU or attention after it may be launched early (PDL)
     const u8* rp[R];
 #pragma unroll
     for (int r = 0; r < R; r++) rp[r] = m.weight(min(row0 + r, rows - 1), row_bytes);

@@ -82,6 +82,41 @@ mod gemv_tc;
 /// 8B decode 2.11 against 2.23 ms on the H200, graph-replayed logits bitwise the op-by-op step's.
 const PDL_DEFAULT: bool = true;
 
+/// A kernel's parameters for [`CudaBackend::launch_chained`], each held in 8 bytes: a device
+/// pointer, or a 4-byte scalar in the low half (where the driver reads a 4-byte parameter).
+#[derive(Default)]
+pub(crate) struct RawArgs(Vec<u64>);
+
+impl RawArgs {
+    /// A buffer's device address. Holds no guard: the backend disables cudarc's per-slice event
+    /// tracking, so a guard would record nothing.
+    pub(crate) fn buf<T>(&mut self, b: &CudaSlice<T>) -> &mut Self {
+        use cudarc::driver::DevicePtr;
+        let stream = b.stream().clone();
+        let p = b.device_ptr(&stream).0;
+        self.0.push(p);
+        self
+    }
+    /// A buffer's address, or 0 (a null pointer) for `None`.
+    pub(crate) fn opt_buf<T>(&mut self, b: Option<&CudaSlice<T>>) -> &mut Self {
+        match b {
+            Some(b) => self.buf(b),
+            None => {
+                self.0.push(0);
+                self
+            }
+        }
+    }
+    pub(crate) fn i32(&mut self, v: i32) -> &mut Self {
+        self.0.push(v as u32 as u64);
+        self
+    }
+    pub(crate) fn f32(&mut self, v: f32) -> &mut Self {
+        self.0.push(v.to_bits() as u64);
+        self
+    }
+}
+
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
 const ROPE_HEADS: usize = 4;
 
@@ -534,6 +569,9 @@ pub struct CudaBackend {
     /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`;
     /// `LLMDIFF_PDL=0` turns it off).
     pdl: bool,
+    /// The norms, SwiGLU and the split attention launched the same way (`launch_chained`;
+    /// `LLMDIFF_PDL_CHAIN=0` turns it off).
+    pdl_chain: bool,
     /// The decode graph being recorded, if any.
     capture: Mutex<CaptureState>,
     /// The position a recorded decode step's kernels read (`*_dpos` kernels).
@@ -647,6 +685,8 @@ impl CudaBackend {
             pool: Arc::default(),
             graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
             pdl: std::env::var("LLMDIFF_PDL").map_or(PDL_DEFAULT, |v| v != "0"),
+            pdl_chain: std::env::var("LLMDIFF_PDL").map_or(PDL_DEFAULT, |v| v != "0")
+                && std::env::var("LLMDIFF_PDL_CHAIN").map_or(true, |v| v != "0"),
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             rope_table: Mutex::new(None),
@@ -1027,6 +1067,35 @@ impl CudaBackend {
     /// # Safety
     /// `params` point to the kernel's arguments, in order and of its types, alive for the call.
     unsafe fn launch_pdl(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, params: &mut [*mut std::ffi::c_void]) {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_ex(s, name, cfg, params, true) }
+    }
+
+    /// Launches a one-token decode kernel that waits (`griddep_wait`) before it reads or writes
+    /// anything: with programmatic dependent launch when on ([`CudaBackend::launch_pdl`]), so its
+    /// blocks are placed while the GEMV before it finishes, plainly otherwise.
+    ///
+    /// # Safety
+    /// `args` are the kernel's arguments, in order and of its types; the kernel calls
+    /// `griddep_wait` before touching memory.
+    pub(crate) unsafe fn launch_chained(&self, name: &str, cfg: LaunchConfig, args: &mut RawArgs) {
+        let mut params: Vec<*mut std::ffi::c_void> = args.0.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        // SAFETY: the caller's contract; `params` point into `args`, alive for the call.
+        unsafe { self.launch_ex(&self.stream, name, cfg, &mut params, self.pdl_chain) }
+    }
+
+    /// `cuLaunchKernelEx` of kernel `name`, with programmatic stream serialization when `pdl`.
+    ///
+    /// # Safety
+    /// As [`CudaBackend::launch_pdl`].
+    unsafe fn launch_ex(
+        &self,
+        s: &CudaStream,
+        name: &str,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+        pdl: bool,
+    ) {
         use cudarc::driver::sys;
         // SAFETY: a plain C struct (an id and a union of plain values); all zeros is valid.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -1042,7 +1111,7 @@ impl CudaBackend {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: pdl as u32,
         };
         let f = self.func(name).cu_function();
         // SAFETY: the caller's contract on `params`; `lc` and `attr` outlive the call.
@@ -1675,16 +1744,16 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
-        let (di, null) = (weight.len() as i32, 0u64);
-        let mut b = self.stream.launch_builder(self.func("rms_norm"));
-        b.arg(dev(x)).arg(&wd.data).arg(dev_mut(out)).arg(&di).arg(&eps);
-        match &q {
-            Some(q) => b.arg(dev(q)),
-            None => b.arg(&null),
-        };
-        // SAFETY: matches rms_norm in kernels/ops.cu: x and out [n, d], weight d; xq (one row of
-        // d % 128 == 0, see limbs_out) limbs_words(d) words, or null.
-        ok(unsafe { b.launch(cfg) });
+        let mut a = RawArgs::default();
+        a.buf(dev(x))
+            .buf(&wd.data)
+            .buf(dev_mut(out))
+            .i32(weight.len() as i32)
+            .f32(eps);
+        a.opt_buf(q.as_ref().map(dev));
+        // SAFETY: matches rms_norm in kernels/ops.cu (which waits first): x and out [n, d], weight
+        // d; xq (one row of d % 128 == 0, see limbs_out) limbs_words(d) words, or null.
+        unsafe { self.launch_chained("rms_norm", cfg, &mut a) };
         attach_limbs(out, q);
     }
 
@@ -1694,17 +1763,15 @@ impl Backend for CudaBackend {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
-        let (di, f16, null) = (weight.len() as i32, f16_round as i32, 0u64);
-        let mut b = self.stream.launch_builder(self.func("add_rms_norm"));
-        b.arg(dev_mut(x)).arg(dev(a)).arg(&wd.data).arg(dev_mut(out));
-        b.arg(&di).arg(&eps).arg(&f16);
-        match &q {
-            Some(q) => b.arg(dev(q)),
-            None => b.arg(&null),
-        };
-        // SAFETY: matches add_rms_norm in kernels/ops.cu: x, a and out [n, d], weight d; xq as in
-        // rms_norm.
-        ok(unsafe { b.launch(cfg) });
+        let mut r = RawArgs::default();
+        r.buf(dev_mut(x)).buf(dev(a)).buf(&wd.data).buf(dev_mut(out));
+        r.i32(weight.len() as i32)
+            .f32(eps)
+            .i32(f16_round as i32)
+            .opt_buf(q.as_ref().map(dev));
+        // SAFETY: matches add_rms_norm in kernels/ops.cu (which waits first): x, a and out [n, d],
+        // weight d; xq as in rms_norm.
+        unsafe { self.launch_chained("add_rms_norm", cfg, &mut r) };
         attach_limbs(out, q);
     }
 
@@ -1792,12 +1859,11 @@ impl Backend for CudaBackend {
         // [n, ffn] is wider or small): the same products and the row's limbs in one launch.
         if gate.len() < 1 << 16 {
             if let Some(q) = self.limbs_out(gate.len(), gate.len()) {
-                let (len, cfg) = (gate.len() as i32, Self::elementwise_cfg(gate.len() / 4));
-                let mut b = self.stream.launch_builder(self.func("swiglu_limbs"));
-                b.arg(dev_mut(gate)).arg(dev(up)).arg(&len).arg(dev(&q));
-                // SAFETY: matches swiglu_limbs in kernels/ops.cu: gate and up len floats (len %
-                // 128 == 0, see limbs_out), xq limbs_words(len) words.
-                ok(unsafe { b.launch(cfg) });
+                let mut a = RawArgs::default();
+                a.buf(dev_mut(gate)).buf(dev(up)).i32(gate.len() as i32).buf(dev(&q));
+                // SAFETY: matches swiglu_limbs in kernels/ops.cu (which waits first): gate and up
+                // len floats (len % 128 == 0, see limbs_out), xq limbs_words(len) words.
+                unsafe { self.launch_chained("swiglu_limbs", Self::elementwise_cfg(gate.len() / 4), &mut a) };
                 attach_limbs(gate, Some(q));
                 return;
             }

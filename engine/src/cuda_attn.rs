@@ -24,7 +24,7 @@
 //! grown only outside a recording and never freed while the backend lives (a recorded graph
 //! keeps their addresses).
 
-use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck};
+use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck, RawArgs};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::kernels::GqaShape;
 use crate::EngineError;
@@ -378,26 +378,16 @@ impl CudaBackend {
         };
         let live = (pos0 + 1).div_ceil(plan.chunk);
         let blocks = kv * if dpos { s_cap } else { live };
-        let args = [h as i32, kv as i32, hd as i32];
-        let (p0, s_cap_i, hr, null) = (pos0 as i32, s_cap as i32, plan.hr as i32, 0u64);
-        let mut b = self
-            .stream
-            .launch_builder(self.func(if dpos { plan.entry_dpos } else { plan.entry }));
-        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
-        b.arg(&sc.part).arg(&sc.cnt);
-        match &xq {
-            Some(x) => b.arg(dev(x)),
-            None => b.arg(&null),
-        };
+        let mut a = RawArgs::default();
+        a.buf(dev(q)).buf(dev(k)).buf(dev(v)).buf(dev_mut(out));
+        a.buf(&sc.part).buf(&sc.cnt).opt_buf(xq.as_ref().map(dev));
         if dpos {
-            b.arg(&*self.pos_dev);
+            a.buf(&self.pos_dev);
         } else {
-            b.arg(&p0);
+            a.i32(pos0 as i32);
         }
-        for a in &args {
-            b.arg(a);
-        }
-        b.arg(&shape.scale).arg(&s_cap_i).arg(&hr);
+        a.i32(h as i32).i32(kv as i32).i32(hd as i32);
+        a.f32(shape.scale).i32(s_cap as i32).i32(plan.hr as i32);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (plan.threads, 1, 1),
@@ -408,8 +398,8 @@ impl CudaBackend {
         // split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV zeroed counters (this rank's,
         // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
         // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
-        // memory as split_plan.
-        ok(unsafe { b.launch(cfg) });
+        // memory as split_plan; the kernel waits (griddep_wait) before touching memory.
+        unsafe { self.launch_chained(if dpos { plan.entry_dpos } else { plan.entry }, cfg, &mut a) };
         drop(map);
         super::attach_limbs(out, xq);
         true
