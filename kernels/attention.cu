@@ -466,7 +466,7 @@ __device__ __forceinline__ double as_warp_sum64(double v) {
     return v;
 }
 
-template <int CW>
+template <int CW, bool EARLY>
 __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, float* __restrict__ out, float* part,
                                           unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
@@ -490,7 +490,11 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     float* part_o = part + ((3 * N + 3) & ~(size_t)3);
     const size_t slot = (size_t)sp * KV + kvh;
 
-    // The chunk's K and V rows, in flight while q is staged.
+    // The chunk's K and V rows, in flight while q is staged. EARLY: the rows below the position
+    // (earlier steps wrote them) before the wait for the q/k/v GEMV (PDL, common.cuh), the
+    // position's row (that GEMV appends it) after it, by coherent loads.
+    const int j_end = EARLY ? pos0 : n_ctx;
+    if constexpr (!EARLY) griddep_wait();
     float4 kr[AS_PPW][CW], vr[AS_PPW][CW];
 #pragma unroll
     for (int p = 0; p < AS_PPW; p++) {
@@ -499,13 +503,29 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         for (int c = 0; c < CW; c++) {
             const int col = lane + 32 * c;
             float4 a = zero, b = zero;
-            if (j < n_ctx && col < hd4) {
+            if (j < j_end && col < hd4) {
                 const size_t off = (size_t)j * kvw + (size_t)kvh * hd + 4 * col;
                 a = *(const float4*)(k + off);
                 b = *(const float4*)(v + off);
             }
             kr[p][c] = a;
             vr[p][c] = b;
+        }
+    }
+    if constexpr (EARLY) {
+        griddep_wait();
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            if (j0 + p * nw + w != pos0) continue;
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                const int col = lane + 32 * c;
+                if (col < hd4) {
+                    const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
+                    kr[p][c] = ldx16f(k + off);
+                    vr[p][c] = ldx16f(v + off);
+                }
+            }
         }
     }
     float* qs = as_sm;
@@ -674,22 +694,22 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
 // for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
 // bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
 // (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
-#define GQA_SPLIT(NAME, CW)                                                                                     \
+#define GQA_SPLIT(NAME, CW, EARLY)                                                                              \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                     \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
         int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
-        griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start; wait for q */               \
-        griddep_wait();                                                                                        \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);          \
+        griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                           \
+        gqa_split<CW, EARLY>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
         griddep_launch();                                                                                      \
-        griddep_wait();                                                                                        \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);      \
+        gqa_split<CW, EARLY>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr); \
     }
-GQA_SPLIT(gqa_split_128, 1)
-GQA_SPLIT(gqa_split_256, 2)
+GQA_SPLIT(gqa_split_128, 1, true)
+GQA_SPLIT(gqa_split_256, 2, true)
+GQA_SPLIT(gqa_split_128_late, 1, false)
+GQA_SPLIT(gqa_split_256_late, 2, false)
