@@ -417,7 +417,9 @@ GQA_TILED(256, 1)
 // covers the cache's capacity). Warp w holds positions split·L + p·(warps) + w, p < 4: each lane
 // loads float4 columns lane and lane + 32 (CW = 1 for hd ≤ 128, 2 for hd ≤ 256) of its K and V
 // rows into registers at the start (one round trip for the whole chunk), so each K/V row is read
-// once for the G heads.
+// once for the G heads. Launched early (PDL), it loads the rows below pos0 (earlier steps wrote
+// them) before griddep_wait and row pos0 (the q/k/v GEMV before it appends it) after, by coherent
+// loads.
 //
 // Per block, per head h of the group: s_j = dot(q_h, k_j)·scale (the lane's columns by fmaf, then
 // a warp butterfly); m = max over the chunk (fmaxf, so NaN scores do not set it); e_j = expf(s_j −
@@ -466,7 +468,7 @@ __device__ __forceinline__ double as_warp_sum64(double v) {
     return v;
 }
 
-template <int CW, bool EARLY>
+template <int CW>
 __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, float* __restrict__ out, float* part,
                                           unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
@@ -490,11 +492,9 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     float* part_o = part + ((3 * N + 3) & ~(size_t)3);
     const size_t slot = (size_t)sp * KV + kvh;
 
-    // The chunk's K and V rows, in flight while q is staged. EARLY: the rows below the position
-    // (earlier steps wrote them) before the wait for the q/k/v GEMV (PDL, common.cuh), the
-    // position's row (that GEMV appends it) after it, by coherent loads.
-    const int j_end = EARLY ? pos0 : n_ctx;
-    if constexpr (!EARLY) griddep_wait();
+    // The chunk's K and V rows, in flight while q is staged: the rows below the position (earlier
+    // steps wrote them) before the wait for the q/k/v GEMV (PDL, common.cuh), the position's row
+    // (that GEMV appends it) after it, by coherent loads.
     float4 kr[AS_PPW][CW], vr[AS_PPW][CW];
 #pragma unroll
     for (int p = 0; p < AS_PPW; p++) {
@@ -503,7 +503,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         for (int c = 0; c < CW; c++) {
             const int col = lane + 32 * c;
             float4 a = zero, b = zero;
-            if (j < j_end && col < hd4) {
+            if (j < pos0 && col < hd4) {
                 const size_t off = (size_t)j * kvw + (size_t)kvh * hd + 4 * col;
                 a = *(const float4*)(k + off);
                 b = *(const float4*)(v + off);
@@ -512,19 +512,17 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
             vr[p][c] = b;
         }
     }
-    if constexpr (EARLY) {
-        griddep_wait();
+    griddep_wait();
 #pragma unroll
-        for (int p = 0; p < AS_PPW; p++) {
-            if (j0 + p * nw + w != pos0) continue;
+    for (int p = 0; p < AS_PPW; p++) {
+        if (j0 + p * nw + w != pos0) continue;
 #pragma unroll
-            for (int c = 0; c < CW; c++) {
-                const int col = lane + 32 * c;
-                if (col < hd4) {
-                    const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
-                    kr[p][c] = ldx16f(k + off);
-                    vr[p][c] = ldx16f(v + off);
-                }
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) {
+                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
+                kr[p][c] = ldx16f(k + off);
+                vr[p][c] = ldx16f(v + off);
             }
         }
     }
@@ -694,22 +692,20 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
 // for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
 // bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
 // (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
-#define GQA_SPLIT(NAME, CW, EARLY)                                                                              \
+#define GQA_SPLIT(NAME, CW)                                                                                     \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                     \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
         int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
         griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                           \
-        gqa_split<CW, EARLY>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);   \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
         griddep_launch();                                                                                      \
-        gqa_split<CW, EARLY>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr); \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr); \
     }
-GQA_SPLIT(gqa_split_128, 1, true)
-GQA_SPLIT(gqa_split_256, 2, true)
-GQA_SPLIT(gqa_split_128_late, 1, false)
-GQA_SPLIT(gqa_split_256_late, 2, false)
+GQA_SPLIT(gqa_split_128, 1)
+GQA_SPLIT(gqa_split_256, 2)

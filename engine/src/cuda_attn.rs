@@ -182,12 +182,10 @@ fn split_plan(shape: GqaShape, chunk: usize) -> Option<SplitPlan> {
     if hr == 0 || comb > avail {
         return None;
     }
-    let late = std::env::var("LLMDIFF_ATTN_EARLY").as_deref() == Ok("0");
-    let (entry, entry_dpos) = match (hd <= 128, late) {
-        (true, false) => ("gqa_split_128", "gqa_split_128_dpos"),
-        (false, false) => ("gqa_split_256", "gqa_split_256_dpos"),
-        (true, true) => ("gqa_split_128_late", "gqa_split_128_late_dpos"),
-        (false, true) => ("gqa_split_256_late", "gqa_split_256_late_dpos"),
+    let (entry, entry_dpos) = if hd <= 128 {
+        ("gqa_split_128", "gqa_split_128_dpos")
+    } else {
+        ("gqa_split_256", "gqa_split_256_dpos")
     };
     Some(SplitPlan {
         entry,

@@ -105,10 +105,6 @@ impl KernelId {
                 "gqa_split_128_dpos",
                 "gqa_split_256",
                 "gqa_split_256_dpos",
-                "gqa_split_128_late",
-                "gqa_split_128_late_dpos",
-                "gqa_split_256_late",
-                "gqa_split_256_late_dpos",
             ]
             .map(String::from)
             .to_vec(),
