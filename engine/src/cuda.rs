@@ -3281,7 +3281,18 @@ pub struct LaunchCost {
 
 #[cfg(test)]
 mod tests {
-    use super::repack_headers_last;
+    use super::{repack_headers_last, RawArgs};
+
+    #[test]
+    fn raw_args_hold_4_byte_scalars_in_the_low_half() {
+        // The driver reads a 4-byte parameter's 4 bytes at its pointer: on a little-endian host,
+        // the low half of the 8-byte slot.
+        let mut a = RawArgs::default();
+        a.i32(-2).f32(1.5);
+        let bytes: Vec<[u8; 8]> = a.0.iter().map(|v| v.to_ne_bytes()).collect();
+        assert_eq!(i32::from_ne_bytes(bytes[0][..4].try_into().unwrap()), -2);
+        assert_eq!(f32::from_ne_bytes(bytes[1][..4].try_into().unwrap()), 1.5);
+    }
 
     #[test]
     fn repack_puts_quants_first_then_headers_per_row() {
