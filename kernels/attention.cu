@@ -692,20 +692,20 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
 // for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
 // bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
 // (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
-#define GQA_SPLIT(NAME, CW)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                     \
+#define GQA_SPLIT(NAME, CW)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                 \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
         int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
-        griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                           \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);   \
+        griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                         \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);           \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                              \
+    extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                          \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
         griddep_launch();                                                                                      \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr); \
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);       \
     }
 GQA_SPLIT(gqa_split_128, 1)
 GQA_SPLIT(gqa_split_256, 2)

@@ -50,8 +50,9 @@
 //! - A decode step's kernels are chained by programmatic dependent launch (off with
 //!   `LLMDIFF_PDL=0`): the warp-rows GEMVs (`launch_pdl`) and the one-token norms, SwiGLU and
 //!   split attention (`launch_chained`; `LLMDIFF_PDL_CHAIN=0` launches these plainly) start while
-//!   the kernel before them runs and wait for it before reading what it wrote. A GQA layer's one-token q/k/v GEMV also rotates q and k and appends k and v to the
-//!   KV cache in its store (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
+//!   the kernel before them runs and wait for it before reading what it wrote. A GQA layer's
+//!   one-token q/k/v GEMV also rotates q and k and appends k and v to the KV cache in its store
+//!   (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
@@ -93,9 +94,7 @@ impl RawArgs {
     /// tracking, so a guard would record nothing.
     pub(crate) fn buf<T>(&mut self, b: &CudaSlice<T>) -> &mut Self {
         use cudarc::driver::DevicePtr;
-        let stream = b.stream().clone();
-        let p = b.device_ptr(&stream).0;
-        self.0.push(p);
+        self.0.push(b.device_ptr(b.stream()).0);
         self
     }
     /// A buffer's address, or 0 (a null pointer) for `None`.
