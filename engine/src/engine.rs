@@ -509,7 +509,7 @@ impl Engine {
             for (kind, w) in r.shard.layers[layer_idx].tappable() {
                 let key = TapKey::ranked(layer_idx, Site::Weight(kind), r.idx);
                 if plan.wants(&key) {
-                    tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
+                    tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
                 }
             }
         }
@@ -577,7 +577,8 @@ fn sum_for<'a>(sums: &'a Option<Vec<Buf>>, partials: &'a [Buf], rank_idx: usize)
 fn record_if(be: &dyn Backend, tap: &mut dyn Tap, plan: &TapPlan, key: TapKey, data: &Buf, width: usize) {
     if plan.wants(&key) {
         let host = be.download(data);
-        tap.record(&key, &host, [host.len() / width.max(1), width]);
+        let shape = [host.len() / width.max(1), width];
+        tap.record_owned(&key, host, shape);
     }
 }
 

@@ -182,7 +182,7 @@ pub fn flush(tap: &mut dyn Tap, ranks: Vec<RankTaps<'_>>) {
     let mut gathers: Vec<(TapKey, usize, Vec<Vec<f32>>)> = Vec::new();
     for rt in ranks {
         for r in rt.records {
-            tap.record(&r.key, &r.data, r.shape);
+            tap.record_owned(&r.key, r.data, r.shape);
         }
         for g in rt.gathers {
             match gathers.iter_mut().find(|(k, _, _)| *k == g.key) {
@@ -194,6 +194,6 @@ pub fn flush(tap: &mut dyn Tap, ranks: Vec<RankTaps<'_>>) {
     for (key, n_rows, parts) in gathers {
         let refs: Vec<&[f32]> = parts.iter().map(|p| p.as_slice()).collect();
         let (data, width) = gather_columns(&refs, n_rows);
-        tap.record(&key, &data, [n_rows, width]);
+        tap.record_owned(&key, data, [n_rows, width]);
     }
 }

@@ -36,12 +36,11 @@ impl Tap for ChannelTap {
         !self.stop.load(Ordering::Relaxed) && (self.filter)(key)
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        self.record_owned(key, data.to_vec(), shape);
+    }
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
         // A closed channel means the comparator stopped early: drop the tap.
-        let _ = self.tx.send(Captured {
-            key: *key,
-            shape,
-            data: data.to_vec(),
-        });
+        let _ = self.tx.send(Captured { key: *key, shape, data });
     }
 }
 

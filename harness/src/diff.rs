@@ -270,16 +270,15 @@ impl references::tap::Tap for StitchTap {
                 c.data.extend_from_slice(data);
                 c.shape[0] += shape[0];
             }
+            None => self.record_owned(key, data.to_vec(), shape),
+        }
+    }
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        match self.taps.get_mut(key) {
             None => {
-                self.taps.insert(
-                    *key,
-                    Captured {
-                        key: *key,
-                        shape,
-                        data: data.to_vec(),
-                    },
-                );
+                self.taps.insert(*key, Captured { key: *key, shape, data });
             }
+            Some(_) => self.record(key, &data, shape),
         }
     }
 }
@@ -289,7 +288,7 @@ impl StitchTap {
     fn replay(self, tap: &mut dyn references::tap::Tap) {
         for (k, c) in self.taps {
             if tap.wants(&k) {
-                tap.record(&k, &c.data, c.shape);
+                tap.record_owned(&k, c.data, c.shape);
             }
         }
     }

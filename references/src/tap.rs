@@ -307,6 +307,12 @@ impl FromStr for TapKey {
 pub trait Tap: Send {
     fn wants(&self, key: &TapKey) -> bool;
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]);
+    /// [`Tap::record`] of a tensor the caller no longer needs (a dequantized weight, a download):
+    /// a tap that keeps its data takes it as is rather than copying it. A real-sized model's
+    /// weight taps are gigabytes a layer, so the copy (and the fresh pages it touches) showed.
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        self.record(key, &data, shape);
+    }
 }
 
 /// A tap that wants nothing.
@@ -409,11 +415,10 @@ impl<F: Fn(&TapKey) -> bool + Send> Tap for CollectTap<F> {
         (self.filter)(key)
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
-        self.recorded.push(Recorded {
-            key: *key,
-            shape,
-            data: data.to_vec(),
-        });
+        self.record_owned(key, data.to_vec(), shape);
+    }
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        self.recorded.push(Recorded { key: *key, shape, data });
     }
 }
 

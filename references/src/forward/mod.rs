@@ -236,7 +236,7 @@ pub(crate) fn emit(tap: &mut dyn Tap, key: TapKey, data: &[f32], n: usize) {
 pub(crate) fn emit_weight(tap: &mut dyn Tap, layer_idx: usize, kind: WeightKind, w: &Mat) {
     let key = TapKey::layer(layer_idx, Site::Weight(kind));
     if tap.wants(&key) {
-        tap.record(&key, &w.to_f32(), [w.rows, w.cols]);
+        tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
     }
 }
 
