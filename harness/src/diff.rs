@@ -613,3 +613,29 @@ fn head_matrix(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
         cosine,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::StitchTap;
+    use references::tap::{Site, Tap, TapKey, WeightKind};
+
+    #[test]
+    fn stitching_joins_activation_rows_and_keeps_a_weight_once_owned_or_borrowed() {
+        let mut s = StitchTap::default();
+        let act = TapKey::layer(0, Site::AttnOut);
+        let w = TapKey::layer(0, Site::Weight(WeightKind::Q));
+        s.record_owned(&act, vec![1.0, 2.0], [1, 2]);
+        s.record(&act, &[3.0, 4.0], [1, 2]);
+        s.record_owned(&act, vec![5.0, 6.0], [1, 2]);
+        s.record_owned(&w, vec![7.0; 4], [2, 2]);
+        s.record(&w, &[8.0; 4], [2, 2]);
+        s.record_owned(&w, vec![9.0; 4], [2, 2]);
+        let a = &s.taps[&act];
+        assert_eq!(
+            (a.shape, a.data.as_slice()),
+            ([3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0][..])
+        );
+        let wt = &s.taps[&w];
+        assert_eq!((wt.shape, wt.data.as_slice()), ([2, 2], &[7.0; 4][..]));
+    }
+}
