@@ -978,11 +978,13 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
 // is what that access pattern costs on its own: `pattern` 0 the weights' loads, 1 those and x's
 // limb loads (gemv_xq_load, from `xq`), 2 the same weight bytes read as one stream (four
 // independent 16-byte loads a thread a step, grid-stride). One word per warp goes to `out` (4 per
-// block) so the loads are kept. Q4_K device layout, cols % 256 == 0; grid ⌈rows/8⌉ blocks of 128
+// block) so the loads are kept. Launched with PDL as the GEMVs are, so back-to-back launches
+// overlap as theirs do. Q4_K device layout, cols % 256 == 0; grid ⌈rows/8⌉ blocks of 128
 // threads.
 extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __restrict__ W, const u8* __restrict__ xq,
                                                                    int rows, int cols, int row_bytes, int pattern,
                                                                    u32* __restrict__ out) {
+    griddep_launch();  // launched as the GEMVs are (PDL): the next probe may start early
     u32 acc = 0;
     if (pattern == 2) {
         const size_t n16 = (size_t)rows * row_bytes / 16, stride = (size_t)gridDim.x * blockDim.x;
@@ -1014,5 +1016,6 @@ extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __re
         }
     }
     acc = __reduce_xor_sync(0xffffffffu, acc);
+    griddep_wait();  // the launch before it has stored (`out` is shared)
     if ((threadIdx.x & 31) == 0) out[blockIdx.x * 4 + (threadIdx.x >> 5)] = acc;
 }

@@ -771,13 +771,14 @@ impl CudaBackend {
     /// warp-per-row matvec).
     ///
     /// Without settings, from the H200 sweep of every variant (`kernels --bench`,
-    /// tests/gpu/h200-results/round6): F16, BF16 and Q8_0 take the x-stationary split (R 2 for
-    /// F16/BF16, 4 for Q8_0, the smallest UPT whose block fits: 90–93 % and 71–78 % of copy
-    /// bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q4_K and Q4_1 take warp-rows,
+    /// tests/gpu/h200-results/round6): F16, BF16 and narrow Q8_0 rows take the x-stationary split
+    /// (R 2 for F16/BF16, 4 for Q8_0, the smallest UPT whose block fits: 90–93 % and 71–78 % of
+    /// copy bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q8_0 rows from 128 units take
+    /// warp-rows R 4, NW 4, U 1 in the integer form (round 12: 84–95 % of copy); Q4_K and Q4_1 take warp-rows,
     /// which is as fast there (all splits within ~3 %) and lets `linear_many` put a layer's q/k/v
     /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
     /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Q4_K/Q4_1 warp-rows from 128
-    /// units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on
+    /// units (and wide Q8_0) take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on
     /// the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
     /// 3) are taken only when asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of
     /// 2048 values). The nearest compiled variant is taken (R first, then NW, then U);
@@ -824,6 +825,9 @@ impl CudaBackend {
         };
         let kind = kind.unwrap_or(match ty {
             GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
+            // Wide Q8_0 rows: warp-rows R 4, NW 4, U 1 in the integer form ran at 84 and 95 % of
+            // copy on the H200, x-stationary at 70 and 75 % (round 12, launches chained by PDL).
+            GgmlType::Q8_0 if units >= 128 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
         // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only, mode 3 (pair
@@ -834,7 +838,7 @@ impl CudaBackend {
             (Some(1), _, GgmlType::Q4K) => 1,
             (Some(m), _, _) if m != 3 => 0,
             // Narrow rows (smollm2's) lose more to the pre-pass's launch than they gain.
-            (_, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1) if units >= 128 => 2,
+            (_, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) if units >= 128 => 2,
             (_, _, _) => 0,
         };
         // Warp-rows (R, NW, U) by type and row length in units; pair units (mode 3): R 4, NW by
@@ -847,6 +851,7 @@ impl CudaBackend {
             // smollm2's rows (18 and 48 units): 0.67-0.68 ms a decode step against 0.81 at
             // (1, 4, 2) on the H200, in the graph (round 11).
             GgmlType::Q4_1 => (4, 2, 2),
+            GgmlType::Q8_0 => (4, 4, 1),
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
         let r_default = match (kind, ty) {
@@ -1081,9 +1086,18 @@ impl CudaBackend {
     /// `args` are the kernel's arguments, in order and of its types; the kernel calls
     /// `griddep_wait` before touching memory.
     pub(crate) unsafe fn launch_chained(&self, name: &str, cfg: LaunchConfig, args: &mut RawArgs) {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_raw(&self.stream, name, cfg, args, self.pdl_chain) }
+    }
+
+    /// [`CudaBackend::launch_ex`] with the arguments of a [`RawArgs`].
+    ///
+    /// # Safety
+    /// As [`CudaBackend::launch_chained`], on stream `s`.
+    unsafe fn launch_raw(&self, s: &CudaStream, name: &str, cfg: LaunchConfig, args: &mut RawArgs, pdl: bool) {
         let mut params: Vec<*mut std::ffi::c_void> = args.0.iter_mut().map(|v| (v as *mut u64).cast()).collect();
         // SAFETY: the caller's contract; `params` point into `args`, alive for the call.
-        unsafe { self.launch_ex(&self.stream, name, cfg, &mut params, self.pdl_chain) }
+        unsafe { self.launch_ex(s, name, cfg, &mut params, pdl) }
     }
 
     /// `cuLaunchKernelEx` of kernel `name`, with programmatic stream serialization when `pdl`.
@@ -2964,6 +2978,10 @@ pub struct GemvBench {
     pub weight_bytes: usize,
     pub seconds: f64,
     pub gb_per_s: f64,
+    /// An integer-form GEMV's time with x's limbs made by a pre-pass before every launch (the
+    /// launch `seconds` times is given them, made once, as a decode step's norm, SwiGLU or
+    /// attention writes them). `None` for forms that read x as floats.
+    pub seconds_with_prepass: Option<f64>,
 }
 
 /// Enough device copies of one random `[rows, cols]` weight of type `ty` (device layout) that
@@ -3095,6 +3113,8 @@ impl CudaBackend {
         let ws = bench_weights(&s, ty, rows, cols)?;
         let (copies, w_bytes) = (ws.len(), rows * ws[0].row_bytes);
         let x = s.clone_htod(&noise(n * cols, 3)).map_err(drv("upload"))?;
+        // x's limbs, made once: in a decode step the op before an integer-form GEMV writes them.
+        let xq = (n == 1 && cols % 32 == 0).then(|| self.gemv_x_limbs(&s, &x, cols));
         let mut out = s.alloc_zeros::<f32>(n * rows).map_err(drv("alloc"))?;
         let mut res = Vec::new();
         for &v in variants {
@@ -3104,12 +3124,19 @@ impl CudaBackend {
                     continue;
                 }
             }
-            for w in ws.iter().take(3) {
-                self.launch_linear_with(&s, w, rows, cols, &x, None, n, &mut out, v);
-            }
-            let seconds = time_launches(&s, iters, |i| {
-                self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, None, n, &mut out, v)
-            })?;
+            let takes_limbs = n == 1
+                && v.or_else(|| self.gemv_select(ty, ws[0].row_bytes, cols, &self.gemv))
+                    .is_some_and(|v| v.takes_limbs());
+            let mut time = |xq: Option<&CudaSlice<f32>>| {
+                for w in ws.iter().take(3) {
+                    self.launch_linear_with(&s, w, rows, cols, &x, xq, n, &mut out, v);
+                }
+                time_launches(&s, iters, |i| {
+                    self.launch_linear_with(&s, &ws[i % copies], rows, cols, &x, xq, n, &mut out, v)
+                })
+            };
+            let seconds = time(xq.as_ref().filter(|_| takes_limbs).map(dev))?;
+            let seconds_with_prepass = if takes_limbs { Some(time(None)?) } else { None };
             let kind = if n == 1 { "GEMV" } else { "GEMM" };
             res.push(GemvBench {
                 case: format!("{kind}(type={suffix},rows={rows},cols={cols},n={n})"),
@@ -3117,6 +3144,7 @@ impl CudaBackend {
                 weight_bytes: w_bytes,
                 seconds,
                 gb_per_s: w_bytes as f64 / seconds / 1e9,
+                seconds_with_prepass,
             });
         }
         Ok(res)
@@ -3135,7 +3163,6 @@ impl CudaBackend {
         let w_bytes = rows * row_bytes;
         let grid = rows.div_ceil(8);
         let mut out = s.alloc_zeros::<u32>(4 * grid).map_err(drv("alloc"))?;
-        let f = self.func("gemv_read_probe");
         let cfg = LaunchConfig {
             grid_dim: (grid as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -3146,19 +3173,21 @@ impl CudaBackend {
         let xq = self.gemv_x_limbs(&s, &x, cols);
         let mut res = Vec::new();
         for (pattern, name) in [(0i32, "gemvw_r8_w4"), (1, "gemvw_r8_w4+x"), (2, "linear")] {
+            // Launched as the GEMVs are (PDL when on): the probe triggers its successor at its
+            // start and waits before its one store.
             let launch = |i: usize, out: &mut CudaSlice<u32>| {
-                let mut b = s.launch_builder(f);
-                b.arg(&ws[i % copies].data)
-                    .arg(dev(&xq))
-                    .arg(&r)
-                    .arg(&c)
-                    .arg(&rb)
-                    .arg(&pattern)
-                    .arg(out);
+                let mut a = RawArgs::default();
+                a.buf(&ws[i % copies].data)
+                    .buf(dev(&xq))
+                    .i32(r)
+                    .i32(c)
+                    .i32(rb)
+                    .i32(pattern)
+                    .buf(out);
                 // SAFETY: matches gemv_read_probe in kernels/quant.cu: W is rows·row_bytes Q4_K
                 // bytes in the device layout (cols % 256 == 0), xq x's limbs (gemv_x_limbs of cols
-                // values), out 4 words per block.
-                ok(unsafe { b.launch(cfg) });
+                // values), out 4 words per block; it waits (griddep_wait) before writing.
+                unsafe { self.launch_raw(&s, "gemv_read_probe", cfg, &mut a, self.pdl) };
             };
             (0..3).for_each(|i| launch(i, &mut out));
             let seconds = time_launches(&s, iters, |i| launch(i, &mut out))?;
@@ -3168,6 +3197,7 @@ impl CudaBackend {
                 weight_bytes: w_bytes,
                 seconds,
                 gb_per_s: w_bytes as f64 / seconds / 1e9,
+                seconds_with_prepass: None,
             });
         }
         Ok(res)

@@ -145,7 +145,9 @@ pub struct KernelsArgs {
     pub check: bool,
     /// Time GEMV (4096×14336 and 14336×4096; Q4_K, Q8_0, Q4_1, F16; Q4_1 also 1536×576 and
     /// 576×1536), the default path and every compiled variant, against device-to-device copy
-    /// bandwidth.
+    /// bandwidth. Launches run back to back as a decode step's do (PDL unless LLMDIFF_PDL=0), the
+    /// integer forms given x's limbs made once; their time with a limbs pre-pass before every
+    /// launch is shown beside.
     #[arg(long)]
     pub bench: bool,
     /// Also time the batched form (matmul) at this many tokens (0: skip).

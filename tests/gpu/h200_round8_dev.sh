@@ -5,7 +5,7 @@
 # label=VAR=value[,VAR=value]; "default" runs as is), kernels --bench when KBENCH=1 (under each
 # configuration of KBENCH_ENVS, as BENCH_ENVS; kernels_bench_<label>.json), and Nsight
 # per-kernel times of 8B decode steps (graphs off; the GEMV by launch shape) when NCU=1, under
-# each configuration of NCU_ENVS (as BENCH_ENVS).
+# each configuration of NCU_ENVS (as BENCH_ENVS); diff-layers timed on the 8B shape when DIFF8B=1.
 # Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round8_dev.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 B=${LLMDIFF:-$PWD/llmdiff}
@@ -48,6 +48,15 @@ if [ "$KBENCH" = 1 ]; then
     cp $W/kernels_bench.json $OUT/kernels_bench_$label.json
     python3 $D/bench_summary.py $W/kernels_bench.json 2>&1 | tee -a $LOG
   done
+fi
+if [ "$DIFF8B" = 1 ]; then
+  say "diff-layers on the 8B shape"
+  T1=$(date +%s.%N)
+  timeout 150 $B diff-layers $M/llama8b.gguf --tokens 1,5,9,13,17,21,25,29 --backend cuda --json >$W/diff8b.json 2>$W/diff8b.err
+  echo "rc=$? wall $(python3 -c "print(round($(date +%s.%N)-$T1,2))") s" | tee -a $LOG
+  python3 -c "
+import json;d=json.load(open('$W/diff8b.json'))
+print(json.dumps({k:d.get(k) for k in ('verdict','backend','first_divergence','timings_s')}))" 2>&1 | tee -a $LOG
 fi
 if [ "$NCU" = 1 ]; then
   NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)

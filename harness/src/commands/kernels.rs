@@ -71,6 +71,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     }
     if a.bench {
         let copy = be.copy_bandwidth(1 << 30, 5)?;
+        let pct_of_copy = |bytes: usize, seconds: f64| bytes as f64 / seconds / copy * 100.0;
         if !a.json {
             println!(
                 "device-to-device copy: {:.0} GB/s (read + write, 1 GiB, best of 5)",
@@ -98,12 +99,12 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                     let mut vs = vec![None];
                     let extra = ty == GgmlType::Q4K && cols == 4096 && rows != 14336;
                     if n == 1 && extra {
-                        // The extra Q4_K shapes: the default variant, the pair-unit ones (mode 3)
-                        // and the tensor-core ones.
+                        // The extra Q4_K shapes: the default variant, the integer-form ones (modes 2
+                        // and 3) and the tensor-core ones.
                         vs.extend(
                             GEMV_VARIANTS
                                 .iter()
-                                .filter(|v| Some(v.entry()) == default || v.mode == 3)
+                                .filter(|v| v.ty == ty && (Some(v.entry()) == default || v.mode >= 2))
                                 .map(|v| Some(*v)),
                         );
                     } else if n == 1 {
@@ -123,8 +124,14 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                                 None => r.case.clone(),
                                 Some(v) => format!("{} {v}", if is_default { "  *" } else { "   " }),
                             };
+                            let prepass = r
+                                .seconds_with_prepass
+                                .map(|p| {
+                                    format!("  (x pre-pass each launch: {:>5.1} %)", pct_of_copy(r.weight_bytes, p))
+                                })
+                                .unwrap_or_default();
                             println!(
-                                "{:<64} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy",
+                                "{:<64} {:>8.2} µs  {:>7.0} GB/s of weights  {:>5.1} % of copy{prepass}",
                                 label,
                                 r.seconds * 1e6,
                                 r.gb_per_s,
@@ -133,7 +140,8 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                         }
                         rows_out.push(json!({"case": r.case, "variant": r.variant, "default": is_default,
                             "weight_bytes": r.weight_bytes, "seconds": r.seconds, "gb_per_s": r.gb_per_s,
-                            "fraction_of_copy": frac}));
+                            "fraction_of_copy": frac, "seconds_with_prepass": r.seconds_with_prepass,
+                            "fraction_of_copy_with_prepass": r.seconds_with_prepass.map(|p| pct_of_copy(r.weight_bytes, p) / 100.0)}));
                     }
                 }
             }
