@@ -81,9 +81,18 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
                                     float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
     // Launched early (PDL, common.cuh): lets the GEMV after it start, then waits for its input.
+    // The weight, which no kernel writes, is loaded before the wait, so its round trip overlaps
+    // the kernel before.
     griddep_launch();
+    const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && (int)threadIdx.x < (d >> 2);
+    const float4 w = ld4_or_zero(weight, threadIdx.x, live);
     griddep_wait();
-    rms_norm_row(x + (size_t)blockIdx.x * d, weight, out + (size_t)blockIdx.x * d, d, eps, xq);
+    const float* xr = x + (size_t)blockIdx.x * d;
+    float* o = out + (size_t)blockIdx.x * d;
+    if (one)
+        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), w, o, d, eps, xq);
+    else
+        rms_norm_row(xr, weight, o, d, eps, xq);
 }
 
 // x + a, rounded through f16 when f16_round (the f16-residual fault), as add_assign.
@@ -103,15 +112,16 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
                                         int f16_round, u8* __restrict__ xq) {
-    griddep_launch();  // as rms_norm
+    griddep_launch();  // as rms_norm, the weight loaded before the wait
+    const int i = threadIdx.x;
+    const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && i < (d >> 2);
+    const float4 w = ld4_or_zero(weight, i, live);
     griddep_wait();
     float* xr = x + (size_t)blockIdx.x * d;
     const float* ar = a + (size_t)blockIdx.x * d;
     float* orow = out + (size_t)blockIdx.x * d;
-    if ((d & 3) == 0 && (d >> 2) <= (int)blockDim.x) {
-        const int i = threadIdx.x;
-        const bool live = i < (d >> 2);
-        float4 v = ld4_or_zero(xr, i, live), w = ld4_or_zero(weight, i, live);
+    if (one) {
+        float4 v = ld4_or_zero(xr, i, live);
         const float4 av = ld4_or_zero(ar, i, live);
         v.x = resid_add(v.x, av.x, f16_round);
         v.y = resid_add(v.y, av.y, f16_round);
