@@ -340,7 +340,7 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
     } else if constexpr (TY == TY_Q4_1) {
         const uint2 a = ldg8(row + 8 * u);
         f.a.x = a.x, f.a.y = a.y;
-        asm("ld.global.nc.u32 %0, [%1];" : "=r"(f.h.x) : "l"(row + (cols >> 1) + 4 * (u >> 1)));
+        f.h.x = ldg4(row + (cols >> 1) + 4 * (u >> 1));
     } else {
         // One header word per thread: the 8 threads of a super-block (units 8s .. 8s+7 are 8
         // neighbouring lanes, since blocks are whole warps and cols % 256 == 0) load words 0..3
@@ -348,7 +348,7 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
         // row instead of 16 leaves room for more rows per step.
         f.a = ldg16(row + 16 * u);
         const u8* hp = row + (size_t)(cols >> 8) * 128 + 16 * (u >> 3) + 4 * (u & 3);
-        asm("ld.global.nc.u32 %0, [%1];" : "=r"(f.h.x) : "l"(hp));
+        f.h.x = ldg4(hp);
     }
 }
 
