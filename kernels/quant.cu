@@ -540,7 +540,7 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // int sums cover its 32 values (one I2F each, |D| < 2^30 as above), the header is decoded once
 // per 64 weights and without shuffles, and the high nibbles stay in place (dp4a on bytes 16q, the
 // 16 taken out exactly in limbs_f16): in SASS ~126 instructions per row per 64 weights at R 4
-// (~121 at R 8), where mode 2 at R 8 spends ~174.
+// (~121 at R 8), where mode 2 at R 8 spends ~170 (it keeps the high nibbles in place too).
 // A chunk is 32 pairs (2048 values), so a 4096-wide row is 2 chunks, a 14336-wide one 7. Its
 // entries cap registers at 128 (__maxnreg__): ptxas otherwise trades the loads' early issue for
 // fewer registers (the header loads sink towards their use).
@@ -638,13 +638,13 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
         int a[3] = {0, 0, 0}, b[3] = {0, 0, 0};
 #pragma unroll
         for (int k = 0; k < V / 8; k++) {
-            // Pair units leave the high nibbles in place (bytes 16q, one op less a word; limbs_f16
-            // takes the 16 out).
-            u32 lo = w[k] & 0x0F0F0F0Fu, hi = V == 64 ? w[k] & 0xF0F0F0F0u : (w[k] >> 4) & 0x0F0F0F0Fu;
+            // The high nibbles stay in place (bytes 16q, one op less a word; limbs_f16 takes the
+            // 16 out).
+            u32 lo = w[k] & 0x0F0F0F0Fu, hi = w[k] & 0xF0F0F0F0u;
 #pragma unroll
             for (int l = 0; l < 3; l++) {
                 a[l] = dp4a(lo, q.l[l][k], a[l]);
-                b[l] = V == 64 ? dp4a_u8(hi, q.l[l][V / 8 + k], b[l]) : dp4a(hi, q.l[l][V / 8 + k], b[l]);
+                b[l] = dp4a_u8(hi, q.l[l][V / 8 + k], b[l]);
             }
         }
         if constexpr (V == 64) {
@@ -656,7 +656,7 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
             const float off = dmin * (byte_f<2>(sm, 8388608.0f) * q.xs[0] + byte_f<3>(sm, 8388608.0f) * q.xs[1]);
             return fmaf(c0, limbs_f(a[0], a[1], a[2]), fmaf(c1, limbs_f16(b[0], b[1], b[2]), -off));
         } else {
-            float s0 = limbs_f(a[0], a[1], a[2]) * q.s[0], s1 = limbs_f(b[0], b[1], b[2]) * q.s[1];
+            float s0 = limbs_f(a[0], a[1], a[2]) * q.s[0], s1 = limbs_f16(b[0], b[1], b[2]) * q.s[1];
             return q4k_unit(f.h.x, u, s0, s1, q.xs[0], q.xs[1]);
         }
     } else if constexpr (TY == TY_Q4_1) {
