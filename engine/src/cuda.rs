@@ -774,12 +774,12 @@ impl CudaBackend {
     /// tests/gpu/h200-results/round6): F16, BF16 and narrow Q8_0 rows take the x-stationary split
     /// (R 2 for F16/BF16, 4 for Q8_0, the smallest UPT whose block fits: 90–93 % and 71–78 % of
     /// copy bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q8_0 rows from 128 units take
-    /// warp-rows R 4, NW 4, U 1 in the integer form (round 12: 84–95 % of copy); Q4_K and Q4_1 take warp-rows,
-    /// which is as fast there (all splits within ~3 %) and lets `linear_many` put a layer's q/k/v
-    /// or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1 R 8, NW 4, U 2
-    /// from 128 units, R 4, NW 4, U 1 from 64, else R 1, NW 4, U 2. Q4_K/Q4_1 warp-rows from 128
-    /// units (and wide Q8_0) take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on
-    /// the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
+    /// warp-rows R 4, NW 4, U 1 in the integer form (round 12: 84–95 % of copy); Q4_K and Q4_1
+    /// take warp-rows, which is as fast there (all splits within ~3 %) and lets `linear_many` put
+    /// a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1
+    /// R 8, NW 4, U 2 from 128 units, R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2. Warp-rows
+    /// from 128 units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 %
+    /// faster on the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
     /// 3) are taken only when asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of
     /// 2048 values). The nearest compiled variant is taken (R first, then NW, then U);
     /// `LLMDIFF_GEMV_*` override each choice.
