@@ -34,9 +34,10 @@ ls -la $M | tee -a $LOG
 
 say "llmdiff bench"
 for s in smollm2 8b; do
-  timeout 120 $B bench $M/$s.gguf --backend cuda --n-prompt 512 --n-decode 32 --reps 3 --json \
-    >$OUT/llmdiff_$s.json 2>>$LOG
+  timeout 120 $B bench $M/$s.gguf --backend cuda --n-prompt 512 --n-decode 32 --reps 3 --json >$W/b.json 2>>$LOG
   say "llmdiff $s rc=$?"
+  python3 -c "import json; d = json.load(open('$W/b.json')); d['shape'] = '$s'; print(json.dumps(d))" \
+    >>$OUT/llmdiff.jsonl 2>>$LOG
 done
 
 say "HF transformers eager bf16"
@@ -52,16 +53,18 @@ if [ -n "$LCPP_TAR" ]; then
   cmake -S $L -B $L/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 \
     -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    >$OUT/lcpp_cmake.txt 2>&1
+    >$W/lcpp_cmake.txt 2>&1
   left=$((560 - ($(date +%s) - T0) - 60))
   say "cmake rc=$?; building with ${left} s left"
-  timeout $left cmake --build $L/build --target llama-bench -j"$(nproc)" >$OUT/lcpp_build.txt 2>&1
+  timeout $left cmake --build $L/build --target llama-bench -j"$(nproc)" >$W/lcpp_build.txt 2>&1
   say "build rc=$?"
+  grep -i "CUDA compiler identification\|llama.cpp version" $W/lcpp_cmake.txt >>$LOG
+  tail -3 $W/lcpp_build.txt >>$LOG
   LB=$L/build/bin/llama-bench
   if [ -x $LB ]; then
     for s in 8b smollm2; do
       timeout 90 $LB -m $M/$s.gguf -ngl 99 -p 512 -n 32 -d 0,512 -fa 0,1 -r 3 -o json >$OUT/lcpp_$s.json \
-        2>$OUT/lcpp_$s.err
+        2>>$LOG
       say "llama-bench $s rc=$?"
     done
   fi
@@ -75,11 +78,8 @@ def load(p):
         return [json.loads(l) for l in open(os.path.join(o, p)) if l.strip()]
     except Exception as e:
         return []
-for s in ["smollm2", "8b"]:
-    try:
-        d = json.load(open(os.path.join(o, f"llmdiff_{s}.json")))
-    except Exception:
-        continue
+for d in load("llmdiff.jsonl"):
+    s = d["shape"]
     print(f"llmdiff {s}: decode {d['decode_s_per_token']*1e3:.3f} ms, prefill 512 (last logits) "
           f"{d['prefill_last_tok_s']:.0f} tok/s, (all logits) {d['prefill_s']*1e3:.1f} ms")
 for d in load("hf.jsonl"):
@@ -92,7 +92,8 @@ for s in ["8b", "smollm2"]:
         continue
     for r in rows:
         kind = "pp" if r["n_prompt"] else "tg"
+        best = max(r.get("samples_ts") or [r["avg_ts"]])
         print(f"llama.cpp {s}: {kind}{r['n_prompt'] or r['n_gen']} depth {r.get('n_depth', 0)} fa {r.get('flash_attn')}: "
-              f"{r['avg_ts']:.1f} tok/s ({1e3 / r['avg_ts']:.3f} ms a token)")
+              f"mean {r['avg_ts']:.1f} tok/s ({1e3 / r['avg_ts']:.3f} ms a token), best {best:.1f} ({1e3 / best:.3f} ms)")
 PY
 say "done"
