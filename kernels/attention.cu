@@ -406,6 +406,255 @@ GQA_TILED(128, 2)
 GQA_TILED(256, 1)
 
 // ---------------------------------------------------------------------------------------------
+// Prefill GQA attention on the tensor cores (`gqa_attn_tc_<HD>`, HD = 64, 128: head widths that
+// are a multiple of 8 up to HD), the default where it fits; the CUDA-core kernel above stays for
+// the other widths and `LLMDIFF_ATTN_TC=0`. The same rows, blocks and online softmax as
+// gqa_tiled: a block owns TC_R = 64 rows (token, query head) of one KV head, heaviest first; the
+// causal prefix is walked in tiles of TC_BK = 32 positions, K/V tiles double-buffered in shared
+// memory by cp.async. A warp owns 16 rows: lane (g = lane/4, t = lane%4) holds rows g and g + 8.
+//
+// Precision (3xTF32). mma.sync m16n8k8 reads tf32 (an f32 with 10 explicit mantissa bits). Every
+// f32 operand x is split into big (x with the low 13 mantissa bits cleared: a tf32) and small = x
+// − big (exact in f32, |small| < 2^-10·|x|), and a·b is formed as a_big·b_big (exact) plus
+// a_small·b_big + a_big·b_small, each sum accumulated in f32: the dropped a_small·b_small and
+// small's own tf32 truncation are ~2^-21 of |a·b|, beside f32's 2^-24 rounding per term in the
+// CUDA-core kernel. Both S = Q·Kᵀ and O += P·V are so formed (S: the big and small sums each in
+// two accumulators by the parity of the 8-wide column group, added at the end of the tile; O: one
+// big and one small accumulator per output column group, added at the end);
+// the softmax is gqa_tiled's (max-subtracted expf in f32, the denominator in f64, O and l scaled
+// by the same α), in a fixed order: deterministic.
+//
+// Fragments (m16n8k8 tf32): A a0 = (row g, k t), a1 = (row g+8, k t), a2 = (g, t+4), a3 = (g+8,
+// t+4); B b0 = (k t, column g), b1 = (k t+4, column g); C c0, c1 = (row g, columns 2t, 2t+1), c2,
+// c3 = (row g+8, same). S: A from Q rows (k = d), B from K rows (column = position). O += P·V: the
+// k order inside one mma is free when A and B agree, so the 8 positions of S's n-tile j become k
+// in the order 2t ↔ k t, 2t+1 ↔ k t+4: then a0..a3 are S's c0, c2, c1, c3 of that tile (no
+// shuffle), and B reads V rows 8j + 2t and 8j + 2t + 1 at column g.
+//
+// Shared memory (floats): Q TC_R × TS, then two stages of K and V, TC_BK × TS each; the row stride
+// TS = HD + 4 puts the fragment reads (8 rows × 4 consecutive columns, or 4 rows two apart × 8
+// consecutive columns) on 32 distinct banks. hd = 128: 25344 floats (99 KB, two blocks per SM
+// on an H200); `tiled_block` in cuda_attn.rs computes the same. Columns hd .. HD of Q, K and V
+// are zeros (written once; the copies never touch them), so every loop runs over HD (no
+// per-column branch: the mma chains of successive column groups overlap) and a narrower head
+// adds zero terms. Positions past the prefix's last (kmax) load row kmax (finite) and are
+// masked to p = 0.
+
+#define TC_R 64
+#define TC_BK 32
+#define TC_THREADS 128
+
+// big: x with its low 13 mantissa bits cleared (a tf32, exact), small = x − big (exact in f32,
+// |small| < 2^-10·|x|; the mma reads its top 11 bits).
+__device__ __forceinline__ void tf32_split(float x, u32& big, u32& small) {
+    big = __float_as_uint(x) & 0xffffe000u;
+    small = __float_as_uint(x - __uint_as_float(big));
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A·B in 3xTF32, A given split (ab, as), B as two f32s (b0, b1) split here: big += ab·bb,
+// small += as·bb + ab·bs (two accumulators, so the dependent chains are shorter).
+__device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], const u32 (&ab)[4], const u32 (&as)[4],
+                                           float b0, float b1) {
+    u32 bb0, bs0, bb1, bs1;
+    tf32_split(b0, bb0, bs0);
+    tf32_split(b1, bb1, bs1);
+    mma_tf32(small, as, bb0, bb1);
+    mma_tf32(small, ab, bs0, bs1);
+    mma_tf32(big, ab, bb0, bb1);
+}
+
+template <int HD>
+__device__ __forceinline__ void gqa_tc(const float* __restrict__ q, const float* __restrict__ k,
+                                       const float* __restrict__ v, float* __restrict__ out, int n, int pos0,
+                                       int n_heads, int n_kv_heads, int hd, float scale) {
+    constexpr int TS = HD + 4, ND = HD / 8;
+    extern __shared__ __align__(16) float tc_sm[];
+    const int G = n_heads / n_kv_heads;
+    const int rows_total = n * G;
+    const int n_tiles = (rows_total + TC_R - 1) / TC_R;
+    const int kvh = blockIdx.x % n_kv_heads;
+    const int row0 = (n_tiles - 1 - (int)(blockIdx.x / n_kv_heads)) * TC_R;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = (threadIdx.x >> 5) * 16 + g;  // block-local rows r0 and r0 + 8
+    const int h4 = hd >> 2, kvw = n_kv_heads * hd;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const int kmax = pos0 + (min(row0 + TC_R, rows_total) - 1) / G;
+    float* Qs = tc_sm;
+    float* KVs = Qs + TC_R * TS;
+
+    // One stage: positions kt .. kt + TC_BK (clamped to kmax) of K and V into stage s.
+    auto stage = [&](int kt, int s) {
+        float* Ks = KVs + s * 2 * TC_BK * TS;
+        float* Vs = Ks + TC_BK * TS;
+        for (int e = threadIdx.x; e < TC_BK * h4; e += TC_THREADS) {
+            int j = e / h4, c4 = e - j * h4;
+            size_t off = (size_t)min(kt + j, kmax) * kvw + (size_t)kvh * hd + 4 * c4;
+            cp_async16(Ks + j * TS + 4 * c4, k + off);
+            cp_async16(Vs + j * TS + 4 * c4, v + off);
+        }
+        cp_async_commit();
+    };
+    if (hd < HD) {  // the padding columns of the K/V stages (the Q rows' are written below)
+        for (int e = threadIdx.x; e < 4 * TC_BK * (HD / 4 - h4); e += TC_THREADS) {
+            int r = e / (HD / 4 - h4), c4 = h4 + e % (HD / 4 - h4);
+            *(float4*)(KVs + r * TS + 4 * c4) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    }
+    stage(0, 0);
+    for (int e = threadIdx.x; e < TC_R * (HD / 4); e += TC_THREADS) {
+        int r = e / (HD / 4), c4 = e - r * (HD / 4), row = row0 + r;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (row < rows_total && c4 < h4) {
+            int tok = row / G, h = kvh * G + (row - tok * G);
+            x = *(const float4*)(q + ((size_t)tok * n_heads + h) * hd + 4 * c4);
+        }
+        *(float4*)(Qs + r * TS + 4 * c4) = x;
+    }
+
+    int lim[2];
+    float m[2];
+    double l[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int row = row0 + r0 + 8 * i;
+        lim[i] = row < rows_total ? pos0 + row / G : kmax;
+        m[i] = NEG_INF;
+        l[i] = 0.0;
+    }
+    float o[ND][4], ol[ND][4];  // O's big and small sums
+#pragma unroll
+    for (int c = 0; c < ND; c++)
+#pragma unroll
+        for (int u = 0; u < 4; u++) o[c][u] = ol[c][u] = 0.0f;
+
+    const int n_kt = kmax / TC_BK + 1;
+    for (int it = 0; it < n_kt; it++) {
+        const int kt = it * TC_BK;
+        if (it + 1 < n_kt) {
+            stage(kt + TC_BK, (it + 1) & 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // stage it (and Q) visible to every warp
+        const float* Ks = KVs + (it & 1) * 2 * TC_BK * TS;
+        const float* Vs = Ks + TC_BK * TS;
+
+        float s[TC_BK / 8][4], sp[3][TC_BK / 8][4];  // S's big sum (even column groups), and the
+                                                      // odd groups' big, the even and odd small
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; j++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) s[j][u] = sp[0][j][u] = sp[1][j][u] = sp[2][j][u] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < ND; c++) {
+            u32 ab[4], as[4];
+            const float* qr = Qs + r0 * TS + 8 * c + t;
+            tf32_split(qr[0], ab[0], as[0]);
+            tf32_split(qr[8 * TS], ab[1], as[1]);
+            tf32_split(qr[4], ab[2], as[2]);
+            tf32_split(qr[8 * TS + 4], ab[3], as[3]);
+#pragma unroll
+            for (int j = 0; j < TC_BK / 8; j++) {
+                const float* kr = Ks + (8 * j + g) * TS + 8 * c + t;
+                mma_3xtf32(c & 1 ? sp[0][j] : s[j], sp[1 + (c & 1)][j], ab, as, kr[0], kr[4]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; j++)
+#pragma unroll
+            for (int u = 0; u < 4; u++) s[j][u] = (s[j][u] + sp[0][j][u]) + (sp[1][j][u] + sp[2][j][u]);
+
+        // Online softmax, rows r0 (c0, c1 of each tile) and r0 + 8 (c2, c3).
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float mt = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < TC_BK / 8; j++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    float x = kt + 8 * j + 2 * t + u <= lim[i] ? s[j][2 * i + u] * scale : NEG_INF;
+                    s[j][2 * i + u] = x;
+                    mt = fmaxf(mt, x);
+                }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            float mn = fmaxf(m[i], mt);
+            float alpha = expf(m[i] - mn);
+            m[i] = mn;
+            double ps = 0.0;
+#pragma unroll
+            for (int j = 0; j < TC_BK / 8; j++)
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    float p = expf(s[j][2 * i + u] - mn);
+                    s[j][2 * i + u] = p;
+                    ps += (double)p;
+                }
+            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+            l[i] = l[i] * (double)alpha + ps;
+#pragma unroll
+            for (int c = 0; c < ND; c++) {
+                o[c][2 * i] *= alpha;
+                o[c][2 * i + 1] *= alpha;
+                ol[c][2 * i] *= alpha;
+                ol[c][2 * i + 1] *= alpha;
+            }
+        }
+
+        // O += P·V: tile j's positions 8j + 2t, 8j + 2t + 1 are k t, t + 4.
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; j++) {
+            u32 ab[4], as[4];
+            tf32_split(s[j][0], ab[0], as[0]);
+            tf32_split(s[j][2], ab[1], as[1]);
+            tf32_split(s[j][1], ab[2], as[2]);
+            tf32_split(s[j][3], ab[3], as[3]);
+            const float* vr = Vs + (8 * j + 2 * t) * TS + g;
+#pragma unroll
+            for (int c = 0; c < ND; c++) mma_3xtf32(o[c], ol[c], ab, as, vr[8 * c], vr[TS + 8 * c]);
+        }
+        __syncthreads();  // every warp is done with stage it before the next one is loaded into it
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int row = row0 + r0 + 8 * i;
+        if (row >= rows_total) continue;
+        int tok = row / G, h = kvh * G + (row - tok * G);
+        float* dst = out + ((size_t)tok * n_heads + h) * hd + 2 * t;
+        float inv = (float)(1.0 / l[i]);
+#pragma unroll
+        for (int c = 0; c < ND; c++) {
+            if (8 * c + 2 * t >= hd) break;
+            *(float2*)(dst + 8 * c) =
+                make_float2((o[c][2 * i] + ol[c][2 * i]) * inv, (o[c][2 * i + 1] + ol[c][2 * i + 1]) * inv);
+        }
+    }
+}
+
+// Arguments and grid as gqa_attn_tiled_<HD> (ceil(n·(H/KV) / 64) · KV blocks), blocks of 128
+// threads, dynamic shared memory as above; hd a multiple of 8, at most HD.
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_64(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ out,
+    int n, int pos0, int n_heads, int n_kv_heads, int hd, float scale) {
+    gqa_tc<64>(q, k, v, out, n, pos0, n_heads, n_kv_heads, hd, scale);
+}
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ out,
+    int n, int pos0, int n_heads, int n_kv_heads, int hd, float scale) {
+    gqa_tc<128>(q, k, v, out, n, pos0, n_heads, n_kv_heads, hd, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Decode GQA attention split over the context (flash-decoding): one new token (n = 1), row 0
 // sees positions 0 ..= pos0 (n_ctx = pos0 + 1).
 //

@@ -659,7 +659,7 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gemm2_q4_k") {
+                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gqa_attn_tc_") || f.starts_with("gemm2_q4_k") {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         attn_smem_max as i32,

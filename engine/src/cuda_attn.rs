@@ -41,6 +41,9 @@ const AT_BK: usize = 32;
 const AT_PS: usize = 36;
 /// Threads per block (`AT_THREADS`).
 const AT_THREADS: u32 = 256;
+/// Threads per block of the tensor-core entries (`TC_THREADS`; their rows and K/V tile are
+/// `AT_R` and `AT_BK` too).
+const TC_THREADS: u32 = 128;
 
 /// Below this many rows (n · H/KV) the tiled kernel is not taken by default: its blocks would
 /// be mostly empty and too few, each walking the whole prefix alone (a short chunk after a long
@@ -67,12 +70,14 @@ const SPLIT_SMEM_FLOATS: usize = 12 * 1024 - 64;
 
 /// The tiled attention's settings: on unless `LLMDIFF_ATTN_TILED=0` (an atomic so the bench can
 /// switch it), `LLMDIFF_ATTN_TILED=1` takes it for every n > 1 (not only from [`AT_MIN_ROWS`]
-/// rows), and the dynamic shared memory its entries were allowed at load. The split decode
+/// rows), the tensor-core entries where they fit unless `LLMDIFF_ATTN_TC=0` (an atomic too), and
+/// the dynamic shared memory its entries were allowed at load. The split decode
 /// kernel's chunk length (`LLMDIFF_ATTN_SPLIT`: 0 off, 16, 32 or 64; anything else the default
 /// 32; an atomic so the bench can switch it) and each rank's scratch for it.
 pub(super) struct AttnState {
     on: AtomicBool,
     force: bool,
+    tc: AtomicBool,
     smem_max: usize,
     split: AtomicUsize,
     scratch: Mutex<HashMap<usize, SplitScratch>>,
@@ -102,6 +107,7 @@ impl AttnState {
         AttnState {
             on: AtomicBool::new(v != Some("0")),
             force: v == Some("1"),
+            tc: AtomicBool::new(std::env::var("LLMDIFF_ATTN_TC").map_or(true, |v| v.trim() != "0")),
             smem_max,
             split: AtomicUsize::new(split),
             scratch: Mutex::new(HashMap::new()),
@@ -122,6 +128,12 @@ impl AttnState {
     pub(super) fn set(&self, on: bool) -> bool {
         self.on.swap(on, Ordering::Relaxed)
     }
+
+    /// Sets whether the tensor-core entries are taken where they fit, returning the previous
+    /// setting.
+    pub(super) fn set_tc(&self, on: bool) -> bool {
+        self.tc.swap(on, Ordering::Relaxed)
+    }
 }
 
 /// The tiled entry for a head width (the smallest of 64, 128, 256 that holds it).
@@ -131,6 +143,28 @@ fn tiled_entry(hd: usize) -> Option<&'static str> {
         65..=128 => Some("gqa_attn_tiled_128"),
         129..=256 => Some("gqa_attn_tiled_256"),
         _ => None,
+    }
+}
+
+/// The tensor-core tiled entry for a head width (a multiple of 8 up to 128; the smaller of 64, 128
+/// that holds it).
+fn tc_entry(hd: usize) -> Option<&'static str> {
+    match hd {
+        _ if hd % 8 != 0 => None,
+        8..=64 => Some("gqa_attn_tc_64"),
+        72..=128 => Some("gqa_attn_tc_128"),
+        _ => None,
+    }
+}
+
+/// Threads and dynamic shared memory in bytes of a block of tiled entry `entry` (CUDA-core or
+/// tensor-core) for head width `hd`. Tensor-core: Q (64 rows) and two stages of K and V (32 rows
+/// each) at a row stride of the entry's width + 4 (see `gqa_tc` in kernels/attention.cu).
+fn tiled_block(entry: &str, hd: usize) -> (u32, usize) {
+    match entry {
+        "gqa_attn_tc_64" => (TC_THREADS, (AT_R + 4 * AT_BK) * (64 + 4) * 4),
+        "gqa_attn_tc_128" => (TC_THREADS, (AT_R + 4 * AT_BK) * (128 + 4) * 4),
+        _ => (AT_THREADS, attn_tiled_smem(hd)),
     }
 }
 
@@ -204,14 +238,16 @@ fn split_words(s_cap: usize, kv: usize, g: usize, hd: usize) -> usize {
     (3 * n).div_ceil(4) * 4 + n * hd
 }
 
-/// A timing of the prefill attention: the per-(token, head) kernel and the tiled one.
+/// A timing of the prefill attention: the per-(token, head) kernel and the tiled ones.
 #[derive(Clone, Debug)]
 pub struct AttnBench {
     pub case: String,
     /// Seconds per call, per-(token, head) kernel.
     pub old_s: f64,
-    /// Seconds per call, tiled kernel.
+    /// Seconds per call, tiled kernel on the CUDA cores.
     pub tiled_s: f64,
+    /// Seconds per call, tiled kernel on the tensor cores (NaN where it does not take the shape).
+    pub tc_s: f64,
 }
 
 /// A timing of decode attention (one new token after `ctx - 1` cached positions): the
@@ -240,14 +276,29 @@ impl CudaBackend {
         self.attn_tiled_fits(shape)
     }
 
-    /// The tiled entry for a shape, if the kernel takes it (H a multiple of KV, hd ≤ 256, its
-    /// shared memory within the limit), whatever n and the settings.
+    /// The tiled entry for a shape, if a tiled kernel takes it, whatever n and the on/off
+    /// setting: the tensor-core one where it fits, unless `LLMDIFF_ATTN_TC=0`, else the CUDA-core
+    /// one.
     pub(super) fn attn_tiled_fits(&self, shape: GqaShape) -> Option<&'static str> {
+        let tc = self.attn.tc.load(Ordering::Relaxed);
+        tc.then(|| self.attn_tiled_fits_as(shape, true))
+            .flatten()
+            .or_else(|| self.attn_tiled_fits_as(shape, false))
+    }
+
+    /// The tensor-core (`tc`) or CUDA-core tiled entry for a shape, if it takes it: H a multiple
+    /// of KV, hd within the entry's width (tensor cores: a multiple of 8 up to 128; CUDA cores: up
+    /// to 256), its shared memory within the limit.
+    fn attn_tiled_fits_as(&self, shape: GqaShape, tc: bool) -> Option<&'static str> {
         if shape.n_kv_heads == 0 || shape.n_heads % shape.n_kv_heads != 0 {
             return None;
         }
-        let e = tiled_entry(shape.head_dim)?;
-        (attn_tiled_smem(shape.head_dim) <= self.attn.smem_max).then_some(e)
+        let e = if tc {
+            tc_entry(shape.head_dim)?
+        } else {
+            tiled_entry(shape.head_dim)?
+        };
+        (tiled_block(e, shape.head_dim).1 <= self.attn.smem_max).then_some(e)
     }
 
     /// Launches tiled entry `entry` on q [n, H·hd], k/v [≥ pos0 + n, KV·hd], out [n, H·hd].
@@ -281,14 +332,16 @@ impl CudaBackend {
             b.arg(a);
         }
         b.arg(&shape.scale);
+        let (threads, smem) = tiled_block(entry, shape.head_dim);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
-            block_dim: (AT_THREADS, 1, 1),
-            shared_mem_bytes: attn_tiled_smem(shape.head_dim) as u32,
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
         };
-        // SAFETY: matches gqa_attn_tiled_* in kernels/attention.cu: q and out hold n·H·hd floats,
-        // k and v (pos0 + n)·KV·hd, H % KV == 0, hd within the entry's width, shared memory as
-        // attn_tiled_smem (allowed at load up to smem_max).
+        // SAFETY: matches gqa_attn_tiled_* and gqa_attn_tc_* in kernels/attention.cu: q and out
+        // hold n·H·hd floats, k and v (pos0 + n)·KV·hd, H % KV == 0, hd within the entry's width
+        // (a multiple of 8 for gqa_attn_tc_*), threads and shared memory as tiled_block (allowed
+        // at load up to smem_max).
         ok(unsafe { b.launch(cfg) });
     }
 
@@ -616,34 +669,36 @@ impl CudaBackend {
                     row.iter_mut().for_each(|x| *x *= f);
                 }
             }
-            let case = format!(
-                "ATTN_GQA_TILED(H={h},KV={kv},hd={hd},pos0={pos0},n={n}{})",
-                if sharp { ",sharp" } else { "" }
-            );
-            // Checked whatever LLMDIFF_ATTN_TILED says and at any n.
-            let Some(entry) = self.attn_tiled_fits(s) else {
-                out.push(KernelCheck {
-                    case,
-                    rel_l2: f64::NAN,
-                    max_abs: f64::NAN,
-                    tol: 1e-5,
-                    pass: false,
-                });
-                continue;
-            };
-            let g = {
-                let (qd, kd, vd) = (self.upload(&q), self.upload(&k), self.upload(&v));
-                let mut o = self.upload(&vec![f32::NAN; n * h * hd]);
-                self.launch_gqa_tiled(entry, dev(&qd), dev(&kd), dev(&vd), dev_mut(&mut o), n, pos0, s);
-                self.download(&o)
-            };
             let c = {
                 let be = &CpuBackend;
                 let mut o = be.alloc(n * h * hd);
                 be.gqa_attention(&be.upload(&q), &be.upload(&k), &be.upload(&v), pos0, s, &mut o);
                 be.download(&o)
             };
-            out.push(compare(case, &g, &c, 1e-5));
+            let (qd, kd, vd) = (self.upload(&q), self.upload(&k), self.upload(&v));
+            // Both kernels, whatever LLMDIFF_ATTN_TILED and LLMDIFF_ATTN_TC say and at any n: the
+            // CUDA-core one must take every case, the tensor-core one those of its widths.
+            for (tc, kind) in [(false, "TILED"), (true, "TC")] {
+                let case = format!(
+                    "ATTN_GQA_{kind}(H={h},KV={kv},hd={hd},pos0={pos0},n={n}{})",
+                    if sharp { ",sharp" } else { "" }
+                );
+                let Some(entry) = self.attn_tiled_fits_as(s, tc) else {
+                    if !tc {
+                        out.push(KernelCheck {
+                            case,
+                            rel_l2: f64::NAN,
+                            max_abs: f64::NAN,
+                            tol: 1e-5,
+                            pass: false,
+                        });
+                    }
+                    continue;
+                };
+                let mut o = self.upload(&vec![f32::NAN; n * h * hd]);
+                self.launch_gqa_tiled(entry, dev(&qd), dev(&kd), dev(&vd), dev_mut(&mut o), n, pos0, s);
+                out.push(compare(case, &self.download(&o), &c, 1e-5));
+            }
         }
         out
     }
@@ -707,8 +762,9 @@ impl CudaBackend {
     }
 
     /// Times GQA attention of `n` new tokens at pos0 = 0 (a prefill) with `h` query heads, `kv`
-    /// KV heads of width `hd`: the per-(token, head) kernel, then the tiled one, on the same
-    /// device buffers; the mean of `iters` calls each, after two warm-up calls.
+    /// KV heads of width `hd`: the per-(token, head) kernel, then the tiled one on the CUDA cores
+    /// and on the tensor cores, on the same device buffers; the mean of `iters` calls each, after
+    /// two warm-up calls.
     pub fn bench_attention(
         &self,
         n: usize,
@@ -730,30 +786,34 @@ impl CudaBackend {
         );
         let mut o: Buf = self.alloc(n * h * hd);
         let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let mut time = |on: bool| -> Result<f64, EngineError> {
-            let prev = self.attn.set(on);
-            for _ in 0..2 {
-                self.gqa_attention(&q, &k, &v, 0, s, &mut o);
-            }
-            let t0 = self.stream.record_event(flags).map_err(drv("event"))?;
-            for _ in 0..iters {
-                self.gqa_attention(&q, &k, &v, 0, s, &mut o);
-            }
-            let t1 = self.stream.record_event(flags).map_err(drv("event"))?;
-            t1.synchronize().map_err(drv("sync"))?;
+        // The mean seconds a call with the tiled kernels on or off and the tensor-core ones on or
+        // off; NaN where that setting would not take the kernel it is meant to time.
+        let mut time = |on: bool, tc: bool| -> Result<f64, EngineError> {
+            let (prev, prev_tc) = (self.attn.set(on), self.attn.set_tc(tc));
+            let entry = self.attn_tiled_entry(n, s);
+            let takes = !on || entry.is_some_and(|e| e.starts_with("gqa_attn_tc_") == tc);
+            let mut run = || -> Result<f64, EngineError> {
+                for _ in 0..2 {
+                    self.gqa_attention(&q, &k, &v, 0, s, &mut o);
+                }
+                let t0 = self.stream.record_event(flags).map_err(drv("event"))?;
+                for _ in 0..iters {
+                    self.gqa_attention(&q, &k, &v, 0, s, &mut o);
+                }
+                let t1 = self.stream.record_event(flags).map_err(drv("event"))?;
+                t1.synchronize().map_err(drv("sync"))?;
+                Ok(t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64)
+            };
+            let t = if takes { run() } else { Ok(f64::NAN) };
             self.attn.set(prev);
-            Ok(t0.elapsed_ms(&t1).map_err(drv("elapsed"))? as f64 / 1e3 / iters as f64)
+            self.attn.set_tc(prev_tc);
+            t
         };
-        let old_s = time(false)?;
-        // NaN when the tiled kernel would not be taken (the second timing would be the old kernel).
-        let prev = self.attn.set(true);
-        let takes = self.attn_tiled_entry(n, s).is_some();
-        self.attn.set(prev);
-        let tiled_s = if takes { time(true)? } else { f64::NAN };
         Ok(AttnBench {
             case: format!("ATTN_GQA(H={h},KV={kv},hd={hd},pos0=0,n={n})"),
-            old_s,
-            tiled_s,
+            old_s: time(false, false)?,
+            tiled_s: time(true, false)?,
+            tc_s: time(true, true)?,
         })
     }
 }

@@ -101,6 +101,8 @@ impl KernelId {
                 "gqa_attn_tiled_64",
                 "gqa_attn_tiled_128",
                 "gqa_attn_tiled_256",
+                "gqa_attn_tc_64",
+                "gqa_attn_tc_128",
                 "gqa_split_128",
                 "gqa_split_128_dpos",
                 "gqa_split_256",
