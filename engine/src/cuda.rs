@@ -20,11 +20,13 @@
 //!   `kernels/gemv_tc.cu` (the same integer form in `mma.sync`; `cuda_gemv_tc.rs`).
 //! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
 //!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
-//!   tiles staged once for the group's query heads, online softmax; `cuda_attn.rs`,
-//!   `LLMDIFF_ATTN_TILED=0` turns it off, `=1` takes it for every n > 1); GQA decode (n = 1, op
-//!   by op and recorded) takes the split kernel (a block per chunk of positions and KV head, the
-//!   last block of a KV head combining the chunks in a fixed order and writing the row's limbs
-//!   for the o-projection; `LLMDIFF_ATTN_SPLIT=0` turns it off, `=16|32|64` sets the chunk);
+//!   tiles staged once for the group's query heads, online softmax; on the tensor cores in 3xTF32
+//!   where head_dim is a multiple of 8 up to 128; `cuda_attn.rs`, `LLMDIFF_ATTN_TILED=0` turns it
+//!   off, `=1` takes it for every n > 1, `LLMDIFF_ATTN_TC=0` keeps the CUDA-core form); GQA
+//!   decode (n = 1, op by op and recorded) takes the split kernel (a block per chunk of positions
+//!   and KV head, the last block of a KV head combining the chunks in a fixed order and writing
+//!   the row's limbs for the o-projection; `LLMDIFF_ATTN_SPLIT=0` turns it off, `=16|32|64` sets
+//!   the chunk);
 //!   MLA and the shapes neither takes keep a block per (token, head).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids

@@ -10,7 +10,10 @@
 //! per-(token, head) kernels. A block owns 64 (token, query
 //! head) rows of one KV head, so the G = H/KV query heads that share a KV head read each K/V tile
 //! once, and walks the causal prefix in 32-position tiles with an online softmax (running max;
-//! the denominator summed in f64, the rest f32; see the kernel's comment).
+//! the denominator summed in f64, the rest f32; see the kernel's comment). Two forms: on the CUDA
+//! cores (`gqa_attn_tiled_<HD>`, any head_dim up to 256) and, where head_dim is a multiple of 8 up
+//! to 128, on the tensor cores in 3xTF32 (`gqa_attn_tc_<HD>`, the default there; 2.5x the
+//! CUDA-core form at the 8B shape on an H200; `LLMDIFF_ATTN_TC=0` turns it off).
 //!
 //! Split decode. Selection: n = 1 (a decode step, op by op or recorded: `_dpos`), head_dim a
 //! multiple of 4 up to 256, G = H/KV ≤ 16, KV ≤ 1024 and its shared memory within the default 48

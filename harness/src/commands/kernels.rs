@@ -5,10 +5,10 @@
 //! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
 //! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
 //! variant, the pair-unit ones (mode 3) and the tensor-core ones), the default Q4_K GEMV's loads
-//! alone, with x's, and the same bytes as one stream (the bound the access pattern sets), the prefill GEMM
-//! (tensor cores, 512 tokens, Q4_K) beside
-//! the SIMT matmul in TFLOP/s, the prefill GQA attention (512 tokens, 32/8 heads of 128 and 9/3 of 64)
-//! per-(token, head) beside tiled (CUDA cores, tensor cores) in µs, decode GQA attention (one token after 512 and 4096
+//! alone, with x's, and the same bytes as one stream (the bound the access pattern sets), the
+//! prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul in TFLOP/s, the prefill
+//! GQA attention (512 tokens, 32/8 heads of 128 and 9/3 of 64) per-(token, head) beside tiled
+//! (CUDA cores, tensor cores) in µs, decode GQA attention (one token after 512 and 4096
 //! positions) per-(token, head) beside split at each chunk length, and the per-launch cost of
 //! the launch paths (cudarc's builder, raw `cuLaunchKernel`, a graph).
 //! Without the `cuda` feature it says so (exit 2).
