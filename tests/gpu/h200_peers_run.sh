@@ -10,7 +10,7 @@
 # - llmdiff: `bench --backend cuda`, 512-token prefill then 32 decode steps (the evidence run's).
 # - HF: tests/peers/hf_gpu_bench.py, the same two shapes in bf16 with random weights, eager.
 # - llama.cpp: the tarball of a llama.cpp tree (llama-cpp-python's vendored one, trimmed of docs,
-#   models and other backends), built with CUDA for sm_90 (flash attention kernels for f16 only,
+#   models and other backends: tests/peers/llamacpp_src_tarball.sh), built with CUDA for sm_90 (flash attention kernels for f16 only,
 #   the default KV type), then `llama-bench -p 512 -n 32` at KV depth 0 and 512, flash attention
 #   off and on, every layer on the GPU.
 # The llmdiff and HF benches run before the build, so the compiler does not share their CPU.
