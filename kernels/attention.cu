@@ -218,6 +218,14 @@ __device__ __forceinline__ float at_f4(const float4& a, int u) {
     return u == 0 ? a.x : u == 1 ? a.y : u == 2 ? a.z : a.w;
 }
 
+// The first row of this block's tile of AT_R rows of KV head blockIdx.x % KV, of a tiled GQA
+// prefill with rows_total rows per KV head: tiles numbered heaviest first (the last rows see the
+// longest prefix), KV head fastest.
+__device__ __forceinline__ int at_row0(int rows_total, int n_kv_heads) {
+    const int n_tiles = (rows_total + AT_R - 1) / AT_R;
+    return (n_tiles - 1 - (int)(blockIdx.x / n_kv_heads)) * AT_R;
+}
+
 // CG float4 output columns per thread: hd <= 32·CG.
 template <int CG>
 __device__ __forceinline__ void gqa_tiled(const float* __restrict__ q, const float* __restrict__ k,
@@ -226,9 +234,8 @@ __device__ __forceinline__ void gqa_tiled(const float* __restrict__ q, const flo
     extern __shared__ __align__(16) float at_sm[];
     const int G = n_heads / n_kv_heads;
     const int rows_total = n * G;
-    const int n_tiles = (rows_total + AT_R - 1) / AT_R;
     const int kvh = blockIdx.x % n_kv_heads;
-    const int row0 = (n_tiles - 1 - (int)(blockIdx.x / n_kv_heads)) * AT_R;
+    const int row0 = at_row0(rows_total, n_kv_heads);
     const int hd4 = (hd + 3) & ~3, ng = hd4 >> 2;
     const int qs = (ng & 1) ? hd4 : hd4 + 4;
     float* Qs = at_sm;
@@ -440,7 +447,7 @@ GQA_TILED(256, 1)
 // adds zero terms. Positions past the prefix's last (kmax) load row kmax (finite) and are
 // masked to p = 0.
 
-#define TC_R 64
+#define TC_R AT_R
 #define TC_BK 32
 #define TC_THREADS 128
 
@@ -478,9 +485,8 @@ __device__ __forceinline__ void gqa_tc(const float* __restrict__ q, const float*
     extern __shared__ __align__(16) float tc_sm[];
     const int G = n_heads / n_kv_heads;
     const int rows_total = n * G;
-    const int n_tiles = (rows_total + TC_R - 1) / TC_R;
     const int kvh = blockIdx.x % n_kv_heads;
-    const int row0 = (n_tiles - 1 - (int)(blockIdx.x / n_kv_heads)) * TC_R;
+    const int row0 = at_row0(rows_total, n_kv_heads);
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = (threadIdx.x >> 5) * 16 + g;  // block-local rows r0 and r0 + 8
     const int h4 = hd >> 2, kvw = n_kv_heads * hd;
