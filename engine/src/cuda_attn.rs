@@ -607,9 +607,10 @@ impl CudaBackend {
         out
     }
 
-    /// The tiled kernel against the CPU engine (tolerance 1e-5 as the other attention checks):
-    /// head widths 36, 37, 40, 64, 96, 128, 200, 256 (every entry, odd widths, even and odd
-    /// float4 counts), n = 2, 7, 70, 130 (partial and several row tiles), pos0 = 0 and 300,
+    /// The tiled kernels against the CPU engine (tolerance 1e-5 as the other attention checks),
+    /// the CUDA-core one on every case (`ATTN_GQA_TILED`) and the tensor-core one on those of its
+    /// widths, 40, 64, 96 and 128 (`ATTN_GQA_TC`): head widths 36, 37, 40, 64, 96, 128, 200, 256
+    /// (every entry, odd widths, even and odd float4 counts, zero-padded tensor-core widths), n = 2, 7, 70, 130 (partial and several row tiles), pos0 = 0 and 300,
     /// heads/KV 6/2, 32/8, 5/1 and 4/4; output canary-filled with NaN first (an element
     /// left unwritten fails the check), and `sharp` cases with q ×8 and keys scaled up along
     /// the positions, so the running max moves from tile to tile.
