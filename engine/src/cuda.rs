@@ -661,10 +661,22 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                if f.starts_with("gqa_attn_tiled_") || f.starts_with("gqa_attn_tc_") || f.starts_with("gemm2_q4_k") {
+                // The tensor-core GEMV's (static: its warps' sums): what its rings take.
+                // Past the device's opt-in limit the variant is left as is, and gemv_fits refuses it.
+                let smem = match GEMVT_VARIANTS.iter().find(|v| v.entry() == f) {
+                    Some(v) => Some(gemv_tc::tc_smem(*v) as usize).filter(|b| *b <= attn_smem_max),
+                    None if f.starts_with("gqa_attn_tiled_")
+                        || f.starts_with("gqa_attn_tc_")
+                        || f.starts_with("gemm2_q4_k") =>
+                    {
+                        Some(attn_smem_max)
+                    }
+                    None => None,
+                };
+                if let Some(bytes) = smem {
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        attn_smem_max as i32,
+                        bytes as i32,
                     )
                     .map_err(drv(&format!("shared memory size of {f}")))?;
                 }
@@ -821,7 +833,9 @@ impl CudaBackend {
         }
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => return Some(gemv_tc::pick(cfg.r, cfg.nw)),
+            Some(GemvKind::Tc) if ty == GgmlType::Q4K => {
+                return Some(gemv_tc::pick(cfg.r, cfg.nw)).filter(|v| self.gemv_fits(*v, cols))
+            }
             Some(GemvKind::Tc) => None,
             k => k,
         };
@@ -899,7 +913,9 @@ impl CudaBackend {
         match v.kind {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
-            GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
+            GemvKind::Tc => {
+                v.ty == GgmlType::Q4K && cols % 256 == 0 && gemv_tc::tc_smem(v) as usize <= self.attn.smem_max
+            }
         }
     }
 
@@ -1025,7 +1041,7 @@ impl CudaBackend {
         let cfg = LaunchConfig {
             grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
             block_dim: ((v.nw * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: if v.kind == GemvKind::Tc { gemv_tc::tc_smem(v) } else { 0 },
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block

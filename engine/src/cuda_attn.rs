@@ -81,7 +81,7 @@ pub(super) struct AttnState {
     on: AtomicBool,
     force: bool,
     tc: AtomicBool,
-    smem_max: usize,
+    pub(super) smem_max: usize,
     split: AtomicUsize,
     scratch: Mutex<HashMap<usize, SplitScratch>>,
 }

@@ -9,9 +9,15 @@
 //!
 //! Selection: only with `LLMDIFF_GEMV_KIND=tc` (Q4_K rows with cols % 256 == 0; other types keep
 //! their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`; `LLMDIFF_GEMV_R` (16 or 32 rows per
-//! block) and `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) pick the nearest compiled variant, by default
-//! 32 rows and 8 warps. On the H200 (tests/gpu/h200-results/round10) it issues ~1.7× fewer
-//! instructions than the dp4a form and is no faster: it waits on memory (long scoreboard) instead.
+//! block) and `LLMDIFF_GEMV_NW` (2 to 16 warps) pick the nearest compiled variant, by default 32
+//! rows and 4 warps. A variant whose rings need more shared memory than the device lends a block is
+//! never taken (`gemv_fits`).
+//!
+//! On the H200: round 10's form loaded fragments straight from global memory and stalled on those
+//! loads. This one (round 14, tests/gpu/h200-results/round14) stages whole rows and x's part of
+//! each super-block in shared memory by `cp.async` and reads fragments by `ldmatrix`. It is faster
+//! than round 10's on every bench shape (57.5 % of copy at 4096×14336 against 45.5 %), but still
+//! slower than the dp4a warp-rows form in the decode step (8B: 2.33 against 2.05 ms).
 
 use super::{compare, noise, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
@@ -21,7 +27,7 @@ use references::GgmlType;
 
 /// Rows per block and warps per block of the tensor-core GEMV when not set.
 const DEFAULT_R: usize = 32;
-const DEFAULT_NW: usize = 8;
+const DEFAULT_NW: usize = 4;
 
 /// The tensor-core variant nearest to `r` rows per block (then `nw` warps), by default
 /// [`DEFAULT_R`] and [`DEFAULT_NW`].
@@ -60,6 +66,16 @@ fn tc_test_w(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     references::quant::quantize(GgmlType::Q4K, &wf).expect("quantize test weights")
 }
 
+/// Stages in a warp's ring (`GT_S` in `kernels/gemv_tc.cu`).
+const STAGES: usize = 4;
+
+/// The dynamic shared memory of a tensor-core variant: NW rings of [`STAGES`] stages, each 16·T
+/// rows of 144 bytes (a super-block's 128 quant bytes and its header) and x's part (`GT_XB`:
+/// three limb planes of 272 bytes, 32 of scales, 128 of sums).
+pub(super) fn tc_smem(v: GemvVariant) -> u32 {
+    (v.nw * STAGES * (v.r * 144 + 3 * 272 + 32 + 128)) as u32
+}
+
 impl CudaBackend {
     /// Every tensor-core GEMV variant against the CPU engine: Q4_K rows of 1 to 56 super-blocks,
     /// row counts that are not a multiple of 16 or of the block's 16·T rows (and fewer rows than
@@ -84,7 +100,7 @@ impl CudaBackend {
                 CpuBackend.linear(&Buf::host(x.clone()), 1, w, &mut c);
                 let c = c.as_host().to_vec();
                 let xd = self.upload(&x);
-                for v in GEMVT_VARIANTS {
+                for v in GEMVT_VARIANTS.into_iter().filter(|v| self.gemv_fits(*v, cols)) {
                     let mut g = self.upload(&vec![f32::NAN; rows]);
                     self.linear_with(&xd, 1, w, &mut g, Some(v));
                     out.push(compare(
@@ -135,7 +151,7 @@ impl CudaBackend {
                     })
                     .collect();
                 let xd = self.upload(&x);
-                for v in GEMVT_VARIANTS {
+                for v in GEMVT_VARIANTS.into_iter().filter(|v| self.gemv_fits(*v, cols)) {
                     let mut os: Vec<Buf> = rows_each.iter().map(|&r| self.upload(&vec![f32::NAN; r])).collect();
                     let mut refs: Vec<&mut Buf> = os.iter_mut().collect();
                     self.linear_many_with(&xd, 1, &ws, &mut refs, Some(v), None);
@@ -163,9 +179,10 @@ mod tests {
 
     #[test]
     fn pick_takes_the_nearest_tensor_core_variant() {
-        assert_eq!(pick(None, None).entry(), "gemvt_q4_k_t2_w8");
-        assert_eq!(pick(Some(16), Some(4)).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(Some(64), None).entry(), "gemvt_q4_k_t2_w8");
+        assert_eq!(pick(None, None).entry(), "gemvt_q4_k_t2_w4");
+        assert_eq!(pick(Some(16), None).entry(), "gemvt_q4_k_t1_w4");
+        assert_eq!(pick(Some(32), Some(2)).entry(), "gemvt_q4_k_t2_w2");
+        assert_eq!(pick(Some(64), None).entry(), "gemvt_q4_k_t2_w4");
         assert_eq!(pick(Some(8), Some(2)).entry(), "gemvt_q4_k_t1_w4");
         assert_eq!(pick(Some(16), Some(16)).entry(), "gemvt_q4_k_t1_w16");
     }

@@ -230,8 +230,9 @@ const fn gt(t: usize, nw: usize) -> GemvVariant {
 }
 
 /// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, T tiles of 16 rows (1, 2) × NW warps (4, 8, 16), x in int8 limbs (mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 6] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(2, 4), gt(2, 8), gt(2, 16)];
+/// order): Q4_K, T tiles of 16 rows × NW warps: (1, 4), (1, 8), (1, 16), (2, 2), (2, 4); x in int8
+/// limbs (mode 2).
+pub const GEMVT_VARIANTS: [GemvVariant; 5] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(2, 2), gt(2, 4)];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
