@@ -661,8 +661,9 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                // The tensor-core GEMV's (static: its warps' sums): what its rings take.
-                // Past the device's opt-in limit the variant is left as is, and gemv_fits refuses it.
+                // Dynamic shared memory: a tensor-core GEMV variant's rings (its own size, so the
+                // static bytes of its warps' sums still fit beside them; a variant past the device's
+                // opt-in limit is left as is, and gemv_fits refuses it), or the whole opt-in limit.
                 let smem = match GEMVT_VARIANTS.iter().find(|v| v.entry() == f) {
                     Some(v) => Some(gemv_tc::tc_smem(*v) as usize).filter(|b| *b <= attn_smem_max),
                     None if f.starts_with("gqa_attn_tiled_")
