@@ -70,11 +70,8 @@ __device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32
                  : "memory");
 }
 
-// cp_async16 to a shared-memory address (smem_addr's), and a 16-byte shared-memory load from one;
-// volatile with a memory clobber, so the load stays after the wait that fills its bytes.
-__device__ __forceinline__ void cp_async16s(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
+// 4 and 16 bytes from a shared-memory address (smem_addr's); volatile with a memory clobber, so a
+// load stays after the cp.async wait that fills its bytes.
 __device__ __forceinline__ u32 lds4(u32 a) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
@@ -261,9 +258,9 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
 }
 
 // Entry points gemvt_q4_k_t<T>_w<NW>: 16·T rows per block, NW·32 threads, grid ⌈rows / 16T⌉,
-// NW·GT_S·16T·144 bytes of dynamic shared memory (`tc_smem` in engine/src/cuda_gemv_tc.rs); the
-// arguments of kernels/quant.cu's integer warp-rows entries (GemvRows, x (unused), x's limbs,
-// rows, cols, row_bytes), so `launch_gemv_rows` launches both. The list is `GEMVT_VARIANTS` in
+// NW·GT_S·(16T·144 + GT_XB) bytes of dynamic shared memory (`tc_smem` in
+// engine/src/cuda_gemv_tc.rs); the arguments of kernels/quant.cu's integer warp-rows entries
+// (GemvRows, x (unused), x's limbs, rows, cols, row_bytes), so `launch_gemv_rows` launches both. The list is `GEMVT_VARIANTS` in
 // engine/src/cuda_kernels.rs (one line here per entry there).
 #define GT_S 4
 #define GEMVT_ENTRY(T, NW)                                                                                     \
