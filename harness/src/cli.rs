@@ -20,6 +20,10 @@ pub enum Command {
     /// Show a GGUF file's metadata, tensor table and parsed model config.
     Inspect(InspectArgs),
     /// Write a deterministic random-weight GGUF model (llama or deepseek2) from a preset or dims.
+    #[command(after_help = "Examples:\n  llmdiff synth --preset smollm2-135m -o smol.gguf\n\n  \
+        # the 8B shape of the GPU benchmarks (4.07 GB):\n  \
+        llmdiff synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 \\\n      \
+        --ffn-dim 14336 --vocab 32000 --quant Q4_K -o llama8b.gguf")]
     Synth(SynthArgs),
     /// Token ids for a prompt, from the model's own tokenizer (as llama.cpp tokenizes, special tokens parsed).
     Tokenize(TokenizeArgs),
@@ -87,31 +91,41 @@ pub struct SynthArgs {
     pub list_presets: bool,
     #[command(flatten)]
     pub dims: DimArgs,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
 
-/// Explicit dims for `synth --arch`, or overrides of a preset's.
+/// Explicit dims for `synth --arch`, or overrides of a preset's. A dim not given keeps the
+/// preset's (with --arch: llama-tiny's or deepseek-v3-mini's).
 #[derive(Args, Debug, Default, Clone)]
 pub struct DimArgs {
+    /// Transformer blocks.
     #[arg(long)]
     pub n_layers: Option<usize>,
+    /// Hidden size (a multiple of 32, divisible by --n-heads); head_dim is d_model / n_heads.
     #[arg(long)]
     pub d_model: Option<usize>,
+    /// Query heads.
     #[arg(long)]
     pub n_heads: Option<usize>,
+    /// KV heads (GQA; must divide --n-heads). deepseek2 (MLA) always has one latent KV head.
     #[arg(long)]
     pub n_kv_heads: Option<usize>,
+    /// Feed-forward width (a multiple of 32); for deepseek2, the dense layers'.
     #[arg(long)]
     pub ffn_dim: Option<usize>,
+    /// Vocabulary size (at least 259: 3 control tokens and 256 byte tokens).
     #[arg(long)]
     pub vocab: Option<usize>,
+    /// Routed experts (deepseek2 only); the groups and top-k shrink to fit.
     #[arg(long)]
     pub n_experts: Option<usize>,
 }
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -153,6 +167,7 @@ pub struct KernelsArgs {
     /// Also time the batched form (matmul) at this many tokens (0: skip).
     #[arg(long, default_value_t = 0)]
     pub bench_tokens: usize,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -214,6 +229,7 @@ pub struct LogitsArgs {
     /// comparing two runs element by element).
     #[arg(long)]
     pub dump_f32: Option<PathBuf>,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -228,6 +244,7 @@ pub struct TokenizeArgs {
     /// Treat special-token text (e.g. <|im_start|>) as plain text.
     #[arg(long)]
     pub no_special: bool,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -330,6 +347,7 @@ pub struct GenerateArgs {
     /// Keep going past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -353,6 +371,7 @@ pub struct BenchArgs {
     /// Timed repetitions; the best is reported.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
@@ -546,6 +565,7 @@ pub struct BlessArgs {
     /// Output file, golden/gate-NAME.json.
     #[arg(short, long)]
     pub output: Option<PathBuf>,
+    /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
 }
