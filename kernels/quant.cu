@@ -974,13 +974,13 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
 
 // A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
-// gemvw_q4_k_r8_w4_u1_m2 (the default's) with no arithmetic but an XOR of the words, so its time
-// is what that access pattern costs on its own: `pattern` 0 the weights' loads, 1 those and x's
-// limb loads (gemv_xq_load, from `xq`), 2 the same weight bytes read as one stream (four
-// independent 16-byte loads a thread a step, grid-stride). One word per warp goes to `out` (4 per
-// block) so the loads are kept. Launched with PDL as the GEMVs are, so back-to-back launches
-// overlap as theirs do. Q4_K device layout, cols % 256 == 0; grid ⌈rows/8⌉ blocks of 128
-// threads.
+// gemvw_q4_k_r8_w4_u1_m2 (the default's, but NW 2 in launches of 8192+ rows) with no arithmetic
+// but an XOR of the words, so its time is what that access pattern costs on its own: `pattern` 0
+// the weights' loads, 1 those and x's limb loads (gemv_xq_load, from `xq`), 2 the same weight
+// bytes read as one stream (four independent 16-byte loads a thread a step, grid-stride). One
+// word per warp goes to `out` (4 per block) so the loads are kept. Launched with PDL as the GEMVs
+// are, so back-to-back launches overlap as theirs do. Q4_K device layout, cols % 256 == 0; grid
+// ⌈rows/8⌉ blocks of 128 threads.
 extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __restrict__ W, const u8* __restrict__ xq,
                                                                    int rows, int cols, int row_bytes, int pattern,
                                                                    u32* __restrict__ out) {

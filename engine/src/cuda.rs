@@ -505,6 +505,8 @@ fn limbs_words(cols: usize) -> usize {
 ///   types and splits keeping their default mode; modes 0–2 where the type or split lacks them
 ///   fall back to 0.
 /// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
+/// - `LLMDIFF_GEMV_NW2_ROWS=<rows>`: warp-rows Q4_K rows of 128..255 units take NW 2 (not 4) in
+///   a launch of at least that many rows (default 8192; 0: never).
 /// - `LLMDIFF_GEMV_QKV_STORE=0`: a layer's q/k/v GEMV stores plainly; RoPE and the cache append
 ///   take their own launch (`rope_qk_cache`) instead of the GEMV's store (`linear_qkv_rope`).
 ///
@@ -520,6 +522,7 @@ struct GemvConfig {
     u: Option<usize>,
     mode: Option<usize>,
     bps: Option<u32>,
+    nw2_rows: usize,
     qkv_store: bool,
 }
 
@@ -540,6 +543,7 @@ impl GemvConfig {
             u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
+            nw2_rows: get("LLMDIFF_GEMV_NW2_ROWS").unwrap_or(8192),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
     }
@@ -777,8 +781,8 @@ impl CudaBackend {
     }
 
     /// The GEMV variant a one-token product of `w` takes by default, if any.
-    fn gemv_variant(&self, w: &DevWeight, cols: usize) -> Option<GemvVariant> {
-        self.gemv_select(w.ty, w.row_bytes, cols, &self.gemv)
+    fn gemv_variant(&self, w: &DevWeight, rows: usize, cols: usize) -> Option<GemvVariant> {
+        self.gemv_select(w.ty, w.row_bytes, rows, cols, &self.gemv)
     }
 
     /// The GEMV variant a one-token product of a `[rows, cols]` weight of type `ty` (ggml row
@@ -791,19 +795,28 @@ impl CudaBackend {
     /// copy bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q8_0 rows from 128 units take
     /// warp-rows R 4, NW 4, U 1 in the integer form (round 12: 84–95 % of copy); Q4_K and Q4_1
     /// take warp-rows, which is as fast there (all splits within ~3 %) and lets `linear_many` put
-    /// a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units), U 1; Q4_1
+    /// a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units, and under 256
+    /// in launches of 8192 rows or more: the 8B's gate/up and output head, 2.0 % off its decode
+    /// step, round 15; its q/k/v and o lose with NW 2), U 1; Q4_1
     /// R 8, NW 4, U 2 from 128 units, R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2. Warp-rows
     /// from 128 units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 %
     /// faster on the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
     /// 3) are taken only when asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of
     /// 2048 values). The nearest compiled variant is taken (R first, then NW, then U);
     /// `LLMDIFF_GEMV_*` override each choice.
-    pub fn gemv_default(&self, ty: GgmlType, cols: usize) -> Option<GemvVariant> {
+    pub fn gemv_default(&self, ty: GgmlType, rows: usize, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
-        self.gemv_select(ty, row_bytes, cols, &self.gemv)
+        self.gemv_select(ty, row_bytes, rows, cols, &self.gemv)
     }
 
-    fn gemv_select(&self, ty: GgmlType, row_bytes: usize, cols: usize, cfg: &GemvConfig) -> Option<GemvVariant> {
+    fn gemv_select(
+        &self,
+        ty: GgmlType,
+        row_bytes: usize,
+        rows: usize,
+        cols: usize,
+        cfg: &GemvConfig,
+    ) -> Option<GemvVariant> {
         if !cfg.on {
             return None;
         }
@@ -862,7 +875,10 @@ impl CudaBackend {
         // the row's chunks of 2048 values (`pair_nw`), U 1.
         let (wr_r, wr_nw, wr_u) = match ty {
             GgmlType::Q4K if mode == 3 => (4, pair_nw(cols), 1),
-            GgmlType::Q4K => (8, if units >= 128 { 4 } else { 2 }, 1),
+            GgmlType::Q4K => {
+                let nw2 = units < 128 || (units < 256 && cfg.nw2_rows > 0 && rows >= cfg.nw2_rows);
+                (8, if nw2 { 2 } else { 4 }, 1)
+            }
             GgmlType::Q4_1 if units >= 128 => (8, 4, 2),
             GgmlType::Q4_1 if units >= 64 => (4, 4, 1),
             // smollm2's rows (18 and 48 units): 0.67-0.68 ms a decode step against 0.81 at
@@ -1213,7 +1229,7 @@ impl CudaBackend {
         force: Option<GemvVariant>,
     ) {
         if n == 1 {
-            if let Some(v) = force.or_else(|| self.gemv_variant(w, cols)) {
+            if let Some(v) = force.or_else(|| self.gemv_variant(w, rows, cols)) {
                 return self.launch_gemv(s, w, rows, cols, x, xq, out, v);
             }
         }
@@ -1282,7 +1298,7 @@ impl CudaBackend {
             }
         }
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
-            .then(|| force.or_else(|| self.gemv_variant(&dws[0], cols)))
+            .then(|| force.or_else(|| self.gemv_variant(&dws[0], ws.iter().map(|w| w.rows()).sum(), cols)))
             .flatten()
             .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc));
         let Some(v) = v else {
@@ -2324,7 +2340,7 @@ impl CudaBackend {
                     None,
                     format!(
                         "default={}",
-                        self.gemv_default(ty, cols).map_or("matvec".into(), |v| v.entry())
+                        self.gemv_default(ty, rows, cols).map_or("matvec".into(), |v| v.entry())
                     ),
                 );
                 for (v, label) in wr.chain([default]) {
@@ -3144,7 +3160,7 @@ impl CudaBackend {
                 }
             }
             let takes_limbs = n == 1
-                && v.or_else(|| self.gemv_select(ty, ws[0].row_bytes, cols, &self.gemv))
+                && v.or_else(|| self.gemv_select(ty, ws[0].row_bytes, rows, cols, &self.gemv))
                     .is_some_and(|v| v.takes_limbs());
             let mut time = |xq: Option<&CudaSlice<f32>>| {
                 for w in ws.iter().take(3) {
@@ -3169,7 +3185,8 @@ impl CudaBackend {
         Ok(res)
     }
 
-    /// The loads of the default Q4_K GEMV (warp-rows R 8, NW 4) with no arithmetic: the weights'
+    /// The loads of the Q4_K GEMV warp-rows R 8, NW 4 (the default's but for launches of 8192 rows
+    /// or more of up to 255 units) with no arithmetic: the weights'
     /// (`gemvw_r8_w4`), those and x's limbs (`gemvw_r8_w4+x`), then the same weight bytes read as
     /// one stream (`linear`) (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K
     /// weight as [`CudaBackend::bench_linear`] times it: what the access pattern alone costs,

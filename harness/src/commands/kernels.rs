@@ -94,7 +94,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             for &(rows, cols) in shapes {
                 // The default path at each n, then (n = 1) every compiled GEMV variant of the type
                 // on the same weights, the default's marked `*`.
-                let default = be.gemv_default(ty, cols).map(|v| v.entry());
+                let default = be.gemv_default(ty, rows, cols).map(|v| v.entry());
                 for &n in &ns {
                     let mut vs = vec![None];
                     let extra = ty == GgmlType::Q4K && cols == 4096 && rows != 14336;
