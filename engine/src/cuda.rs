@@ -797,13 +797,12 @@ impl CudaBackend {
     /// take warp-rows, which is as fast there (all splits within ~3 %) and lets `linear_many` put
     /// a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units, and under 256
     /// in launches of 8192 rows or more: the 8B's gate/up and output head, 2.0 % off its decode
-    /// step, round 15; its q/k/v and o lose with NW 2), U 1; Q4_1
-    /// R 8, NW 4, U 2 from 128 units, R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2. Warp-rows
-    /// from 128 units take the integer form (mode 2: dp4a on x in int8 limbs, round 7: 8–12 %
-    /// faster on the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode
-    /// 3) are taken only when asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of
-    /// 2048 values). The nearest compiled variant is taken (R first, then NW, then U);
-    /// `LLMDIFF_GEMV_*` override each choice.
+    /// step, round 15; its q/k/v and o lose with NW 2), U 1; Q4_1 R 8, NW 4, U 2 from 128 units,
+    /// R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2. Warp-rows from 128 units take the integer form
+    /// (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on the 8B shapes, slower on
+    /// smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode 3) are taken only when
+    /// asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of 2048 values). The nearest
+    /// compiled variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
     pub fn gemv_default(&self, ty: GgmlType, rows: usize, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
         self.gemv_select(ty, row_bytes, rows, cols, &self.gemv)
@@ -3185,12 +3184,12 @@ impl CudaBackend {
         Ok(res)
     }
 
-    /// The loads of the Q4_K GEMV warp-rows R 8, NW 4 (the default's but for launches of 8192 rows
-    /// or more of up to 255 units) with no arithmetic: the weights'
-    /// (`gemvw_r8_w4`), those and x's limbs (`gemvw_r8_w4+x`), then the same weight bytes read as
-    /// one stream (`linear`) (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K
-    /// weight as [`CudaBackend::bench_linear`] times it: what the access pattern alone costs,
-    /// beside the copy bandwidth. `variant` names the pattern.
+    /// The loads of the Q4_K GEMV warp-rows R 8, NW 4 (the default's, but for launches of 8192
+    /// rows or more of up to 255 units) with no arithmetic: the weights' (`gemvw_r8_w4`), those
+    /// and x's limbs (`gemvw_r8_w4+x`), then the same weight bytes read as one stream (`linear`)
+    /// (`gemv_read_probe` in kernels/quant.cu), on a `[rows, cols]` Q4_K weight as
+    /// [`CudaBackend::bench_linear`] times it: what the access pattern alone costs, beside the
+    /// copy bandwidth. `variant` names the pattern.
     pub fn bench_read_probe(&self, rows: usize, cols: usize, iters: usize) -> Result<Vec<GemvBench>, EngineError> {
         assert!(cols % 256 == 0, "read probe: Q4_K rows of whole super-blocks");
         let s = self.ctx.new_stream().map_err(drv("stream"))?;
