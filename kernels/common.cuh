@@ -89,6 +89,33 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Bulk copies (sm_90 TMA, no tensor map): one thread copies `bytes` (a multiple of 16, both
+// addresses 16-byte aligned) from global to shared memory, and the copy's bytes count against
+// the transaction count of an mbarrier in shared memory. The pattern: one thread inits the
+// barrier (count 1) and fences the init, the block syncs, that thread arrives with the bytes
+// expected and issues the copies, and every thread waits on phase 0 before reading them.
+__device__ __forceinline__ void mbar_init(void* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(void* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, void* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+}
+
 // The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
 // to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1

@@ -628,7 +628,9 @@ __device__ __forceinline__ float limbs_f(int d0, int d1, int d2) { return (float
 __device__ __forceinline__ float limbs_f16(int d0, int d1, int d2) { return (float)(d0 * 1024 + d1 * 8 + (d2 >> 4)); }
 
 // One unit's dot in the integer form: the same value as gemv_dot's, to the precision argued above.
-template <int TY, int V>
+// OWN (Q4_K): f.h is the unit's whole super-block header (pair units, and the bulk-staged GEMV's
+// units of 32), else one word of it, gathered by shuffles (q4k_unit).
+template <int TY, int V, bool OWN = V == 64>
 __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<TY, V>& q, int u) {
     if constexpr (TY == TY_Q4_K) {
         // Word k holds positions 4k .. 4k+3 of the low-nibble run and of the high-nibble one (a
@@ -647,10 +649,11 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
                 b[l] = dp4a_u8(hi, q.l[l][V / 8 + k], b[l]);
             }
         }
-        if constexpr (V == 64) {
+        if constexpr (OWN) {
             // The whole header is the lane's: (d·sc0·s0)·D0 + (d·sc1·s1)·D1 − dmin·(m0·x0 + m1·x1),
-            // the same terms as q4k_unit's, grouped so that the header's part needs no sums.
-            const u32 sm = q4k_sm(f.h.y, f.h.z, f.h.w, u & 3);
+            // the same terms as q4k_unit's, grouped so that the header's part needs no sums. The
+            // unit's sub-blocks are 2j and 2j + 1: j = u % 4 for a pair unit, (u % 8) / 2 else.
+            const u32 sm = q4k_sm(f.h.y, f.h.z, f.h.w, V == 64 ? u & 3 : (u & 7) >> 1);
             const float d = f16_to_f32((u16)(f.h.x & 0xFFFF)), dmin = f16_to_f32((u16)(f.h.x >> 16));
             const float c0 = d * byte_f<0>(sm, 8388608.0f) * q.s[0], c1 = d * byte_f<1>(sm, 8388608.0f) * q.s[1];
             const float off = dmin * (byte_f<2>(sm, 8388608.0f) * q.xs[0] + byte_f<3>(sm, 8388608.0f) * q.xs[1]);
@@ -817,6 +820,31 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 // (deterministic). No x slice is kept resident and nothing is double-buffered, so registers are
 // few and many warps keep many loads in flight.
 
+// The end of a warp-rows block (rows row0 .. row0 + R): each warp's R partial sums summed over
+// the warp, then over the NW warps in warp order through `red` (NW·R floats of shared memory), so
+// the result does not depend on timing; warp 0's lanes below R store the rows, each also passing
+// its sum to its RoPE pair (lane ^ 1).
+template <int R, int NW>
+__device__ __forceinline__ void gemvw_store(const GemvRows& m, const float (&acc)[R], float* red, int row0, int rows) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float v = warp_sum(acc[r]);
+        if (lane == 0) red[warp * R + r] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float s = 0.0f;
+        if (lane < R) {
+#pragma unroll
+            for (int w = 0; w < NW; w++) s += red[w * R + lane];
+        }
+        const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
+        const int row = row0 + lane;
+        if (lane < R && row < rows) m.store(row, s, pair);
+    }
+}
+
 template <int TY, int R, int NW, int U, int MODE>
 __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __restrict__ x, const u8* __restrict__ xq,
                                            int rows, int cols, int row_bytes) {
@@ -866,24 +894,8 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
             }
         }
     }
-    __shared__ float red[NW][R];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        float v = warp_sum(acc[r]);
-        if (lane == 0) red[warp][r] = v;
-    }
-    __syncthreads();
-    // Warp 0's lanes below R store the rows; each also passes its sum to its RoPE pair (lane ^ 1).
-    if (warp == 0) {
-        float s = 0.0f;
-        if (lane < R) {
-#pragma unroll
-            for (int w = 0; w < NW; w++) s += red[w][lane];
-        }
-        const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
-        const int row = row0 + lane;
-        if (lane < R && row < rows) m.store(row, s, pair);
-    }
+    __shared__ float red[NW * R];
+    gemvw_store<R, NW>(m, acc, red, row0, rows);
 }
 
 // Entry points gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>, launched with NW·32 threads; the list is
@@ -972,6 +984,124 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 1, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 2, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 4, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
+
+// Bulk-staged warp-rows GEMV (gemvb_*; Q4_K, the integer form, MODE 2 or 3): a block of NW warps
+// computes R rows at a time, lane l of warp w taking unit 32w + l of each row (MODE 2 units of 32
+// values, MODE 3 pair units of 64): one chunk a warp, so the row has at most NW·32 units. The
+// weights reach shared memory by bulk copies (TMA), so the bytes in flight take neither registers
+// nor issue slots, and the grid is persistent (at most the resident blocks), so each lane loads
+// its unit of x's limbs once and keeps it in registers for every row it computes. Block b walks the
+// row groups b, b + G, ... (G blocks) through a ring of S stages of R rows: thread 0 copies a
+// group's rows into its stage (one copy a row, each counted against the stage's mbarrier) S groups
+// ahead; the first S are issued at the block's start, before griddep_wait (weights are no earlier
+// kernel's output). Each warp with a unit waits for the stage's barrier (phase parity (k / S) % 2
+// for the block's k-th group), computes its R partial sums, and the block sums them as
+// gemvw_store does (through `red`, double-buffered by group parity, so a warp may start the next
+// group while warp 0 stores this one); after that barrier every warp is done with the stage and
+// thread 0 refills it with group k + S. Each lane reads its unit's whole header from shared memory
+// (no shuffles). Rows past `rows` copy the last row again and are not stored.
+// Dynamic shared memory (`gemvb_smem` in engine/src/cuda_kernels.rs): S·R·row_bytes, S barriers
+// (8 bytes each, padded to 16), then 2·NW·R floats.
+template <int R, int NW, int MODE, int S>
+__device__ __forceinline__ void gemvb_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
+                                           int row_bytes) {
+    constexpr int TY = TY_Q4_K, V = MODE == 3 ? 64 : 32;
+    extern __shared__ __align__(16) u8 gb_smem[];
+    const size_t stage_bytes = (size_t)R * row_bytes;  // row_bytes % 16 == 0 (144 per super-block)
+    u64* full = (u64*)(gb_smem + S * stage_bytes);
+    float* red = (float*)(full + (S + 1) / 2 * 2);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n_units = cols / V, n_groups = (rows + R - 1) / R;
+    const size_t hdr = (size_t)(cols >> 8) * 128;  // a row's headers, after its quants
+    // Thread 0: the rows of the block's k-th group into stage k % S.
+    auto issue = [&](int k) {
+        const int g = blockIdx.x + k * gridDim.x;
+        if (g >= n_groups) return;
+        u8* st = gb_smem + (k % S) * stage_bytes;
+        mbar_expect_tx(&full[k % S], (u32)stage_bytes);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            bulk_g2s(st + (size_t)r * row_bytes, m.weight(min(g * R + r, rows - 1), row_bytes), row_bytes, &full[k % S]);
+    };
+    griddep_launch();  // the norm, SwiGLU or attention after it may be launched early (PDL)
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i < S; i++) mbar_init(&full[i], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int k = 0; k < S; k++) issue(k);
+    }
+    const bool has = warp * 32 < n_units, in = warp * 32 + lane < n_units;
+    const int u = in ? warp * 32 + lane : 0;
+    const float live = in ? 1.0f : 0.0f;
+    griddep_wait();
+    XLimbs<TY, V> q;
+    if (has) gemv_xq_load<TY>(xq, cols, u, q);
+    for (int k = 0;; k++) {
+        const int g = blockIdx.x + k * gridDim.x;
+        if (g >= n_groups) break;
+        const u8* st = gb_smem + (k % S) * stage_bytes;
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        if (has) {
+            mbar_wait(&full[k % S], (k / S) & 1);
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const u8* rp = st + (size_t)r * row_bytes;
+                WFrag<TY, V> f;
+                if constexpr (V == 64) {
+                    f.a = *(const uint4*)(rp + 32 * u);
+                    f.b = *(const uint4*)(rp + 32 * u + 16);
+                    f.h = *(const uint4*)(rp + hdr + 16 * (u >> 2));
+                } else {
+                    f.a = *(const uint4*)(rp + 16 * u);
+                    f.h = *(const uint4*)(rp + hdr + 16 * (u >> 3));
+                }
+                acc[r] = live * gemv_dot_q<TY, V, true>(f, q, u);
+            }
+        }
+        float* rd = red + (k & 1) * NW * R;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) rd[warp * R + r] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) issue(k + S);
+        if (warp == 0) {
+            float s = 0.0f;
+            if (lane < R) {
+#pragma unroll
+                for (int w = 0; w < NW; w++) s += rd[w * R + lane];
+            }
+            const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
+            const int row = g * R + lane;
+            if (lane < R && row < rows) m.store(row, s, pair);
+        }
+    }
+}
+
+// Entry points gemvb_q4_k_r<R>_w<NW>_m<MODE>_s<S>, launched with NW·32 threads and gemvb_smem
+// bytes; the arguments of the integer warp-rows entries (x unused). The list is `GEMVB_VARIANTS`
+// in engine/src/cuda_kernels.rs (one line here per entry there).
+#define GEMVB_ENTRY(R, NW, M, S)                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
+        gemvb_q4_k_r##R##_w##NW##_m##M##_s##S(GemvRows m, const float* x, const u8* xq, int rows, int cols, \
+                                              int row_bytes) {                                            \
+        gemvb_body<R, NW, M, S>(m, xq, rows, cols, row_bytes);                                            \
+    }
+GEMVB_ENTRY(2, 4, 2, 3)
+GEMVB_ENTRY(4, 4, 2, 2)
+GEMVB_ENTRY(4, 4, 2, 3)
+GEMVB_ENTRY(8, 4, 2, 2)
+GEMVB_ENTRY(2, 14, 2, 2)
+GEMVB_ENTRY(4, 14, 2, 2)
+GEMVB_ENTRY(4, 2, 3, 2)
+GEMVB_ENTRY(8, 2, 3, 2)
+GEMVB_ENTRY(2, 7, 3, 2)
 
 // A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
 // gemvw_q4_k_r8_w4_u1_m2 (the default's, but NW 2 in launches of 8192+ rows) with no arithmetic

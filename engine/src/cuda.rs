@@ -17,7 +17,10 @@
 //!   decode row's norm, SwiGLU or split GQA attention writes beside the row, [`DevBuf`]'s
 //!   `limbs`, else a pre-pass),
 //!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
-//!   `kernels/gemv_tc.cu` (the same integer form in `mma.sync`; `cuda_gemv_tc.rs`).
+//!   `kernels/gemv_tc.cu` (the same integer form in `mma.sync`; `cuda_gemv_tc.rs`), or with
+//!   `LLMDIFF_GEMV_KIND=bulk` (or `LLMDIFF_GEMV_BULK_ROWS`) the bulk-staged Q4_K GEMV (`gemvb_*`:
+//!   weights copied into a ring in shared memory by TMA, a persistent grid, x's limbs held in
+//!   registers).
 //! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
 //!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
 //!   tiles staged once for the group's query heads, online softmax; on the tensor cores in 3xTF32
@@ -61,7 +64,9 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
+use crate::cuda_kernels::{
+    gemvb_smem, pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS,
+};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
 use crate::EngineError;
@@ -492,9 +497,11 @@ fn limbs_words(cols: usize) -> usize {
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
 ///   its type (an x-stationary one only where its block fits the row).
-/// - `LLMDIFF_GEMV_KIND=xs|wr|tc`: the work split (default per type, see
+/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|bulk`: the work split (default per type, see
 ///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
-///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default; see `cuda_gemv_tc.rs`).
+///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, see `cuda_gemv_tc.rs`;
+///   `bulk` the bulk-staged warp-rows GEMV for Q4_K, [`GemvKind::Wb`], where U is its ring's
+///   stages).
 /// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
 ///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16 or 32
 ///   rows per block, NW up to 16); the nearest compiled variant is taken (R first, then NW, then
@@ -504,7 +511,10 @@ fn limbs_words(cols: usize) -> usize {
 ///   limbs from a pre-pass; 3 (warp-rows Q4_K) the same in pair units (64 values a thread), other
 ///   types and splits keeping their default mode; modes 0–2 where the type or split lacks them
 ///   fall back to 0.
-/// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary blocks per SM.
+/// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary and bulk-staged blocks per SM.
+/// - `LLMDIFF_GEMV_BULK_ROWS=<rows>`: Q4_K launches of at least that many rows (rows of 128 units
+///   or more) take the bulk-staged GEMV (default 0: never; it did not speed up the 8B decode step
+///   on the H200, round 16).
 /// - `LLMDIFF_GEMV_NW2_ROWS=<rows>`: warp-rows Q4_K rows of 128..255 units take NW 2 (not 4) in
 ///   a launch of at least that many rows (default 8192; 0: never).
 /// - `LLMDIFF_GEMV_QKV_STORE=0`: a layer's q/k/v GEMV stores plainly; RoPE and the cache append
@@ -523,6 +533,7 @@ struct GemvConfig {
     mode: Option<usize>,
     bps: Option<u32>,
     nw2_rows: usize,
+    bulk_rows: usize,
     qkv_store: bool,
 }
 
@@ -536,6 +547,7 @@ impl GemvConfig {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
                 Ok("tc") => Some(GemvKind::Tc),
+                Ok("bulk") => Some(GemvKind::Wb),
                 _ => None,
             },
             r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
@@ -544,6 +556,7 @@ impl GemvConfig {
             mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
             bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
             nw2_rows: get("LLMDIFF_GEMV_NW2_ROWS").unwrap_or(8192),
+            bulk_rows: get("LLMDIFF_GEMV_BULK_ROWS").unwrap_or(0),
             qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
         }
     }
@@ -672,6 +685,7 @@ impl CudaBackend {
                     Some(v) => Some(gemv_tc::tc_smem(*v) as usize).filter(|b| *b <= attn_smem_max),
                     None if f.starts_with("gqa_attn_tiled_")
                         || f.starts_with("gqa_attn_tc_")
+                        || f.starts_with("gemvb_")
                         || f.starts_with("gemm2_q4_k") =>
                     {
                         Some(attn_smem_max)
@@ -850,9 +864,16 @@ impl CudaBackend {
                 return Some(gemv_tc::pick(cfg.r, cfg.nw)).filter(|v| self.gemv_fits(*v, cols))
             }
             Some(GemvKind::Tc) => None,
+            Some(GemvKind::Wb) if ty != GgmlType::Q4K => None,
             k => k,
         };
+        let bulk_fits = || {
+            GEMV_VARIANTS
+                .iter()
+                .any(|v| v.kind == GemvKind::Wb && v.mode == 2 && self.gemv_fits(*v, cols))
+        };
         let kind = kind.unwrap_or(match ty {
+            GgmlType::Q4K if cfg.bulk_rows > 0 && rows >= cfg.bulk_rows && units >= 128 && bulk_fits() => GemvKind::Wb,
             GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
             // Wide Q8_0 rows: warp-rows R 4, NW 4, U 1 in the integer form ran at 84 and 95 % of
             // copy on the H200, x-stationary at 70 and 75 % (round 12, launches chained by PDL).
@@ -862,7 +883,13 @@ impl CudaBackend {
         // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only, mode 3 (pair
         // units) warp-rows Q4_K only, other types and splits keeping their default under it.
         let mode = match (cfg.mode, kind, ty) {
-            (Some(3), GemvKind::Wr, GgmlType::Q4K) => 3,
+            (Some(3), GemvKind::Wr | GemvKind::Wb, GgmlType::Q4K) => 3,
+            (Some(2), GemvKind::Wb, _) => 2,
+            // Bulk-staged: pair units on rows under 256 units (8 rows, 2 warps: 71 % and 87 % of
+            // copy at 14336×4096 and 32000×4096 on the H200), else units of 32 (4 rows, 14 warps:
+            // 66 % at 4096×14336; round 16).
+            (_, GemvKind::Wb, _) if units < 256 => 3,
+            (_, GemvKind::Wb, _) => 2,
             (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) => 2,
             (Some(1), _, GgmlType::Q4K) => 1,
             (Some(m), _, _) if m != 3 => 0,
@@ -886,8 +913,12 @@ impl CudaBackend {
             GgmlType::Q8_0 => (4, 4, 1),
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
+        // Bulk-staged: 8 rows a stage for pair units, 4 else; 2 stages (below); the fewest warps
+        // that cover the row (gemv_fits).
+        let wb_r = if mode == 3 { 8 } else { 4 };
         let r_default = match (kind, ty) {
             (GemvKind::Wr, _) => wr_r,
+            (GemvKind::Wb, _) => wb_r,
             (_, GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1) => 4,
             _ => 2,
         };
@@ -919,6 +950,13 @@ impl CudaBackend {
                 let (nw, u) = (cfg.nw.unwrap_or(wr_nw), cfg.u.unwrap_or(wr_u));
                 of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
             }
+            GemvKind::Wb => {
+                // U stands for the ring's stages here (2 unless set).
+                let st = cfg.u.unwrap_or(2);
+                of(kind)
+                    .filter(|v| self.gemv_fits(*v, cols))
+                    .min_by_key(|v| (v.nw, v.r.abs_diff(r), v.upt.abs_diff(st)))
+            }
         }
     }
 
@@ -931,6 +969,14 @@ impl CudaBackend {
             GemvKind::Wr => true,
             GemvKind::Tc => {
                 v.ty == GgmlType::Q4K && cols % 256 == 0 && gemv_tc::tc_smem(v) as usize <= self.attn.smem_max
+            }
+            // One chunk a warp: the block's lanes cover the row's units.
+            GemvKind::Wb => {
+                let units = cols / if v.mode == 3 { 64 } else { 32 };
+                v.ty == GgmlType::Q4K
+                    && cols % 256 == 0
+                    && units <= 32 * v.nw
+                    && gemvb_smem(v, cols / 256 * 144) <= self.attn.smem_max
             }
         }
     }
@@ -953,12 +999,6 @@ impl CudaBackend {
     ) {
         let name = v.entry();
         let f = self.func(&name);
-        let occupancy = |threads: u32, smem: u32| {
-            let mut m = self.occupancy.lock().expect("occupancy map");
-            *m.entry((v.entry(), threads, smem)).or_insert_with(|| {
-                ok(f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)).max(1)
-            })
-        };
         let (grid, threads, smem) = match v.kind {
             GemvKind::Xs => {
                 let units = cols / GemvVariant::unit_values(v.ty);
@@ -967,19 +1007,19 @@ impl CudaBackend {
                     threads as usize <= GemvVariant::max_threads(v.ty),
                     "gemv: block too large"
                 );
-                let occ = occupancy(threads, 0);
+                let occ = self.blocks_per_sm(&name, threads, 0);
                 let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
                 let groups = rows.div_ceil(v.r);
                 (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
             }
-            GemvKind::Wr | GemvKind::Tc => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
+            GemvKind::Wr | GemvKind::Tc | GemvKind::Wb => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
         };
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
-        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc) {
+        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb) {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
@@ -995,7 +1035,19 @@ impl CudaBackend {
         ok(unsafe { b.launch(cfg) });
     }
 
-    /// Launches warp-rows (or tensor-core: the same arguments) GEMV variant `v` over one to three
+    /// How many blocks of kernel `name` (of `threads` threads and `smem` bytes of dynamic shared
+    /// memory) an SM holds at once (at least 1), asked of the driver once per shape.
+    fn blocks_per_sm(&self, name: &str, threads: u32, smem: u32) -> u32 {
+        let mut m = self.occupancy.lock().expect("occupancy map");
+        *m.entry((name.to_string(), threads, smem)).or_insert_with(|| {
+            ok(self
+                .func(name)
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None))
+            .max(1)
+        })
+    }
+
+    /// Launches warp-rows (or tensor-core, or bulk-staged: the same arguments) GEMV variant `v` over one to three
     /// weights of one type and width that share `x`, each `(weight, out, rows)`, in one launch
     /// (`GemvRows`): a block per R rows of their rows taken one after another.
     #[allow(clippy::too_many_arguments)]
@@ -1011,7 +1063,7 @@ impl CudaBackend {
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
-            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc),
+            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb),
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
@@ -1054,10 +1106,27 @@ impl CudaBackend {
             m.rope = [e.head_dim as i32, e.rope_dim as i32, e.slot as i32, total as i32];
             e.done = true;
         }
+        let (threads, groups) = ((v.nw * 32) as u32, total.div_ceil(v.r) as u32);
+        let (grid, smem) = match v.kind {
+            GemvKind::Tc => (groups, gemv_tc::tc_smem(v)),
+            // Bulk-staged: a persistent grid of at most the resident blocks, one fewer a SM where
+            // three or more fit (`LLMDIFF_GEMV_BPS` caps it instead), so the kernel after it can
+            // place blocks early (PDL) and start its copies while this one ends.
+            GemvKind::Wb => {
+                let smem = gemvb_smem(v, row_bytes) as u32;
+                let occ = self.blocks_per_sm(&v.entry(), threads, smem);
+                let per_sm = self
+                    .gemv
+                    .bps
+                    .map_or(if occ >= 3 { occ - 1 } else { occ }, |b| b.min(occ));
+                (groups.min(self.sms * per_sm), smem)
+            }
+            _ => (groups, 0),
+        };
         let cfg = LaunchConfig {
-            grid_dim: (total.div_ceil(v.r) as u32, 1, 1),
-            block_dim: ((v.nw * 32) as u32, 1, 1),
-            shared_mem_bytes: if v.kind == GemvKind::Tc { gemv_tc::tc_smem(v) } else { 0 },
+            grid_dim: (grid, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
         // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block
@@ -1299,7 +1368,7 @@ impl CudaBackend {
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
             .then(|| force.or_else(|| self.gemv_variant(&dws[0], ws.iter().map(|w| w.rows()).sum(), cols)))
             .flatten()
-            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc));
+            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb));
         let Some(v) = v else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.linear_with(x, n, *w, out, force);

@@ -130,7 +130,8 @@ impl KernelId {
     }
 }
 
-/// The two work splits of the one-token GEMV in `kernels/quant.cu`.
+/// The forms of the one-token GEMV: the two work splits of `kernels/quant.cu`, the warp-rows split
+/// staged by bulk copies, and the tensor-core form of `kernels/gemv_tc.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvKind {
     /// x-stationary (`gemv_*`): a block holds its slice of x in registers and walks groups of R
@@ -143,11 +144,16 @@ pub enum GemvKind {
     /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32, `upt` = T), the warps splitting the
     /// super-blocks; the quants as u8 meet x's int8 limbs (the integer form, `mode` 2).
     Tc,
+    /// warp-rows, bulk-staged (`gemvb_*`, Q4_K only, the integer form, modes 2 and 3): the
+    /// warp-rows split over a persistent grid, each block's groups of R weight rows copied into a
+    /// ring of S stages in shared memory by bulk copies (TMA, `upt` = S), so the bytes in flight
+    /// take no registers.
+    Wb,
 }
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
-/// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
+/// chunks per step; tensor cores: T, the 16-row tiles; bulk-staged: S, the ring's stages), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
 /// to the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
 /// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows
 /// Q4_K) the same with pair units: a thread takes 64 values (two sub-blocks) per row, so a chunk
@@ -163,14 +169,15 @@ pub struct GemvVariant {
 }
 
 impl GemvVariant {
-    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`
-    /// or `gemvt_<type>_t<T>_w<NW>`.
+    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`,
+    /// `gemvt_<type>_t<T>_w<NW>` or `gemvb_<type>_r<R>_w<NW>_m<MODE>_s<S>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
             GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
+            GemvKind::Wb => format!("gemvb_{s}_r{}_w{}_m{}_s{}", self.r, self.nw, self.mode, self.upt),
         }
     }
 
@@ -216,6 +223,40 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
         upt: u,
         mode,
     }
+}
+
+const fn gb(r: usize, nw: usize, mode: usize, stages: usize) -> GemvVariant {
+    GemvVariant {
+        kind: GemvKind::Wb,
+        ty: GgmlType::Q4K,
+        r,
+        nw,
+        upt: stages,
+        mode,
+    }
+}
+
+/// The bulk-staged warp-rows variants (the `GEMVB_ENTRY` lines of `kernels/quant.cu`, in the same
+/// order): Q4_K, (R, NW, MODE, S). A warp takes one chunk of a row, so NW covers the row: mode 2
+/// NW 4 for 4096 values (128 units), 14 for 14336; mode 3 NW 2 and 7.
+const GEMVB_VARIANTS: [GemvVariant; 9] = [
+    gb(2, 4, 2, 3),
+    gb(4, 4, 2, 2),
+    gb(4, 4, 2, 3),
+    gb(8, 4, 2, 2),
+    gb(2, 14, 2, 2),
+    gb(4, 14, 2, 2),
+    gb(4, 2, 3, 2),
+    gb(8, 2, 3, 2),
+    gb(2, 7, 3, 2),
+];
+
+/// Dynamic shared memory of bulk-staged GEMV variant `v` on rows of `row_bytes`: its S stages of R
+/// rows, the S barriers (8 bytes each, padded to 16) and two sets of NW·R partial sums
+/// (`gemvb_body` in `kernels/quant.cu`).
+pub fn gemvb_smem(v: GemvVariant, row_bytes: usize) -> usize {
+    let s = v.upt;
+    s * v.r * row_bytes + 8 * s.next_multiple_of(2) + 2 * 4 * v.nw * v.r
 }
 
 const fn gt(t: usize, nw: usize) -> GemvVariant {
@@ -312,11 +353,11 @@ const GEMVW_VARIANTS: [GemvVariant; 67] = {
     ]
 };
 
-/// Every compiled GEMV variant. x-stationary (the `GEMV_RU` and `GEMV_ENTRY` lines of
-/// `kernels/quant.cu`): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
+/// Every compiled GEMV variant of `kernels/quant.cu`. x-stationary (the `GEMV_RU` and
+/// `GEMV_ENTRY` lines): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
-/// ([`GEMVW_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 114] = {
+/// ([`GEMVW_VARIANTS`]), then the bulk-staged ones ([`GEMVB_VARIANTS`]).
+pub const GEMV_VARIANTS: [GemvVariant; 123] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -326,7 +367,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 114] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 114];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 123];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -346,6 +387,11 @@ pub const GEMV_VARIANTS: [GemvVariant; 114] = {
         out[38 + GEMV_XS_INT.len() + j] = GEMVW_VARIANTS[j];
         j += 1;
     }
+    let mut j = 0;
+    while j < GEMVB_VARIANTS.len() {
+        out[38 + GEMV_XS_INT.len() + GEMVW_VARIANTS.len() + j] = GEMVB_VARIANTS[j];
+        j += 1;
+    }
     out
 };
 
@@ -356,7 +402,7 @@ pub fn pair_nw(cols: usize) -> usize {
     let chunks = (cols / 64).div_ceil(32).max(1);
     GEMV_VARIANTS
         .iter()
-        .filter(|v| v.mode == 3)
+        .filter(|v| v.kind == GemvKind::Wr && v.mode == 3)
         .map(|v| v.nw)
         .min_by_key(|nw| (chunks.div_ceil(*nw), chunks.div_ceil(*nw) * nw - chunks))
         .expect("pair-unit variants")
@@ -459,6 +505,15 @@ mod tests {
                         })
                     }
                     || {
+                        // gemvb_q4_k_r<R>_w<NW>_m<M>_s<S> come from GEMVB_ENTRY(<R>, <NW>, <M>, <S>).
+                        f.strip_prefix("gemvb_q4_k_r").is_some_and(|rest| {
+                            let (r, tail) = rest.split_once("_w").unwrap();
+                            let (nw, tail) = tail.split_once("_m").unwrap();
+                            let (m, st) = tail.split_once("_s").unwrap();
+                            src.contains(&format!("GEMVB_ENTRY({r}, {nw}, {m}, {st})\n"))
+                        })
+                    }
+                    || {
                         // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
                             let (t, nw) = rest.split_once("_w").unwrap();
@@ -522,11 +577,17 @@ mod tests {
                 a.entry()
             );
             if a.kind != GemvKind::Xs {
-                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 7, 8].contains(&a.nw) && [1, 2, 4].contains(&a.upt));
+                assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 7, 8, 14].contains(&a.nw) && (1..=4).contains(&a.upt));
             }
-            // Pair units (mode 3) are warp-rows Q4_K only.
+            // Pair units (mode 3) are warp-rows Q4_K only; the bulk-staged form is Q4_K in the
+            // integer form.
             assert!(
-                a.mode != 3 || (a.kind == GemvKind::Wr && a.ty == GgmlType::Q4K),
+                a.mode != 3 || (matches!(a.kind, GemvKind::Wr | GemvKind::Wb) && a.ty == GgmlType::Q4K),
+                "{}",
+                a.entry()
+            );
+            assert!(
+                a.kind != GemvKind::Wb || (a.ty == GgmlType::Q4K && a.takes_limbs() && (2..=4).contains(&a.upt)),
                 "{}",
                 a.entry()
             );
