@@ -820,12 +820,15 @@ GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
 // (deterministic). No x slice is kept resident and nothing is double-buffered, so registers are
 // few and many warps keep many loads in flight.
 
-// The end of a warp-rows block (rows row0 .. row0 + R): each warp's R partial sums summed over
-// the warp, then over the NW warps in warp order through `red` (NW·R floats of shared memory), so
-// the result does not depend on timing; warp 0's lanes below R store the rows, each also passing
-// its sum to its RoPE pair (lane ^ 1).
-template <int R, int NW>
-__device__ __forceinline__ void gemvw_store(const GemvRows& m, const float (&acc)[R], float* red, int row0, int rows) {
+// The end of a warp-rows block's R rows (row0 .. row0 + R): each warp's R partial sums summed
+// over the warp, then over the NW warps in warp order through `red` (NW·R floats of shared
+// memory), so the result does not depend on timing; warp 0's lanes below R store the rows, each
+// also passing its sum to its RoPE pair (lane ^ 1). `after_sync()` runs on every thread between
+// the block barrier (every warp is done computing) and the stores: the bulk-staged GEMV refills
+// a stage there.
+template <int R, int NW, typename F>
+__device__ __forceinline__ void gemvw_store(const GemvRows& m, const float (&acc)[R], float* red, int row0, int rows,
+                                            F&& after_sync) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -833,6 +836,7 @@ __device__ __forceinline__ void gemvw_store(const GemvRows& m, const float (&acc
         if (lane == 0) red[warp * R + r] = v;
     }
     __syncthreads();
+    after_sync();
     if (warp == 0) {
         float s = 0.0f;
         if (lane < R) {
@@ -895,7 +899,7 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
         }
     }
     __shared__ float red[NW * R];
-    gemvw_store<R, NW>(m, acc, red, row0, rows);
+    gemvw_store<R, NW>(m, acc, red, row0, rows, [] {});
 }
 
 // Entry points gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>, launched with NW·32 threads; the list is
@@ -1063,24 +1067,9 @@ __device__ __forceinline__ void gemvb_body(const GemvRows& m, const u8* __restri
                 acc[r] = live * gemv_dot_q<TY, V, true>(f, q, u);
             }
         }
-        float* rd = red + (k & 1) * NW * R;
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            const float v = warp_sum(acc[r]);
-            if (lane == 0) rd[warp * R + r] = v;
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) issue(k + S);
-        if (warp == 0) {
-            float s = 0.0f;
-            if (lane < R) {
-#pragma unroll
-                for (int w = 0; w < NW; w++) s += rd[w * R + lane];
-            }
-            const float pair = __shfl_xor_sync(0xffffffffu, s, 1);
-            const int row = g * R + lane;
-            if (lane < R && row < rows) m.store(row, s, pair);
-        }
+        gemvw_store<R, NW>(m, acc, red + (k & 1) * NW * R, g * R, rows, [&] {
+            if (threadIdx.x == 0) issue(k + S);
+        });
     }
 }
 
