@@ -867,10 +867,14 @@ impl CudaBackend {
             Some(GemvKind::Wb) if ty != GgmlType::Q4K => None,
             k => k,
         };
+        // Bulk-staged: pair units on rows under 256 units (8 rows, 2 warps: 71 % and 87 % of copy
+        // at 14336×4096 and 32000×4096 on the H200), else units of 32 (4 rows, 14 warps: 66 % at
+        // 4096×14336; round 16).
+        let wb_mode = if units < 256 { 3 } else { 2 };
         let bulk_fits = || {
             GEMV_VARIANTS
                 .iter()
-                .any(|v| v.kind == GemvKind::Wb && v.mode == 2 && self.gemv_fits(*v, cols))
+                .any(|v| v.kind == GemvKind::Wb && v.mode == wb_mode && self.gemv_fits(*v, cols))
         };
         let kind = kind.unwrap_or(match ty {
             GgmlType::Q4K if cfg.bulk_rows > 0 && rows >= cfg.bulk_rows && units >= 128 && bulk_fits() => GemvKind::Wb,
@@ -885,11 +889,7 @@ impl CudaBackend {
         let mode = match (cfg.mode, kind, ty) {
             (Some(3), GemvKind::Wr | GemvKind::Wb, GgmlType::Q4K) => 3,
             (Some(2), GemvKind::Wb, _) => 2,
-            // Bulk-staged: pair units on rows under 256 units (8 rows, 2 warps: 71 % and 87 % of
-            // copy at 14336×4096 and 32000×4096 on the H200), else units of 32 (4 rows, 14 warps:
-            // 66 % at 4096×14336; round 16).
-            (_, GemvKind::Wb, _) if units < 256 => 3,
-            (_, GemvKind::Wb, _) => 2,
+            (_, GemvKind::Wb, _) => wb_mode,
             (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) => 2,
             (Some(1), _, GgmlType::Q4K) => 1,
             (Some(m), _, _) if m != 3 => 0,
@@ -982,9 +982,8 @@ impl CudaBackend {
     }
 
     /// Launches GEMV variant `v` (n = 1). x-stationary: a block of ⌈units/UPT⌉ threads (whole
-    /// warps), a grid of at most the resident blocks, each walking groups of R rows. Warp-rows:
-    /// NW·32 threads, one block per R rows. Warp-rows with x in shared memory: NW·32 threads and
-    /// the row's x in dynamic shared memory, a grid of at most the resident blocks.
+    /// warps), a grid of at most the resident blocks, each walking groups of R rows. The other
+    /// kinds launch through [`CudaBackend::launch_gemv_rows`].
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv(
         &self,
@@ -997,34 +996,27 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         v: GemvVariant,
     ) {
-        let name = v.entry();
-        let f = self.func(&name);
-        let (grid, threads, smem) = match v.kind {
-            GemvKind::Xs => {
-                let units = cols / GemvVariant::unit_values(v.ty);
-                let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
-                assert!(
-                    threads as usize <= GemvVariant::max_threads(v.ty),
-                    "gemv: block too large"
-                );
-                let occ = self.blocks_per_sm(&name, threads, 0);
-                let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
-                let groups = rows.div_ceil(v.r);
-                (groups.min((self.sms * per_sm) as usize).max(1) as u32, threads, 0)
-            }
-            GemvKind::Wr | GemvKind::Tc | GemvKind::Wb => (rows.div_ceil(v.r) as u32, (v.nw * 32) as u32, 0),
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        if matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb) {
+        if v.kind != GemvKind::Xs {
             return self.launch_gemv_rows(s, &mut [(w, out, rows)], cols, x, xq, v, None);
         }
+        let name = v.entry();
+        let units = cols / GemvVariant::unit_values(v.ty);
+        let threads = (units.div_ceil(v.upt).div_ceil(32) * 32).max(32) as u32;
+        assert!(
+            threads as usize <= GemvVariant::max_threads(v.ty),
+            "gemv: block too large"
+        );
+        let occ = self.blocks_per_sm(&name, threads, 0);
+        let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
+        let groups = rows.div_ceil(v.r);
+        let cfg = LaunchConfig {
+            grid_dim: (groups.min((self.sms * per_sm) as usize).max(1) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let (r, c, rb) = (rows as i32, cols as i32, w.row_bytes as i32);
         let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
-        let mut b = s.launch_builder(f);
+        let mut b = s.launch_builder(self.func(&name));
         b.arg(&w.data).arg(x);
         if let Some(q) = &limbs {
             b.arg(q.get());
