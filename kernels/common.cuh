@@ -93,7 +93,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // addresses 16-byte aligned) from global to shared memory, and the copy's bytes count against
 // the transaction count of an mbarrier in shared memory. The pattern: one thread inits the
 // barrier (count 1) and fences the init, the block syncs, that thread arrives with the bytes
-// expected and issues the copies, and every thread waits on phase 0 before reading them.
+// expected and issues the copies, and every thread waits on the barrier's phase (parity 0,
+// then 1, 0, ... as the barrier is reused) before reading them.
 __device__ __forceinline__ void mbar_init(void* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
