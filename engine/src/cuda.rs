@@ -1048,9 +1048,10 @@ impl CudaBackend {
         })
     }
 
-    /// Launches warp-rows (or tensor-core, or bulk-staged: the same arguments) GEMV variant `v` over one to three
-    /// weights of one type and width that share `x`, each `(weight, out, rows)`, in one launch
-    /// (`GemvRows`): a block per R rows of their rows taken one after another.
+    /// Launches warp-rows (or tensor-core, or bulk-staged: the same arguments) GEMV variant `v`
+    /// over one to three weights of one type and width that share `x`, each `(weight, out, rows)`,
+    /// in one launch (`GemvRows`): a block per R rows of their rows taken one after another (the
+    /// bulk-staged form: a persistent grid walking those row groups).
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv_rows(
         &self,

@@ -153,11 +153,12 @@ pub enum GemvKind {
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
-/// chunks per step; tensor cores: T, the 16-row tiles; bulk-staged: S, the ring's stages), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized
-/// to the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
-/// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows
-/// Q4_K) the same with pair units: a thread takes 64 values (two sub-blocks) per row, so a chunk
-/// is 32 pairs (2048 values) and the header is decoded once per 64 weights.
+/// chunks per step; tensor cores: T, the 16-row tiles; bulk-staged: S, the ring's stages), NW
+/// warps per block (warp-rows only; 0 for x-stationary, whose block is sized to the row), MODE
+/// how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2 (warp-rows Q4_K, Q4_1,
+/// Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows Q4_K) the same with pair
+/// units: a thread takes 64 values (two sub-blocks) per row, so a chunk is 32 pairs (2048 values)
+/// and the header is decoded once per 64 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvVariant {
     pub kind: GemvKind,
