@@ -736,27 +736,33 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     const int rows = part == 0 ? P.rows0 : part == 1 ? P.rows1 : P.rows2;
     const int row0 = (ty - (part == 0 ? 0 : part == 1 ? P.tend0 : P.tend1)) * G2_BM;
     const int tok0 = blockIdx.x * BN;
-    const int n_sb = cols >> 8, n_steps = cols / G2_BK;
-    const size_t row_bytes = (size_t)n_sb * 144;
+    // Split K (blockIdx.z of gridDim.z): this block's super-blocks [sb0, sb0 + n_sb) of the row's
+    // cols / 256; the pointers below start at sb0, strides use the whole row (n_all).
+    const int n_all = cols >> 8, splits = gridDim.z;
+    const int sb0 = (int)((long)blockIdx.z * n_all / splits);
+    const int n_sb = (int)((long)(blockIdx.z + 1) * n_all / splits) - sb0, n_steps = 4 * n_sb;
+    const size_t row_bytes = (size_t)n_all * 144;
+    if (n_sb == 0) return;  // the host splits at most into the row's super-blocks
 
     // Loader roles. Quants: row tid/2, 16-byte half tid%2. Headers: row tid (tid < 128). x: chunk
     // c = tid % 16 of tokens tid/16 + 16·r (c < 8: x_hi, else x_lo). mma.sync: stored at chunk
     // c ^ 4·(token & 1) of its 256-byte token row. wgmma: as 8 × 8 core matrices, [c][token / 8]
     // 128 bytes each, token % 8 the 16-byte row in it. Σx fragments: chunk tid % 4 of tokens
     // tid/4 + 64·r.
-    const u8* wq = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes + 16 * (tid & 1);
-    const u8* wh = W + (size_t)min(row0 + (tid & 127), rows - 1) * row_bytes + (size_t)n_sb * 128;
+    const u8* wq = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes + (size_t)sb0 * 128 + 16 * (tid & 1);
+    const u8* wh = W + (size_t)min(row0 + (tid & 127), rows - 1) * row_bytes + (size_t)n_all * 128 + (size_t)sb0 * 16;
     const int xc = tid & 15, xt = tid >> 4;
-    const u16* xsrc = xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + 8 * (xc & 7);
+    const u16* xsrc =
+        xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + (size_t)sb0 * 256 + 8 * (xc & 7);
     const int xdst = WG ? (xc * (BN / 8) + (xt >> 3)) * 128 + (xt & 7) * 16 : xt * 256 + 16 * (xc ^ ((xt & 1) << 2));
     constexpr int XR = WG ? 2 * 128 : 16 * 256;  // bytes between the tokens xt + 16·r and xt + 16·(r + 1)
-    const u32* ssrc = xsb + ((size_t)(tok0 + (tid >> 2)) * n_sb) * 16 + 4 * (tid & 3);
+    const u32* ssrc = xsb + ((size_t)(tok0 + (tid >> 2)) * n_all + sb0) * 16 + 4 * (tid & 3);
 
     auto load_sb = [&](int sb) {  // the Σx fragments of super-block sb
         u8* d = smem + C::XSB + (sb & 1) * BN * 64;
 #pragma unroll
         for (int r = 0; r < BN / 64; r++)
-            cp_async16(d + (tid + 256 * r) * 16, ssrc + ((size_t)64 * r * n_sb + sb) * 16);
+            cp_async16(d + (tid + 256 * r) * 16, ssrc + ((size_t)64 * r * n_all + sb) * 16);
     };
     auto load_hdr = [&](int sb) {
         if (tid < G2_BM) cp_async16(smem + C::HDR + (sb & 1) * G2_BM * 16 + tid * 16, wh + sb * 16);
@@ -977,7 +983,12 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
             for (int e = 0; e < 4; e++) {
                 const int row = row0 + wrow + mi * 16 + g + 8 * (e >> 1);
                 const int tok = tok0 + wtok + ni * 8 + 2 * t + (e & 1);
-                if (row < rows && tok < n) out[(size_t)tok * rows + row] = acc[mi][ni][e] * inv[tok];
+                if (row < rows && tok < n) {
+                    // Split K (two at most): the host zeroed out, and 0 + a + b is the same
+                    // float whichever split adds first (IEEE addition commutes).
+                    if (splits > 1) atomicAdd(out + (size_t)tok * rows + row, acc[mi][ni][e] * inv[tok]);
+                    else out[(size_t)tok * rows + row] = acc[mi][ni][e] * inv[tok];
+                }
             }
     }
 }
@@ -986,8 +997,8 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 // 128 × 64 (warp tiles 32 × 32), 3 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
 // 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages. Arguments: the parts;
 // xh, xsb, inv from gemm2_split_x; cols (% 256 == 0); n; n_pad (a multiple of the token tile).
-// Grid (n_pad / BN, row tiles of all parts), 256 threads, dynamic shared memory G2<NI>::SMEM
-// bytes (checked).
+// Grid (n_pad / BN, row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at
+// least two super-blocks a row), 256 threads, dynamic shared memory G2<NI>::SMEM bytes (checked).
 #define GEMM2_ENTRY(NAME, NI, WG)                                                                     \
     extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \

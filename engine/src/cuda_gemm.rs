@@ -7,8 +7,9 @@
 //! f32 SIMT `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
 //! - v2 (the default; Q4_K only, other types take v1): `gemm2_q4_k`, 128 rows × 128 tokens per
 //!   block, `cp.async` stages, quants dequantized from shared memory straight into the MMA
-//!   fragments, or `gemm2_q4_k_n64` (64 tokens) when the grid would leave SMs idle (picked per
-//!   launch by [`gemm2_bn`]; `LLMDIFF_GEMM_BN=128|64` forces one). Up to three weights that share
+//!   fragments, or `gemm2_q4_k_n64` (64 tokens), and K split in two (the output zeroed, then
+//!   added into), when the grid would leave SMs idle (picked per launch by [`gemm2_tile`];
+//!   `LLMDIFF_GEMM_BN=128|64` and `LLMDIFF_GEMM_SPLIT=1|2` force them). Up to three weights that share
 //!   x (`linear_many`: q/k/v, gate/up) go in one launch.
 //! - wg (Q4_K only, and only where the kernels were compiled for `sm_90a`; elsewhere it falls back
 //!   to v2): `gemm2_q4_k_wg`, v2's 128 × 128 tile, pre-pass and launch on Hopper's `wgmma`
@@ -39,12 +40,14 @@ const KIND_V2: usize = 2;
 const KIND_WG: usize = 3;
 
 /// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul), the kernel
-/// (`LLMDIFF_GEMM_KIND=v1` or `wg`, else v2) and the token tile asked for (`LLMDIFF_GEMM_BN`; 0:
-/// the kernel's default). Atomics so the checks and benches can switch them.
+/// (`LLMDIFF_GEMM_KIND=v1` or `wg`, else v2), the token tile asked for (`LLMDIFF_GEMM_BN`; 0:
+/// the kernel's default) and v2's K split (`LLMDIFF_GEMM_SPLIT=1|2`; 0: by the grid, see
+/// [`gemm2_tile`]). Atomics so the checks and benches can switch them.
 pub(super) struct GemmState {
     on: AtomicBool,
     kind: AtomicUsize,
     bn: AtomicUsize,
+    split: AtomicUsize,
     /// The device's opt-in shared memory per block: v2 tiles that need more are not used.
     smem_max: usize,
 }
@@ -61,16 +64,18 @@ impl GemmState {
                 _ => KIND_V2,
             }),
             bn: AtomicUsize::new(num("LLMDIFF_GEMM_BN").unwrap_or(0)),
+            split: AtomicUsize::new(num("LLMDIFF_GEMM_SPLIT").filter(|s| *s <= 2).unwrap_or(0)),
             smem_max,
         }
     }
 
-    /// Sets (on, kind, bn), returning the previous settings.
-    fn set(&self, s: (bool, usize, usize)) -> (bool, usize, usize) {
+    /// Sets (on, kind, bn, split), returning the previous settings.
+    fn set(&self, s: GemmSetting) -> GemmSetting {
         (
             self.on.swap(s.0, Ordering::Relaxed),
             self.kind.swap(s.1, Ordering::Relaxed),
             self.bn.swap(s.2, Ordering::Relaxed),
+            self.split.swap(s.3, Ordering::Relaxed),
         )
     }
 }
@@ -89,10 +94,11 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
 }
 
 /// How products of n > 1 tokens that share x run: `kind` v2 with token tile `bn` (128 or 64), wg
-/// (bn 128), or v1 with `bn` (64 or 32).
+/// (bn 128), or v1 with `bn` (64 or 32); v2 and wg split K in `splits` (1 or 2).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct GemmPlan {
     kind: usize,
+    splits: usize,
     bn: usize,
 }
 
@@ -105,16 +111,26 @@ fn gemm2_smem(bn: usize) -> usize {
     stages * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
 }
 
-/// v2's token tile for `tiles` row tiles of 128 and n tokens on `sms` SMs: the one with the
-/// smaller estimate (waves of blocks) × (tokens per block), 64-token blocks counted 15 % less
-/// efficient per token (more dequantization and fragment loads per MMA).
-pub(super) fn gemm2_bn(tiles: usize, n: usize, sms: usize) -> usize {
-    let cost = |bn: usize, eff: f64| (tiles * n.div_ceil(bn)).div_ceil(sms.max(1)) as f64 * bn as f64 * eff;
-    if cost(64, 1.15) < cost(128, 1.0) {
-        64
-    } else {
-        128
+/// v2's token tile and K split for `tiles` row tiles of 128, n tokens and rows of `n_sb`
+/// super-blocks on `sms` SMs (`bn` 128 or 64 asks for that tile, `split` 1 or 2 for that split;
+/// 0 leaves it to the estimate): the (tile, split) with the smallest estimate (waves of blocks)
+/// × (tokens per block) / split. 64-token blocks count 15 % less efficient per token (more
+/// dequantization and fragment loads per MMA), a split of two 3 % (the output zeroed first, its
+/// stores atomic). The split helps where the row tiles fill a wave and a half: the 8B's q/k/v
+/// at 512 tokens (192 blocks on 132 SMs) was 212 µs at 64-token tiles on an H200 (round 17).
+pub(super) fn gemm2_tile(tiles: usize, n: usize, n_sb: usize, sms: usize, bn: usize, split: usize) -> (usize, usize) {
+    let cost = |(bn, s): (usize, usize)| {
+        let eff = if bn == 64 { 1.15 } else { 1.0 } * if s == 2 { 1.03 } else { 1.0 };
+        (tiles * n.div_ceil(bn) * s).div_ceil(sms.max(1)) as f64 * bn as f64 * eff / s as f64
+    };
+    let mut best = None;
+    for cand in [(128, 1), (64, 1), (128, 2), (64, 2)] {
+        let ok = (bn == 0 || bn == cand.0) && (split == 0 || split == cand.1) && cand.1 <= n_sb.max(1);
+        if ok && best.is_none_or(|b| cost(cand) < cost(b)) {
+            best = Some(cand);
+        }
     }
+    best.unwrap_or((if bn == 64 { 64 } else { 128 }, 1))
 }
 
 /// `Gemm2Parts` in kernels/gemm.cu: up to three Q4_K weights of one width sharing x, their
@@ -146,16 +162,19 @@ pub struct GemmBench {
 /// A product of n > 1 tokens on the GEMM: its weight, output and rows.
 pub(super) type GemmPart<'a> = (&'a DevWeight, &'a mut CudaSlice<f32>, usize);
 
-/// The settings of the paths the checks and benches name: (label, (on, kind, bn)).
-type GemmPath = (&'static str, (bool, usize, usize));
-const PATHS: [GemmPath; 7] = [
-    ("gemm2", (true, KIND_V2, 0)),
-    ("gemm2_128", (true, KIND_V2, 128)),
-    ("gemm2_64", (true, KIND_V2, 64)),
-    ("gemm2_wg", (true, KIND_WG, 128)),
-    ("gemm64", (true, KIND_V1, 64)),
-    ("gemm32", (true, KIND_V1, 32)),
-    ("simt", (false, KIND_V1, 0)),
+/// (on, kind, bn, split) as `GemmState` holds them.
+type GemmSetting = (bool, usize, usize, usize);
+/// The settings of the paths the checks and benches name: (label, setting).
+type GemmPath = (&'static str, GemmSetting);
+const PATHS: [GemmPath; 8] = [
+    ("gemm2", (true, KIND_V2, 0, 0)),
+    ("gemm2_128", (true, KIND_V2, 128, 1)),
+    ("gemm2_64", (true, KIND_V2, 64, 1)),
+    ("gemm2_128_k2", (true, KIND_V2, 128, 2)),
+    ("gemm2_wg", (true, KIND_WG, 128, 1)),
+    ("gemm64", (true, KIND_V1, 64, 0)),
+    ("gemm32", (true, KIND_V1, 32, 0)),
+    ("simt", (false, KIND_V1, 0, 0)),
 ];
 
 impl CudaBackend {
@@ -183,23 +202,28 @@ impl CudaBackend {
         }
         let bn = st.bn.load(Ordering::Relaxed);
         let kind = st.kind.load(Ordering::Relaxed);
+        let split = st.split.load(Ordering::Relaxed);
         if kind >= KIND_V2 && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
+            let n_sb = cols / 256;
             if kind == KIND_WG && self.gemm_wg_ok() {
-                return Some(GemmPlan { kind, bn: 128 });
+                let splits = if split == 2 && n_sb >= 2 { 2 } else { 1 };
+                return Some(GemmPlan { kind, bn: 128, splits });
             }
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
-            let bn = if bn == 128 || bn == 64 {
-                bn
-            } else {
-                gemm2_bn(tiles, n, self.sms as usize)
-            };
+            let ask = if bn == 128 || bn == 64 { bn } else { 0 };
+            let (bn, splits) = gemm2_tile(tiles, n, n_sb, self.sms as usize, ask, split);
             if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b) <= st.smem_max) {
-                return Some(GemmPlan { kind: KIND_V2, bn });
+                return Some(GemmPlan {
+                    kind: KIND_V2,
+                    bn,
+                    splits,
+                });
             }
         }
         Some(GemmPlan {
             kind: KIND_V1,
             bn: if bn == 32 { 32 } else { 64 },
+            splits: 1,
         })
     }
 
@@ -292,6 +316,10 @@ impl CudaBackend {
                     w.ty == GgmlType::Q4K && w.row_bytes == cols / 256 * 144 && out.len() >= n * *rows,
                     "gemm2: a part is not Q4_K of this width, or its output is short"
                 );
+                // Split K: the splits add their sums into zeros.
+                if plan.splits > 1 {
+                    ok(s.memset_zeros(&mut **out));
+                }
                 let (wp, gw) = w.data.device_ptr(s);
                 let (op, go) = out.device_ptr_mut(s);
                 (m.w[i], m.out[i], m.rows[i]) = (wp, op, *rows as i32);
@@ -314,12 +342,13 @@ impl CudaBackend {
                 .arg(&nn)
                 .arg(&np);
             let cfg = LaunchConfig {
-                grid_dim: ((n_pad / bn) as u32, tiles as u32, 1),
+                grid_dim: ((n_pad / bn) as u32, tiles as u32, plan.splits as u32),
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: gemm2_smem(bn) as u32,
             };
             // SAFETY: matches gemm2_q4_k[_n64|_wg] in kernels/gemm.cu (gemm2_q4_k_wg only on
-            // sm_90a, gemm_wg_ok): each part's W is rows·row_bytes
+            // sm_90a, gemm_wg_ok; grid z the K splits, at most the row's super-blocks, with the
+            // outputs zeroed above where there are two): each part's W is rows·row_bytes
             // of Q4_K in the device layout (checked above) and its out n·rows floats, the grid's
             // row tiles are the parts' in order (tend), the pre-pass buffers are sized for n_pad
             // tokens, and the dynamic shared memory is G2<NI>::SMEM (gemm2_smem; the function's
@@ -338,7 +367,7 @@ impl CudaBackend {
         n: usize,
         ws: &[WeightRef<'_>],
         outs: &mut [&mut Buf],
-        path: (bool, usize, usize),
+        path: GemmSetting,
     ) -> Option<GemmPlan> {
         let prev = self.gemm.set(path);
         let dws: Vec<_> = ws.iter().map(|w| self.weight(*w, &self.stream)).collect();
@@ -375,7 +404,7 @@ impl CudaBackend {
                 let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
                 let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
-                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..6] });
+                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..7] });
                     out.extend(self.gemm_case(name, &[w], cols, n, &paths));
                 }
                 self.weights.lock().expect("weight map").clear();
@@ -392,7 +421,7 @@ impl CudaBackend {
             .map(|(r, b)| test_weight(GgmlType::Q4K, b, *r, cols))
             .collect();
         for n in [9usize, 130] {
-            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..6])));
+            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..7])));
         }
         self.weights.lock().expect("weight map").clear();
         out
@@ -450,7 +479,12 @@ impl CudaBackend {
             };
             check.pass &= match plan {
                 None => !path.0,
-                Some(p) => path.0 && p.kind == want_kind && want_bn.is_none_or(|b| b == p.bn),
+                Some(p) => {
+                    path.0
+                        && p.kind == want_kind
+                        && want_bn.is_none_or(|b| b == p.bn)
+                        && (want_kind == KIND_V1 || path.3 == 0 || p.splits == path.3.min(cols / 256))
+                }
             };
             out.push(check);
         }
@@ -507,4 +541,26 @@ fn per_token(case: String, gpu: &[f32], cpu: &[f32], n: usize, rows: usize, tol:
         worst.pass &= c.pass;
     }
     worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm2_tile;
+
+    #[test]
+    fn gemm2_tile_splits_k_where_the_row_tiles_fill_a_wave_and_a_half() {
+        // The 8B shape at 512 tokens on 132 SMs: q/k/v (48 row tiles, 16 super-blocks a row) in
+        // two splits of 128-token tiles (3 waves of half blocks, not 2 whole waves); o (32 tiles),
+        // gate/up (224) and down (32 tiles, 56 super-blocks) whole.
+        assert_eq!(gemm2_tile(48, 512, 16, 132, 0, 0), (128, 2));
+        assert_eq!(gemm2_tile(32, 512, 16, 132, 0, 0), (128, 1));
+        assert_eq!(gemm2_tile(224, 512, 16, 132, 0, 0), (128, 1));
+        assert_eq!(gemm2_tile(32, 512, 56, 132, 0, 0), (128, 1));
+        // A row of one super-block is never split; asked-for tiles and splits are kept.
+        assert_eq!(gemm2_tile(48, 512, 1, 132, 0, 0).1, 1);
+        assert_eq!(gemm2_tile(48, 512, 1, 132, 128, 2), (128, 1));
+        assert_eq!(gemm2_tile(48, 512, 16, 132, 64, 1), (64, 1));
+        assert_eq!(gemm2_tile(48, 512, 16, 132, 0, 1), (64, 1));
+        assert_eq!(gemm2_tile(32, 512, 16, 132, 128, 2), (128, 2));
+    }
 }
