@@ -37,10 +37,11 @@
 // - gemm2_split_x: the pre-pass: x_hi, x_lo as above but each group of 4 values a, b, c, d stored
 //   as a, c, b, d; per super-block the Σx MMA's B fragments (the three f16 parts of Σx·s/32 for
 //   sub-block pairs); 1/s. A block per token, a warp per super-block, 16-byte loads and stores.
-// - gemm2_q4_k (BN = 128 tokens, warp tiles 32 rows × 64 tokens, 4 stages) and gemm2_q4_k_n64
-//   (BN = 64, 32 × 32, 3 stages): BM = 128, 8 warps (4 along rows × 2 along tokens), K step
-//   64. Each step's raw quant bytes (128 rows × 32) and x tiles go to shared memory by cp.async,
-//   S stages deep, one __syncthreads a step; the super-block headers become per-row constants
+// - gemm2_q4_k (BN = 128 tokens, warp tiles 32 rows × 64 tokens) and gemm2_q4_k_n64 (BN = 64,
+//   32 × 32): BM = 128, 8 warps (4 along rows × 2 along tokens), K step 64. Each step's raw
+//   quant bytes (128 rows × 32) and x tiles go to shared memory by cp.async, five stages, each
+//   loaded three steps ahead, one __syncthreads every second step (one a step cost 5–7 % of the
+//   GEMM on the H200, round 17); the super-block headers become per-row constants
 //   (G2Row) in shared memory two steps before use. A thread reads its quants with one 8-byte
 //   load per row and turns them into A fragments in registers (no f16 weight tile): of a 32-bit
 //   word (bytes β0..β3), (w & 0x000F000F) | 0x6400 6400 is the f16 pair 1024 + (β0 low, β2 low)
@@ -624,10 +625,10 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 magic) {
     return d;
 }
 
-template <int NI>
+template <int NI, bool WG>
 struct G2 {
     static constexpr int BN = 16 * NI;       // tokens per block (warps: 4 along rows × 2 along tokens)
-    static constexpr int STAGES = NI == 8 ? 4 : 3;
+    static constexpr int STAGES = WG ? 4 : 5;
     static constexpr int A_BYTES = G2_BM * 32;  // one step's quant bytes: 128 rows × 32
     static constexpr int X_BYTES = BN * 256;    // x_hi (128 bytes) then x_lo per token, swizzled
     static constexpr int STAGE = A_BYTES + X_BYTES;
@@ -710,7 +711,7 @@ template <int NI, bool WG>
 __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __restrict__ xh,
                                            const u32* __restrict__ xsb, const float* __restrict__ inv, int cols,
                                            int n, int n_pad) {
-    using C = G2<NI>;
+    using C = G2<NI, WG>;
     constexpr int BN = C::BN, S = C::STAGES;
     constexpr int MI = G2Warp<NI, WG>::MI, NT = G2Warp<NI, WG>::NT;
     static_assert(!WG || NI == 8, "the wgmma variant is BN = 128 only");
@@ -837,16 +838,25 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     };
 
     if constexpr (!WG) {
+    // Five stages, each loaded three steps ahead, and a barrier every second step: at an even
+    // step ks the wait leaves only stage ks + 2 in flight, so stages ks and ks + 1 have landed,
+    // and the barrier publishes both. Step ks then refills the slot of step ks − 2, which every
+    // warp finished before the barrier of step ks or ks − 1. The row constants (built at step
+    // 4·sb + 2 from the header that came with step 4·sb + 1) and the Σx fragments follow the
+    // same barriers.
+    static_assert(S == 5, "the mma.sync loop is written for five stages");
 #pragma unroll
-    for (int st = 0; st < S - 1; st++) load_stage(st);
-    cp_async_wait<S - 2>();
+    for (int st = 0; st < 3; st++) load_stage(st);
+    cp_async_wait<2>();
     __syncthreads();
     build_rows(0);
 
     for (int ks = 0; ks < n_steps; ks++) {
-        cp_async_wait<S - 2>();
-        __syncthreads();
-        load_stage(ks + S - 1);
+        if ((ks & 1) == 0) {
+            cp_async_wait<1>();
+            __syncthreads();
+        }
+        load_stage(ks + 3);
         const int sb = ks >> 2, j = ks & 3;
         if (j == 2 && sb + 1 < n_sb) build_rows(sb + 1);
         const u8* abase = smem + (ks % S) * C::STAGE;
@@ -993,12 +1003,13 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     }
 }
 
-// gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 4 stages; gemm2_q4_k_n64:
-// 128 × 64 (warp tiles 32 × 32), 3 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
+// gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 5 stages; gemm2_q4_k_n64:
+// 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
 // 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages. Arguments: the parts;
 // xh, xsb, inv from gemm2_split_x; cols (% 256 == 0); n; n_pad (a multiple of the token tile).
 // Grid (n_pad / BN, row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at
-// least two super-blocks a row), 256 threads, dynamic shared memory G2<NI>::SMEM bytes (checked).
+// least two super-blocks a row), 256 threads, dynamic shared memory G2<NI, WG>::SMEM bytes
+// (checked).
 #define GEMM2_ENTRY(NAME, NI, WG)                                                                     \
     extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \

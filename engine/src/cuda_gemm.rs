@@ -102,12 +102,13 @@ pub(super) struct GemmPlan {
     bn: usize,
 }
 
-/// Dynamic shared memory of `gemm2_q4_k` and `gemm2_q4_k_wg` (bn 128) or `gemm2_q4_k_n64`: `G2<NI>::SMEM` in
-/// kernels/gemm.cu (stages of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
+/// Dynamic shared memory of `gemm2_q4_k` (bn 128), `gemm2_q4_k_n64` or `gemm2_q4_k_wg` (`wg`):
+/// `G2<NI, WG>::SMEM` in kernels/gemm.cu (stages, five or the wgmma form's four, of 128 rows ×
+/// 32 quant bytes and bn tokens × 256 bytes of x, two
 /// buffers of 128 headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row constants).
 /// The kernel traps if it gets less.
-fn gemm2_smem(bn: usize) -> usize {
-    let stages = if bn == 128 { 4 } else { 3 };
+fn gemm2_smem(bn: usize, wg: bool) -> usize {
+    let stages = if wg { 4 } else { 5 };
     stages * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
 }
 
@@ -180,7 +181,7 @@ const PATHS: [GemmPath; 8] = [
 impl CudaBackend {
     /// Whether `gemm2_q4_k_wg` has its wgmma body: the kernels were compiled for sm_90a.
     fn gemm_wg_ok(&self) -> bool {
-        self.arch == "sm_90a" && gemm2_smem(128) <= self.gemm.smem_max
+        self.arch == "sm_90a" && gemm2_smem(128, true) <= self.gemm.smem_max
     }
 
     /// `PATHS` less `gemm2_wg` where it would not run (it would fall back to v2).
@@ -212,7 +213,7 @@ impl CudaBackend {
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
             let ask = if bn == 128 || bn == 64 { bn } else { 0 };
             let (bn, splits) = gemm2_tile(tiles, n, n_sb, self.sms as usize, ask, split);
-            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b) <= st.smem_max) {
+            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b, false) <= st.smem_max) {
                 return Some(GemmPlan {
                     kind: KIND_V2,
                     bn,
@@ -344,14 +345,14 @@ impl CudaBackend {
             let cfg = LaunchConfig {
                 grid_dim: ((n_pad / bn) as u32, tiles as u32, plan.splits as u32),
                 block_dim: (256, 1, 1),
-                shared_mem_bytes: gemm2_smem(bn) as u32,
+                shared_mem_bytes: gemm2_smem(bn, plan.kind == KIND_WG) as u32,
             };
             // SAFETY: matches gemm2_q4_k[_n64|_wg] in kernels/gemm.cu (gemm2_q4_k_wg only on
             // sm_90a, gemm_wg_ok; grid z the K splits, at most the row's super-blocks, with the
             // outputs zeroed above where there are two): each part's W is rows·row_bytes
             // of Q4_K in the device layout (checked above) and its out n·rows floats, the grid's
             // row tiles are the parts' in order (tend), the pre-pass buffers are sized for n_pad
-            // tokens, and the dynamic shared memory is G2<NI>::SMEM (gemm2_smem; the function's
+            // tokens, and the dynamic shared memory is G2<NI, WG>::SMEM (gemm2_smem; the function's
             // limit was raised at load). The pointers stay valid (and ordered on this stream)
             // while `guards` lives, past the launch.
             ok(unsafe { b.launch(cfg) });

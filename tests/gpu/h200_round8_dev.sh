@@ -89,12 +89,12 @@ if [ "$NCU_GEMM" = 1 ]; then
   fi
   if [ -n "$NCU_GEMM_SOURCE" ]; then
     say "ncu gemm2 SASS stall sampling, launch $NCU_GEMM_SOURCE of the matching kernels"
-    LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section WarpStateStats --section SourceCounters \
+    env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section WarpStateStats --section SourceCounters \
       --section SchedulerStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.sum \
       --print-details all --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-skip $NCU_GEMM_SOURCE --launch-count 1 \
       $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm_details.txt 2>$W/ncus.err
     echo "rc=$?" | tee -a $LOG; tail -3 $W/ncus.err | tee -a $LOG
-    LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section SourceCounters --section WarpStateStats \
+    env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section SourceCounters --section WarpStateStats \
       --page source --print-source sass --csv --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-skip $NCU_GEMM_SOURCE --launch-count 1 \
       $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm_sass.csv 2>>$W/ncus.err
     echo "rc=$? $(wc -l <$OUT/ncu_gemm_sass.csv) lines" | tee -a $LOG
