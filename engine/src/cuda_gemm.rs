@@ -167,11 +167,12 @@ pub(super) type GemmPart<'a> = (&'a DevWeight, &'a mut CudaSlice<f32>, usize);
 type GemmSetting = (bool, usize, usize, usize);
 /// The settings of the paths the checks and benches name: (label, setting).
 type GemmPath = (&'static str, GemmSetting);
-const PATHS: [GemmPath; 8] = [
+const PATHS: [GemmPath; 9] = [
     ("gemm2", (true, KIND_V2, 0, 0)),
     ("gemm2_128", (true, KIND_V2, 128, 1)),
     ("gemm2_64", (true, KIND_V2, 64, 1)),
     ("gemm2_128_k2", (true, KIND_V2, 128, 2)),
+    ("gemm2_64_k2", (true, KIND_V2, 64, 2)),
     ("gemm2_wg", (true, KIND_WG, 128, 1)),
     ("gemm64", (true, KIND_V1, 64, 0)),
     ("gemm32", (true, KIND_V1, 32, 0)),
@@ -405,7 +406,7 @@ impl CudaBackend {
                 let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
                 let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
-                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..7] });
+                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..8] });
                     out.extend(self.gemm_case(name, &[w], cols, n, &paths));
                 }
                 self.weights.lock().expect("weight map").clear();
@@ -422,7 +423,7 @@ impl CudaBackend {
             .map(|(r, b)| test_weight(GgmlType::Q4K, b, *r, cols))
             .collect();
         for n in [9usize, 130] {
-            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..7])));
+            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..8])));
         }
         self.weights.lock().expect("weight map").clear();
         out
