@@ -94,7 +94,7 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
 }
 
 /// How products of n > 1 tokens that share x run: `kind` v2 with token tile `bn` (128 or 64), wg
-/// (bn 128), or v1 with `bn` (64 or 32); v2 and wg split K in `splits` (1 or 2).
+/// (bn 128), or v1 with `bn` (64 or 32); v2 splits K in `splits` (1 or 2; the others 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct GemmPlan {
     kind: usize,
@@ -206,14 +206,16 @@ impl CudaBackend {
         let kind = st.kind.load(Ordering::Relaxed);
         let split = st.split.load(Ordering::Relaxed);
         if kind >= KIND_V2 && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
-            let n_sb = cols / 256;
             if kind == KIND_WG && self.gemm_wg_ok() {
-                let splits = if split == 2 && n_sb >= 2 { 2 } else { 1 };
-                return Some(GemmPlan { kind, bn: 128, splits });
+                return Some(GemmPlan {
+                    kind,
+                    bn: 128,
+                    splits: 1,
+                });
             }
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
             let ask = if bn == 128 || bn == 64 { bn } else { 0 };
-            let (bn, splits) = gemm2_tile(tiles, n, n_sb, self.sms as usize, ask, split);
+            let (bn, splits) = gemm2_tile(tiles, n, cols / 256, self.sms as usize, ask, split);
             if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b, false) <= st.smem_max) {
                 return Some(GemmPlan {
                     kind: KIND_V2,
