@@ -6,6 +6,11 @@
 # configuration of KBENCH_ENVS, as BENCH_ENVS; kernels_bench_<label>.json), and Nsight
 # per-kernel times of 8B decode steps (graphs off; the GEMV by launch shape) when NCU=1, under
 # each configuration of NCU_ENVS (as BENCH_ENVS); diff-layers timed on the 8B shape when DIFF8B=1.
+# NCU_GEMM=1 (round 17): Nsight of the prefill GEMM: per-kernel times of one 512-token prefill and
+# `--set ${NCU_GEMM_SET:-full}` of the first NCU_GEMM_K (4) launches matching NCU_GEMM_KERNEL
+# (a regex, default gemm2_q4_k; NCU_GEMM_BASIC=0 skips both), and with NCU_GEMM_SOURCE=<k> the
+# stall reasons and per-SASS stall samples of matching launch k (0-based); NCU_GEMM_ENVS (one
+# VAR=value) applies to the GEMM runs.
 # Usage (GPU machine): LLMDIFF=/path/to/llmdiff OUT=/some/dir bash tests/gpu/h200_round8_dev.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 B=${LLMDIFF:-$PWD/llmdiff}
@@ -75,17 +80,17 @@ fi
 if [ "$NCU_GEMM" = 1 ]; then
   NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
   if [ "${NCU_GEMM_BASIC:-1}" = 1 ]; then
-  say "ncu prefill per-kernel times (one 512-token pass, graphs off)"
-  LLMDIFF_CUDA_GRAPH=0 timeout 120 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
-    --launch-count ${NCU_PREFILL_K:-400} $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$W/ncup.csv 2>$W/ncup.err
-  python3 $D/ncu_summary.py $W/ncup.csv per:rope_table 2>&1 | head -24 | tee -a $LOG
-  say "ncu gemm2 details (${NCU_GEMM_SET:-full})"
-  env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --set ${NCU_GEMM_SET:-full} \
-    --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-count ${NCU_GEMM_K:-4} \
-    $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm.txt 2>$W/ncug.err
-  echo "rc=$? $(wc -l <$OUT/ncu_gemm.txt) lines" | tee -a $LOG; tail -3 $W/ncug.err | tee -a $LOG
-  grep -E "^  [a-z_0-9]+\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|One or More Eligible|Block Limit" $OUT/ncu_gemm.txt | head -80 | tee -a $LOG
-  gzip -f $OUT/ncu_gemm.txt
+    say "ncu prefill per-kernel times (one 512-token pass, graphs off)"
+    LLMDIFF_CUDA_GRAPH=0 timeout 120 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
+      --launch-count ${NCU_PREFILL_K:-400} $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$W/ncup.csv 2>$W/ncup.err
+    python3 $D/ncu_summary.py $W/ncup.csv per:rope_table 2>&1 | head -24 | tee -a $LOG
+    say "ncu gemm2 details (${NCU_GEMM_SET:-full})"
+    env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --set ${NCU_GEMM_SET:-full} \
+      --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-count ${NCU_GEMM_K:-4} \
+      $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm.txt 2>$W/ncug.err
+    echo "rc=$? $(wc -l <$OUT/ncu_gemm.txt) lines" | tee -a $LOG; tail -3 $W/ncug.err | tee -a $LOG
+    grep -E "^  [a-z_0-9]+\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|One or More Eligible|Block Limit" $OUT/ncu_gemm.txt | head -80 | tee -a $LOG
+    gzip -f $OUT/ncu_gemm.txt
   fi
   if [ -n "$NCU_GEMM_SOURCE" ]; then
     say "ncu gemm2 SASS stall sampling, launch $NCU_GEMM_SOURCE of the matching kernels"
