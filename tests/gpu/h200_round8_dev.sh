@@ -79,15 +79,16 @@ import collections; c=collections.Counter(x[k].split('(')[0] for x in r[1:] if x
 fi
 if [ "$NCU_GEMM" = 1 ]; then
   NCUB=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  PREFILL1="--backend cuda --n-prompt 512 --n-decode 1 --reps 1"  # one 512-token prefill
   if [ "${NCU_GEMM_BASIC:-1}" = 1 ]; then
     say "ncu prefill per-kernel times (one 512-token pass, graphs off)"
     LLMDIFF_CUDA_GRAPH=0 timeout 120 $NCUB --clock-control none --metrics gpu__time_duration.sum --csv \
-      --launch-count ${NCU_PREFILL_K:-400} $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$W/ncup.csv 2>$W/ncup.err
+      --launch-count ${NCU_PREFILL_K:-400} $B bench $M/llama8b.gguf $PREFILL1 >$W/ncup.csv 2>$W/ncup.err
     python3 $D/ncu_summary.py $W/ncup.csv per:rope_table 2>&1 | head -24 | tee -a $LOG
     say "ncu gemm2 details (${NCU_GEMM_SET:-full})"
     env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --set ${NCU_GEMM_SET:-full} \
       --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-count ${NCU_GEMM_K:-4} \
-      $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm.txt 2>$W/ncug.err
+      $B bench $M/llama8b.gguf $PREFILL1 >$OUT/ncu_gemm.txt 2>$W/ncug.err
     echo "rc=$? $(wc -l <$OUT/ncu_gemm.txt) lines" | tee -a $LOG; tail -3 $W/ncug.err | tee -a $LOG
     grep -E "^  [a-z_0-9]+\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|One or More Eligible|Block Limit" $OUT/ncu_gemm.txt | head -80 | tee -a $LOG
     gzip -f $OUT/ncu_gemm.txt
@@ -97,11 +98,11 @@ if [ "$NCU_GEMM" = 1 ]; then
     env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section WarpStateStats --section SourceCounters \
       --section SchedulerStats --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_hmma.sum \
       --print-details all --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-skip $NCU_GEMM_SOURCE --launch-count 1 \
-      $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm_details.txt 2>$W/ncus.err
+      $B bench $M/llama8b.gguf $PREFILL1 >$OUT/ncu_gemm_details.txt 2>$W/ncus.err
     echo "rc=$?" | tee -a $LOG; tail -3 $W/ncus.err | tee -a $LOG
     env ${NCU_GEMM_ENVS:-X=1} LLMDIFF_CUDA_GRAPH=0 timeout 200 $NCUB --clock-control none --section SourceCounters --section WarpStateStats \
       --page source --print-source sass --csv --kernel-name regex:${NCU_GEMM_KERNEL:-gemm2_q4_k} --launch-skip $NCU_GEMM_SOURCE --launch-count 1 \
-      $B bench $M/llama8b.gguf --backend cuda --n-prompt 512 --n-decode 1 --reps 1 >$OUT/ncu_gemm_sass.csv 2>>$W/ncus.err
+      $B bench $M/llama8b.gguf $PREFILL1 >$OUT/ncu_gemm_sass.csv 2>>$W/ncus.err
     echo "rc=$? $(wc -l <$OUT/ncu_gemm_sass.csv) lines" | tee -a $LOG
     grep -i -E "stall|Tensor|hmma" $OUT/ncu_gemm_details.txt | head -60 | tee -a $LOG
     gzip -f $OUT/ncu_gemm_details.txt $OUT/ncu_gemm_sass.csv
