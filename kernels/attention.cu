@@ -23,7 +23,9 @@
 // - `gqa_split_<HD>` and `gqa_split_<HD>_dpos` (HD = 128, 256): GQA decode (n = 1), op by op and
 //   recorded, split over the context (flash-decoding): a block per (chunk of L = 16, 32 or 64
 //   positions, KV head) holds the chunk's K/V rows in registers for the group's query heads and
-//   writes their partial softmax (max, Σexp in f64, Σexp·v); the last block of each KV head to
+//   writes their partial softmax (max, Σexp in f64, Σexp·v). `gqa_split_runs_<HD>[_dpos]`, for
+//   caches of more chunks than the grid's cap, give each block a run of chunks, loading the next
+//   chunk's rows while it computes one. The last block of each KV head to
 //   finish combines the chunks in a fixed order (so the result does not depend on which block
 //   that is) and writes the output row and, for the o-projection's integer GEMV, its int8 limbs
 //   (x_limbs4). At the 8B shape (8 KV heads) and L = 32 a 512-token context is 128 blocks where
@@ -665,41 +667,54 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
 // sees positions 0 ..= pos0 (n_ctx = pos0 + 1).
 //
 // Grid: a block per (context split, KV head), blockIdx.x = split·KV + kv head, so the live splits
-// are the first blocks. A block owns the G = H/KV query heads of its KV head and the chunk of
-// L = 4·(warps) positions [split·L, split·L + L) ∩ [0, n_ctx); L is the host's (a function of the
-// shape and the setting alone, never of the position, so the `_dpos` form and the plain one
-// agree bit for bit). Blocks whose chunk starts at or past n_ctx exit at once (the `_dpos` grid
-// covers the cache's capacity). Warp w holds positions split·L + p·(warps) + w, p < 4: each lane
-// loads float4 columns lane and lane + 32 (CW = 1 for hd ≤ 128, 2 for hd ≤ 256) of its K and V
-// rows into registers at the start (one round trip for the whole chunk), so each K/V row is read
-// once for the G heads. Launched early (PDL), it loads the rows below pos0 (earlier steps wrote
-// them) before griddep_wait and row pos0 (the q/k/v GEMV before it appends it) after, by coherent
-// loads.
+// are the first blocks. The context's C = ceil(n_ctx / L) chunks of L = 4·(warps) positions are
+// dealt out in runs of U consecutive chunks, S = ceil(C / U) splits: U = 1 (a chunk a block) in
+// the plain entries (`gqa_split`), U = ceil(C / s_max) in the `_runs_` ones (`gqa_split_runs`;
+// S ≤ s_max, and U = 1 until C passes s_max), which the host takes where the caches' capacity
+// holds more than s_max chunks. L and s_max are the host's (functions of the shape, the setting
+// and the device, never of the position) and U and S follow from n_ctx, so the `_dpos` form and
+// the plain one agree bit for bit. A block owns the G = H/KV query heads of its KV head and the
+// positions of chunks [split·U, split·U + U) ∩ [0, C). Blocks past S exit at once (the `_dpos`
+// grid covers the cache's capacity, up to s_max splits). Warp w holds positions chunk·L +
+// p·(warps) + w, p < 4: each lane loads float4 columns lane and lane + 32 (CW = 1 for hd ≤ 128, 2
+// for hd ≤ 256) of its K and V rows into registers (one round trip for the whole chunk), so each
+// K/V row is read once for the G heads. Launched early (PDL), it loads the first chunk's rows
+// below pos0 (earlier steps wrote them) before griddep_wait and row pos0 (the q/k/v GEMV before
+// it appends it) after, by coherent loads. In a run, the next chunk's K rows are loaded once the
+// scores are taken and its V rows once the partial rows are, so they arrive while the block
+// computes.
 //
 // Per block, per head h of the group: s_j = dot(q_h, k_j)·scale (the lane's columns by fmaf, then
 // a warp butterfly); m = max over the chunk (fmaxf, so NaN scores do not set it); e_j = expf(s_j −
 // m) (m = −inf, a chunk of only −inf or NaN scores: e_j = expf(s_j), so −inf gives 0 and NaN
 // stays NaN); the partial sum l = Σ e_j in f64 (lane-strided, then a butterfly); the partial row
 // o = Σ e_j·v_j in f32 (each warp's positions in order, then the warps in order through shared
-// memory, `hr` heads at a time). Partials go to `part` (layout below), then the last block of the
-// KV head to arrive (an atomic counter per KV head, after a barrier and __threadfence; that block
-// resets it to 0, so the next launch and a replayed graph find it at 0) combines the S =
-// ceil(n_ctx / L) splits for its G heads: M = max m_s; α_s = expf(m_s − M); l = Σ α_s·l_s (f64,
-// lane-strided then a butterfly); O = Σ α_s·o_s (f32, each column's splits strided over R =
-// max(1, blockDim / (G·hd/4)) thread groups, eight splits' loads in flight, then the groups in
-// order); out = O · (float)(1 / l). Every sum runs in an order fixed by (n_ctx, L, shape), so
-// the result does not depend on which block arrives last. The combining block also writes the
-// output row's int8 limbs for the integer GEMV (x_limbs4) when `xq` is not null (the host passes
-// it when the row H·hd is a multiple of 128 and G·hd of 32, so every 32-value block lies in one
-// KV head's span and each warp's 8-lane groups hold whole blocks).
+// memory, `hr` heads at a time). A run's later chunks merge into the split's partials in chunk
+// order: m = max(m_old, m_chunk), e_j relative to it, α = expf(m_old − m) (0 when m_old = −inf),
+// l = l_old·α + Σ e_j, o = α·o_old + Σ e_j·v_j (one fmaf a value). Partials go to `part` (layout
+// below; a run's stay there between its chunks), then the last block of the KV head to arrive
+// (an atomic counter per KV head, after a barrier and __threadfence; that block resets it to 0,
+// so the next launch and a replayed graph find it at 0) combines the S splits for its G heads:
+// M = max m_s; α_s = expf(m_s − M); l = Σ α_s·l_s (f64, lane-strided then a butterfly); O =
+// Σ α_s·o_s (f32, each column's splits strided over R = max(1, blockDim / (G·hd/4)) thread
+// groups, eight splits' loads in flight, then the groups in order); out = O · (float)(1 / l).
+// Every sum runs in an order fixed by (n_ctx, L, s_max, shape), so the result does not depend on
+// which block arrives last. The combining block also writes the output row's int8 limbs for the
+// integer GEMV (x_limbs4) when `xq` is not null (the host passes it when the row H·hd is a
+// multiple of 128 and G·hd of 32, so every 32-value block lies in one KV head's span and each
+// warp's 8-lane groups hold whole blocks).
 //
 // `part` (floats, N = s_cap·KV·G): Σe per (split, kv head, head) as f64 (2N floats), then m (N),
 // then from round_up(3N, 4) the partial rows, (split, kv head) major, G·hd each. `cnt`: one
 // unsigned per KV head, 0 between launches. Both belong to one rank (crate::cuda's attn
 // submodule, cuda_attn.rs), so ranks on separate streams never share them.
 //
-// Dynamic shared memory (floats): q G·hd, scores/exps G·L, then max(warps·hr·hd, round_up(2G, 4) +
-// 4·R·(G·hd/4)) for the warps' partial rows and the combine (`split_plan` in cuda_attn.rs).
+// Dynamic shared memory (floats): q G·hd, scores/exps G·L, (runs only) α round_up(G, 4), then
+// max(warps·hr·hd, round_up(2G, 4) + 4·R·(G·hd/4)) for the warps' partial rows and the combine
+// (`split_plan` in cuda_attn.rs sizes it for the runs' layout).
+//
+// The two bodies stay apart: written as one (the plain entries a run of one), the plain entries
+// took ~2 % longer in the 8B decode step on the H200 (round 18), for the same arithmetic.
 
 #define AS_PPW 4
 
@@ -723,13 +738,103 @@ __device__ __forceinline__ double as_warp_sum64(double v) {
     return v;
 }
 
+// A split's end, in every block of the split kernels: the arrival on the KV head's counter and, in
+// the last block to arrive, the combine of its S splits and the output row (see above). `red`:
+// the block's shared memory past the scores.
+__device__ __forceinline__ void as_finish(float* part_m, double* part_s, float* part_o, unsigned* cnt, float* red,
+                                          float* __restrict__ out, u8* __restrict__ xq, int S, int kvh, int KV, int G,
+                                          int hd, int n_heads) {
+    __shared__ int as_last;
+    const int nw = blockDim.x >> 5, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hd4 = hd >> 2, ncol = G * hd4;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // The last block of this KV head to arrive combines. As cooperative groups' grid sync: the
+    // block's partials are ordered before thread 0's fence and arrival by the barrier, and the
+    // last block's reads after its fence by the barrier that follows (they bypass L1: __ldcg).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const unsigned t = atomicAdd(cnt + kvh, 1u);
+        as_last = t == (unsigned)(S - 1);
+        if (as_last) {
+            atomicExch(cnt + kvh, 0u);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    if (!as_last) return;
+
+    float* Ms = red;
+    float* Is = red + G;
+    float4* acc4 = (float4*)(red + ((2 * G + 3) & ~3));
+    const size_t ms_stride = (size_t)KV * G;
+    const float* pm = part_m + (size_t)kvh * G;
+    const double* ps = part_s + (size_t)kvh * G;
+    for (int h = w; h < G; h += nw) {
+        float m = NEG_INF;
+        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(pm + s * ms_stride + h));
+        m = as_warp_max(m);
+        double sum = 0.0;
+        for (int s = lane; s < S; s += 32)
+            sum += (double)expf(__ldcg(pm + s * ms_stride + h) - m) * __ldcg(ps + s * ms_stride + h);
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            Ms[h] = m;
+            Is[h] = (float)(1.0 / sum);
+        }
+    }
+    __syncthreads();
+
+    const int R = max(1, (int)blockDim.x / ncol);
+    const float4* pc = (const float4*)(part_o + (size_t)kvh * G * hd);
+    const size_t o_stride = (size_t)KV * ncol;
+    for (int t = threadIdx.x; t < R * ncol; t += blockDim.x) {
+        const int r = t / ncol, c = t - r * ncol, h = c / hd4;
+        const float M = Ms[h];
+        float4 a = zero;
+        int s = r;
+        // Eight splits' loads in flight, then their terms in split order.
+        for (; s + 7 * R < S; s += 8 * R) {
+            float m8[8];
+            float4 o8[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                m8[u] = __ldcg(pm + (size_t)(s + u * R) * ms_stride + h);
+                o8[u] = __ldcg(pc + (size_t)(s + u * R) * o_stride + c);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) a = as_fma4(expf(m8[u] - M), o8[u], a);
+        }
+        for (; s < S; s += R)
+            a = as_fma4(expf(__ldcg(pm + (size_t)s * ms_stride + h) - M), __ldcg(pc + (size_t)s * o_stride + c), a);
+        acc4[t] = a;
+    }
+    __syncthreads();
+
+    float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
+    for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
+        const int c = c0 + lane;
+        const bool live = c < ncol;
+        float4 a = zero;
+        if (live) {
+            a = acc4[c];
+            for (int r = 1; r < R; r++) a = as_add4(a, acc4[r * ncol + c]);
+            const float inv = Is[c / hd4];
+            a = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            out4[c] = a;
+        }
+        if (xq) x_limbs4(a, kvh * ncol + c, xq, n_heads * hd, live);
+    }
+}
+
+// The plain entries' body: a chunk a block (see above).
 template <int CW>
 __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const float* __restrict__ k,
                                           const float* __restrict__ v, float* __restrict__ out, float* part,
                                           unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
                                           int n_kv_heads, int hd, float scale, int s_cap, int hr) {
     extern __shared__ __align__(16) float as_sm[];
-    __shared__ int as_last;
     const int KV = n_kv_heads, G = n_heads / KV;
     const int nw = blockDim.x >> 5, L = nw * AS_PPW;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -862,105 +967,218 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         __syncthreads();
     }
+    as_finish(part_m, part_s, part_o, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
+}
 
-    // The last block of this KV head to arrive combines. As cooperative groups' grid sync: the
-    // block's partials are ordered before thread 0's fence and arrival by the barrier, and the
-    // last block's reads after its fence by the barrier that follows (they bypass L1: __ldcg).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned t = atomicAdd(cnt + kvh, 1u);
-        as_last = t == (unsigned)(S - 1);
-        if (as_last) {
-            atomicExch(cnt + kvh, 0u);
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    if (!as_last) return;
-
-    float* Ms = red;
-    float* Is = red + G;
-    float4* acc4 = (float4*)(red + ((2 * G + 3) & ~3));
-    const size_t ms_stride = (size_t)KV * G;
-    const float* pm = part_m + (size_t)kvh * G;
-    const double* ps = part_s + (size_t)kvh * G;
-    for (int h = w; h < G; h += nw) {
-        float m = NEG_INF;
-        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(pm + s * ms_stride + h));
-        m = as_warp_max(m);
-        double sum = 0.0;
-        for (int s = lane; s < S; s += 32)
-            sum += (double)expf(__ldcg(pm + s * ms_stride + h) - m) * __ldcg(ps + s * ms_stride + h);
-        sum = as_warp_sum64(sum);
-        if (lane == 0) {
-            Ms[h] = m;
-            Is[h] = (float)(1.0 / sum);
-        }
-    }
-    __syncthreads();
-
-    const int R = max(1, (int)blockDim.x / ncol);
-    const float4* pc = (const float4*)(part_o + (size_t)kvh * G * hd);
-    const size_t o_stride = (size_t)KV * ncol;
-    for (int t = threadIdx.x; t < R * ncol; t += blockDim.x) {
-        const int r = t / ncol, c = t - r * ncol, h = c / hd4;
-        const float M = Ms[h];
-        float4 a = zero;
-        int s = r;
-        // Eight splits' loads in flight, then their terms in split order.
-        for (; s + 7 * R < S; s += 8 * R) {
-            float m8[8];
-            float4 o8[8];
+// Rows j0 + p·nw + w (p < AS_PPW) of one cache (K or V) of the KV head at column offset off0,
+// the lane's float4 columns lane + 32·c: rows below pos0 (earlier steps wrote them) by plain loads,
+// row pos0 (the q/k/v GEMV before this kernel appends it) by coherent loads when OWN, else
+// zeros, as are rows past it.
+template <int CW, bool OWN>
+__device__ __forceinline__ void as_rows(const float* __restrict__ x, float4 (&r)[AS_PPW][CW], int j0, int nw, int w,
+                                        int lane, int pos0, int kvw, int off0, int hd4) {
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                m8[u] = __ldcg(pm + (size_t)(s + u * R) * ms_stride + h);
-                o8[u] = __ldcg(pc + (size_t)(s + u * R) * o_stride + c);
+    for (int p = 0; p < AS_PPW; p++) {
+        const int j = j0 + p * nw + w;
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            const size_t off = (size_t)j * kvw + off0 + 4 * col;
+            float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (j < pos0 && col < hd4) a = *(const float4*)(x + off);
+            if constexpr (OWN) {
+                if (j == pos0 && col < hd4) a = ldx16f(x + off);
             }
-#pragma unroll
-            for (int u = 0; u < 8; u++) a = as_fma4(expf(m8[u] - M), o8[u], a);
+            r[p][c] = a;
         }
-        for (; s < S; s += R)
-            a = as_fma4(expf(__ldcg(pm + (size_t)s * ms_stride + h) - M), __ldcg(pc + (size_t)s * o_stride + c), a);
-        acc4[t] = a;
-    }
-    __syncthreads();
-
-    float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
-    for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
-        const int c = c0 + lane;
-        const bool live = c < ncol;
-        float4 a = zero;
-        if (live) {
-            a = acc4[c];
-            for (int r = 1; r < R; r++) a = as_add4(a, acc4[r * ncol + c]);
-            const float inv = Is[c / hd4];
-            a = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
-            out4[c] = a;
-        }
-        if (xq) x_limbs4(a, kvh * ncol + c, xq, n_heads * hd, live);
     }
 }
 
+// The `_runs_` entries' body: runs of chunks a block (see above).
+template <int CW>
+__device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, const float* __restrict__ k,
+                                               const float* __restrict__ v, float* __restrict__ out, float* part,
+                                               unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
+                                               int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr) {
+    extern __shared__ __align__(16) float as_sm[];
+    const int KV = n_kv_heads, G = n_heads / KV;
+    const int nw = blockDim.x >> 5, L = nw * AS_PPW;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kvh = blockIdx.x % KV, sp = blockIdx.x / KV;
+    const int n_ctx = pos0 + 1, chunks = (n_ctx + L - 1) / L;
+    const int run = (chunks + s_max - 1) / s_max, S = (chunks + run - 1) / run;
+    if (sp >= S) return;
+    const int c0 = sp * run, c1 = min(chunks, c0 + run);
+    const int hd4 = hd >> 2, kvw = KV * hd, ncol = G * hd4;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    const size_t N = (size_t)s_cap * KV * G;
+    double* part_s = (double*)part;
+    float* part_m = part + 2 * N;
+    float* part_o = part + ((3 * N + 3) & ~(size_t)3);
+    const size_t slot = (size_t)sp * KV + kvh;
+
+    // The first chunk's K and V rows, in flight while q is staged: the rows below the position
+    // before the wait for the q/k/v GEMV (PDL, common.cuh), the position's row after it.
+    float4 kr[AS_PPW][CW], vr[AS_PPW][CW];
+    as_rows<CW, false>(k, kr, c0 * L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
+    as_rows<CW, false>(v, vr, c0 * L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
+    griddep_wait();
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        if (c0 * L + p * nw + w != pos0) continue;
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) {
+                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
+                kr[p][c] = ldx16f(k + off);
+                vr[p][c] = ldx16f(v + off);
+            }
+        }
+    }
+    float* qs = as_sm;
+    float* es = qs + G * hd;
+    float* alpha = es + G * L;
+    float* red = alpha + ((G + 3) & ~3);
+    const float4* q4 = (const float4*)(q + (size_t)kvh * G * hd);
+    for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
+    __syncthreads();
+
+    float4* po = (float4*)(part_o + slot * G * hd);
+    float4* red4 = (float4*)red;
+    for (int ch = c0; ch < c1; ch++) {
+        const int j0 = ch * L;
+        const bool first = ch == c0, more = ch + 1 < c1;
+
+        // Scores.
+        for (int h = 0; h < G; h++) {
+            float4 qv[CW];
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                const int col = lane + 32 * c;
+                qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
+            }
+#pragma unroll
+            for (int p = 0; p < AS_PPW; p++) {
+                float s = 0.0f;
+#pragma unroll
+                for (int c = 0; c < CW; c++) {
+                    s = fmaf(qv[c].x, kr[p][c].x, s);
+                    s = fmaf(qv[c].y, kr[p][c].y, s);
+                    s = fmaf(qv[c].z, kr[p][c].z, s);
+                    s = fmaf(qv[c].w, kr[p][c].w, s);
+                }
+                s = warp_sum(s);
+                if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
+            }
+        }
+        // The next chunk's K rows, in flight through this chunk's softmax and rows.
+        if (more) as_rows<CW, true>(k, kr, j0 + L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
+        __syncthreads();
+
+        // The chunk's max and Σ exp per head (a warp per head), after the first chunk merged into
+        // the split's running ones: M = max(m_old, m), α = expf(m_old − M), l = l_old·α + Σ e.
+        for (int h = w; h < G; h += nw) {
+            float m = NEG_INF;
+            for (int i = lane; i < L; i += 32) m = fmaxf(m, es[h * L + i]);
+            m = as_warp_max(m);
+            const float m_old = first ? NEG_INF : part_m[slot * G + h];
+            m = fmaxf(m_old, m);
+            const float ms = m == NEG_INF ? 0.0f : m;
+            double sum = 0.0;
+            for (int i = lane; i < L; i += 32) {
+                const float e = expf(es[h * L + i] - ms);
+                es[h * L + i] = e;
+                sum += (double)e;
+            }
+            sum = as_warp_sum64(sum);
+            if (lane == 0) {
+                if (!first) {
+                    const float al = expf(m_old - ms);
+                    sum = part_s[slot * G + h] * (double)al + sum;
+                    alpha[h] = al;
+                }
+                part_m[slot * G + h] = m;
+                part_s[slot * G + h] = sum;
+            }
+        }
+        __syncthreads();
+
+        // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in
+        // order, then (after the first chunk) α·(the split's row so far) + that.
+        for (int h0 = 0; h0 < G; h0 += hr) {
+            const int nh = min(hr, G - h0);
+            for (int hh = 0; hh < nh; hh++) {
+                const int h = h0 + hh;
+                float4 acc[CW];
+#pragma unroll
+                for (int c = 0; c < CW; c++) acc[c] = zero;
+#pragma unroll
+                for (int p = 0; p < AS_PPW; p++) {
+                    const float e = es[h * L + p * nw + w];
+#pragma unroll
+                    for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
+                }
+#pragma unroll
+                for (int c = 0; c < CW; c++) {
+                    const int col = lane + 32 * c;
+                    if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
+                }
+            }
+            // The next chunk's V rows, once this chunk's are all used.
+            if (more && h0 + nh == G) as_rows<CW, true>(v, vr, j0 + L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
+            __syncthreads();
+            for (int i = threadIdx.x; i < nh * hd4; i += blockDim.x) {
+                float4 a = red4[i];
+                for (int u = 1; u < nw; u++) a = as_add4(a, red4[u * nh * hd4 + i]);
+                if (!first) a = as_fma4(alpha[h0 + i / hd4], po[h0 * hd4 + i], a);
+                po[h0 * hd4 + i] = a;
+            }
+            __syncthreads();
+        }
+    }
+    as_finish(part_m, part_s, part_o, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
+}
+
+// The entries' body: a chunk a block, or runs of chunks (s_max is the runs' alone).
+template <int CW, bool RUNS>
+__device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const float* __restrict__ k,
+                                             const float* __restrict__ v, float* __restrict__ out, float* part,
+                                             unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,
+                                             int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr) {
+    if constexpr (RUNS)
+        gqa_split_runs<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, s_max, hr);
+    else
+        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);
+}
+
 // q [1, H·hd], k/v [≥ pos0 + 1, KV·hd] (16-byte aligned rows: hd % 4 == 0), out [1, H·hd]; part
-// and cnt as above (s_cap splits); xq null or the row's limbs. Grid: KV · (live splits, or s_cap
-// for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
-// bounds (512, 1): ptxas gives the 128 and 256 forms ~100 and ~112 registers, no spills (with
-// (512) alone it held the 128 form to 64 and spilled in the combine's eight-load batches).
-#define GQA_SPLIT(NAME, CW)                                                                                    \
+// and cnt as above (s_cap ≥ S splits); s_max ≥ 1; xq null or the row's limbs. Grid: KV · (S, or
+// s_cap for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
+// bounds (512, 1): ptxas gives the 128 and 256 forms ~102 and ~122 registers (the runs ~128), no
+// spills (with (512) alone it held the 128 form to 64 and spilled in the combine's eight-load
+// batches).
+#define GQA_SPLIT(NAME, CW, RUNS)                                                                              \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                 \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
-        int n_kv_heads, int hd, float scale, int s_cap, int hr) {                                              \
+        int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr) {                                   \
         griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                         \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap, hr);           \
+        gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap,       \
+                               s_max, hr);                                                                     \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(512, 1) NAME##_dpos(                                          \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
-        const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap, int hr) { \
+        const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap,          \
+        int s_max, int hr) {                                                                                   \
         griddep_launch();                                                                                      \
-        gqa_split<CW>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap, hr);       \
+        gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap,   \
+                               s_max, hr);                                                                     \
     }
-GQA_SPLIT(gqa_split_128, 1)
-GQA_SPLIT(gqa_split_256, 2)
+GQA_SPLIT(gqa_split_128, 1, false)
+GQA_SPLIT(gqa_split_256, 2, false)
+GQA_SPLIT(gqa_split_runs_128, 1, true)
+GQA_SPLIT(gqa_split_runs_256, 2, true)

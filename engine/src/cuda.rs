@@ -26,8 +26,9 @@
 //!   tiles staged once for the group's query heads, online softmax; on the tensor cores in 3xTF32
 //!   where head_dim is a multiple of 8 up to 128; `cuda_attn.rs`, `LLMDIFF_ATTN_TILED=0` turns it
 //!   off, `=1` takes it for every n > 1, `LLMDIFF_ATTN_TC=0` keeps the CUDA-core form); GQA
-//!   decode (n = 1, op by op and recorded) takes the split kernel (a block per chunk of positions
-//!   and KV head, the last block of a KV head combining the chunks in a fixed order and writing
+//!   decode (n = 1, op by op and recorded) takes the split kernel (a block per chunk of positions,
+//!   or run of chunks on long contexts, and KV head, the last block of a KV head combining the
+//!   splits in a fixed order and writing
 //!   the row's limbs for the o-projection; `LLMDIFF_ATTN_SPLIT=0` turns it off, `=16|32|64` sets
 //!   the chunk);
 //!   MLA and the shapes neither takes keep a block per (token, head).

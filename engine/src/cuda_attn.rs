@@ -20,9 +20,14 @@
 //! KB, unless `LLMDIFF_ATTN_SPLIT=0`. A block per (chunk of L positions, KV head) computes the G
 //! heads' partial softmax (max, Σexp in f64, Σexp·v) over its chunk, and the last block of each
 //! KV head to finish combines the chunks in a fixed order and writes the output row, with its
-//! int8 limbs for the o-projection's integer GEMV when the row takes them. L
-//! (`LLMDIFF_ATTN_SPLIT=16|32|64`, default 32) depends on nothing but that setting, so a
-//! recorded step and an op-by-op one combine the same chunks in the same order (bit for bit).
+//! int8 limbs for the o-projection's integer GEMV when the row takes them. Where the caches'
+//! capacity holds more than `s_max` chunks (the grid at [`SPLIT_THREADS_PER_SM`] threads a SM)
+//! the `_runs_` entries take over: a block walks a run of chunks, loading the next one's rows
+//! while it computes one, and merges them into its partials in order (8B shape at a 4000-token
+//! context: decode 2.60 ms against 2.78 with a block per chunk, H200, round 18). L
+//! (`LLMDIFF_ATTN_SPLIT=16|32|64`, default 32) and `s_max` depend on nothing but that setting,
+//! the shape and the device, and the entry on the capacity, so a recorded step and an op-by-op
+//! one at the same capacity combine the same chunks in the same order (bit for bit).
 //! Each rank (`backend::current_rank`) has its own partials and counters ([`SplitScratch`]),
 //! grown only outside a recording and never freed while the backend lives (a recorded graph
 //! keeps their addresses).
@@ -70,6 +75,11 @@ const SPLIT_MAX_KV: usize = 1024;
 /// The split kernel's dynamic shared memory budget in floats: 48 KB (no opt-in needed) less 256
 /// bytes for its static shared memory (`as_last`).
 const SPLIT_SMEM_FLOATS: usize = 12 * 1024 - 64;
+/// Threads a SM the split kernel's grid is sized for once the context has more chunks than that
+/// (a quarter of an H200 SM's 2048; 2 blocks at L = 32): past it each block walks a run of
+/// chunks, loading the next chunk's rows while it computes one, where one block per chunk would
+/// queue in waves, each waiting for its loads, and leave the combine more splits to walk.
+const SPLIT_THREADS_PER_SM: usize = 512;
 
 /// The tiled attention's settings: on unless `LLMDIFF_ATTN_TILED=0` (an atomic so the bench can
 /// switch it), `LLMDIFF_ATTN_TILED=1` takes it for every n > 1 (not only from [`AT_MIN_ROWS`]
@@ -183,23 +193,29 @@ pub(super) fn attn_tiled_smem(hd: usize) -> usize {
 /// A launch shape of the split decode kernel for one GQA shape and chunk length.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct SplitPlan {
-    entry: &'static str,
-    entry_dpos: &'static str,
+    /// The kernel's entries: a chunk a block, plain and `_dpos`, then runs of chunks (`_runs_`),
+    /// plain and `_dpos`.
+    entries: [&'static str; 4],
     /// Positions per block (L).
     chunk: usize,
     threads: u32,
     /// Heads per round of the partial rows' reduction over the warps (`hr`).
     hr: usize,
+    /// Most splits (blocks) per KV head (`s_max`): a longer context's chunks are dealt out in runs
+    /// of ⌈chunks / s_max⌉ a block.
+    s_max: usize,
     /// Dynamic shared memory in bytes.
     smem: usize,
 }
 
 /// The split decode kernel's launch shape for `shape` at chunk length `chunk`, if it takes the
-/// shape (see the module docs): shared memory (floats) q G·hd, scores G·L, then the larger of
-/// the warps' partial rows (warps·hr·hd) and the combine's (round_up(2G, 4) + 4·R·G·hd/4, R =
-/// max(1, threads / (G·hd/4))), as `gqa_split` in kernels/attention.cu lays it out; hr is as
-/// many heads as fit in the 48 KB budget.
-fn split_plan(shape: GqaShape, chunk: usize) -> Option<SplitPlan> {
+/// shape (see the module docs): shared memory (floats) q G·hd, scores G·L, the runs' α
+/// round_up(G, 4), then the larger of the warps' partial rows (warps·hr·hd) and the combine's
+/// (round_up(2G, 4) + 4·R·G·hd/4, R = max(1, threads / (G·hd/4))), as `gqa_split_runs` in
+/// kernels/attention.cu lays it out (`gqa_split` leaves out α); hr is as
+/// many heads as fit in the 48 KB budget. `s_max` keeps the grid near [`SPLIT_THREADS_PER_SM`]
+/// threads a SM on a device of `sms` SMs.
+fn split_plan(shape: GqaShape, chunk: usize, sms: usize) -> Option<SplitPlan> {
     let (h, kv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
     if !SPLIT_CHUNKS.contains(&chunk) || kv == 0 || kv > SPLIT_MAX_KV || h % kv != 0 {
         return None;
@@ -213,28 +229,45 @@ fn split_plan(shape: GqaShape, chunk: usize) -> Option<SplitPlan> {
     let ncol = g * hd / 4;
     let r = (threads / ncol).max(1);
     let comb = (2 * g).div_ceil(4) * 4 + 4 * r * ncol;
-    let fixed = g * hd + g * chunk;
+    let fixed = g * hd + g * chunk + g.div_ceil(4) * 4;
     let avail = SPLIT_SMEM_FLOATS.checked_sub(fixed)?;
     let hr = (avail / (nw * hd)).min(g);
     if hr == 0 || comb > avail {
         return None;
     }
-    let (entry, entry_dpos) = if hd <= 128 {
-        ("gqa_split_128", "gqa_split_128_dpos")
+    let entries = if hd <= 128 {
+        [
+            "gqa_split_128",
+            "gqa_split_128_dpos",
+            "gqa_split_runs_128",
+            "gqa_split_runs_128_dpos",
+        ]
     } else {
-        ("gqa_split_256", "gqa_split_256_dpos")
+        [
+            "gqa_split_256",
+            "gqa_split_256_dpos",
+            "gqa_split_runs_256",
+            "gqa_split_runs_256_dpos",
+        ]
     };
     Some(SplitPlan {
-        entry,
-        entry_dpos,
+        entries,
         chunk,
         threads: threads as u32,
         hr,
+        s_max: (sms * SPLIT_THREADS_PER_SM / (threads * kv)).max(1),
         smem: (fixed + (nw * hr * hd).max(comb)) * 4,
     })
 }
 
-/// Floats of the split kernel's partials for `s_cap` chunks: Σexp (f64) and the max per (chunk,
+/// Splits (blocks per KV head) of the split kernel at `n_ctx` positions: the chunks of L
+/// positions, in runs of ⌈chunks / s_max⌉ (as `gqa_split` counts them).
+fn split_count(n_ctx: usize, plan: &SplitPlan) -> usize {
+    let chunks = n_ctx.div_ceil(plan.chunk);
+    chunks.div_ceil(chunks.div_ceil(plan.s_max))
+}
+
+/// Floats of the split kernel's partials for `s_cap` splits: Σexp (f64) and the max per (split,
 /// KV head, head), then from a multiple of 4 the partial rows (see `gqa_split`).
 fn split_words(s_cap: usize, kv: usize, g: usize, hd: usize) -> usize {
     let n = s_cap * kv * g;
@@ -351,7 +384,7 @@ impl CudaBackend {
     /// The split decode kernel's launch shape for `shape` under the current setting, if it is on
     /// and takes the shape.
     pub(super) fn attn_split_plan(&self, shape: GqaShape) -> Option<SplitPlan> {
-        split_plan(shape, self.attn.split.load(Ordering::Relaxed))
+        split_plan(shape, self.attn.split.load(Ordering::Relaxed), self.sms as usize)
     }
 
     /// A decode step's GQA attention (n = 1) on the split kernel, if it takes the shape: true when
@@ -400,7 +433,10 @@ impl CudaBackend {
             pos0 < cap_rows,
             "gqa_split: position {pos0} past the caches' {cap_rows} rows"
         );
-        let s_cap = cap_rows.div_ceil(plan.chunk);
+        // Runs of chunks where the caches' capacity holds more chunks than s_max (a function of the
+        // capacity, so a recording and an op-by-op step at the same capacity take the same entry).
+        let runs = cap_rows.div_ceil(plan.chunk) > plan.s_max;
+        let s_cap = cap_rows.div_ceil(plan.chunk).min(plan.s_max);
         let words = split_words(s_cap, kv, g, hd);
         let recording = self.capturing();
         let rank = crate::backend::current_rank();
@@ -432,8 +468,7 @@ impl CudaBackend {
         } else {
             None
         };
-        let live = (pos0 + 1).div_ceil(plan.chunk);
-        let blocks = kv * if dpos { s_cap } else { live };
+        let blocks = kv * if dpos { s_cap } else { split_count(pos0 + 1, plan) };
         let mut a = RawArgs::default();
         a.buf(dev(q)).buf(dev(k)).buf(dev(v)).buf(dev_mut(out));
         a.buf(&sc.part).buf(&sc.cnt).opt_buf(xq.as_ref().map(dev));
@@ -443,7 +478,10 @@ impl CudaBackend {
             a.i32(pos0 as i32);
         }
         a.i32(h as i32).i32(kv as i32).i32(hd as i32);
-        a.f32(shape.scale).i32(s_cap as i32).i32(plan.hr as i32);
+        a.f32(shape.scale)
+            .i32(s_cap as i32)
+            .i32(plan.s_max as i32)
+            .i32(plan.hr as i32);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (plan.threads, 1, 1),
@@ -455,7 +493,7 @@ impl CudaBackend {
         // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
         // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
         // memory as split_plan; the kernel waits (griddep_wait) before touching memory.
-        unsafe { self.launch_chained(if dpos { plan.entry_dpos } else { plan.entry }, cfg, &mut a) };
+        unsafe { self.launch_chained(plan.entries[2 * runs as usize + dpos as usize], cfg, &mut a) };
         drop(map);
         super::attach_limbs(out, xq);
         true
@@ -476,7 +514,9 @@ impl CudaBackend {
     /// 1000 and 4097; hd 256 and 200 (two float4 columns a lane, the second partial), G = 16;
     /// chunk lengths 16 and 64; `sharp` cases (q ×8, keys scaled up along the positions, so the
     /// chunks' maxima differ widely); NaN in q, k or v and inf in v (`x=`: passes when the output
-    /// is non-finite exactly where the CPU engine's is and the rest agrees). The caches have 37
+    /// is non-finite exactly where the CPU engine's is and the rest agrees); `s_max=3` cases, where
+    /// blocks walk runs of chunks at any context (the device's own cap runs them only past ~1000
+    /// positions at the 8B shape: the 4097 cases). The caches have 37
     /// rows of NaN past the context (a row the kernel must not read), the output is NaN-filled
     /// first (an element left unwritten fails). `form=op` is the plain kernel, run twice (the
     /// second must be bitwise the first: the counters were reset); `form=dpos` the `_dpos` form
@@ -522,8 +562,26 @@ impl CudaBackend {
             cases.push((32, 8, 128, 1000, chunk0, x));
         }
         cases.push((6, 2, 68, 65, chunk0, "nan_k"));
+        // Runs of chunks a block at any context: the plan's split cap lowered to RUNS_S_MAX.
+        const RUNS_S_MAX: usize = 3;
+        let mut cases: Vec<_> = cases.into_iter().map(|c| (c, None)).collect();
+        for (h, kv, hd, ctx, kind) in [
+            (32usize, 8usize, 128usize, 65usize, ""),
+            (32, 8, 128, 1000, ""),
+            (6, 2, 68, 1000, ""),
+            (16, 1, 256, 1000, ""),
+            (8, 2, 200, 1000, ""),
+            (32, 8, 128, 1000, "sharp"),
+            (4, 4, 64, 4097, "sharp"),
+            (32, 8, 128, 1000, "nan_q"),
+            (32, 8, 128, 1000, "nan_k"),
+            (32, 8, 128, 1000, "nan_v"),
+            (32, 8, 128, 1000, "inf_v"),
+        ] {
+            cases.push(((h, kv, hd, ctx, chunk0, kind), Some(RUNS_S_MAX)));
+        }
         const PAD: usize = 37;
-        for (h, kv, hd, ctx, chunk, kind) in cases {
+        for ((h, kv, hd, ctx, chunk, kind), s_max) in cases {
             let s = GqaShape {
                 n_heads: h,
                 n_kv_heads: kv,
@@ -532,16 +590,19 @@ impl CudaBackend {
             };
             let kvw = kv * hd;
             let pos0 = ctx - 1;
-            let extra = if kind.is_empty() {
+            let mut extra = if kind.is_empty() {
                 String::new()
             } else if kind == "sharp" {
                 ",sharp".into()
             } else {
                 format!(",x={kind}")
             };
+            if let Some(m) = s_max {
+                extra += &format!(",s_max={m}");
+            }
             let name =
                 |form: &str| format!("ATTN_GQA_SPLIT(H={h},KV={kv},hd={hd},ctx={ctx},L={chunk}{extra},form={form})");
-            let Some(plan) = split_plan(s, chunk) else {
+            let Some(plan) = split_plan(s, chunk, self.sms as usize) else {
                 for form in ["op", "dpos"] {
                     out.push(KernelCheck {
                         case: name(form),
@@ -552,6 +613,10 @@ impl CudaBackend {
                     });
                 }
                 continue;
+            };
+            let plan = SplitPlan {
+                s_max: s_max.unwrap_or(plan.s_max),
+                ..plan
             };
             let seed = (h * 1000 + hd * 10 + ctx) as u64;
             let mut q = noise(h * hd, seed);
@@ -751,7 +816,7 @@ impl CudaBackend {
         let old_s = time(0)?;
         let mut split_s = Vec::new();
         for chunk in SPLIT_CHUNKS {
-            let t = if split_plan(s, chunk).is_some() {
+            let t = if split_plan(s, chunk, self.sms as usize).is_some() {
                 time(chunk)?
             } else {
                 f64::NAN
@@ -819,5 +884,36 @@ impl CudaBackend {
             tiled_s: time(true, false)?,
             tc_s: time(true, true)?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{split_count, split_plan, GqaShape};
+
+    #[test]
+    fn split_runs_start_past_s_max_chunks_and_cover_the_context() {
+        // The 8B shape (32/8 heads of 128) at L = 32 on 132 SMs: 256-thread blocks, 33 splits a KV
+        // head; a 513-token context is 17 chunks a block, 4097 tokens runs of 4 (33 splits).
+        let shape = GqaShape {
+            n_heads: 32,
+            n_kv_heads: 8,
+            head_dim: 128,
+            scale: 1.0,
+        };
+        let plan = split_plan(shape, 32, 132).expect("the 8B shape takes the split kernel");
+        assert_eq!(plan.s_max, 33);
+        assert_eq!(split_count(513, &plan), 17);
+        assert_eq!(split_count(1056, &plan), 33);
+        assert_eq!(split_count(4097, &plan), 33);
+        for n_ctx in 1usize..20_000 {
+            let chunks = n_ctx.div_ceil(plan.chunk);
+            let (s, run) = (split_count(n_ctx, &plan), chunks.div_ceil(plan.s_max));
+            assert!((1..=plan.s_max).contains(&s), "{n_ctx}: {s} splits");
+            assert!(
+                (s - 1) * run < chunks && chunks <= s * run,
+                "{n_ctx}: the runs miss a chunk"
+            );
+        }
     }
 }

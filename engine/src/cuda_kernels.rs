@@ -107,6 +107,10 @@ impl KernelId {
                 "gqa_split_128_dpos",
                 "gqa_split_256",
                 "gqa_split_256_dpos",
+                "gqa_split_runs_128",
+                "gqa_split_runs_128_dpos",
+                "gqa_split_runs_256",
+                "gqa_split_runs_256_dpos",
             ]
             .map(String::from)
             .to_vec(),
@@ -478,7 +482,7 @@ mod tests {
                             .is_some_and(|hd| src.contains(&format!("GQA_TILED({hd},")))
                     }
                     || {
-                        // gqa_split_<HD> and gqa_split_<HD>_dpos come from GQA_SPLIT(gqa_split_<HD>, CW).
+                        // gqa_split[_runs]_<HD>[_dpos] come from GQA_SPLIT(gqa_split[_runs]_<HD>, CW, RUNS).
                         let base = f.strip_suffix("_dpos").unwrap_or(&f);
                         f.starts_with("gqa_split_") && src.contains(&format!("GQA_SPLIT({base},"))
                     }

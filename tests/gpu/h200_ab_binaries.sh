@@ -1,9 +1,12 @@
 #!/bin/bash
 # An A/B of builds in one device call (issue #8, round 12): the 8B (and, with SMOL=1, smollm2)
 # decode/prefill bench of every binary in BINS (space-separated label=path), interleaved over
-# ROUNDS rounds (default 2) so that drift between calls cancels, then `kernels --bench` (summary)
-# of the binaries labelled in KBENCH_BINS.
-# Usage (GPU machine): BINS="a=.wtcuda/llmdiff_a b=.wtcuda/llmdiff_b" OUT=/some/dir bash tests/gpu/h200_ab_binaries.sh
+# ROUNDS rounds (default 2), every other round in reverse order (A B, B A: the first run of a
+# round read ~1 % faster in round 18), so that drift cancels, at each prompt length in PROMPTS
+# (default 512; the decode steps then run at that depth), then `kernels --bench` (summary) of the
+# binaries labelled in KBENCH_BINS.
+# Usage (GPU machine): BINS="a=.wtcuda/llmdiff_a b=.wtcuda/llmdiff_b" [PROMPTS="512 4000"] [ROUNDS=4] \
+#   OUT=/some/dir bash tests/gpu/h200_ab_binaries.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH}
 D=$(cd $(dirname $0) && pwd)
 W=/tmp/gpu; M=$W/models; mkdir -p $M
@@ -15,15 +18,19 @@ say "synth"
 [ -f $M/smollm2-135m.gguf ] || $B0 synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
 [ -f $M/llama8b.gguf ] || timeout 100 $B0 synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant Q4_K --seed 3 -o $M/llama8b.gguf >/dev/null 2>>$LOG
 say "model bench"
-for round in $(seq ${ROUNDS:-2}); do
-  for cfg in $BINS; do
-    label=${cfg%%=*}; B=${cfg#*=}
-    for m in llama8b ${SMOL:+smollm2-135m}; do
-      timeout 120 $B bench $M/$m.gguf --backend cuda --n-prompt 512 --n-decode 48 --reps 2 --json 2>>$LOG >$W/b.json
-      python3 -c "
+REV=$(for cfg in $BINS; do echo $cfg; done | tac | tr '\n' ' ')
+for np in ${PROMPTS:-512}; do
+  for round in $(seq ${ROUNDS:-2}); do
+    order=$BINS; [ $((round % 2)) = 0 ] && order=$REV
+    for cfg in $order; do
+      label=${cfg%%=*}; B=${cfg#*=}
+      for m in llama8b ${SMOL:+smollm2-135m}; do
+        timeout 120 $B bench $M/$m.gguf --backend cuda --n-prompt $np --n-decode 48 --reps 2 --json 2>>$LOG >$W/b.json
+        python3 -c "
 import json; d=json.load(open('$W/b.json')); g=d.get('decode_graphs') or {}
-print('$m $label', 'decode %.3f ms (plain %.3f)' % (d['decode_s_per_token']*1e3, g.get('decode_plain_s_per_token',0)*1e3),
+print('$m n_prompt $np $label', 'decode %.3f ms (plain %.3f)' % (d['decode_s_per_token']*1e3, g.get('decode_plain_s_per_token',0)*1e3),
       'prefill_last %.0f tok/s' % d['prefill_last_tok_s'], 'bitwise', g.get('logits_bitwise_equal'))" 2>&1 | tee -a $LOG
+      done
     done
   done
 done
