@@ -714,7 +714,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
 // (`split_plan` in cuda_attn.rs sizes it for the runs' layout).
 //
 // The two bodies stay apart: written as one (the plain entries a run of one), the plain entries
-// took ~2 % longer in the 8B decode step on the H200 (round 18), for the same arithmetic.
+// took ~2 % longer in the 8B decode step on the H200 (round 18), for the same arithmetic. They
+// share the pieces that leave the plain entries' SASS as it was measured (one instruction moved):
+// the scores, the position's own row, the warps' partial rows and the arrival and combine.
 
 #define AS_PPW 4
 
@@ -736,6 +738,84 @@ __device__ __forceinline__ double as_warp_sum64(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// The scores of a chunk's positions j0 + p·(warps) + w (the warp's K rows in kr) for the G heads:
+// es[h·L + i] = dot(q_h, k)·scale (the lane's columns by fmaf, then a warp butterfly), −inf past
+// n_ctx.
+template <int CW>
+__device__ __forceinline__ void as_scores(const float* qs, const float4 (&kr)[AS_PPW][CW], float* es, int G, int hd4,
+                                          int L, int nw, int w, int lane, int j0, int n_ctx, float scale) {
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int h = 0; h < G; h++) {
+        float4 qv[CW];
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
+        }
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                s = fmaf(qv[c].x, kr[p][c].x, s);
+                s = fmaf(qv[c].y, kr[p][c].y, s);
+                s = fmaf(qv[c].z, kr[p][c].z, s);
+                s = fmaf(qv[c].w, kr[p][c].w, s);
+            }
+            s = warp_sum(s);
+            if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
+        }
+    }
+}
+
+// Row pos0 of K and V (the q/k/v GEMV before this kernel appends it), by coherent loads after
+// griddep_wait, into the registers of the warp that holds it in the chunk at j0 (as as_rows).
+template <int CW>
+__device__ __forceinline__ void as_own_row(const float* __restrict__ k, const float* __restrict__ v,
+                                           float4 (&kr)[AS_PPW][CW], float4 (&vr)[AS_PPW][CW], int j0, int nw, int w,
+                                           int lane, int pos0, int kvw, int kvh, int hd) {
+    const int hd4 = hd >> 2;
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        if (j0 + p * nw + w != pos0) continue;
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) {
+                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
+                kr[p][c] = ldx16f(k + off);
+                vr[p][c] = ldx16f(v + off);
+            }
+        }
+    }
+}
+
+// The warp's share of the partial rows of heads h0 .. h0 + nh: Σ e_j·v_j over its positions (in
+// order), to red4[(w·nh + hh)·hd/4 + column].
+template <int CW>
+__device__ __forceinline__ void as_warp_rows(const float* es, const float4 (&vr)[AS_PPW][CW], float4* red4, int h0,
+                                             int nh, int L, int nw, int w, int lane, int hd4) {
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
+        float4 acc[CW];
+#pragma unroll
+        for (int c = 0; c < CW; c++) acc[c] = zero;
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            const float e = es[h * L + p * nw + w];
+#pragma unroll
+            for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
+        }
+    }
 }
 
 // A split's end, in every block of the split kernels: the arrival on the KV head's counter and, in
@@ -873,19 +953,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
     }
     griddep_wait();
-#pragma unroll
-    for (int p = 0; p < AS_PPW; p++) {
-        if (j0 + p * nw + w != pos0) continue;
-#pragma unroll
-        for (int c = 0; c < CW; c++) {
-            const int col = lane + 32 * c;
-            if (col < hd4) {
-                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
-                kr[p][c] = ldx16f(k + off);
-                vr[p][c] = ldx16f(v + off);
-            }
-        }
-    }
+    as_own_row<CW>(k, v, kr, vr, j0, nw, w, lane, pos0, kvw, kvh, hd);
     float* qs = as_sm;
     float* es = qs + G * hd;
     float* red = es + G * L;
@@ -893,28 +961,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
 
-    // Scores.
-    for (int h = 0; h < G; h++) {
-        float4 qv[CW];
-#pragma unroll
-        for (int c = 0; c < CW; c++) {
-            const int col = lane + 32 * c;
-            qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
-        }
-#pragma unroll
-        for (int p = 0; p < AS_PPW; p++) {
-            float s = 0.0f;
-#pragma unroll
-            for (int c = 0; c < CW; c++) {
-                s = fmaf(qv[c].x, kr[p][c].x, s);
-                s = fmaf(qv[c].y, kr[p][c].y, s);
-                s = fmaf(qv[c].z, kr[p][c].z, s);
-                s = fmaf(qv[c].w, kr[p][c].w, s);
-            }
-            s = warp_sum(s);
-            if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
-        }
-    }
+    as_scores<CW>(qs, kr, es, G, hd4, L, nw, w, lane, j0, n_ctx, scale);
     __syncthreads();
 
     // The chunk's max and Σ exp per head (a warp per head).
@@ -942,23 +989,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     float4* red4 = (float4*)red;
     for (int h0 = 0; h0 < G; h0 += hr) {
         const int nh = min(hr, G - h0);
-        for (int hh = 0; hh < nh; hh++) {
-            const int h = h0 + hh;
-            float4 acc[CW];
-#pragma unroll
-            for (int c = 0; c < CW; c++) acc[c] = zero;
-#pragma unroll
-            for (int p = 0; p < AS_PPW; p++) {
-                const float e = es[h * L + p * nw + w];
-#pragma unroll
-                for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
-            }
-#pragma unroll
-            for (int c = 0; c < CW; c++) {
-                const int col = lane + 32 * c;
-                if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
-            }
-        }
+        as_warp_rows<CW>(es, vr, red4, h0, nh, L, nw, w, lane, hd4);
         __syncthreads();
         for (int i = threadIdx.x; i < nh * hd4; i += blockDim.x) {
             float4 a = red4[i];
@@ -1025,19 +1056,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
     as_rows<CW, false>(k, kr, c0 * L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
     as_rows<CW, false>(v, vr, c0 * L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
     griddep_wait();
-#pragma unroll
-    for (int p = 0; p < AS_PPW; p++) {
-        if (c0 * L + p * nw + w != pos0) continue;
-#pragma unroll
-        for (int c = 0; c < CW; c++) {
-            const int col = lane + 32 * c;
-            if (col < hd4) {
-                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
-                kr[p][c] = ldx16f(k + off);
-                vr[p][c] = ldx16f(v + off);
-            }
-        }
-    }
+    as_own_row<CW>(k, v, kr, vr, c0 * L, nw, w, lane, pos0, kvw, kvh, hd);
     float* qs = as_sm;
     float* es = qs + G * hd;
     float* alpha = es + G * L;
@@ -1052,28 +1071,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
         const int j0 = ch * L;
         const bool first = ch == c0, more = ch + 1 < c1;
 
-        // Scores.
-        for (int h = 0; h < G; h++) {
-            float4 qv[CW];
-#pragma unroll
-            for (int c = 0; c < CW; c++) {
-                const int col = lane + 32 * c;
-                qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
-            }
-#pragma unroll
-            for (int p = 0; p < AS_PPW; p++) {
-                float s = 0.0f;
-#pragma unroll
-                for (int c = 0; c < CW; c++) {
-                    s = fmaf(qv[c].x, kr[p][c].x, s);
-                    s = fmaf(qv[c].y, kr[p][c].y, s);
-                    s = fmaf(qv[c].z, kr[p][c].z, s);
-                    s = fmaf(qv[c].w, kr[p][c].w, s);
-                }
-                s = warp_sum(s);
-                if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
-            }
-        }
+        as_scores<CW>(qs, kr, es, G, hd4, L, nw, w, lane, j0, n_ctx, scale);
         // The next chunk's K rows, in flight through this chunk's softmax and rows.
         if (more) as_rows<CW, true>(k, kr, j0 + L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
         __syncthreads();
@@ -1110,23 +1108,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
         // order, then (after the first chunk) α·(the split's row so far) + that.
         for (int h0 = 0; h0 < G; h0 += hr) {
             const int nh = min(hr, G - h0);
-            for (int hh = 0; hh < nh; hh++) {
-                const int h = h0 + hh;
-                float4 acc[CW];
-#pragma unroll
-                for (int c = 0; c < CW; c++) acc[c] = zero;
-#pragma unroll
-                for (int p = 0; p < AS_PPW; p++) {
-                    const float e = es[h * L + p * nw + w];
-#pragma unroll
-                    for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
-                }
-#pragma unroll
-                for (int c = 0; c < CW; c++) {
-                    const int col = lane + 32 * c;
-                    if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
-                }
-            }
+            as_warp_rows<CW>(es, vr, red4, h0, nh, L, nw, w, lane, hd4);
             // The next chunk's V rows, once this chunk's are all used.
             if (more && h0 + nh == G) as_rows<CW, true>(v, vr, j0 + L, nw, w, lane, pos0, kvw, kvh * hd, hd4);
             __syncthreads();
