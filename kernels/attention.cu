@@ -715,8 +715,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
 //
 // The two bodies stay apart: written as one (the plain entries a run of one), the plain entries
 // took ~2 % longer in the 8B decode step on the H200 (round 18), for the same arithmetic. They
-// share the pieces that leave the plain entries' SASS as it was measured (one instruction moved):
-// the scores, the position's own row, the warps' partial rows and the arrival and combine.
+// share the pieces that leave the plain entries' SASS as it was measured (a few instructions moved
+// or with commuted operands): the partials' layout, the scores, the position's own row, the
+// warps' partial rows and the arrival and combine.
 
 #define AS_PPW 4
 
@@ -818,10 +819,24 @@ __device__ __forceinline__ void as_warp_rows(const float* es, const float4 (&vr)
     }
 }
 
+// The split kernels' partials in `part` for N = s_cap·KV·G (layout above): Σe (f64), the maxima
+// and the partial rows.
+struct AsPart {
+    double* s;
+    float* m;
+    float* o;
+    __device__ __forceinline__ AsPart(float* part, int s_cap, int KV, int G) {
+        const size_t N = (size_t)s_cap * KV * G;
+        s = (double*)part;
+        m = part + 2 * N;
+        o = part + ((3 * N + 3) & ~(size_t)3);
+    }
+};
+
 // A split's end, in every block of the split kernels: the arrival on the KV head's counter and, in
 // the last block to arrive, the combine of its S splits and the output row (see above). `red`:
 // the block's shared memory past the scores.
-__device__ __forceinline__ void as_finish(float* part_m, double* part_s, float* part_o, unsigned* cnt, float* red,
+__device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float* red,
                                           float* __restrict__ out, u8* __restrict__ xq, int S, int kvh, int KV, int G,
                                           int hd, int n_heads) {
     __shared__ int as_last;
@@ -849,8 +864,8 @@ __device__ __forceinline__ void as_finish(float* part_m, double* part_s, float* 
     float* Is = red + G;
     float4* acc4 = (float4*)(red + ((2 * G + 3) & ~3));
     const size_t ms_stride = (size_t)KV * G;
-    const float* pm = part_m + (size_t)kvh * G;
-    const double* ps = part_s + (size_t)kvh * G;
+    const float* pm = pt.m + (size_t)kvh * G;
+    const double* ps = pt.s + (size_t)kvh * G;
     for (int h = w; h < G; h += nw) {
         float m = NEG_INF;
         for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(pm + s * ms_stride + h));
@@ -867,7 +882,7 @@ __device__ __forceinline__ void as_finish(float* part_m, double* part_s, float* 
     __syncthreads();
 
     const int R = max(1, (int)blockDim.x / ncol);
-    const float4* pc = (const float4*)(part_o + (size_t)kvh * G * hd);
+    const float4* pc = (const float4*)(pt.o + (size_t)kvh * G * hd);
     const size_t o_stride = (size_t)KV * ncol;
     for (int t = threadIdx.x; t < R * ncol; t += blockDim.x) {
         const int r = t / ncol, c = t - r * ncol, h = c / hd4;
@@ -926,10 +941,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     const float NEG_INF = -__int_as_float(0x7f800000);
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
-    const size_t N = (size_t)s_cap * KV * G;
-    double* part_s = (double*)part;
-    float* part_m = part + 2 * N;
-    float* part_o = part + ((3 * N + 3) & ~(size_t)3);
+    const AsPart pt(part, s_cap, KV, G);
     const size_t slot = (size_t)sp * KV + kvh;
 
     // The chunk's K and V rows, in flight while q is staged: the rows below the position (earlier
@@ -978,14 +990,14 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         sum = as_warp_sum64(sum);
         if (lane == 0) {
-            part_m[slot * G + h] = m;
-            part_s[slot * G + h] = sum;
+            pt.m[slot * G + h] = m;
+            pt.s[slot * G + h] = sum;
         }
     }
     __syncthreads();
 
     // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in order.
-    float4* po = (float4*)(part_o + slot * G * hd);
+    float4* po = (float4*)(pt.o + slot * G * hd);
     float4* red4 = (float4*)red;
     for (int h0 = 0; h0 < G; h0 += hr) {
         const int nh = min(hr, G - h0);
@@ -998,7 +1010,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         __syncthreads();
     }
-    as_finish(part_m, part_s, part_o, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
+    as_finish(pt, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
 }
 
 // Rows j0 + p·nw + w (p < AS_PPW) of one cache (K or V) of the KV head at column offset off0,
@@ -1044,10 +1056,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
     const float NEG_INF = -__int_as_float(0x7f800000);
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
-    const size_t N = (size_t)s_cap * KV * G;
-    double* part_s = (double*)part;
-    float* part_m = part + 2 * N;
-    float* part_o = part + ((3 * N + 3) & ~(size_t)3);
+    const AsPart pt(part, s_cap, KV, G);
     const size_t slot = (size_t)sp * KV + kvh;
 
     // The first chunk's K and V rows, in flight while q is staged: the rows below the position
@@ -1065,7 +1074,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
     for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
 
-    float4* po = (float4*)(part_o + slot * G * hd);
+    float4* po = (float4*)(pt.o + slot * G * hd);
     float4* red4 = (float4*)red;
     for (int ch = c0; ch < c1; ch++) {
         const int j0 = ch * L;
@@ -1082,7 +1091,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
             float m = NEG_INF;
             for (int i = lane; i < L; i += 32) m = fmaxf(m, es[h * L + i]);
             m = as_warp_max(m);
-            const float m_old = first ? NEG_INF : part_m[slot * G + h];
+            const float m_old = first ? NEG_INF : pt.m[slot * G + h];
             m = fmaxf(m_old, m);
             const float ms = m == NEG_INF ? 0.0f : m;
             double sum = 0.0;
@@ -1095,11 +1104,11 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
             if (lane == 0) {
                 if (!first) {
                     const float al = expf(m_old - ms);
-                    sum = part_s[slot * G + h] * (double)al + sum;
+                    sum = pt.s[slot * G + h] * (double)al + sum;
                     alpha[h] = al;
                 }
-                part_m[slot * G + h] = m;
-                part_s[slot * G + h] = sum;
+                pt.m[slot * G + h] = m;
+                pt.s[slot * G + h] = sum;
             }
         }
         __syncthreads();
@@ -1121,7 +1130,7 @@ __device__ __forceinline__ void gqa_split_runs(const float* __restrict__ q, cons
             __syncthreads();
         }
     }
-    as_finish(part_m, part_s, part_o, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
+    as_finish(pt, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
 }
 
 // The entries' body: a chunk a block, or runs of chunks (s_max is the runs' alone).
