@@ -435,8 +435,9 @@ impl CudaBackend {
         );
         // Runs of chunks where the caches' capacity holds more chunks than s_max (a function of the
         // capacity, so a recording and an op-by-op step at the same capacity take the same entry).
-        let runs = cap_rows.div_ceil(plan.chunk) > plan.s_max;
-        let s_cap = cap_rows.div_ceil(plan.chunk).min(plan.s_max);
+        let cap_chunks = cap_rows.div_ceil(plan.chunk);
+        let runs = cap_chunks > plan.s_max;
+        let s_cap = cap_chunks.min(plan.s_max);
         let words = split_words(s_cap, kv, g, hd);
         let recording = self.capturing();
         let rank = crate::backend::current_rank();
