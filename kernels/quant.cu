@@ -208,17 +208,20 @@ __device__ __forceinline__ void matmul_body(const u8* __restrict__ W, const floa
     }
 }
 
-// Embedding gather: out[t, :] = row ids[t] of W decoded, or zeros when ids[t] < 0 (a token
-// outside this rank's vocab range). One warp per token.
+// Embedding gather: out[t, :] = row ids[t] - start of W (n_rows rows) decoded, or zeros when that
+// is not a row (a token outside this rank's vocab range). One warp per token. A decode step
+// passes its token as read from device memory (a recorded step's, set before each replay) and its
+// shard's first token as `start`; a prefill its rows (start 0, -1 for none).
 template <int TY>
 __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int* __restrict__ ids,
-                                            float* __restrict__ out, int n, int cols, int row_bytes) {
+                                            float* __restrict__ out, int n, int cols, int row_bytes, int start,
+                                            int n_rows) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.x * (blockDim.x >> 5) + warp;
     if (t >= n) return;
     float* o = out + (size_t)t * cols;
-    int id = ids[t];
-    if (id < 0) {
+    const int tok = ids[t], id = tok - start;
+    if (tok < 0 || id < 0 || id >= n_rows) {
         for (int i = lane; i < cols; i += 32) o[i] = 0.0f;
         return;
     }
@@ -246,8 +249,8 @@ __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int*
         matmul_body<TY, 8>(W, x, out, rows, cols, row_bytes, n);                                          \
     }                                                                                                     \
     extern "C" __global__ void gather_##NAME(const u8* W, const int* ids, float* out, int n, int cols,    \
-                                             int row_bytes) {                                             \
-        gather_body<TY>(W, ids, out, n, cols, row_bytes);                                                 \
+                                             int row_bytes, int start, int n_rows) {                      \
+        gather_body<TY>(W, ids, out, n, cols, row_bytes, start, n_rows);                                  \
     }
 
 MATMUL_ENTRY(f32, TY_F32)

@@ -233,12 +233,19 @@ pub trait Backend: Send + Sync {
     /// Embedding gather: row `rows[t]` of `w` decoded into `out[t]`, or zeros for `None` (a token
     /// outside this rank's vocab range).
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
+    /// A decode step's embedding: `token`'s row of this rank's vocab shard `w` (its first token
+    /// `vocab_start`) into `out`, or zeros when the shard does not hold it. A backend with graphs
+    /// reads the token from where a replay sets it (see [`StepGraph::replay`]).
+    fn embed_token(&self, w: WeightRef<'_>, token: u32, vocab_start: usize, out: &mut Buf) {
+        let row = (token as usize).checked_sub(vocab_start).filter(|r| *r < w.rows());
+        self.embed_rows(w, &[row], out)
+    }
 
-    /// Starts recording the device work the calling thread issues next (a decode step after its
-    /// embedding) into a replayable graph, the step's token being at position `pos0`. Until
+    /// Starts recording the device work the calling thread issues next (a decode step, its
+    /// embedding included) into a replayable graph, the step's `token` being at position `pos0`. Until
     /// [`Backend::graph_end`] the work is recorded, not run, so nothing may be downloaded. Returns
     /// false where the backend has no graphs (the CPU, the default) or they are turned off.
-    fn graph_begin(&self, _pos0: usize) -> bool {
+    fn graph_begin(&self, _pos0: usize, _token: u32) -> bool {
         false
     }
     /// Ends the recording that [`Backend::graph_begin`] started and runs the recorded work once
@@ -267,12 +274,12 @@ pub trait Backend: Send + Sync {
 }
 
 /// A decode step's device work, recorded once by [`Backend::graph_begin`]/[`Backend::graph_end`]
-/// and replayed: the same kernels on the same buffers, with the position read from device
-/// memory. Valid while the buffers it recorded stay where they are (the engine drops it on any
+/// and replayed: the same kernels on the same buffers, with the position and the token read from
+/// device memory. Valid while the buffers it recorded stay where they are (the engine drops it on any
 /// other kind of step).
 pub trait StepGraph: Send {
-    /// Runs the recorded step again for the token at position `pos0` (its KV rows land there).
-    fn replay(&self, pos0: usize);
+    /// Runs the recorded step again for `token` at position `pos0` (its KV rows land there).
+    fn replay(&self, pos0: usize, token: u32);
     /// True when a step at `pos0` fits what was recorded (the KV caches' capacity and the
     /// attention's shared memory); otherwise the engine records a new graph.
     fn fits(&self, pos0: usize) -> bool;

@@ -505,7 +505,7 @@ impl CudaBackend {
         let p = pos as i32;
         let mut b = self.stream.launch_builder(self.func("set_i32"));
         b.arg(&*self.pos_dev).arg(&p);
-        // SAFETY: matches set_i32 in kernels/ops.cu; pos_dev holds one int.
+        // SAFETY: matches set_i32 in kernels/ops.cu; the position is pos_dev[0].
         ok(unsafe { b.launch(LaunchConfig::for_num_elems(1)) });
     }
 

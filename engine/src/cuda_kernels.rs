@@ -89,6 +89,7 @@ impl KernelId {
                 "rope_table_dpos",
                 "kv_append_dpos",
                 "set_i32",
+                "set_step",
                 "nop",
                 "moe_route",
             ]

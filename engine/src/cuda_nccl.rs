@@ -259,6 +259,9 @@ impl Backend for NcclBackend {
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
         self.dev().embed_rows(w, rows, out)
     }
+    fn embed_token(&self, w: WeightRef<'_>, token: u32, vocab_start: usize, out: &mut Buf) {
+        self.dev().embed_token(w, token, vocab_start, out)
+    }
 }
 
 #[cfg(test)]

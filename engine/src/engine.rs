@@ -12,9 +12,9 @@
 //! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
 //!
 //! Decode graphs: where the backend has them (CUDA), a plain decode step (no tap, no fault, no MoE
-//! or MLA) after another plain one is recorded once, layers and head, and replayed for the next
-//! tokens with only the embedding launched on its own; logits are bitwise those of the op-by-op
-//! step. Any other step drops the recording.
+//! or MLA) after another plain one is recorded once, embedding, layers and head, and replayed for
+//! the next tokens, which the replay sets on the device with the position; logits are bitwise those
+//! of the op-by-op step. Any other step drops the recording.
 
 use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
@@ -405,9 +405,31 @@ impl Engine {
             self.graph = None;
         }
 
-        // Vocab-parallel embedding, then all-reduce.
         let be = self.backend.as_ref();
         let parallel = be.parallel_ranks();
+        if graphable {
+            let pos0 = self.n_past;
+            match self.graph.as_ref().filter(|g| g.graph.fits(pos0)) {
+                Some(g) => {
+                    g.graph.replay(pos0, tokens[0]);
+                    let logits = download_logits(be, &g.logits, n);
+                    for r in &mut self.ranks {
+                        r.cache_appended(pos0, n);
+                    }
+                    self.n_past += n;
+                    return Ok(logits);
+                }
+                None => self.graph = None,
+            }
+        }
+        // Recorded only when the caches need not grow (growing allocates); the next step then.
+        let recording = graphable
+            && self.graph_warm
+            && self.ranks.iter().all(|r| r.cache_fits(self.n_past, n))
+            && be.graph_begin(self.n_past, tokens[0]);
+        self.graph_warm = graphable;
+
+        // Vocab-parallel embedding (recorded with the step), then all-reduce.
         let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.embed(&ctx, tokens));
         let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
         flush(tap, taps);
@@ -429,28 +451,6 @@ impl Engine {
                 }
             });
         }
-
-        if graphable {
-            let pos0 = self.n_past;
-            match self.graph.as_ref().filter(|g| g.graph.fits(pos0)) {
-                Some(g) => {
-                    g.graph.replay(pos0);
-                    let logits = download_logits(be, &g.logits, n);
-                    for r in &mut self.ranks {
-                        r.cache_appended(pos0, n);
-                    }
-                    self.n_past += n;
-                    return Ok(logits);
-                }
-                None => self.graph = None,
-            }
-        }
-        // Recorded only when the caches need not grow (growing allocates); the next step then.
-        let recording = graphable
-            && self.graph_warm
-            && self.ranks.iter().all(|r| r.cache_fits(self.n_past, n))
-            && be.graph_begin(self.n_past);
-        self.graph_warm = graphable;
 
         for layer_idx in 0..c.n_layers {
             self.weight_taps(tap, &plan, layer_idx);

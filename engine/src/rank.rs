@@ -243,11 +243,16 @@ impl Rank {
         let d = ctx.config.d_model;
         let mut out = be.alloc(tokens.len() * d);
         let range = &self.shard.vocab_range;
-        let rows: Vec<Option<usize>> = tokens
-            .iter()
-            .map(|&t| range.contains(&(t as usize)).then(|| t as usize - range.start))
-            .collect();
-        be.embed_rows(self.shard.embd.view(), &rows, &mut out);
+        if let [token] = tokens {
+            // A decode step's: recorded with the step where the backend has graphs.
+            be.embed_token(self.shard.embd.view(), *token, range.start, &mut out);
+        } else {
+            let rows: Vec<Option<usize>> = tokens
+                .iter()
+                .map(|&t| range.contains(&(t as usize)).then(|| t as usize - range.start))
+                .collect();
+            be.embed_rows(self.shard.embd.view(), &rows, &mut out);
+        }
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
         taps.emit_buf(be, Site::Embed, &out, d, Emit::Partial);
         PhaseOut { data: out, taps }
