@@ -318,11 +318,9 @@ extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict_
     cache[(size_t)(*pos_dev) * width + i] = src[i];
 }
 
-// *p = v (the token of a decode step run op by op, see set_step).
+// *p = v (a decode step's position or token run op by op; a recorded step's first node copies
+// both from page-locked host memory, StepWords in engine/src/cuda.rs).
 extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
-// A decode step's position and token, p[0] and p[1], set before each replay of a recorded step
-// (and before its recording): its kernels read them from there.
-extern "C" __global__ void set_step(int* p, int pos, int tok) { p[0] = pos, p[1] = tok; }
 
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).
 extern "C" __global__ void nop() {}

@@ -141,6 +141,10 @@ pub trait Backend: Send + Sync {
     fn upload(&self, data: &[f32]) -> Buf;
     /// The buffer's values on the host (waits for the work that writes them).
     fn download(&self, b: &Buf) -> Vec<f32>;
+    /// [`Backend::download`] into `out` (replaced), reusing its allocation where the backend can.
+    fn download_into(&self, b: &Buf, out: &mut Vec<f32>) {
+        *out = self.download(b);
+    }
     /// Sets every value of `b` (the canary fill, zeroing).
     fn fill(&self, b: &mut Buf, value: f32);
     /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.

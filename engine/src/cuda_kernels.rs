@@ -89,7 +89,6 @@ impl KernelId {
                 "rope_table_dpos",
                 "kv_append_dpos",
                 "set_i32",
-                "set_step",
                 "nop",
                 "moe_route",
             ]

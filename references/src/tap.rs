@@ -313,6 +313,11 @@ pub trait Tap: Send {
     fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
         self.record(key, &data, shape);
     }
+    /// True when the tap wants no key at all, so a caller need not ask for each (a decode step
+    /// asks for thousands).
+    fn wants_nothing(&self) -> bool {
+        false
+    }
 }
 
 /// A tap that wants nothing.
@@ -322,6 +327,9 @@ impl Tap for NoTap {
         false
     }
     fn record(&mut self, _: &TapKey, _: &[f32], _: [usize; 2]) {}
+    fn wants_nothing(&self) -> bool {
+        true
+    }
 }
 
 /// The columns of a full `[n, width]` activation (or the rows of a `[out, in]` weight, for

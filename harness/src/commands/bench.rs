@@ -79,18 +79,25 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             let prefill = best(&mut || e.prefill(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?;
             let prefill_comm = e.comm_stats();
             prefill_last_s = Some(best(&mut || e.prefill_last(&tokens).map(|_| ()).map_err(Into::into))?);
-            // A rep's decode: (the steady per-token time, the whole rep's wall, the logits).
-            let decode_rep = |e: &mut Engine| -> anyhow::Result<(f64, f64, Vec<Vec<f32>>)> {
+            // A rep's decode: (the steady per-token time, the whole rep's wall, every step's
+            // logits if `keep`). The timed reps take each step's logits into one buffer, as
+            // `generate` does (`Engine::decode_into`); kept, 48 fresh vocab-sized buffers cost
+            // their page faults inside the timing.
+            let decode_rep = |e: &mut Engine, keep: bool| -> anyhow::Result<(f64, f64, Vec<Vec<f32>>)> {
                 e.prefill_last(&tokens)?;
                 e.reset_comm_stats();
                 let mut logits = Vec::with_capacity(a.n_decode);
+                let mut step_logits = Vec::new();
                 let t0 = Instant::now();
                 let mut steady_t0 = t0;
                 for i in 0..a.n_decode as u32 {
                     if i as usize == WARM_STEPS {
                         steady_t0 = Instant::now();
                     }
-                    logits.push(e.decode((i * 31 + 7) % vocab, &mut NoTap)?);
+                    e.decode_into((i * 31 + 7) % vocab, &mut NoTap, &mut step_logits)?;
+                    if keep {
+                        logits.push(std::mem::take(&mut step_logits));
+                    }
                 }
                 let steady_steps = a.n_decode - warm_steps;
                 let steady = steady_t0.elapsed().as_secs_f64() / steady_steps.max(1) as f64;
@@ -103,12 +110,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 let mut plain_best = f64::INFINITY;
                 let mut plain_logits = Vec::new();
                 for _ in 0..a.reps {
-                    let (steady, _, l) = decode_rep(&mut e)?;
+                    let (steady, _, l) = decode_rep(&mut e, true)?;
                     plain_best = plain_best.min(steady);
                     plain_logits = l;
                 }
                 e.set_decode_graphs(true);
-                let (_, _, graph_logits) = decode_rep(&mut e)?;
+                let (_, _, graph_logits) = decode_rep(&mut e, true)?;
                 let max_abs = plain_logits
                     .iter()
                     .flatten()
@@ -126,7 +133,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             let decode = if a.n_decode > 0 {
                 let mut best_decode = f64::INFINITY;
                 for _ in 0..a.reps {
-                    let (steady, wall, _) = decode_rep(&mut e)?;
+                    let (steady, wall, _) = decode_rep(&mut e, false)?;
                     decode_with_warmup = decode_with_warmup.min(wall / a.n_decode as f64);
                     if steady < best_decode {
                         best_decode = steady;
