@@ -34,8 +34,9 @@
 //!   MLA and the shapes neither takes keep a block per (token, head).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
-//!   (the embedding gather's row ids), the downloads of wanted taps (made at record time), the
-//!   logits, and for MoE models the chosen experts and their weights (routing runs on the
+//!   (a prefill's row ids; a decode step's token as a kernel argument, or with its position in
+//!   page-locked words a recorded step copies), the downloads of wanted taps (made at record time),
+//!   the logits (through a page-locked staging buffer), and for MoE models the chosen experts and their weights (routing runs on the
 //!   device, `moe_route`). A custom op's output buffer is the caller's, canary-filled on the device
 //!   when tapped, so an element the kernel never writes keeps the canary.
 //! - All of a device's work goes on one stream, in issue order: the simulated ranks enqueue their
@@ -46,9 +47,11 @@
 //! - Freed buffers go to a per-device pool by capacity and are reused (see [`BufPool`]), so a
 //!   decode step makes no allocation calls after the first.
 //! - Decode graphs ([`Backend::graph_begin`]/[`Backend::graph_end`]): a plain decode step's work
-//!   is recorded by stream capture and replayed as one `cuGraphLaunch` per token. While recording,
-//!   RoPE, the KV append (also in the q/k/v GEMV's store) and GQA attention take their `*_dpos` forms, which read the position
-//!   from a device word set before each replay (the split attention's grid and partials cover the
+//!   is recorded by stream capture, its embedding included, and replayed as one `cuGraphLaunch`
+//!   per token. While recording, RoPE, the KV append (also in the q/k/v GEMV's store) and GQA
+//!   attention take their `*_dpos` forms, which read the position from a device word, and the
+//!   gather reads the token from the next; the graph's first node copies both from page-locked
+//!   host words a replay writes (`StepWords`; the split attention's grid and partials cover the
 //!   KV cache's capacity; the per-(token, head) kernel's shared memory is sized for it); an
 //!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
