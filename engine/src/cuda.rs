@@ -35,10 +35,11 @@
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (a prefill's row ids; a decode step's token as a kernel argument, or with its position in
-//!   page-locked words a recorded step copies), the downloads of wanted taps (made at record time),
-//!   the logits (through a page-locked staging buffer), and for MoE models the chosen experts and their weights (routing runs on the
-//!   device, `moe_route`). A custom op's output buffer is the caller's, canary-filled on the device
-//!   when tapped, so an element the kernel never writes keeps the canary.
+//!   page-locked words a recorded step copies), the downloads of wanted taps (made at record
+//!   time), the logits (through a page-locked staging buffer), and for MoE models the chosen
+//!   experts and their weights (routing runs on the device, `moe_route`). A custom op's output
+//!   buffer is the caller's, canary-filled on the device when tapped, so an element the kernel
+//!   never writes keeps the canary.
 //! - All of a device's work goes on one stream, in issue order: the simulated ranks enqueue their
 //!   ops there in rank order from the driver thread ([`Backend::parallel_ranks`] is false), with
 //!   their own buffers, and the all-reduce that follows needs no host synchronization (only
@@ -55,7 +56,8 @@
 //!   KV cache's capacity; the per-(token, head) kernel's shared memory is sized for it); an
 //!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
-//!   `cuLaunchKernel` (cudarc's builder adds nothing measurable); a graph node costs ~0.7 µs.
+//!   `cuLaunchKernel` back to back (cudarc's builder adds nothing measurable; the first launch
+//!   after a synchronization took 8.5 µs in round 19); a graph node costs ~0.7 µs.
 //! - A decode step's kernels are chained by programmatic dependent launch (off with
 //!   `LLMDIFF_PDL=0`): the warp-rows GEMVs (`launch_pdl`) and the one-token norms, SwiGLU and
 //!   split attention (`launch_chained`; `LLMDIFF_PDL_CHAIN=0` launches these plainly) start while

@@ -200,3 +200,19 @@ pub fn flush(tap: &mut dyn Tap, ranks: Vec<RankTaps<'_>>) {
         tap.record_owned(&key, data, [n_rows, width]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use references::tap::{CollectTap, NoTap};
+
+    #[test]
+    fn a_tap_that_wants_nothing_plans_nothing_and_others_are_asked() {
+        assert!(TapPlan::build(&NoTap, 4, 2).is_empty());
+        // The same answer without the shortcut (a filter that refuses every key).
+        assert!(TapPlan::build(&CollectTap::new(|_: &TapKey| false), 4, 2).is_empty());
+        let want = TapKey::ranked(3, Site::AttnOut, 1);
+        let plan = TapPlan::build(&CollectTap::new(move |k: &TapKey| *k == want), 4, 2);
+        assert!(plan.wants(&want) && !plan.wants(&TapKey::ranked(2, Site::AttnOut, 1)));
+    }
+}

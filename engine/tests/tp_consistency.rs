@@ -1,5 +1,6 @@
 //! The engine against itself: every valid TP degree gives the same logits as TP 1, decode over
-//! the KV cache matches a longer prefill, and invalid TP degrees are refused with the constraint.
+//! the KV cache (`decode` and `decode_into`) matches a longer prefill, and invalid TP degrees
+//! are refused with the constraint.
 
 mod common;
 
@@ -60,8 +61,15 @@ fn decode_matches_prefill() {
             };
             let mut e = Engine::load(&m.file, opts).unwrap();
             e.prefill(&toks[..3], &mut NoTap).unwrap();
+            // decode and decode_into by turns, the latter into a reused buffer (replaced whole).
+            let mut reused = vec![f32::NAN; 3];
             for (i, &t) in toks[3..].iter().enumerate() {
-                let row = e.decode(t, &mut NoTap).unwrap();
+                let row = if i % 2 == 0 {
+                    e.decode(t, &mut NoTap).unwrap()
+                } else {
+                    e.decode_into(t, &mut NoTap, &mut reused).unwrap();
+                    reused.clone()
+                };
                 let want = &full[(3 + i) * v..(4 + i) * v];
                 let err = rel_l2(&row, want);
                 assert!(err < 1e-5, "{name} {storage:?}: decode step {i}: rel_l2 {err}");
