@@ -25,7 +25,7 @@ pub mod taps;
 pub mod weights;
 
 pub use backend::{Backend, BackendKind, CommStats, CpuBackend};
-pub use engine::{valid_tp_degrees, Engine, EngineOptions};
+pub use engine::{argmax, valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};
 pub use weights::WeightStorage;

@@ -36,7 +36,9 @@ pub enum Command {
     /// to see what a broken deployment answers).
     #[command(after_help = crate::cli::FAULT_HELP.as_str())]
     Generate(GenerateArgs),
-    /// Time prefill and decode on a backend (the figures peers are compared against).
+    /// Time prefill and decode on a backend (the figures peers are compared against). The last
+    /// decode step's logits are checked against a prefill of the same tokens; exit 1 if they
+    /// differ (the timing would be of a wrong result).
     Bench(BenchArgs),
     /// The CUDA kernels: compile them all (--check also tests each against the CPU engine's), or
     /// time the quantized GEMV against the device's copy bandwidth (--bench). Needs --features cuda.

@@ -4,6 +4,10 @@
 //! engine, to the last token's only (`prefill_last_s`, as llama.cpp's prompt processing and
 //! `generate`: lm_head on one row, one row brought back). Decode is timed per token in steady
 //! state, after the warm-up steps that follow a prefill (see [`WARM_STEPS`]), and with them.
+//! The last timed decode step's logits are then checked against a prefill of the prompt and the
+//! decoded tokens, another path through other kernels (`decode_check`; exit 1 past
+//! [`DECODE_CHECK_TOL`]): a GPU kernel that never writes its output still agrees with itself
+//! between the decode graph and the op-by-op step, but not with this.
 
 use crate::cli::{BackendArg, BenchArgs};
 use crate::output::open_model;
@@ -27,6 +31,23 @@ pub fn peak_rss_kib() -> Option<u64> {
 /// it. Both are reported: `decode_s_per_token` (steady) and `decode_s_per_token_with_warmup`.
 const WARM_STEPS: usize = 2;
 
+/// The largest rel_l2 between the last decode step's logits and a prefill's of the same tokens
+/// (`decode_check`): 4× the logits' tolerance against the reference (2.5e-4, see
+/// `compare::Tolerances`), which each side meets on its own. An output never written, a stale KV
+/// row or a wrong token puts it near 1.
+const DECODE_CHECK_TOL: f64 = 1e-3;
+
+/// `decode_check`: the last decode step's logits `got` against a prefill's `want`.
+fn check_decode(got: &[f32], want: &[f32]) -> serde_json::Value {
+    let rel_l2 = if got.len() == want.len() {
+        crate::compare::metrics(got, want).rel_l2
+    } else {
+        f64::INFINITY
+    };
+    json!({"rel_l2": rel_l2, "tolerance": DECODE_CHECK_TOL,
+        "argmax_equal": engine::argmax(got) == engine::argmax(want), "pass": rel_l2 <= DECODE_CHECK_TOL})
+}
+
 pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&a.model)?;
     if a.n_prompt == 0 || a.reps == 0 {
@@ -48,6 +69,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let mut engine_backend = None;
     let mut comm = serde_json::Value::Null;
     let mut graphs = serde_json::Value::Null;
+    let mut decode_check = serde_json::Value::Null;
+    // The token fed at decode step i.
+    let decode_token = |i: u32| (i * 31 + 7) % vocab;
     // Prefill to the last token's logits only (as llama.cpp's prompt processing and `generate`):
     // engine backends; `prefill_s` is to every position's logits (as an HF forward).
     let mut prefill_last_s: Option<f64> = None;
@@ -83,7 +107,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             // logits if `keep`). The timed reps take each step's logits into one buffer, as
             // `generate` does (`Engine::decode_into`); kept, 48 fresh vocab-sized buffers cost
             // their page faults inside the timing.
-            let decode_rep = |e: &mut Engine, keep: bool| -> anyhow::Result<(f64, f64, Vec<Vec<f32>>)> {
+            type Rep = (f64, f64, Vec<Vec<f32>>, Vec<f32>);
+            let decode_rep = |e: &mut Engine, keep: bool| -> anyhow::Result<Rep> {
                 e.prefill_last(&tokens)?;
                 e.reset_comm_stats();
                 let mut logits = Vec::with_capacity(a.n_decode);
@@ -94,14 +119,19 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                     if i as usize == WARM_STEPS {
                         steady_t0 = Instant::now();
                     }
-                    e.decode_into((i * 31 + 7) % vocab, &mut NoTap, &mut step_logits)?;
+                    e.decode_into(decode_token(i), &mut NoTap, &mut step_logits)?;
                     if keep {
                         logits.push(std::mem::take(&mut step_logits));
                     }
                 }
                 let steady_steps = a.n_decode - warm_steps;
                 let steady = steady_t0.elapsed().as_secs_f64() / steady_steps.max(1) as f64;
-                Ok((steady, t0.elapsed().as_secs_f64(), logits))
+                let last = if keep {
+                    logits.last().cloned().unwrap_or_default()
+                } else {
+                    step_logits
+                };
+                Ok((steady, t0.elapsed().as_secs_f64(), logits, last))
             };
             // On a device backend, decode is also timed with decode graphs off (one launch per
             // op), and the two runs' logits are compared.
@@ -110,12 +140,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 let mut plain_best = f64::INFINITY;
                 let mut plain_logits = Vec::new();
                 for _ in 0..a.reps {
-                    let (steady, _, l) = decode_rep(&mut e, true)?;
+                    let (steady, _, l, _) = decode_rep(&mut e, true)?;
                     plain_best = plain_best.min(steady);
                     plain_logits = l;
                 }
                 e.set_decode_graphs(true);
-                let (_, _, graph_logits) = decode_rep(&mut e, true)?;
+                let (_, _, graph_logits, _) = decode_rep(&mut e, true)?;
                 let max_abs = plain_logits
                     .iter()
                     .flatten()
@@ -132,8 +162,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             }
             let decode = if a.n_decode > 0 {
                 let mut best_decode = f64::INFINITY;
+                let mut last = Vec::new();
                 for _ in 0..a.reps {
-                    let (steady, wall, _) = decode_rep(&mut e, false)?;
+                    let (steady, wall, _, l) = decode_rep(&mut e, false)?;
+                    last = l;
                     decode_with_warmup = decode_with_warmup.min(wall / a.n_decode as f64);
                     if steady < best_decode {
                         best_decode = steady;
@@ -148,6 +180,16 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                         }
                     }
                 }
+                // The timed path against an independent one: the last step's logits against a
+                // prefill of the prompt and every decoded token (GEMM and prefill attention in
+                // place of GEMV and decode attention), so a fast wrong result does not pass as a
+                // timing.
+                let all: Vec<u32> = tokens
+                    .iter()
+                    .copied()
+                    .chain((0..a.n_decode as u32).map(decode_token))
+                    .collect();
+                decode_check = check_decode(&last, &e.prefill_last(&all)?);
                 Some(best_decode)
             } else {
                 None
@@ -171,7 +213,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         "decode_warm_steps": warm_steps,
         "decode_s_per_token_with_warmup": decode_s.map(|_| decode_with_warmup), "peak_rss_kib": rss,
         "model_bytes": file.file_size(), "engine_backend": engine_backend, "comm": comm,
-        "decode_graphs": graphs,
+        "decode_graphs": graphs, "decode_check": decode_check,
     });
     if a.json {
         println!("{doc}");
@@ -206,6 +248,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 graphs["logits_max_abs_diff"].as_f64().unwrap_or(f64::NAN)
             );
         }
+        if let Some(r) = doc["decode_check"]["rel_l2"].as_f64() {
+            println!(
+                "decode check: the last step's logits against a prefill of the same tokens: rel_l2 {r:.2e} (tolerance {DECODE_CHECK_TOL:.0e})"
+            );
+        }
         if let Some(share) = comm.get("decode_allreduce_share").and_then(|v| v.as_f64()) {
             let coll = comm["decode_collective_share"].as_f64().unwrap_or(0.0);
             println!(
@@ -222,5 +269,53 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    if doc["decode_check"]["pass"] == false {
+        eprintln!(
+            "bench: the decode steps' logits differ from a prefill's of the same tokens (rel_l2 {:.3e} > {DECODE_CHECK_TOL:.0e}): the decode timing is of a wrong result",
+            doc["decode_check"]["rel_l2"].as_f64().unwrap_or(f64::NAN)
+        );
+        return Ok(ExitCode::from(1));
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    #[test]
+    fn the_decode_check_fails_on_a_wrong_result() {
+        let want: Vec<f32> = (0..1000).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.1).collect();
+        let close: Vec<f32> = want.iter().map(|x| x * (1.0 + 1e-5)).collect();
+        assert_eq!(check_decode(&close, &want)["pass"], true);
+        // An output never written (zeros), a NaN, a shifted row: each fails.
+        assert_eq!(check_decode(&vec![0.0; 1000], &want)["pass"], false);
+        let mut nan = want.clone();
+        nan[7] = f32::NAN;
+        assert_eq!(check_decode(&nan, &want)["pass"], false);
+        assert_eq!(check_decode(&want[1..], &want[..999])["pass"], false);
+        assert_eq!(check_decode(&want[..10], &want)["pass"], false);
+    }
+
+    #[test]
+    fn a_cpu_bench_passes_its_decode_check() {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../golden/deepseek-v3-tiny.f32.gguf");
+        let argv = [
+            "llmdiff",
+            "bench",
+            model,
+            "--backend",
+            "cpu",
+            "--n-prompt",
+            "6",
+            "--n-decode",
+            "4",
+        ];
+        let cli = <Cli as clap::Parser>::try_parse_from(argv.iter().chain(&["--reps", "1", "--json"])).unwrap();
+        let Command::Bench(a) = cli.command else {
+            panic!("parsed as another command")
+        };
+        assert_eq!(run(&a).unwrap(), ExitCode::SUCCESS);
+    }
 }
