@@ -32,7 +32,8 @@ for np in ${PROMPTS:-512}; do
         python3 -c "
 import json; d=json.load(open('$W/b.json')); g=d.get('decode_graphs') or {}
 print('$m n_prompt $np $label', 'decode %.3f ms (plain %.3f)' % (d['decode_s_per_token']*1e3, g.get('decode_plain_s_per_token',0)*1e3),
-      'prefill_last %.0f tok/s' % d['prefill_last_tok_s'], 'bitwise', g.get('logits_bitwise_equal'))" 2>&1 | tee -a $LOG
+      'prefill_last %.0f tok/s' % d['prefill_last_tok_s'], 'bitwise', g.get('logits_bitwise_equal'),
+      'decode check rel_l2', (d.get('decode_check') or {}).get('rel_l2'))" 2>&1 | tee -a $LOG
       done
     done
   done

@@ -50,7 +50,8 @@ for l in open(sys.argv[1]):
     d = json.loads(l)
     g = d.get("decode_graphs") or {}
     print(d["label"], "decode %.3f ms (with warm-up %.3f, graphs off %.3f)" % (d["decode_s_per_token"] * 1e3, d["decode_s_per_token_with_warmup"] * 1e3, g.get("decode_plain_s_per_token", 0) * 1e3),
-          "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]), "prefill_all %.4f s" % d["prefill_s"], "graphs bitwise:", g.get("logits_bitwise_equal"))
+          "prefill_last %.4f s (%.0f tok/s)" % (d["prefill_last_s"], d["prefill_last_tok_s"]), "prefill_all %.4f s" % d["prefill_s"], "graphs bitwise:", g.get("logits_bitwise_equal"),
+          "decode check rel_l2:", (d.get("decode_check") or {}).get("rel_l2"))
 PY
 say "healthy diff-layers"
 for p in deepseek-v3-mini glm5-mini smollm2-135m; do
