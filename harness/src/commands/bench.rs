@@ -104,11 +104,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             let prefill_comm = e.comm_stats();
             prefill_last_s = Some(best(&mut || e.prefill_last(&tokens).map(|_| ()).map_err(Into::into))?);
             // A rep's decode: (the steady per-token time, the whole rep's wall, every step's
-            // logits if `keep`). The timed reps take each step's logits into one buffer, as
+            // logits if `keep`, else the last step's only). The timed reps take each step's logits into one buffer, as
             // `generate` does (`Engine::decode_into`); kept, 48 fresh vocab-sized buffers cost
             // their page faults inside the timing.
-            type Rep = (f64, f64, Vec<Vec<f32>>, Vec<f32>);
-            let decode_rep = |e: &mut Engine, keep: bool| -> anyhow::Result<Rep> {
+            let decode_rep = |e: &mut Engine, keep: bool| -> anyhow::Result<(f64, f64, Vec<Vec<f32>>)> {
                 e.prefill_last(&tokens)?;
                 e.reset_comm_stats();
                 let mut logits = Vec::with_capacity(a.n_decode);
@@ -126,12 +125,11 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 }
                 let steady_steps = a.n_decode - warm_steps;
                 let steady = steady_t0.elapsed().as_secs_f64() / steady_steps.max(1) as f64;
-                let last = if keep {
-                    logits.last().cloned().unwrap_or_default()
-                } else {
-                    step_logits
-                };
-                Ok((steady, t0.elapsed().as_secs_f64(), logits, last))
+                let wall = t0.elapsed().as_secs_f64();
+                if !keep {
+                    logits.push(step_logits);
+                }
+                Ok((steady, wall, logits))
             };
             // On a device backend, decode is also timed with decode graphs off (one launch per
             // op), and the two runs' logits are compared.
@@ -140,12 +138,12 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 let mut plain_best = f64::INFINITY;
                 let mut plain_logits = Vec::new();
                 for _ in 0..a.reps {
-                    let (steady, _, l, _) = decode_rep(&mut e, true)?;
+                    let (steady, _, l) = decode_rep(&mut e, true)?;
                     plain_best = plain_best.min(steady);
                     plain_logits = l;
                 }
                 e.set_decode_graphs(true);
-                let (_, _, graph_logits, _) = decode_rep(&mut e, true)?;
+                let (_, _, graph_logits) = decode_rep(&mut e, true)?;
                 let max_abs = plain_logits
                     .iter()
                     .flatten()
@@ -164,8 +162,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 let mut best_decode = f64::INFINITY;
                 let mut last = Vec::new();
                 for _ in 0..a.reps {
-                    let (steady, wall, _, l) = decode_rep(&mut e, false)?;
-                    last = l;
+                    let (steady, wall, mut l) = decode_rep(&mut e, false)?;
+                    last = l.pop().unwrap_or_default();
                     decode_with_warmup = decode_with_warmup.min(wall / a.n_decode as f64);
                     if steady < best_decode {
                         best_decode = steady;
