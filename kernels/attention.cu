@@ -858,6 +858,7 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
+    TRACE_MARK(25);
     if (!as_last) return;
 
     float* Ms = red;
@@ -880,6 +881,7 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
+    TRACE_MARK(26);
 
     const int R = max(1, (int)blockDim.x / ncol);
     const float4* pc = (const float4*)(pt.o + (size_t)kvh * G * hd);
@@ -906,6 +908,7 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         acc4[t] = a;
     }
     __syncthreads();
+    TRACE_MARK(27);
 
     float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
     for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
@@ -972,9 +975,11 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     const float4* q4 = (const float4*)(q + (size_t)kvh * G * hd);
     for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
+    TRACE_MARK(21);
 
     as_scores<CW>(qs, kr, es, G, hd4, L, nw, w, lane, j0, n_ctx, scale);
     __syncthreads();
+    TRACE_MARK(22);
 
     // The chunk's max and Σ exp per head (a warp per head).
     for (int h = w; h < G; h += nw) {
@@ -995,6 +1000,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
     }
     __syncthreads();
+    TRACE_MARK(23);
 
     // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in order.
     float4* po = (float4*)(pt.o + slot * G * hd);
@@ -1010,6 +1016,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         __syncthreads();
     }
+    TRACE_MARK(24);
     as_finish(pt, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
 }
 
@@ -1156,6 +1163,7 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
         int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr) {                                   \
+        TRACE_BLOCK(TRACE_ATTN_SPLIT);                                                                         \
         griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                         \
         gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap,       \
                                s_max, hr);                                                                     \
@@ -1165,6 +1173,7 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap,          \
         int s_max, int hr) {                                                                                   \
+        TRACE_BLOCK(TRACE_ATTN_SPLIT);                                                                         \
         griddep_launch();                                                                                      \
         gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap,   \
                                s_max, hr);                                                                     \

@@ -127,7 +127,85 @@ __device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
 // completed and its writes are visible (at once for a plain launch), so before it such a kernel
 // reads nothing an earlier kernel wrote (only weights) and writes nothing. griddep_launch() lets
 // the next kernel, if so launched, start before this one ends.
-__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+//
+// Kernel trace (`llmdiff bench --trace`; compiled in only with -DLLMDIFF_TRACE, see cuda.rs
+// `KernelTrace`): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag) records the
+// block's start, its griddep_wait's return (0: it never waited) and its end (%globaltimer, ns),
+// then tag | SM << 8 | block << 16 | grid << 40, as 4 u64 words at the slot it took from
+// llmdiff_trace_n at its start (past llmdiff_trace_cap nothing is written; the count still
+// grows, so the host sees the overflow). The slot's atomic is issued at the start and its
+// result used only at the end, so a traced block waits for no round trip of its own.
+#ifdef LLMDIFF_TRACE
+__device__ u64* llmdiff_trace_rec;
+__device__ u32* llmdiff_trace_n;
+__device__ u32 llmdiff_trace_cap;
+__shared__ u64 llmdiff_trace_wait;
+__device__ __forceinline__ u64 trace_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+struct TraceBlock {
+    u64 t0;
+    u32 slot, tag;
+    __device__ __forceinline__ explicit TraceBlock(u32 tag_) : t0(0), slot(0xffffffffu), tag(tag_) {
+        if (threadIdx.x == 0) {
+            t0 = trace_now();
+            llmdiff_trace_wait = 0;
+            slot = atomicAdd(llmdiff_trace_n, 1u);
+        }
+    }
+    __device__ __forceinline__ ~TraceBlock() {
+        if (threadIdx.x == 0 && slot < llmdiff_trace_cap) {
+            u32 sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            u64* r = llmdiff_trace_rec + 4 * (size_t)slot;
+            r[0] = t0;
+            r[1] = llmdiff_trace_wait;
+            r[2] = trace_now();
+            r[3] = (u64)(tag & 0xff) | ((u64)(sm & 0xff) << 8) | ((u64)(blockIdx.x & 0xffffff) << 16) |
+                   ((u64)(gridDim.x & 0xffffff) << 40);
+        }
+    }
+};
+#define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
+// With -DLLMDIFF_TRACE_MARK=n, the mark n (a point inside a kernel, numbered where it stands)
+// takes the place of the wait's return in the record: where a kernel's time goes, a point at a
+// time.
+#ifdef LLMDIFF_TRACE_MARK
+#define TRACE_MARK(n)                                                                    \
+    do {                                                                                 \
+        if ((n) == LLMDIFF_TRACE_MARK && threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
+    } while (0)
+#endif
+#define TRACE_WAIT()                                         \
+    do {                                                     \
+        if (threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
+    } while (0)
+#else
+#define TRACE_BLOCK(tag)
+#define TRACE_MARK(n)
+#define TRACE_WAIT() \
+    do {             \
+    } while (0)
+#endif
+#ifndef TRACE_MARK
+#define TRACE_MARK(n)
+#endif
+// Trace tags (cuda.rs `TRACE_TAGS` names them).
+#define TRACE_GEMVW 1
+#define TRACE_GEMVT 2
+#define TRACE_GEMVB 3
+#define TRACE_ATTN_SPLIT 4
+#define TRACE_RMS_NORM 5
+#define TRACE_ADD_RMS_NORM 6
+#define TRACE_SWIGLU 7
+#define TRACE_X_LIMBS 8
+#define TRACE_GATHER 9
+__device__ __forceinline__ void griddep_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    TRACE_WAIT();
+}
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // 16, 8 or 4 bytes of weights (never written during a run) through the read-only path, not kept in

@@ -145,6 +145,7 @@ __device__ __forceinline__ void gemvt_q4_k_body(const GemvRows& m, const u8* __r
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nsb = cols >> 8, row0 = blockIdx.x * RT;
+    TRACE_BLOCK(TRACE_GEMVT);
     griddep_launch();  // the norm, SwiGLU or attention after it may be launched early (PDL)
     // Lane l copies quant chunk l % 8 of rows 4i + l/8 (i < 4T), row l's header (l < RT), and x
     // chunks l and l + 32 (< 58). Rows past the end repeat the last row (computed, never stored).

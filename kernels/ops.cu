@@ -12,12 +12,14 @@ __device__ __forceinline__ void rms_norm_one(float4 v, float4 w, float* __restri
                 (double)v.w * (double)v.w;
     ss = block_sum_f64(ss, scratch);
     float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
+    TRACE_MARK(12);
     if (i >= (d >> 2)) return;
     v.x = v.x * scale * w.x;
     v.y = v.y * scale * w.y;
     v.z = v.z * scale * w.z;
     v.w = v.w * scale * w.w;
     ((float4*)o)[i] = v;
+    TRACE_MARK(13);
     if (xq) x_limbs4(v, i, xq, d, true);
 }
 
@@ -83,6 +85,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     // Launched early (PDL, common.cuh): lets the GEMV after it start, then waits for its input.
     // The weight, which no kernel writes, is loaded before the wait, so its round trip overlaps
     // the kernel before.
+    TRACE_BLOCK(TRACE_RMS_NORM);
     griddep_launch();
     const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && (int)threadIdx.x < (d >> 2);
     const float4 w = ld4_or_zero(weight, threadIdx.x, live);
@@ -112,6 +115,7 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
                                         int f16_round, u8* __restrict__ xq) {
+    TRACE_BLOCK(TRACE_ADD_RMS_NORM);
     griddep_launch();  // as rms_norm, the weight loaded before the wait
     const int i = threadIdx.x;
     const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && i < (d >> 2);
@@ -128,6 +132,7 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
         v.z = resid_add(v.z, av.z, f16_round);
         v.w = resid_add(v.w, av.w, f16_round);
         if (live) ((float4*)xr)[i] = v;
+        TRACE_MARK(11);
         rms_norm_one(v, w, orow, d, eps, xq);
         return;
     }
@@ -239,6 +244,7 @@ extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
 // The same for one row of len values (len % 128 == 0), a thread per 4, and the result's int8
 // limbs for the integer GEMV (x_limbs4).
 extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {
+    TRACE_BLOCK(TRACE_SWIGLU);
     griddep_launch();  // as rms_norm
     griddep_wait();
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;

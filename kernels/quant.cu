@@ -250,6 +250,7 @@ __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int*
     }                                                                                                     \
     extern "C" __global__ void gather_##NAME(const u8* W, const int* ids, float* out, int n, int cols,    \
                                              int row_bytes, int start, int n_rows) {                      \
+        TRACE_BLOCK(TRACE_GATHER);                                                                        \
         gather_body<TY>(W, ids, out, n, cols, row_bytes, start, n_rows);                                  \
     }
 
@@ -565,6 +566,7 @@ __device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
 
 // A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
 extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
+    TRACE_BLOCK(TRACE_X_LIMBS);
     griddep_launch();  // the GEMV after it may start early (PDL, common.cuh)
     const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = i4 < cols / 4;
@@ -859,6 +861,7 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     constexpr int STEP = NW * 32 * U;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_units = cols / V, row0 = blockIdx.x * R;
+    TRACE_BLOCK(TRACE_GEMVW);
     griddep_launch();  // the norm, SwiGLU or attention after it may be launched early (PDL)
     const u8* rp[R];
 #pragma unroll
@@ -1013,6 +1016,7 @@ template <int R, int NW, int MODE, int S>
 __device__ __forceinline__ void gemvb_body(const GemvRows& m, const u8* __restrict__ xq, int rows, int cols,
                                            int row_bytes) {
     constexpr int TY = TY_Q4_K, V = MODE == 3 ? 64 : 32;
+    TRACE_BLOCK(TRACE_GEMVB);
     extern __shared__ __align__(16) u8 gb_smem[];
     const size_t stage_bytes = (size_t)R * row_bytes;  // row_bytes % 16 == 0 (144 per super-block)
     u64* full = (u64*)(gb_smem + S * stage_bytes);

@@ -275,6 +275,34 @@ pub trait Backend: Send + Sync {
         None
     }
     fn reset_comm_stats(&self) {}
+    /// Empties the kernel trace (see [`BlockTrace`]); false where the backend keeps none (built
+    /// without it, or the CPU).
+    fn kernel_trace_reset(&self) -> bool {
+        false
+    }
+    /// The blocks the kernel trace recorded since [`Backend::kernel_trace_reset`] (waits for the
+    /// work in flight), and how many it had no room for; `None` where the backend keeps none.
+    fn kernel_trace_take(&self) -> Option<(Vec<BlockTrace>, usize)> {
+        None
+    }
+}
+
+/// One block of a traced kernel launch (`bench --trace`; on CUDA, `EngineOptions::kernel_trace`):
+/// device timestamps in ns, on one clock for every SM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockTrace {
+    /// What the kernel is (e.g. "gemv", "attention"): the backend's name for the kernel family.
+    pub kernel: &'static str,
+    pub block: u32,
+    /// Blocks in the launch.
+    pub grid: u32,
+    /// The multiprocessor the block ran on.
+    pub sm: u32,
+    pub start: u64,
+    /// When the block's wait for the kernel before it returned (programmatic dependent launch),
+    /// if it waited.
+    pub wait: Option<u64>,
+    pub end: u64,
 }
 
 /// A decode step's device work, recorded once by [`Backend::graph_begin`]/[`Backend::graph_end`]

@@ -69,7 +69,7 @@
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
 //! since the [`Backend`] ops are infallible.
 
-use crate::backend::{Backend, Buf, BufRepr, CommClock, CommStats, CpuBackend};
+use crate::backend::{Backend, BlockTrace, Buf, BufRepr, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{
     gemvb_smem, pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS,
 };
@@ -92,6 +92,8 @@ pub use gemm::GemmBench;
 
 #[path = "cuda_gemv_tc.rs"]
 mod gemv_tc;
+#[path = "cuda_trace.rs"]
+mod trace;
 
 /// Warp-rows GEMVs take programmatic dependent launch unless `LLMDIFF_PDL=0` (see `launch_pdl`):
 /// 8B decode 2.11 against 2.23 ms on the H200, graph-replayed logits bitwise the op-by-op step's.
@@ -201,19 +203,33 @@ fn arch_name(major: i32, minor: i32) -> &'static str {
     }
 }
 
-type PtxCache = Mutex<HashMap<(KernelId, &'static str), Ptx>>;
+type PtxCache = Mutex<HashMap<(KernelId, &'static str, bool), Ptx>>;
 
-/// Compiles one module for `arch` (cached per process). A compile error names the kernel file.
-pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
+/// Compiles one module for `arch`, with the kernel trace compiled in when `trace` (see
+/// `cuda_trace.rs`; cached per process). A compile error names the kernel file.
+pub fn compile(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, EngineError> {
     static CACHE: OnceLock<PtxCache> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
-    if let Some(p) = cache.lock().expect("ptx cache").get(&(id, arch)) {
+    if let Some(p) = cache.lock().expect("ptx cache").get(&(id, arch, trace)) {
         return Ok(p.clone());
+    }
+    let mut options = vec!["-std=c++17".to_string()];
+    if trace {
+        options.push("-DLLMDIFF_TRACE".into());
+    }
+    // Kernel experiments: `LLMDIFF_NVRTC_DEFINES=NAME[=V]:NAME...` defines each for every module
+    // (one binary A/B'd against itself under other kernel forms).
+    if let Ok(defs) = std::env::var("LLMDIFF_NVRTC_DEFINES") {
+        options.extend(
+            defs.split([':', ' '])
+                .filter(|d| !d.is_empty())
+                .map(|d| format!("-D{d}")),
+        );
     }
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec!["/usr/local/cuda/include".into()],
-        options: vec!["-std=c++17".into()],
+        options,
         ..Default::default()
     };
     let ptx = guarded("NVRTC", || {
@@ -225,7 +241,7 @@ pub fn compile(id: KernelId, arch: &'static str) -> Result<Ptx, EngineError> {
             EngineError::KernelCompile { kernel: id.file(), msg }
         })
     })?;
-    cache.lock().expect("ptx cache").insert((id, arch), ptx.clone());
+    cache.lock().expect("ptx cache").insert((id, arch, trace), ptx.clone());
     Ok(ptx)
 }
 
@@ -659,6 +675,8 @@ pub struct CudaBackend {
     /// through pageable memory (with the embedding recorded in the decode graph: 8B decode 1.97
     /// against 1.99 ms, smollm2 0.62 against 0.66 ms on the H200, round 19).
     staging: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
+    /// The kernel trace's buffer, when the kernels were compiled with it (`with_trace`).
+    trace: Option<Mutex<trace::KernelTrace>>,
 }
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -689,6 +707,12 @@ impl CudaBackend {
 
     /// Opens device `ordinal` and compiles every kernel module for it.
     pub fn on_device(ordinal: usize) -> Result<CudaBackend, EngineError> {
+        CudaBackend::with_trace(ordinal, false)
+    }
+
+    /// [`CudaBackend::on_device`], with the kernel trace compiled in when `trace` (see
+    /// `cuda_trace.rs`; `Backend::kernel_trace_take` reads it).
+    pub fn with_trace(ordinal: usize, trace: bool) -> Result<CudaBackend, EngineError> {
         let ctx = guarded("CUDA driver", || {
             let n = CudaContext::device_count().map_err(drv("CUDA driver"))?;
             if (n.max(0) as usize) <= ordinal {
@@ -731,12 +755,16 @@ impl CudaBackend {
         let attn_smem_max = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_or(48 << 10, |b| b.max(48 << 10) as usize);
+        let trace = trace.then(|| trace::KernelTrace::new(&stream)).transpose()?;
         let mut funcs = HashMap::new();
         for id in KernelId::ALL {
-            let ptx = compile(id, arch)?;
+            let ptx = compile(id, arch, trace.is_some())?;
             let module = ctx
                 .load_module(ptx)
                 .map_err(drv(&format!("loading kernel module {}", id.file())))?;
+            if let Some(t) = &trace {
+                t.attach(&module, &stream)?;
+            }
             for f in id.functions() {
                 let func = module
                     .load_function(&f)
@@ -756,6 +784,13 @@ impl CudaBackend {
                     None => None,
                 };
                 if let Some(bytes) = smem {
+                    // Static shared memory (the kernel trace's word, where compiled in) counts
+                    // against the same limit.
+                    let fixed = func
+                        .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+                        .map_err(drv(&format!("static shared memory of {f}")))?
+                        .max(0) as usize;
+                    let bytes = bytes.min(attn_smem_max.saturating_sub(fixed));
                     func.set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                         bytes as i32,
@@ -788,6 +823,7 @@ impl CudaBackend {
             step_words,
             rope_table: Mutex::new(None),
             staging: Mutex::new(None),
+            trace: trace.map(Mutex::new),
         })
     }
 
@@ -2207,6 +2243,17 @@ impl Backend for CudaBackend {
         self.clock.reset()
     }
 
+    fn kernel_trace_reset(&self) -> bool {
+        // Stream-ordered: the work before it writes its records first.
+        let Some(t) = &self.trace else { return false };
+        t.lock().expect("trace").reset(&self.stream).is_ok()
+    }
+
+    fn kernel_trace_take(&self) -> Option<(Vec<BlockTrace>, usize)> {
+        let t = self.trace.as_ref()?.lock().expect("trace");
+        Some(t.take(&self.stream).unwrap_or_else(|e| panic!("{e}")))
+    }
+
     fn graph_begin(&self, pos0: usize, token: u32) -> bool {
         if !self.graphs_on {
             return false;
@@ -2716,7 +2763,18 @@ impl CudaBackend {
         }
         // Decode-sized rows (one block of 1024 threads, float4 and scalar paths, rows longer
         // than the block) next to the small shapes.
-        for (n, d) in [(1usize, 576usize), (7, 1000), (3, 64), (1, 4096), (3, 8200), (2, 4098)] {
+        for (n, d) in [
+            (1usize, 576usize),
+            (7, 1000),
+            (3, 64),
+            (1, 4096),
+            (1, 8192),
+            (1, 8196),
+            (1, 4098),
+            (1, 100),
+            (3, 8200),
+            (2, 4098),
+        ] {
             let x = noise(n * d, 11);
             let wt = noise(d, 12);
             let (g, c) = both(self, |be| {
@@ -2850,15 +2908,31 @@ impl CudaBackend {
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
             self.weights.lock().expect("weight map").clear();
         }
-        // The residual add fused with the next norm: x after the add, then the normed rows.
-        for (d, n, f16) in [(4096usize, 2usize, false), (4098, 3, true), (576, 5, false)] {
+        // The residual add fused with the next norm: x after the add, then the normed rows; on
+        // the GPU also against the add and the norm as two launches, bit for bit.
+        for (d, n, f16) in [
+            (4096usize, 2usize, false),
+            (4098, 3, true),
+            (576, 5, false),
+            (4096, 1, false),
+            (4096, 1, true),
+            (576, 1, false),
+            (8192, 1, false),
+            (8196, 1, true),
+        ] {
             let (x, a, wt) = (noise(n * d, 19), noise(n * d, 20), noise(d, 21));
             let (g, c) = both(self, |be| {
                 let (mut xb, mut o) = (be.upload(&x), be.alloc(n * d));
                 be.add_rms_norm(&mut xb, &be.upload(&a), f16, &wt, 1e-5, &mut o);
                 [be.download(&xb), be.download(&o)].concat()
             });
-            out.push(compare(format!("ADD_RMS_NORM(ne=[{d},{n}],f16={f16})"), &g, &c, 1e-6));
+            let case = format!("ADD_RMS_NORM(ne=[{d},{n}],f16={f16})");
+            out.push(compare(case.clone(), &g, &c, 1e-6));
+            let (mut xb, mut o) = (self.upload(&x), self.alloc(n * d));
+            self.add_assign(&mut xb, &self.upload(&a), f16);
+            self.rms_norm(&xb, &wt, 1e-5, &mut o);
+            let two = [self.download(&xb), self.download(&o)].concat();
+            out.push(compare(format!("{case}_VS_SEPARATE"), &g, &two, 0.0));
         }
         // q and k in one launch: 5 + 2 heads (a chunk spanning both), MLA-like offsets.
         for (ql, kl, pos0) in [

@@ -64,13 +64,18 @@ fn wants_real_ranks(tp: usize, n_devices: usize) -> Result<bool, EngineError> {
 }
 
 /// The cuda backend for TP `tp`: real ranks over NCCL or simulated ranks on one GPU (see the
-/// module docs).
-pub fn cuda_backend(tp: usize) -> Result<Box<dyn Backend>, EngineError> {
+/// module docs), with the kernel trace compiled in when `trace` (one GPU only).
+pub fn cuda_backend(tp: usize, trace: bool) -> Result<Box<dyn Backend>, EngineError> {
     let n = CudaBackend::device_count();
     if wants_real_ranks(tp, n)? {
+        if trace {
+            return Err(EngineError::Cuda(
+                "the kernel trace runs on one GPU: set LLMDIFF_CUDA_RANKS=simulated".into(),
+            ));
+        }
         Ok(Box::new(NcclBackend::new(tp)?))
     } else {
-        Ok(Box::new(CudaBackend::new()?))
+        Ok(Box::new(CudaBackend::with_trace(0, trace)?))
     }
 }
 

@@ -16,7 +16,7 @@
 //! the next tokens, which the replay sets on the device with the position; logits are bitwise those
 //! of the op-by-op step. Any other step drops the recording.
 
-use crate::backend::{as_rank, Backend, BackendKind, Buf, CommStats, CpuBackend, StepGraph};
+use crate::backend::{as_rank, Backend, BackendKind, BlockTrace, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
 use crate::rank::{NormAt, PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
@@ -36,6 +36,9 @@ pub struct EngineOptions {
     pub backend: BackendKind,
     /// Quantized shards decoded in the matmul, or f32 shards.
     pub storage: WeightStorage,
+    /// Compile the device kernels with the kernel trace (`bench --trace`; see
+    /// [`Engine::kernel_trace_take`]). Ignored on the CPU.
+    pub kernel_trace: bool,
 }
 
 impl Default for EngineOptions {
@@ -45,6 +48,7 @@ impl Default for EngineOptions {
             faults: Vec::new(),
             backend: BackendKind::Cpu,
             storage: WeightStorage::default(),
+            kernel_trace: false,
         }
     }
 }
@@ -209,7 +213,7 @@ impl Engine {
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => crate::cuda_nccl::cuda_backend(opts.tp)?,
+            BackendKind::Cuda => crate::cuda_nccl::cuda_backend(opts.tp, opts.kernel_trace)?,
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
                 return Err(EngineError::Cuda(
@@ -286,6 +290,17 @@ impl Engine {
     /// All-reduce time since the last [`Engine::reset_comm_stats`], where the backend keeps it.
     pub fn comm_stats(&self) -> Option<CommStats> {
         self.backend.comm_stats()
+    }
+
+    /// Empties the kernel trace; false where the backend keeps none (see
+    /// [`EngineOptions::kernel_trace`]).
+    pub fn kernel_trace_reset(&self) -> bool {
+        self.backend.kernel_trace_reset()
+    }
+
+    /// The kernel blocks traced since [`Engine::kernel_trace_reset`], and how many had no room.
+    pub fn kernel_trace_take(&self) -> Option<(Vec<BlockTrace>, usize)> {
+        self.backend.kernel_trace_take()
     }
 
     pub fn reset_comm_stats(&self) {

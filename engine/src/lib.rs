@@ -24,7 +24,7 @@ pub mod rank;
 pub mod taps;
 pub mod weights;
 
-pub use backend::{Backend, BackendKind, CommStats, CpuBackend};
+pub use backend::{Backend, BackendKind, BlockTrace, CommStats, CpuBackend};
 pub use engine::{argmax, valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};

@@ -376,6 +376,13 @@ pub struct BenchArgs {
     /// Print the result as JSON on stdout (logs stay on stderr).
     #[arg(long)]
     pub json: bool,
+    /// `--backend cuda`: compile the kernels with the kernel trace, trace one steady decode step
+    /// and write it to this file as a Chrome trace (chrome://tracing, ui.perfetto.dev): every
+    /// block of every GEMV, norm, SwiGLU and attention launch on its SM's track. Where the step's
+    /// time goes is printed (and under "kernel_trace" in --json). The other figures are then of
+    /// the traced kernels, a little slower than the plain ones.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
 }
 
 /// How to reach a live OpenAI-compatible server (`entropy --server`, `gate --server`).

@@ -11,6 +11,7 @@ pub mod dump;
 pub mod entropy;
 pub mod golden;
 pub mod junit;
+pub mod kernel_trace;
 pub mod logprobs;
 pub mod output;
 pub mod server;

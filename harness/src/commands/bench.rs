@@ -48,10 +48,72 @@ fn check_decode(got: &[f32], want: &[f32]) -> serde_json::Value {
         "argmax_equal": engine::argmax(got) == engine::argmax(want), "pass": rel_l2 <= DECODE_CHECK_TOL})
 }
 
+/// `--trace`: after a prefill and the warm-up steps, one replayed decode step traced, written to
+/// `path` as a Chrome trace; returns the summary (`crate::kernel_trace::summary`) with the step's
+/// host wall time.
+fn trace_step(e: &mut Engine, tokens: &[u32], path: &std::path::Path) -> anyhow::Result<serde_json::Value> {
+    e.prefill_last(tokens)?;
+    let mut logits = Vec::new();
+    for i in 0..=WARM_STEPS as u32 {
+        e.decode_into(i, &mut NoTap, &mut logits)?;
+    }
+    if !e.kernel_trace_reset() {
+        bail!("this backend keeps no kernel trace");
+    }
+    let t0 = Instant::now();
+    e.decode_into(WARM_STEPS as u32 + 1, &mut NoTap, &mut logits)?;
+    let wall = t0.elapsed().as_secs_f64();
+    let (blocks, dropped) = e.kernel_trace_take().unwrap_or_default();
+    if blocks.is_empty() {
+        bail!("the kernel trace recorded no block");
+    }
+    let chrome = crate::kernel_trace::chrome_trace(&blocks);
+    std::fs::write(path, serde_json::to_vec(&chrome)?)
+        .map_err(|err| anyhow::anyhow!("writing {}: {err}", path.display()))?;
+    let mut s = crate::kernel_trace::summary(&blocks, dropped);
+    s["step_wall_s"] = json!(wall);
+    s["file"] = json!(path.display().to_string());
+    Ok(s)
+}
+
+/// The trace summary as a table: the launch shapes that cost the step the most first.
+fn print_trace(t: &serde_json::Value) {
+    let f = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.2}"));
+    println!(
+        "kernel trace of one decode step ({}): {} launches, {} blocks ({} dropped), {} µs from the first block's start \
+         to the last one's end, {} µs of it with no traced block running; host wall {:.3} ms",
+        t["file"].as_str().unwrap_or("?"),
+        t["launches"],
+        t["blocks"],
+        t["dropped_blocks"],
+        f(&t["span_us"]),
+        f(&t["idle_us"]),
+        t["step_wall_s"].as_f64().unwrap_or(f64::NAN) * 1e3
+    );
+    println!(
+        "  {:<22} {:>6} {:>12} {:>10} {:>12} {:>14}",
+        "launch[grid]", "count", "exposed µs", "each µs", "release µs", "after wait µs"
+    );
+    for r in t["by_launch"].as_array().into_iter().flatten() {
+        println!(
+            "  {:<22} {:>6} {:>12} {:>10} {:>12} {:>14}",
+            r["launch"].as_str().unwrap_or("?"),
+            r["count"],
+            f(&r["exposed_us"]),
+            f(&r["exposed_us_each"]),
+            f(&r["release_us_mean"]),
+            f(&r["after_wait_us_mean"])
+        );
+    }
+}
+
 pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&a.model)?;
     if a.n_prompt == 0 || a.reps == 0 {
         bail!("--n-prompt and --reps must be at least 1");
+    }
+    if a.trace.is_some() && (!matches!(a.backend, BackendArg::Cuda) || a.n_decode <= WARM_STEPS) {
+        bail!("--trace needs --backend cuda and --n-decode over {WARM_STEPS} (it traces a replayed decode step)");
     }
     let vocab = references::ModelConfig::from_header(&file.header)?.vocab as u32;
     let tokens: Vec<u32> = (0..a.n_prompt as u32)
@@ -70,6 +132,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let mut comm = serde_json::Value::Null;
     let mut graphs = serde_json::Value::Null;
     let mut decode_check = serde_json::Value::Null;
+    let mut trace = serde_json::Value::Null;
     // The token fed at decode step i.
     let decode_token = |i: u32| (i * 31 + 7) % vocab;
     // Prefill to the last token's logits only (as llama.cpp's prompt processing and `generate`):
@@ -92,6 +155,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 EngineOptions {
                     tp: a.tp,
                     backend: a.backend.engine_kind().unwrap_or_default(),
+                    kernel_trace: a.trace.is_some(),
                     ..EngineOptions::default()
                 },
             )?;
@@ -188,6 +252,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                     .chain((0..a.n_decode as u32).map(decode_token))
                     .collect();
                 decode_check = check_decode(&last, &e.prefill_last(&all)?);
+                if let Some(path) = &a.trace {
+                    trace = trace_step(&mut e, &tokens, path)?;
+                }
                 Some(best_decode)
             } else {
                 None
@@ -211,7 +278,7 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
         "decode_warm_steps": warm_steps,
         "decode_s_per_token_with_warmup": decode_s.map(|_| decode_with_warmup), "peak_rss_kib": rss,
         "model_bytes": file.file_size(), "engine_backend": engine_backend, "comm": comm,
-        "decode_graphs": graphs, "decode_check": decode_check,
+        "decode_graphs": graphs, "decode_check": decode_check, "kernel_trace": trace,
     });
     if a.json {
         println!("{doc}");
@@ -250,6 +317,9 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
             println!(
                 "decode check: the last step's logits against a prefill of the same tokens: rel_l2 {r:.2e} (tolerance {DECODE_CHECK_TOL:.0e})"
             );
+        }
+        if !trace.is_null() {
+            print_trace(&trace);
         }
         if let Some(share) = comm.get("decode_allreduce_share").and_then(|v| v.as_f64()) {
             let coll = comm["decode_collective_share"].as_f64().unwrap_or(0.0);
@@ -315,5 +385,25 @@ mod tests {
             panic!("parsed as another command")
         };
         assert_eq!(run(&a).unwrap(), ExitCode::SUCCESS);
+    }
+
+    #[test]
+    fn the_kernel_trace_is_refused_off_the_gpu() {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../golden/deepseek-v3-tiny.f32.gguf");
+        let argv = [
+            "llmdiff",
+            "bench",
+            model,
+            "--backend",
+            "cpu",
+            "--trace",
+            "/nonexistent/t.json",
+        ];
+        let cli = <Cli as clap::Parser>::try_parse_from(argv).unwrap();
+        let Command::Bench(a) = cli.command else {
+            panic!("parsed as another command")
+        };
+        let err = run(&a).unwrap_err().to_string();
+        assert!(err.contains("--trace needs --backend cuda"), "{err}");
     }
 }
