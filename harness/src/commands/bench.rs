@@ -366,43 +366,26 @@ mod tests {
         assert_eq!(check_decode(&want[..10], &want)["pass"], false);
     }
 
-    #[test]
-    fn a_cpu_bench_passes_its_decode_check() {
+    /// `llmdiff bench` on the tiny golden model on the CPU, with `extra` arguments.
+    fn cpu_bench(extra: &[&str]) -> BenchArgs {
         let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../golden/deepseek-v3-tiny.f32.gguf");
-        let argv = [
-            "llmdiff",
-            "bench",
-            model,
-            "--backend",
-            "cpu",
-            "--n-prompt",
-            "6",
-            "--n-decode",
-            "4",
-        ];
-        let cli = <Cli as clap::Parser>::try_parse_from(argv.iter().chain(&["--reps", "1", "--json"])).unwrap();
+        let argv = ["llmdiff", "bench", model, "--backend", "cpu"];
+        let cli = <Cli as clap::Parser>::try_parse_from(argv.iter().chain(extra)).unwrap();
         let Command::Bench(a) = cli.command else {
             panic!("parsed as another command")
         };
+        a
+    }
+
+    #[test]
+    fn a_cpu_bench_passes_its_decode_check() {
+        let a = cpu_bench(&["--n-prompt", "6", "--n-decode", "4", "--reps", "1", "--json"]);
         assert_eq!(run(&a).unwrap(), ExitCode::SUCCESS);
     }
 
     #[test]
     fn the_kernel_trace_is_refused_off_the_gpu() {
-        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../golden/deepseek-v3-tiny.f32.gguf");
-        let argv = [
-            "llmdiff",
-            "bench",
-            model,
-            "--backend",
-            "cpu",
-            "--trace",
-            "/nonexistent/t.json",
-        ];
-        let cli = <Cli as clap::Parser>::try_parse_from(argv).unwrap();
-        let Command::Bench(a) = cli.command else {
-            panic!("parsed as another command")
-        };
+        let a = cpu_bench(&["--trace", "/nonexistent/t.json"]);
         let err = run(&a).unwrap_err().to_string();
         assert!(err.contains("--trace needs --backend cuda"), "{err}");
     }
