@@ -128,11 +128,11 @@ __device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
 // reads nothing an earlier kernel wrote (only weights) and writes nothing. griddep_launch() lets
 // the next kernel, if so launched, start before this one ends.
 //
-// Kernel trace (`llmdiff bench --trace`; compiled in only with -DLLMDIFF_TRACE, see cuda.rs
-// `KernelTrace`): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag) records the
-// block's start, its griddep_wait's return (0: it never waited) and its end (%globaltimer, ns),
-// then tag | SM << 8 | block << 16 | grid << 40, as 4 u64 words at the slot it took from
-// llmdiff_trace_n at its start (past llmdiff_trace_cap nothing is written; the count still
+// Kernel trace (`llmdiff bench --trace`; compiled in only with -DLLMDIFF_TRACE, see
+// engine/src/cuda_trace.rs): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag)
+// records the block's start, its griddep_wait's return (0: it never waited) and its end
+// (%globaltimer, ns), then tag | SM << 8 | block << 16 | grid << 40, as 4 u64 words at the slot
+// it took from llmdiff_trace_n at its start (past llmdiff_trace_cap nothing is written; the count still
 // grows, so the host sees the overflow). The slot's atomic is issued at the start and its
 // result used only at the end, so a traced block waits for no round trip of its own.
 #ifdef LLMDIFF_TRACE

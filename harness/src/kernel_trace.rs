@@ -67,6 +67,22 @@ pub fn launches(blocks: &[BlockTrace]) -> Vec<Launch> {
     out
 }
 
+/// Each launch against the one before it (the module docs): its exposed time and its release,
+/// in ns (the first launch is measured from its own start).
+fn placed(ls: &[Launch]) -> Vec<(u64, Option<i64>)> {
+    let mut prev_end = ls.first().map_or(0, |l| l.start);
+    ls.iter()
+        .map(|l| {
+            let p = (
+                l.end.saturating_sub(prev_end),
+                l.wait.map(|w| w as i64 - prev_end as i64),
+            );
+            prev_end = prev_end.max(l.end);
+            p
+        })
+        .collect()
+}
+
 /// Nanoseconds to microseconds.
 fn us(ns: u64) -> f64 {
     ns as f64 / 1e3
@@ -103,16 +119,14 @@ pub fn summary(blocks: &[BlockTrace], dropped: usize) -> Value {
         after: Vec<u64>,
     }
     let mut by: BTreeMap<String, Acc> = BTreeMap::new();
-    let mut prev_end = ls.first().map_or(0, |l| l.start);
-    for l in &ls {
+    for (l, (exposed, release)) in ls.iter().zip(placed(&ls)) {
         let a = by.entry(l.label()).or_default();
         a.n += 1;
-        a.exposed += l.end.saturating_sub(prev_end);
-        if let Some(w) = l.wait {
-            a.release.push(w as i64 - prev_end as i64);
+        a.exposed += exposed;
+        if let (Some(w), Some(r)) = (l.wait, release) {
+            a.release.push(r);
             a.after.push(l.end.saturating_sub(w));
         }
-        prev_end = prev_end.max(l.end);
     }
     let mean = |v: &[f64]| {
         if v.is_empty() {
@@ -149,15 +163,13 @@ pub fn chrome_trace(blocks: &[BlockTrace]) -> Value {
         json!({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "launches"}}),
         json!({"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "SMs"}}),
     ];
-    let mut prev_end = t0;
-    for (i, l) in launches(blocks).iter().enumerate() {
-        let release = l.wait.map(|w| (w as f64 - prev_end as f64) / 1e3);
+    let ls = launches(blocks);
+    for (i, (l, (exposed, release))) in ls.iter().zip(placed(&ls)).enumerate() {
         events.push(
             json!({"name": l.label(), "ph": "X", "pid": 0, "tid": 0, "ts": at(l.start),
             "dur": us(l.end.saturating_sub(l.start)), "args": {"launch": i, "blocks": l.blocks,
-            "release_us": release, "exposed_us": us(l.end.saturating_sub(prev_end))}}),
+            "release_us": release.map(|r| r as f64 / 1e3), "exposed_us": us(exposed)}}),
         );
-        prev_end = prev_end.max(l.end);
     }
     for b in blocks {
         events.push(
