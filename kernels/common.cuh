@@ -283,28 +283,6 @@ struct GemvRows {
         float* base = row < end0 ? out0 : row < end1 ? out1 : out2;
         return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
     }
-    // Experiment, for the next round (LLMDIFF_NVRTC_DEFINES=GEMV_KV_PREFETCH; not measured yet):
-    // an L2 prefetch of the caches' rows below the step's position, which the split attention
-    // after a q/k/v launch reads, spread over the launch's threads (a 128-byte line each, at most
-    // GEMV_KV_PREFETCH_MB of each cache). Round 20's trace: those rows, loaded by the attention's
-    // blocks before their wait, were still in flight 2.6 µs after it. A prefetch changes no
-    // value, and the rows are earlier steps' (the graph's first node wrote pos_dev before any
-    // kernel ran), so it may run before griddep_wait.
-    __device__ __forceinline__ void prefetch_kv() const {
-#ifdef GEMV_KV_PREFETCH
-#ifndef GEMV_KV_PREFETCH_MB
-#define GEMV_KV_PREFETCH_MB 8
-#endif
-        if (!kc) return;
-        const size_t pos = (size_t)(pos_dev ? *pos_dev : kv_row), cap = (size_t)GEMV_KV_PREFETCH_MB << 20;
-        const size_t lk = min(pos * (end1 - end0) * 4, cap) / 128, lv = min(pos * (rows - end1) * 4, cap) / 128;
-        const size_t step = (size_t)gridDim.x * blockDim.x;
-        for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < lk + lv; i += step) {
-            const char* p = i < lk ? (const char*)kc + 128 * i : (const char*)vc + 128 * (i - lk);
-            asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
-        }
-#endif
-    }
     // Stores row `row`'s sum s; `pair` is row (row ^ 1)'s (the same block's: R, end0 and end1
     // even when cs is set), the other half of its RoPE pair.
     __device__ __forceinline__ void store(int row, float s, float pair) const {

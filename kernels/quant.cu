@@ -863,7 +863,6 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
     const int n_units = cols / V, row0 = blockIdx.x * R;
     TRACE_BLOCK(TRACE_GEMVW);
     griddep_launch();  // the norm, SwiGLU or attention after it may be launched early (PDL)
-    m.prefetch_kv();
     const u8* rp[R];
 #pragma unroll
     for (int r = 0; r < R; r++) rp[r] = m.weight(min(row0 + r, rows - 1), row_bytes);
