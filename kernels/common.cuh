@@ -309,6 +309,15 @@ struct GemvRows {
     }
 };
 
+// (Shared by quant.cu's GEMVs and gemv_tc.cu's.)
+#define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
+
+// Byte b (0..3) of w as an exact float (w's bytes are unsigned), minus `bias`.
+template <int B>
+__device__ __forceinline__ float byte_f(u32 w, float bias) {
+    return __int_as_float(__byte_perm(w, GEMV_MAGIC, 0x7440u + B)) - bias;
+}
+
 // (Shared by quant.cu's integer GEMV and gemv_tc.cu's.) The 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) from a Q4_K
 // super-block header's words h1 .. h3 (its 12 scale bytes q[0..12)), as the bytes sc0, sc1, m0, m1
 // of one word: for j < 2 the low 6 bits of q[2j], q[2j+1] (in h1) and q[2j+4], q[2j+5] (h2); for

@@ -302,14 +302,6 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // bytes 8u .. 8u+8, 8-byte aligned when row_bytes is (an even number of blocks). A unit's dot is
 // d·Σx·q + m·Σx, with Σx of its 16 x values computed once with the x slice.
 
-#define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
-
-// Byte b (0..3) of w as an exact float (w's bytes are unsigned), minus `bias`.
-template <int B>
-__device__ __forceinline__ float byte_f(u32 w, float bias) {
-    return __int_as_float(__byte_perm(w, GEMV_MAGIC, 0x7440u + B)) - bias;
-}
-
 template <int TY>
 __host__ __device__ constexpr int gemv_vals() {
     return TY == TY_Q4_K ? 32 : (TY == TY_Q8_0 || TY == TY_Q4_1) ? 16 : 8;

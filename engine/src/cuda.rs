@@ -769,20 +769,12 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                // Dynamic shared memory: a tensor-core GEMV variant's rings (its own size, so the
-                // static bytes of its warps' sums still fit beside them; a variant past the device's
-                // opt-in limit is left as is, and gemv_fits refuses it), or the whole opt-in limit.
-                let smem = match GEMVT_VARIANTS.iter().find(|v| v.entry() == f) {
-                    Some(v) => Some(gemv_tc::tc_smem(*v) as usize).filter(|b| *b <= attn_smem_max),
-                    None if f.starts_with("gqa_attn_tiled_")
-                        || f.starts_with("gqa_attn_tc_")
-                        || f.starts_with("gemvb_")
-                        || f.starts_with("gemm2_q4_k") =>
-                    {
-                        Some(attn_smem_max)
-                    }
-                    None => None,
-                };
+                // Dynamic shared memory: the whole opt-in limit for the kernels that stage in it.
+                let smem = (f.starts_with("gqa_attn_tiled_")
+                    || f.starts_with("gqa_attn_tc_")
+                    || f.starts_with("gemvb_")
+                    || f.starts_with("gemm2_q4_k"))
+                .then_some(attn_smem_max);
                 if let Some(bytes) = smem {
                     // Static shared memory (the kernel trace's word, where compiled in) counts
                     // against the same limit.
@@ -962,7 +954,7 @@ impl CudaBackend {
         // The tensor-core GEMV (Q4_K only; other types keep their default split).
         let kind = match cfg.kind {
             Some(GemvKind::Tc) if ty == GgmlType::Q4K => {
-                return Some(gemv_tc::pick(cfg.r, cfg.nw)).filter(|v| self.gemv_fits(*v, cols))
+                return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.u)).filter(|v| self.gemv_fits(*v, cols))
             }
             Some(GemvKind::Tc) => None,
             Some(GemvKind::Wb) if ty != GgmlType::Q4K => None,
@@ -1072,9 +1064,7 @@ impl CudaBackend {
         match v.kind {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
-            GemvKind::Tc => {
-                v.ty == GgmlType::Q4K && cols % 256 == 0 && gemv_tc::tc_smem(v) as usize <= self.attn.smem_max
-            }
+            GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
             // One chunk a warp: the block's lanes cover the row's units.
             GemvKind::Wb => {
                 let units = cols / if v.mode == 3 { 64 } else { 32 };
@@ -1206,7 +1196,6 @@ impl CudaBackend {
         }
         let (threads, groups) = ((v.nw * 32) as u32, total.div_ceil(v.r) as u32);
         let (grid, smem) = match v.kind {
-            GemvKind::Tc => (groups, gemv_tc::tc_smem(v)),
             // Bulk-staged: a persistent grid of at most the resident blocks, one fewer a SM where
             // three or more fit (`LLMDIFF_GEMV_BPS` caps it instead), so the kernel after it can
             // place blocks early (PDL) and start its copies while this one ends.

@@ -4,20 +4,20 @@
 //! so `linear_many` keeps a layer's q/k/v or gate/up in one launch, with the q/k/v store).
 //!
 //! The quants (as u8) meet x's int8 limbs, the integer form of `kernels/quant.cu`, in `mma.sync`
-//! m16n8k32: 16 rows × 32 values an instruction, with the per-(row, sub-block) scaling on every
-//! lane after one shuffle. The same exact integer sums as the dp4a form, so the same precision.
+//! m16n8k32, each lane's A fragments loaded straight from the weight rows (a pair of sub-blocks
+//! of two rows), and the per-(row, sub-block) scaling on every lane. The same exact integer sums
+//! as the dp4a form, so the same precision.
 //!
 //! Selection: only with `LLMDIFF_GEMV_KIND=tc` (Q4_K rows with cols % 256 == 0; other types keep
 //! their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`; `LLMDIFF_GEMV_R` (16 or 32 rows per
-//! block) and `LLMDIFF_GEMV_NW` (2 to 16 warps) pick the nearest compiled variant, by default 32
-//! rows and 4 warps. A variant whose rings need more shared memory than the device lends a block is
-//! never taken (`gemv_fits`).
+//! block), `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) and `LLMDIFF_GEMV_U` (1 or 2 super-blocks a warp
+//! loads a step) pick the nearest compiled variant, by default 32 rows, 4 warps, U 1.
 //!
-//! On the H200: round 10's form loaded fragments straight from global memory and stalled on those
-//! loads. This one (round 14, tests/gpu/h200-results/round14) stages whole rows and x's part of
-//! each super-block in shared memory by `cp.async` and reads fragments by `ldmatrix`. It is faster
-//! than round 10's on every bench shape (57.5 % of copy at 4096×14336 against 45.5 %), but still
-//! slower than the dp4a warp-rows form in the decode step (8B: 2.33 against 2.05 ms).
+//! On the H200: round 10's form loaded fragments 4 bytes at a time from 8 rows and stalled on
+//! those loads; round 14's staged rows in a `cp.async` ring per warp, read by `ldmatrix`, and was
+//! capped by shared memory (8B decode 2.33 against the dp4a form's 2.05 ms). This one (round 22)
+//! loads each lane's fragment bytes into registers, 8 contiguous bytes of two rows a pair of
+//! sub-blocks, as the dp4a form loads its weights (tests/gpu/h200-results/round22).
 
 use super::{compare, noise, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
@@ -25,17 +25,18 @@ use crate::cuda_kernels::{GemvVariant, GEMVT_VARIANTS};
 use crate::kernels::{QMat, WeightRef};
 use references::GgmlType;
 
-/// Rows per block and warps per block of the tensor-core GEMV when not set.
+/// Rows per block, warps per block and super-blocks a step of the tensor-core GEMV when not set.
 const DEFAULT_R: usize = 32;
 const DEFAULT_NW: usize = 4;
+const DEFAULT_U: usize = 1;
 
-/// The tensor-core variant nearest to `r` rows per block (then `nw` warps), by default
-/// [`DEFAULT_R`] and [`DEFAULT_NW`].
-pub(super) fn pick(r: Option<usize>, nw: Option<usize>) -> GemvVariant {
-    let (r, nw) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW));
+/// The tensor-core variant nearest to `r` rows per block (then `nw` warps, then `u` super-blocks
+/// a step), by default [`DEFAULT_R`], [`DEFAULT_NW`] and [`DEFAULT_U`].
+pub(super) fn pick(r: Option<usize>, nw: Option<usize>, u: Option<usize>) -> GemvVariant {
+    let (r, nw, u) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW), u.unwrap_or(DEFAULT_U));
     *GEMVT_VARIANTS
         .iter()
-        .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw)))
+        .min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
         .expect("GEMVT_VARIANTS is not empty")
 }
 
@@ -64,16 +65,6 @@ fn tc_test_w(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         row.iter_mut().for_each(|v| *v *= f);
     }
     references::quant::quantize(GgmlType::Q4K, &wf).expect("quantize test weights")
-}
-
-/// Stages in a warp's ring (`GT_S` in `kernels/gemv_tc.cu`).
-const STAGES: usize = 4;
-
-/// The dynamic shared memory of a tensor-core variant: NW rings of [`STAGES`] stages, each 16·T
-/// rows of 144 bytes (a super-block's 128 quant bytes and its header) and x's part (`GT_XB`:
-/// three limb planes of 272 bytes, 32 of scales, 128 of sums).
-pub(super) fn tc_smem(v: GemvVariant) -> u32 {
-    (v.nw * STAGES * (v.r * 144 + 3 * 272 + 32 + 128)) as u32
 }
 
 impl CudaBackend {
@@ -179,11 +170,11 @@ mod tests {
 
     #[test]
     fn pick_takes_the_nearest_tensor_core_variant() {
-        assert_eq!(pick(None, None).entry(), "gemvt_q4_k_t2_w4");
-        assert_eq!(pick(Some(16), None).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(Some(32), Some(2)).entry(), "gemvt_q4_k_t2_w2");
-        assert_eq!(pick(Some(64), None).entry(), "gemvt_q4_k_t2_w4");
-        assert_eq!(pick(Some(8), Some(2)).entry(), "gemvt_q4_k_t1_w4");
-        assert_eq!(pick(Some(16), Some(16)).entry(), "gemvt_q4_k_t1_w16");
+        assert_eq!(pick(None, None, None).entry(), "gemvt_q4_k_t2_w4_u1");
+        assert_eq!(pick(Some(16), None, None).entry(), "gemvt_q4_k_t1_w4_u1");
+        assert_eq!(pick(Some(32), Some(2), Some(2)).entry(), "gemvt_q4_k_t2_w4_u2");
+        assert_eq!(pick(Some(64), None, None).entry(), "gemvt_q4_k_t2_w4_u1");
+        assert_eq!(pick(Some(8), Some(8), Some(2)).entry(), "gemvt_q4_k_t1_w8_u2");
+        assert_eq!(pick(Some(16), Some(16), None).entry(), "gemvt_q4_k_t1_w16_u1");
     }
 }

@@ -145,8 +145,9 @@ pub enum GemvKind {
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only, opt-in): a block of NW warps
-    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32, `upt` = T), the warps splitting the
-    /// super-blocks; the quants as u8 meet x's int8 limbs (the integer form, `mode` 2).
+    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32), the warps splitting the
+    /// super-blocks, U (`upt`) at a time; the quants as u8 meet x's int8 limbs (the integer form,
+    /// `mode` 2).
     Tc,
     /// warp-rows, bulk-staged (`gemvb_*`, Q4_K only, the integer form, modes 2 and 3): the
     /// warp-rows split over a persistent grid, each block's groups of R weight rows copied into a
@@ -157,7 +158,7 @@ pub enum GemvKind {
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
-/// chunks per step; tensor cores: T, the 16-row tiles; bulk-staged: S, the ring's stages), NW
+/// chunks per step; tensor cores: U, the super-blocks a warp loads a step; bulk-staged: S, the ring's stages), NW
 /// warps per block (warp-rows only; 0 for x-stationary, whose block is sized to the row), MODE
 /// how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2 (warp-rows Q4_K, Q4_1,
 /// Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows Q4_K) the same with pair
@@ -175,13 +176,13 @@ pub struct GemvVariant {
 
 impl GemvVariant {
     /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`,
-    /// `gemvt_<type>_t<T>_w<NW>` or `gemvb_<type>_r<R>_w<NW>_m<MODE>_s<S>`.
+    /// `gemvt_<type>_t<T>_w<NW>_u<U>` or `gemvb_<type>_r<R>_w<NW>_m<MODE>_s<S>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}", self.upt, self.nw),
+            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}_u{}", self.r / 16, self.nw, self.upt),
             GemvKind::Wb => format!("gemvb_{s}_r{}_w{}_m{}_s{}", self.r, self.nw, self.mode, self.upt),
         }
     }
@@ -264,21 +265,29 @@ pub fn gemvb_smem(v: GemvVariant, row_bytes: usize) -> usize {
     s * v.r * row_bytes + 8 * s.next_multiple_of(2) + 2 * 4 * v.nw * v.r
 }
 
-const fn gt(t: usize, nw: usize) -> GemvVariant {
+const fn gt(t: usize, nw: usize, u: usize) -> GemvVariant {
     GemvVariant {
         kind: GemvKind::Tc,
         ty: GgmlType::Q4K,
         r: 16 * t,
         nw,
-        upt: t,
+        upt: u,
         mode: 2,
     }
 }
 
 /// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, T tiles of 16 rows × NW warps: (1, 4), (1, 8), (1, 16), (2, 2), (2, 4); x in int8
-/// limbs (mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 5] = [gt(1, 4), gt(1, 8), gt(1, 16), gt(2, 2), gt(2, 4)];
+/// order): Q4_K, (T tiles of 16 rows, NW warps, U super-blocks a step); x in int8 limbs (mode 2).
+pub const GEMVT_VARIANTS: [GemvVariant; 8] = [
+    gt(1, 4, 1),
+    gt(1, 4, 2),
+    gt(1, 8, 1),
+    gt(1, 8, 2),
+    gt(2, 4, 1),
+    gt(2, 4, 2),
+    gt(2, 8, 1),
+    gt(1, 16, 1),
+];
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
@@ -519,10 +528,11 @@ mod tests {
                         })
                     }
                     || {
-                        // gemvt_q4_k_t<T>_w<NW> come from GEMVT_ENTRY(<T>, <NW>).
+                        // gemvt_q4_k_t<T>_w<NW>_u<U> come from GEMVT_ENTRY(<T>, <NW>, <U>).
                         f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (t, nw) = rest.split_once("_w").unwrap();
-                            src.contains(&format!("GEMVT_ENTRY({t}, {nw})\n"))
+                            let (t, tail) = rest.split_once("_w").unwrap();
+                            let (nw, u) = tail.split_once("_u").unwrap();
+                            src.contains(&format!("GEMVT_ENTRY({t}, {nw}, {u})\n"))
                         })
                     }
                     || {
@@ -598,7 +608,7 @@ mod tests {
             );
         }
         for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
-            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r == 16 * a.upt && a.takes_limbs());
+            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r % 16 == 0 && a.takes_limbs());
             assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
