@@ -4,9 +4,9 @@
 //
 // The quants (as u8) meet x's int8 limbs (the integer form of kernels/quant.cu: three limb planes,
 // a scale per 32 values, Σx per 8, from the gemv_x_limbs pre-pass or the op that wrote x) in
-// mma.sync m16n8k32 (u8 × s8 → s32), so a warp's 16 rows × 32 values are one instruction where
-// dp4a takes 24 per 32 values a row. The numerics are the integer form's: the same exact integer
-// sums, scaled in another order.
+// mma.sync m16n8k32 (u8 × s8 → s32): 16 mma for 16 rows × 256 values (one super-block), where
+// dp4a takes 24 instructions per 32 values a row. The numerics are the integer form's: the same
+// exact integer sums, scaled in another order.
 //
 // Weights reach the tensor cores straight from global memory into registers, as the dp4a
 // warp-rows form loads them, with no shared-memory staging (round 14's cp.async ring per warp was

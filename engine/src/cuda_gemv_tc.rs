@@ -10,14 +10,16 @@
 //!
 //! Selection: only with `LLMDIFF_GEMV_KIND=tc` (Q4_K rows with cols % 256 == 0; other types keep
 //! their default split), or `LLMDIFF_GEMV_VARIANT=gemvt_...`; `LLMDIFF_GEMV_R` (16 or 32 rows per
-//! block), `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) and `LLMDIFF_GEMV_U` (1 or 2 super-blocks a warp
-//! loads a step) pick the nearest compiled variant, by default 32 rows, 4 warps, U 1.
+//! block), `LLMDIFF_GEMV_NW` (4, 8 or 16 warps) and `LLMDIFF_GEMV_U` (super-blocks a warp keeps
+//! in flight: 1, or 2 double-buffered) pick the nearest compiled variant, by default 32 rows, 4
+//! warps, U 1.
 //!
 //! On the H200: round 10's form loaded fragments 4 bytes at a time from 8 rows and stalled on
 //! those loads; round 14's staged rows in a `cp.async` ring per warp, read by `ldmatrix`, and was
 //! capped by shared memory (8B decode 2.33 against the dp4a form's 2.05 ms). This one (round 22)
-//! loads each lane's fragment bytes into registers, 8 contiguous bytes of two rows a pair of
-//! sub-blocks, as the dp4a form loads its weights (tests/gpu/h200-results/round22).
+//! loads each lane's fragment bytes into registers, a pair of sub-blocks (32 contiguous bytes) of
+//! each of two rows, as the dp4a form loads its weights: exact, but 13 % slower than the dp4a form
+//! in the 8B decode step (2.19 against 1.95 ms; tests/gpu/h200-results/round22).
 
 use super::{compare, noise, CudaBackend, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
@@ -25,13 +27,13 @@ use crate::cuda_kernels::{GemvVariant, GEMVT_VARIANTS};
 use crate::kernels::{QMat, WeightRef};
 use references::GgmlType;
 
-/// Rows per block, warps per block and super-blocks a step of the tensor-core GEMV when not set.
+/// Rows per block, warps per block and super-blocks in flight of the tensor-core GEMV when not set.
 const DEFAULT_R: usize = 32;
 const DEFAULT_NW: usize = 4;
 const DEFAULT_U: usize = 1;
 
 /// The tensor-core variant nearest to `r` rows per block (then `nw` warps, then `u` super-blocks
-/// a step), by default [`DEFAULT_R`], [`DEFAULT_NW`] and [`DEFAULT_U`].
+/// in flight), by default [`DEFAULT_R`], [`DEFAULT_NW`] and [`DEFAULT_U`].
 pub(super) fn pick(r: Option<usize>, nw: Option<usize>, u: Option<usize>) -> GemvVariant {
     let (r, nw, u) = (r.unwrap_or(DEFAULT_R), nw.unwrap_or(DEFAULT_NW), u.unwrap_or(DEFAULT_U));
     *GEMVT_VARIANTS

@@ -146,8 +146,8 @@ pub enum GemvKind {
     Wr,
     /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only, opt-in): a block of NW warps
     /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32), the warps splitting the
-    /// super-blocks, U (`upt`) at a time; the quants as u8 meet x's int8 limbs (the integer form,
-    /// `mode` 2).
+    /// super-blocks, U (`upt`) of them in flight a warp; the quants as u8 meet x's int8 limbs (the
+    /// integer form, `mode` 2).
     Tc,
     /// warp-rows, bulk-staged (`gemvb_*`, Q4_K only, the integer form, modes 2 and 3): the
     /// warp-rows split over a persistent grid, each block's groups of R weight rows copied into a
@@ -158,12 +158,12 @@ pub enum GemvKind {
 
 /// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
-/// chunks per step; tensor cores: U, the super-blocks a warp loads a step; bulk-staged: S, the ring's stages), NW
-/// warps per block (warp-rows only; 0 for x-stationary, whose block is sized to the row), MODE
-/// how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2 (warp-rows Q4_K, Q4_1,
-/// Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows Q4_K) the same with pair
-/// units: a thread takes 64 values (two sub-blocks) per row, so a chunk is 32 pairs (2048 values)
-/// and the header is decoded once per 64 weights.
+/// chunks per step; tensor cores: U, the super-blocks a warp keeps in flight; bulk-staged: S, the
+/// ring's stages), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized to
+/// the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
+/// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows
+/// Q4_K) the same with pair units: a thread takes 64 values (two sub-blocks) per row, so a chunk
+/// is 32 pairs (2048 values) and the header is decoded once per 64 weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemvVariant {
     pub kind: GemvKind,
@@ -277,7 +277,7 @@ const fn gt(t: usize, nw: usize, u: usize) -> GemvVariant {
 }
 
 /// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, (T tiles of 16 rows, NW warps, U super-blocks a step); x in int8 limbs (mode 2).
+/// order): Q4_K, (T tiles of 16 rows, NW warps, U super-blocks in flight); x in int8 limbs (mode 2).
 pub const GEMVT_VARIANTS: [GemvVariant; 8] = [
     gt(1, 4, 1),
     gt(1, 4, 2),
