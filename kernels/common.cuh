@@ -108,6 +108,13 @@ __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, 
                  "l"(src), "r"(bytes), "r"(smem_addr(bar))
                  : "memory");
 }
+// A plain arrival (no bytes): a consumer's release of a ring stage (the fused FFN).
+__device__ __forceinline__ void mbar_arrive(void* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+// Barrier `id` (1..15; 0 is __syncthreads') over the first `n` threads to reach it (a multiple of
+// 32): a group of warps syncs without the rest of the block.
+__device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
     u32 done = 0;
     while (!done)
@@ -202,6 +209,7 @@ struct TraceBlock {
 #define TRACE_SWIGLU 7
 #define TRACE_X_LIMBS 8
 #define TRACE_GATHER 9
+#define TRACE_FFN 10
 __device__ __forceinline__ void griddep_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     TRACE_WAIT();
@@ -253,6 +261,9 @@ __device__ __forceinline__ float2 ldx8f(const void* p) {
     const uint2 v = ldx8(p);
     return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
 }
+
+// SwiGLU's product silu(g)·u (ops.cu's swiglu kernels and quant.cu's fused FFN).
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // RoPE's rotation of the pair (x0, x1) by the angle of cosine c and sine s, each operation rounded
 // (no FMA contraction, as the CPU engine's f32): rope_qk and a GEMV's q/k store give the same bits.

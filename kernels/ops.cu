@@ -232,8 +232,6 @@ extern "C" __global__ void rope_qk(float* q, int qh, int q_stride, int q_off, fl
     }
 }
 
-__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
 // gate = silu(gate) · up.
 extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -576,7 +576,41 @@ struct XLimbs {
     float s[2], xs[2];
 };
 
-template <int TY, int V>
+// x's limbs are another kernel's output (coherent global loads, ldx*), or with SH the fused FFN's
+// own in shared memory (plain loads).
+template <bool SH>
+__device__ __forceinline__ uint4 xq_ld16(const void* p) {
+    if constexpr (SH)
+        return *(const uint4*)p;
+    else
+        return ldx16(p);
+}
+template <bool SH>
+__device__ __forceinline__ uint2 xq_ld8(const void* p) {
+    if constexpr (SH)
+        return *(const uint2*)p;
+    else
+        return ldx8(p);
+}
+template <bool SH>
+__device__ __forceinline__ float xq_ld4f(const void* p) {
+    if constexpr (SH)
+        return *(const float*)p;
+    else
+        return ldx4f(p);
+}
+template <bool SH>
+__device__ __forceinline__ float2 xq_ld8f(const void* p) {
+    const uint2 v = xq_ld8<SH>(p);
+    return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
+}
+template <bool SH>
+__device__ __forceinline__ float4 xq_ld16f(const void* p) {
+    const uint4 v = xq_ld16<SH>(p);
+    return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
+}
+
+template <int TY, int V, bool SH = false>
 __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols, int u, XLimbs<TY, V>& q) {
     const float* sc = (const float*)(xq + 3 * (size_t)cols);
     const float* s8 = sc + cols / 32;
@@ -588,33 +622,33 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
             // The low-nibble run's V/2 values at a, the high-nibble run's 32 further on.
 #pragma unroll
             for (int i = 0; i < V / 32; i++) {
-                uint4 v = ldx16(p + a + 16 * i), w = ldx16(p + a + 32 + 16 * i);
+                uint4 v = xq_ld16<SH>(p + a + 16 * i), w = xq_ld16<SH>(p + a + 32 + 16 * i);
                 q.l[l][4 * i] = v.x, q.l[l][4 * i + 1] = v.y, q.l[l][4 * i + 2] = v.z, q.l[l][4 * i + 3] = v.w;
                 q.l[l][V / 8 + 4 * i] = w.x, q.l[l][V / 8 + 4 * i + 1] = w.y;
                 q.l[l][V / 8 + 4 * i + 2] = w.z, q.l[l][V / 8 + 4 * i + 3] = w.w;
             }
         } else if constexpr (TY == TY_Q4_1) {
-            uint2 v = ldx8(p + a), w = ldx8(p + a + 16);
+            uint2 v = xq_ld8<SH>(p + a), w = xq_ld8<SH>(p + a + 16);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = w.x, q.l[l][3] = w.y;
         } else {
-            uint4 v = ldx16(p + a);
+            uint4 v = xq_ld16<SH>(p + a);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
         }
     }
     if constexpr (TY == TY_Q4_K && V == 64) {
         // Σx of each sub-block from its four sums per 8 (s8 + a/8 is 16-byte aligned: a % 64 == 0).
-        float2 s2 = ldx8f(sc + a / 32);
-        float4 x0 = ldx16f(s8 + a / 8), x1 = ldx16f(s8 + a / 8 + 4);
+        float2 s2 = xq_ld8f<SH>(sc + a / 32);
+        float4 x0 = xq_ld16f<SH>(s8 + a / 8), x1 = xq_ld16f<SH>(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
         q.xs[0] = (x0.x + x0.y) + (x0.z + x0.w), q.xs[1] = (x1.x + x1.y) + (x1.z + x1.w);
     } else if constexpr (TY == TY_Q4_K) {
-        float2 s2 = ldx8f(sc + a / 32);
-        float2 x0 = ldx8f(s8 + a / 8), x1 = ldx8f(s8 + a / 8 + 4);
+        float2 s2 = xq_ld8f<SH>(sc + a / 32);
+        float2 x0 = xq_ld8f<SH>(s8 + a / 8), x1 = xq_ld8f<SH>(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
         q.xs[0] = x0.x + x0.y, q.xs[1] = x1.x + x1.y;
     } else {
-        q.s[0] = ldx4f(sc + a / 32), q.s[1] = 0.0f;
-        q.xs[0] = TY == TY_Q4_1 ? ldx4f(s8 + a / 8) + ldx4f(s8 + a / 8 + 2) : 0.0f, q.xs[1] = 0.0f;
+        q.s[0] = xq_ld4f<SH>(sc + a / 32), q.s[1] = 0.0f;
+        q.xs[0] = TY == TY_Q4_1 ? xq_ld4f<SH>(s8 + a / 8) + xq_ld4f<SH>(s8 + a / 8 + 2) : 0.0f, q.xs[1] = 0.0f;
     }
 }
 
@@ -1090,6 +1124,250 @@ GEMVB_ENTRY(4, 14, 2, 2)
 GEMVB_ENTRY(4, 2, 3, 2)
 GEMVB_ENTRY(8, 2, 3, 2)
 GEMVB_ENTRY(2, 7, 3, 2)
+
+// Fused SwiGLU FFN for one token (opt-in, engine/src/cuda_ffn.rs): out = down · (silu(gate · h) ⊙
+// (up · h)) in one launch, all three matrices Q4_K, in the integer form's pair units (MODE 3's
+// dot, gemv_dot_q with the whole header), h's limbs from the norm before it (`hq`). Exact, but
+// the 8B decode step is 9–10 % slower with it than op by op (round 23; cuda_ffn.rs has why).
+//
+// The idea: op by op, each GEMV's weights only start to stream once the kernel before it has
+// placed its blocks. Here a persistent grid (one block a SM, `gridDim.x` blocks) streams the
+// weights of both GEMVs through one ring in shared memory: warp FFN_WARPS (the copy warp; lane 0)
+// bulk-copies (TMA) stage after stage, gate/up's then down's, each as soon as the stage it reuses
+// is released, from the block's start (before griddep_wait: weights are no earlier kernel's
+// output) and on through the grid barrier between the two products.
+//
+// Work: gate/up group g is gate rows [gP, gP + P) and up rows [gP, gP + P) (one stage, two
+// copies); down group g is rows [g·RB, g·RB + RB). Block b takes the groups b, b + G, ... of
+// each product (G = gridDim.x), in that order, so its stage k is its k-th group: gate/up's ka
+// groups, then down's kb. The 16 compute warps form teams of TW·S warps (TW = the warps a row's
+// pair units need, at least 2; S = SA or SB warp groups, group j taking rows [jR/S, (j + 1)R/S)
+// of a stage of R rows), a power of two of teams, at most 8 (ffn_teams); lane l of a group's warp
+// w takes pair unit 32w + l of its rows (a lane past the row's units computes unit 0 with weight
+// 0), and team t takes the product's groups t, t + teams, .... The stage count is a multiple of
+// 8, so of both products' team counts, and a team's stages are its own (stage k % ns of group
+// k ≡ t mod teams): when it waits for a stage's j-th fill it has itself consumed the (j−1)-th,
+// so the barrier's phase parity cannot alias an older fill still in flight (with stages shared
+// between teams, a bulk copy landing after a later one did, and the 8B shape read stale rows).
+// Each lane holds its unit's x limbs in registers for the whole product: h's (loaded once from
+// `hq`) for gate/up, SwiGLU's (made once per block into shared memory) for down. A team waits on
+// the stage's `full` barrier, computes its rows, sums each over its warps in warp order through
+// `red` (named barrier 1 + team; double-buffered by the team's group parity) and releases the
+// stage (`empty`); its first warp stores the group: act[gP + i] = silu_mul(gate row sum, up row
+// sum) for gate/up, out[g·RB + i] for down. Every sum's order is fixed by the shape, so the
+// result does not depend on timing.
+//
+// Between the products: the compute warps sync (named barrier 9), thread 0 arrives on the grid
+// barrier (`bar`, ffn_grid_sync) after a fence, as cooperative groups' grid sync does; then every
+// block makes all of SwiGLU's limbs (x_limbs4 over `act`, read through L2) in its shared memory
+// and computes down (ffn_down). With RB = 0 there is no down here: the blocks write SwiGLU's limbs
+// to `out` (then a limbs buffer) and the host runs the default GEMV. The grid barrier needs every
+// block resident at once: one block a SM (the ring fills shared memory) and all of a device's
+// work on one stream (crate::cuda), so nothing else holds a SM for good.
+//
+// Dynamic shared memory (`smem` in engine/src/cuda_ffn.rs): ns stages of sb = max(2P·row_bytes(d),
+// RB·row_bytes(f)) bytes, ns `full` and ns `empty` barriers, red (2·FFN_WARPS·max(2P, RB) floats),
+// then the limbs of f values (the gemv_x_limbs layout). d, f % 256 == 0; f % P == 0, d_out % RB
+// == 0; a row's pair units fit the compute warps (checked by the host).
+#define FFN_WARPS 16
+
+// The grid barrier: every block's thread 0, after its block's writes (ordered before it by a
+// block barrier). `bar` counts arrivals over every launch (64 bits: it never wraps); launch L's
+// blocks draw L·n .. L·n + n − 1 and leave once it reaches L·n + n. One round trip and a poll,
+// where a count reset by the last block and a generation word took four (round 23: 2.3 µs).
+__device__ __forceinline__ void ffn_grid_sync(u64* bar, u32 n) {
+    __threadfence();
+    const u64 old = atomicAdd((unsigned long long*)bar, 1ull);
+    const u64 target = (old / n + 1) * n;
+    u64 now;
+    do {
+        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(now) : "l"(bar) : "memory");
+    } while (now < target);
+    __threadfence();
+}
+
+// Teams for rows of `units` pair units, S warp groups a team: TW = the warps a row needs (at
+// least 2); the most teams of TW·S warps that fit the compute warps, rounded down to a power of
+// two (at most 8), so that every stage count the host picks (a multiple of 8) is a multiple of
+// both products' teams. (The host checks that TW·S ≤ FFN_WARPS.)
+__device__ __forceinline__ void ffn_teams(int units, int S, int& tw, int& teams) {
+    tw = max(2, (units + 31) / 32);
+    const int fit = FFN_WARPS / (tw * S);
+    teams = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+}
+
+// A team's pass over its groups of one product: stages of R rows of `cols` values, k0 + i for
+// the team's groups i, S warp groups a team, group g taking rows [g·R/S, (g + 1)·R/S) of the
+// stage. The team's first warp calls `store(i, sum, lane)` with row `lane`'s sum (lanes < R).
+template <int R, int S, typename St>
+__device__ __forceinline__ void ffn_pass(const u8* ring, u64* full, u64* empty, float* red, int ns, int sb, int k0,
+                                         int n_groups, int cols, const XLimbs<TY_Q4_K, 64>& q, St&& store) {
+    constexpr int RS = R / S;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int units = cols / 64;
+    int tw, teams;
+    ffn_teams(units, S, tw, teams);
+    const int tt = tw * S, team = warp / tt, wt = warp % tt, grp = wt / tw, wr = wt % tw;
+    if (team >= teams) return;
+    const int u0 = wr * 32 + lane, u = u0 < units ? u0 : 0;
+    const float live = u0 < units ? 1.0f : 0.0f;
+    const int rb = cols / 256 * 144;
+    const size_t hdr = (size_t)(cols >> 8) * 128;
+    for (int i = team; i < n_groups; i += teams) {
+        const int k = k0 + i, s = k % ns;
+        mbar_wait(&full[s], (k / ns) & 1);
+        const u8* st = ring + (size_t)s * sb + (size_t)grp * RS * rb;
+        float acc[RS];
+#pragma unroll
+        for (int r = 0; r < RS; r++) {
+            const u8* rp = st + (size_t)r * rb;
+            WFrag<TY_Q4_K, 64> f;
+            f.a = *(const uint4*)(rp + 32 * u);
+            f.b = *(const uint4*)(rp + 32 * u + 16);
+            f.h = *(const uint4*)(rp + hdr + 16 * (u >> 2));
+            acc[r] = live * gemv_dot_q<TY_Q4_K, 64, true>(f, q, u);
+        }
+        float* rd = red + ((i / teams) & 1) * FFN_WARPS * RS;
+#pragma unroll
+        for (int r = 0; r < RS; r++) {
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) rd[warp * RS + r] = v;
+        }
+        named_bar(1 + team, tt * 32);
+        if (wt == 0) {
+            if (lane == 0) mbar_arrive(&empty[s]);
+            // Row `lane`'s sum over the warps of its group, in warp order.
+            float sum = 0.0f;
+            if (lane < R) {
+                const float* rg = rd + (team * tt + lane / RS * tw) * RS + lane % RS;
+                for (int w = 0; w < tw; w++) sum += rg[w * RS];
+            }
+            store(i, sum, lane);
+        }
+    }
+}
+
+// The fused FFN's down product (ffn_body's second half, after the grid barrier): SwiGLU's limbs,
+// all f of them, in this block's shared memory `aq` (f % 128 == 0: whole warps), eight loads a
+// thread in flight before their limbs (one at a time, the L2 round trips took ~4 µs of the 8B
+// shape's step, round 23), then down's rows from the ring's stages ka .. ka + kb.
+template <int RB, int SB>
+__device__ __forceinline__ void ffn_down(const u8* ring, u64* full, u64* empty, float* red, u8* aq,
+                                         const float* __restrict__ act, float* __restrict__ out, int ns, int sb,
+                                         int ka, int kb, int f, int b, int G) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr int LB = 8, WS = FFN_WARPS * 32;
+    for (int i0 = warp * 32; i0 < f / 4; i0 += LB * WS) {
+        float4 v[LB];
+#pragma unroll
+        for (int j = 0; j < LB; j++)
+            v[j] = i0 + j * WS < f / 4 ? __ldcg((const float4*)act + i0 + j * WS + lane) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < LB; j++)
+            if (i0 + j * WS < f / 4) x_limbs4(v[j], i0 + j * WS + lane, aq, f, true);
+    }
+    named_bar(9, FFN_WARPS * 32);
+    TRACE_MARK(33);
+    XLimbs<TY_Q4_K, 64> q;
+    int tw, teams;
+    ffn_teams(f / 64, SB, tw, teams);
+    const int u0 = (warp % tw) * 32 + lane;
+    gemv_xq_load<TY_Q4_K, 64, true>(aq, f, u0 < f / 64 ? u0 : 0, q);
+    ffn_pass<RB, SB>(ring, full, empty, red, ns, sb, ka, kb, f, q, [&](int i, float sum, int l) {
+        if (l < RB) out[(size_t)(b + i * G) * RB + l] = sum;
+    });
+}
+
+template <int P, int RB, int SA, int SB>
+__device__ __forceinline__ void ffn_body(const u8* __restrict__ wg, const u8* __restrict__ wu,
+                                         const u8* __restrict__ wd, const u8* __restrict__ hq,
+                                         float* __restrict__ act, float* __restrict__ out, u64* bar, int d, int f,
+                                         int d_out, int ns) {
+    TRACE_BLOCK(TRACE_FFN);
+    extern __shared__ __align__(16) u8 ff_smem[];
+    const int rb_a = d / 256 * 144, rb_b = f / 256 * 144;
+    const int sb = max(2 * P * rb_a, RB * rb_b);  // RB 0: gate/up only
+    u64* full = (u64*)(ff_smem + (size_t)ns * sb);
+    u64* empty = full + ns;
+    float* red = (float*)(empty + ns);
+    u8* aq = (u8*)(red + 2 * FFN_WARPS * max(2 * P, RB));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    const int na = f / P, nb = RB > 0 ? d_out / RB : 0;
+    const int ka = na > b ? (na - b + G - 1) / G : 0, kb = nb > b ? (nb - b + G - 1) / G : 0;
+    griddep_launch();  // the kernel after it may place its blocks as this one's leave
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ns; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 1);
+        }
+    }
+    __syncthreads();
+    if (warp == FFN_WARPS) {
+        // The copy warp: stage k of the block's ka + kb, once stage k − ns has been released.
+        if (lane == 0) {
+            for (int k = 0; k < ka + kb; k++) {
+                const int s = k % ns;
+                if (k >= ns) mbar_wait(&empty[s], (k / ns - 1) & 1);
+                u8* st = ff_smem + (size_t)s * sb;
+                if (k < ka) {
+                    const u32 bytes = P * rb_a;
+                    const size_t at = (size_t)(b + k * G) * bytes;
+                    mbar_expect_tx(&full[s], 2 * bytes);
+                    bulk_g2s(st, wg + at, bytes, &full[s]);
+                    bulk_g2s(st + bytes, wu + at, bytes, &full[s]);
+                } else {
+                    const u32 bytes = RB * rb_b;
+                    mbar_expect_tx(&full[s], bytes);
+                    bulk_g2s(st, wd + (size_t)(b + (k - ka) * G) * bytes, bytes, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+    griddep_wait();  // h's limbs are the norm's output; act and out are written from here on
+    {
+        XLimbs<TY_Q4_K, 64> q;
+        int tw, teams;
+        ffn_teams(d / 64, SA, tw, teams);
+        const int u0 = (warp % tw) * 32 + lane;
+        gemv_xq_load<TY_Q4_K>(hq, d, u0 < d / 64 ? u0 : 0, q);
+        // Gate row `lane`'s sum and (P lanes on) up's: SwiGLU of row gP + lane.
+        ffn_pass<2 * P, SA>(ff_smem, full, empty, red, ns, sb, 0, ka, d, q, [&](int i, float sum, int l) {
+            const float up = __shfl_down_sync(0xffffffffu, sum, P);
+            if (l < P) act[(size_t)(b + i * G) * P + l] = silu_mul(sum, up);
+        });
+    }
+    TRACE_MARK(31);
+    named_bar(9, FFN_WARPS * 32);
+    if (threadIdx.x == 0) ffn_grid_sync(bar, G);
+    named_bar(9, FFN_WARPS * 32);
+    TRACE_MARK(32);
+    if constexpr (RB == 0) {
+        // No down product here (the host runs the default GEMV on act): SwiGLU's limbs into
+        // `out`, which is then the limbs buffer (limbs_words(f) words), 128 values a warp.
+        for (int c = b * FFN_WARPS + warp; c < f / 128; c += G * FFN_WARPS) {
+            const float4 v = __ldcg((const float4*)act + c * 32 + lane);
+            x_limbs4(v, c * 32 + lane, (u8*)out, f, true);
+        }
+    } else {
+        ffn_down<RB, SB>(ff_smem, full, empty, red, aq, act, out, ns, sb, ka, kb, f, b, G);
+    }
+}
+
+// Entry points ffn_q4k_p<P>_r<RB>_a<SA>_b<SB> (SA, SB: warp groups a team in gate/up and in down),
+// launched with (FFN_WARPS + 1)·32 threads, one block a SM and `ffn_smem` bytes; the list is
+// `FFN_VARIANTS` in engine/src/cuda_ffn.rs.
+#define FFN_ENTRY(P, RB, SA, SB)                                                                          \
+    extern "C" __global__ void __launch_bounds__((FFN_WARPS + 1) * 32, 1)                                 \
+        ffn_q4k_p##P##_r##RB##_a##SA##_b##SB(const u8* wg, const u8* wu, const u8* wd, const u8* hq,      \
+                                             float* act, float* out, u64* bar, int d, int f, int d_out,    \
+                                             int ns) {                                                     \
+        ffn_body<P, RB, SA, SB>(wg, wu, wd, hq, act, out, bar, d, f, d_out, ns);                          \
+    }
+FFN_ENTRY(4, 2, 4, 1)
+FFN_ENTRY(4, 2, 4, 2)
+FFN_ENTRY(4, 2, 8, 1)
+FFN_ENTRY(4, 0, 4, 1)
 
 // A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
 // gemvw_q4_k_r8_w4_u1_m2 (the default's, but NW 2 in launches of 8192+ rows) with no arithmetic

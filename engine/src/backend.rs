@@ -225,6 +225,12 @@ pub trait Backend: Send + Sync {
     }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
+    /// A dense SwiGLU FFN, `out[n, down.rows] = (silu(h·gateᵀ) ⊙ h·upᵀ)·downᵀ`: `linear_many`
+    /// of gate and up, `swiglu`, then `linear` here; one launch on CUDA for a one-token Q4_K
+    /// step (the model code takes this op only when no tap wants gate's or up's output).
+    fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
+        ffn_swiglu_ops(self, h, n, ws, out)
+    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
@@ -320,6 +326,17 @@ pub trait StepGraph: Send {
 /// The host backend: ranks are threads, ops are the rayon kernels.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
+
+/// [`Backend::ffn_swiglu`] op by op (its default, and a device backend's fallback): `ws` = [gate,
+/// up, down].
+pub(crate) fn ffn_swiglu_ops<B: Backend + ?Sized>(be: &B, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
+    let [gate, up, down] = ws;
+    let mut g = be.alloc(n * gate.rows());
+    let mut u = be.alloc(n * up.rows());
+    be.linear_many(h, n, &[gate, up], &mut [&mut g, &mut u]);
+    be.swiglu(&mut g, &u);
+    be.linear(&g, n, down, out);
+}
 
 /// `Backend::rope_qk_cache` composed of its parts: `rope_qk`, then `kv_write` of k and of v (the
 /// default, and a backend's fallback for shapes its fused launch does not take).

@@ -85,6 +85,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 #[path = "cuda_attn.rs"]
 mod attn;
+#[path = "cuda_ffn.rs"]
+mod ffn;
 #[path = "cuda_gemm.rs"]
 mod gemm;
 pub use attn::{AttnBench, AttnDecodeBench};
@@ -677,6 +679,10 @@ pub struct CudaBackend {
     staging: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// The kernel trace's buffer, when the kernels were compiled with it (`with_trace`).
     trace: Option<Mutex<trace::KernelTrace>>,
+    /// The fused FFN's variant (None: op by op; `LLMDIFF_FFN`, see cuda_ffn.rs) and its grid
+    /// barrier's arrival count (over every launch on this device).
+    ffn: Option<crate::cuda_kernels::FfnVariant>,
+    ffn_bar: Arc<CudaSlice<u64>>,
 }
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -749,6 +755,7 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(2).map_err(drv("alloc"))?);
+        let ffn_bar = Arc::new(stream.alloc_zeros::<u64>(1).map_err(drv("alloc"))?);
         let step_words = Arc::new(StepWords::new(&ctx).map_err(drv("page-locked alloc"))?);
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
         // 128 bytes): the opt-in limit.
@@ -773,6 +780,7 @@ impl CudaBackend {
                 let smem = (f.starts_with("gqa_attn_tiled_")
                     || f.starts_with("gqa_attn_tc_")
                     || f.starts_with("gemvb_")
+                    || f.starts_with("ffn_q4k_")
                     || f.starts_with("gemm2_q4_k"))
                 .then_some(attn_smem_max);
                 if let Some(bytes) = smem {
@@ -816,6 +824,8 @@ impl CudaBackend {
             rope_table: Mutex::new(None),
             staging: Mutex::new(None),
             trace: trace.map(Mutex::new),
+            ffn: ffn::from_env(),
+            ffn_bar,
         })
     }
 
@@ -2090,6 +2100,12 @@ impl Backend for CudaBackend {
             .collect()
     }
 
+    fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
+        if !self.ffn.is_some_and(|v| self.ffn_fused(h, n, ws, out, v)) {
+            crate::backend::ffn_swiglu_ops(self, h, n, ws, out);
+        }
+    }
+
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         if gate.is_empty() {
             return;
@@ -3206,6 +3222,7 @@ impl CudaBackend {
         out.extend(self.gemv_tc_checks());
         out.extend(self.attn_tiled_checks());
         out.extend(self.attn_split_checks());
+        out.extend(self.ffn_checks());
         // The recorded step with the split decode attention (at its setting, the default where it
         // is off) and with the per-(token, head) kernel.
         let split = self.attn.split_chunk();

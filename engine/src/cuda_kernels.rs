@@ -71,6 +71,7 @@ impl KernelId {
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
+                .chain(FFN_VARIANTS.iter().map(|&v| ffn_entry(v)))
                 .chain(["gemv_x_limbs", "gemv_read_probe"].map(String::from))
                 .collect(),
             KernelId::Ops => [
@@ -274,6 +275,18 @@ const fn gt(t: usize, nw: usize, u: usize) -> GemvVariant {
         upt: u,
         mode: 2,
     }
+}
+
+/// A fused FFN variant (engine/src/cuda_ffn.rs, `ffn_q4k_*` in kernels/quant.cu): P gate and P up
+/// rows a stage, RB down rows a stage (0: down left to the default GEMV), SA and SB warp groups a
+/// team in gate/up and in down.
+pub(crate) type FfnVariant = (usize, usize, usize, usize);
+/// The compiled fused FFN variants: one `FFN_ENTRY` line each in kernels/quant.cu.
+pub(crate) const FFN_VARIANTS: [FfnVariant; 4] = [(4, 2, 4, 1), (4, 2, 4, 2), (4, 2, 8, 1), (4, 0, 4, 1)];
+
+/// The entry point of fused FFN variant (P, RB, SA, SB).
+pub(crate) fn ffn_entry((p, rb, sa, sb): FfnVariant) -> String {
+    format!("ffn_q4k_p{p}_r{rb}_a{sa}_b{sb}")
 }
 
 /// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
@@ -533,6 +546,13 @@ mod tests {
                             let (t, tail) = rest.split_once("_w").unwrap();
                             let (nw, u) = tail.split_once("_u").unwrap();
                             src.contains(&format!("GEMVT_ENTRY({t}, {nw}, {u})\n"))
+                        })
+                    }
+                    || {
+                        // ffn_q4k_p<P>_r<RB>_a<SA>_b<SB> come from FFN_ENTRY(<P>, <RB>, <SA>, <SB>).
+                        FFN_VARIANTS.iter().any(|&(p, rb, sa, sb)| {
+                            f == ffn_entry((p, rb, sa, sb))
+                                && src.contains(&format!("FFN_ENTRY({p}, {rb}, {sa}, {sb})\n"))
                         })
                     }
                     || {

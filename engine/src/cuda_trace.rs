@@ -18,7 +18,7 @@ use std::sync::Arc;
 pub(super) const TRACE_CAP: u32 = 1 << 21;
 
 /// The names of common.cuh's trace tags, by tag.
-const TRACE_TAGS: [&str; 10] = [
+const TRACE_TAGS: [&str; 11] = [
     "?",
     "gemv",
     "gemv_tc",
@@ -29,6 +29,7 @@ const TRACE_TAGS: [&str; 10] = [
     "swiglu",
     "x_limbs",
     "gather",
+    "ffn",
 ];
 
 /// The device side of the trace: the records and their count.

@@ -448,6 +448,10 @@ impl Rank {
         taps.emit_buf(be, Site::FfnNorm, &h, d, Emit::Replicated);
         prepare_out(be, &mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
         match &lw.ffn {
+            FfnShard::Dense(mlp) if !taps.wants_site(Site::FfnGate) && !taps.wants_site(Site::FfnUp) => {
+                let ws = [mlp.gate.view(), mlp.up.view(), mlp.down.view()];
+                be.ffn_swiglu(&h, n, ws, &mut self.ffn_out);
+            }
             FfnShard::Dense(mlp) => {
                 let f_r = mlp.gate.rows;
                 let mut g = be.alloc(n * f_r);
@@ -572,12 +576,7 @@ fn top_k(v: &[f32], k: usize) -> Vec<usize> {
 }
 
 fn mlp(be: &dyn Backend, x: &Buf, n: usize, w: &MlpShard, out: &mut Buf) {
-    let f_r = w.gate.rows;
-    let mut g = be.alloc(n * f_r);
-    let mut u = be.alloc(n * f_r);
-    be.linear_many(x, n, &[w.gate.view(), w.up.view()], &mut [&mut g, &mut u]);
-    be.swiglu(&mut g, &u);
-    be.linear(&g, n, w.down.view(), out);
+    be.ffn_swiglu(x, n, [w.gate.view(), w.up.view(), w.down.view()], out);
 }
 
 /// The MoE mix custom op: writes `out` `[n, d]` = Σ_e w_e·expert_e(x) + shared(x), over this

@@ -3,7 +3,8 @@
 Each run moved the wait's slot of every block's record to one numbered point inside the
 kernels (kernels/ops.cu: 11 after the residual add, 12 after the sum of squares, 13 after the
 normed row's store; kernels/attention.cu, split kernel: 21 q staged, 22 scores, 23 softmax,
-24 partial rows, 25 after the arrival, 26 and 27 in the combine). For each run and kernel this
+24 partial rows, 25 after the arrival, 26 and 27 in the combine; kernels/quant.cu, fused FFN: 31
+gate/up done, 32 past the grid barrier, 33 SwiGLU's limbs made). For each run and kernel this
 prints, averaged over the step's launches, the median and the latest mark and end over the
 blocks that waited, in µs after the launch before it ended.
 
@@ -16,7 +17,7 @@ import re
 import statistics
 import sys
 
-KERNELS = ("attention", "add_rms_norm")
+KERNELS = ("attention", "add_rms_norm", "ffn")
 
 
 def launch_stats(path):
