@@ -147,9 +147,9 @@ impl CudaBackend {
         // hq or writing; the copy warp reads only weights): gate and up f rows of d values, down
         // d_out rows of f, all Q4_K in the device layout; hq limbs_words(d) words; act f floats,
         // out d_out; the barrier's count, which every launch of this backend's grid size draws on;
-        // a grid of one block a SM (its shared memory leaves no room for a second) and all of
-        // this device's work on one stream, so every block is resident at once for the grid
-        // barrier.
+        // a grid of as many blocks as SMs, each SM able to hold one (launch bounds and shared
+        // memory sized for it), and all of this device's work on one stream, so every block is
+        // resident at once for the grid barrier.
         unsafe { self.launch_chained(&name, cfg, &mut a) };
         drop(limbs);
         if let Some(q) = aq {
