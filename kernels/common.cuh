@@ -176,6 +176,31 @@ struct TraceBlock {
     }
 };
 #define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
+// Spans of a persistent kernel's phases (the fused decode layer): thread 0 reserves n records at
+// its start (trace_reserve) and writes span i (start, a mid point in the wait slot, end) at its
+// end (trace_span), so no span waits for a round trip of its own.
+__device__ __forceinline__ u32 trace_reserve(u32 n) { return threadIdx.x == 0 ? atomicAdd(llmdiff_trace_n, n) : 0u; }
+__device__ __forceinline__ void trace_span(u32 slot, u32 tag, u64 t0, u64 tm, u64 t1) {
+    if (threadIdx.x == 0 && slot < llmdiff_trace_cap) {
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        u64* r = llmdiff_trace_rec + 4 * (size_t)slot;
+        r[0] = t0;
+        r[1] = tm;
+        r[2] = t1;
+        r[3] = (u64)(tag & 0xff) | ((u64)(sm & 0xff) << 8) | ((u64)(blockIdx.x & 0xffffff) << 16) |
+               ((u64)(gridDim.x & 0xffffff) << 40);
+    }
+}
+#define TRACE_NOW() trace_now()
+#define TRACE_CLOCK() ((u64)clock64())
+// The time thread 0 last marked (TRACE_POINT): a point inside a phase for its span's mid slot.
+__shared__ u64 llmdiff_trace_point;
+#define TRACE_POINT()                                              \
+    do {                                                           \
+        if (threadIdx.x == 0) llmdiff_trace_point = trace_now();   \
+    } while (0)
+#define TRACE_POINT_GET() llmdiff_trace_point
 // With -DLLMDIFF_TRACE_MARK=n, the mark n (a point inside a kernel, numbered where it stands)
 // takes the place of the wait's return in the record: where a kernel's time goes, a point at a
 // time.
@@ -192,6 +217,14 @@ struct TraceBlock {
 #else
 #define TRACE_BLOCK(tag)
 #define TRACE_MARK(n)
+#define TRACE_NOW() 0ull
+#define TRACE_CLOCK() 0ull
+#define TRACE_POINT() \
+    do {              \
+    } while (0)
+#define TRACE_POINT_GET() 0ull
+__device__ __forceinline__ u32 trace_reserve(u32) { return 0u; }
+__device__ __forceinline__ void trace_span(u32, u32, u64, u64, u64) {}
 #define TRACE_WAIT() \
     do {             \
     } while (0)
@@ -210,6 +243,7 @@ struct TraceBlock {
 #define TRACE_X_LIMBS 8
 #define TRACE_GATHER 9
 #define TRACE_FFN 10
+#define TRACE_LAYER 11  // the fused decode layer: phases TRACE_LAYER + 0 .. 5, + 6 the launch (quant.cu)
 __device__ __forceinline__ void griddep_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     TRACE_WAIT();
@@ -385,3 +419,121 @@ __device__ __forceinline__ void x_limbs4(float4 v, int i4, u8* __restrict__ xq, 
     if ((lane & 7) == 0) sc[i4 / 8] = s;
     if ((lane & 1) == 0) sc[cols / 32 + i4 / 2] = a;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Pieces of the split (flash-decoding) GQA attention, shared by attention.cu's `gqa_split_*`
+// (whose comment describes the scheme) and quant.cu's fused decode layer (`layer_q4k`): a warp
+// holds AS_PPW positions' K and V rows (float4 columns lane + 32·c, c < CW) in registers.
+#define AS_PPW 4
+
+__device__ __forceinline__ float4 as_fma4(float a, float4 b, float4 c) {
+    return make_float4(fmaf(a, b.x, c.x), fmaf(a, b.y, c.y), fmaf(a, b.z, c.z), fmaf(a, b.w, c.w));
+}
+
+__device__ __forceinline__ float4 as_add4(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+__device__ __forceinline__ float as_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ double as_warp_sum64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The scores of a chunk's positions j0 + p·(warps) + w (the warp's K rows in kr) for the G heads:
+// es[h·L + i] = dot(q_h, k)·scale (the lane's columns by fmaf, then a warp butterfly), −inf past
+// n_ctx.
+template <int CW>
+__device__ __forceinline__ void as_scores(const float* qs, const float4 (&kr)[AS_PPW][CW], float* es, int G, int hd4,
+                                          int L, int nw, int w, int lane, int j0, int n_ctx, float scale) {
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int h = 0; h < G; h++) {
+        float4 qv[CW];
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            qv[c] = col < hd4 ? ((const float4*)qs)[h * hd4 + col] : zero;
+        }
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                s = fmaf(qv[c].x, kr[p][c].x, s);
+                s = fmaf(qv[c].y, kr[p][c].y, s);
+                s = fmaf(qv[c].z, kr[p][c].z, s);
+                s = fmaf(qv[c].w, kr[p][c].w, s);
+            }
+            s = warp_sum(s);
+            if (lane == 0) es[h * L + p * nw + w] = j0 + p * nw + w < n_ctx ? s * scale : NEG_INF;
+        }
+    }
+}
+
+// Row pos0 of K and V (the q/k/v GEMV before this kernel appends it), by coherent loads after
+// griddep_wait, into the registers of the warp that holds it in the chunk at j0 (as as_rows).
+template <int CW>
+__device__ __forceinline__ void as_own_row(const float* __restrict__ k, const float* __restrict__ v,
+                                           float4 (&kr)[AS_PPW][CW], float4 (&vr)[AS_PPW][CW], int j0, int nw, int w,
+                                           int lane, int pos0, int kvw, int kvh, int hd) {
+    const int hd4 = hd >> 2;
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        if (j0 + p * nw + w != pos0) continue;
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) {
+                const size_t off = (size_t)pos0 * kvw + (size_t)kvh * hd + 4 * col;
+                kr[p][c] = ldx16f(k + off);
+                vr[p][c] = ldx16f(v + off);
+            }
+        }
+    }
+}
+
+// The warp's share of the partial rows of heads h0 .. h0 + nh: Σ e_j·v_j over its positions (in
+// order), to red4[(w·nh + hh)·hd/4 + column].
+template <int CW>
+__device__ __forceinline__ void as_warp_rows(const float* es, const float4 (&vr)[AS_PPW][CW], float4* red4, int h0,
+                                             int nh, int L, int nw, int w, int lane, int hd4) {
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int hh = 0; hh < nh; hh++) {
+        const int h = h0 + hh;
+        float4 acc[CW];
+#pragma unroll
+        for (int c = 0; c < CW; c++) acc[c] = zero;
+#pragma unroll
+        for (int p = 0; p < AS_PPW; p++) {
+            const float e = es[h * L + p * nw + w];
+#pragma unroll
+            for (int c = 0; c < CW; c++) acc[c] = as_fma4(e, vr[p][c], acc[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + 32 * c;
+            if (col < hd4) red4[(w * nh + hh) * hd4 + col] = acc[c];
+        }
+    }
+}
+
+// The split kernels' partials in `part` for N = s_cap·KV·G (layout above): Σe (f64), the maxima
+// and the partial rows.
+struct AsPart {
+    double* s;
+    float* m;
+    float* o;
+    __device__ __forceinline__ AsPart(float* part, int s_cap, int KV, int G) {
+        const size_t N = (size_t)s_cap * KV * G;
+        s = (double*)part;
+        m = part + 2 * N;
+        o = part + ((3 * N + 3) & ~(size_t)3);
+    }
+};

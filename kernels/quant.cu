@@ -1216,6 +1216,7 @@ __device__ __forceinline__ void ffn_pass(const u8* ring, u64* full, u64* empty, 
     for (int i = team; i < n_groups; i += teams) {
         const int k = k0 + i, s = k % ns;
         mbar_wait(&full[s], (k / ns) & 1);
+        if (i == team) TRACE_POINT();  // (thread 0's team's first stage)
         const u8* st = ring + (size_t)s * sb + (size_t)grp * RS * rb;
         float acc[RS];
 #pragma unroll
@@ -1251,22 +1252,30 @@ __device__ __forceinline__ void ffn_pass(const u8* ring, u64* full, u64* empty, 
 // all f of them, in this block's shared memory `aq` (f % 128 == 0: whole warps), eight loads a
 // thread in flight before their limbs (one at a time, the L2 round trips took ~4 µs of the 8B
 // shape's step, round 23), then down's rows from the ring's stages ka .. ka + kb.
-template <int RB, int SB>
-__device__ __forceinline__ void ffn_down(const u8* ring, u64* full, u64* empty, float* red, u8* aq,
-                                         const float* __restrict__ act, float* __restrict__ out, int ns, int sb,
-                                         int ka, int kb, int f, int b, int G) {
+// The limbs of `src` (f values that this grid wrote, read through L2; f % 128 == 0: whole
+// warps) into this block's shared memory `aq`, by the compute warps, eight loads a thread in
+// flight before their limbs, then a compute-warp barrier.
+__device__ __forceinline__ void ffn_limbs(const float* __restrict__ src, u8* aq, int f) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     constexpr int LB = 8, WS = FFN_WARPS * 32;
     for (int i0 = warp * 32; i0 < f / 4; i0 += LB * WS) {
         float4 v[LB];
 #pragma unroll
         for (int j = 0; j < LB; j++)
-            v[j] = i0 + j * WS < f / 4 ? __ldcg((const float4*)act + i0 + j * WS + lane) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[j] = i0 + j * WS < f / 4 ? __ldcg((const float4*)src + i0 + j * WS + lane) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int j = 0; j < LB; j++)
             if (i0 + j * WS < f / 4) x_limbs4(v[j], i0 + j * WS + lane, aq, f, true);
     }
     named_bar(9, FFN_WARPS * 32);
+}
+
+template <int RB, int SB>
+__device__ __forceinline__ void ffn_down(const u8* ring, u64* full, u64* empty, float* red, u8* aq,
+                                         const float* __restrict__ act, float* __restrict__ out, int ns, int sb,
+                                         int ka, int kb, int f, int b, int G) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    ffn_limbs(act, aq, f);
     TRACE_MARK(33);
     XLimbs<TY_Q4_K, 64> q;
     int tw, teams;
@@ -1368,6 +1377,458 @@ FFN_ENTRY(4, 2, 4, 1)
 FFN_ENTRY(4, 2, 4, 2)
 FFN_ENTRY(4, 2, 8, 1)
 FFN_ENTRY(4, 0, 4, 1)
+
+// ---------------------------------------------------------------------------------------------
+// Fused decode layer (opt-in, engine/src/cuda_layer.rs): one llama-style layer for one token in
+// one persistent launch, every product Q4_K:
+//   x += o · attention(rope(q/k/v · rms_norm(x)));  x += down · swiglu(gate/up · rms_norm(x)).
+// The fused FFN above showed where a persistent grid wins (its gate/up half streamed 66 MB at 87 %
+// of copy, the ring full when its wait returned) and where it loses (the kernels around it lose
+// their early placement). Here the grid holds the whole layer, so there is nothing around it to
+// lose: the copy warp streams q/k/v's, o's, gate/up's and down's rows through one ring in shared
+// memory from the block's start, and keeps streaming while the compute warps norm, attend and
+// wait at grid barriers.
+//
+// The copy warp (warp FFN_WARPS, lane 0) fills stage after stage: the block's groups b, b + G, ...
+// (G = gridDim.x) of each product in turn, q/k/v (LY_R rows of the rows q, k, v end to end), o
+// (LY_R rows), gate/up (LY_P gate rows and LY_P up rows), down (LY_RB rows), each as soon as the
+// stage it reuses is released. The compute warps take the products in the same order through
+// ffn_pass (teams owning their stages, as in the fused FFN); between two products they sync, so
+// every fill of the first product has been consumed before a team of the second waits.
+//
+// Phases of the compute warps (G blocks, grid barriers `|`):
+//   1. RMSNorm of x in every block (Σx² in f64, warps in order), its limbs in shared memory;
+//      q/k/v: the store rotates q and k (NORM pairs, GemvRows::store's table `cs`) and appends k
+//      and v to the caches at the position (the position word when recorded). Then each block
+//      loads the K and V rows (below the position) of its first attention item, and waits. |
+//   2. Attention items (KV head, chunk of LY_L positions), item i in block i mod G: the split
+//      kernels' scores, softmax and partial rows (as_scores, as_warp_rows), partials to `part`. |
+//   3. Combine: a query head a block: M = max m_s, l = Σ e^(m_s − M)·l_s (f64), o = Σ
+//      e^(m_s − M)·o_s (splits strided over 16 groups, then the groups in order), out = o / l. |
+//   4. The attention output's limbs in every block; o; the store adds the row into x. |
+//   5. RMSNorm of x again; gate/up, the store SwiGLU's. |
+//   6. SwiGLU's limbs in every block; down; the store adds the row into x.
+// Every sum's order is fixed by the shape and the position, so the result does not depend on
+// timing. The grid barrier needs every block resident (one a SM, as the fused FFN).
+//
+// Measured (round 24, H200, 8B shape at depth 512): exact (kernels --check within 3.8e-6 of the
+// CPU engine's ops), but the step takes 2.61 ms against 1.95 op by op. Traced per phase
+// (tests/gpu/layer_phases.py): the ring streams gate/up at 3.8 TB/s once it runs, but every
+// block-serial step between products is slow. Each block makes a product's limbs itself, several
+// x_limbs4 a thread one after another, ~1.3 µs each (its shuffles, frexpf, ldexpf and rintf are
+// one latency chain): 3.4 µs for a norm's, 6.9 for SwiGLU's; the five grid barriers take 2–3.5 µs
+// each; and the first stage of o and of down is ready only ~2.5 µs after the limbs, ~11 µs after
+// the phase started, though its copy was issued long before.
+//
+// Dynamic shared memory (`smem` in cuda_layer.rs): ns stages of sb bytes, ns `full` and ns `empty`
+// barriers, red (2·FFN_WARPS·LY_R floats), 32 doubles, then max(limbs of max(d, W, f) values,
+// the attention's q, scores and partial rows: (G·hd + G·LY_L + FFN_WARPS·G·hd) floats).
+#define LY_R 8
+#define LY_P 4
+#define LY_RB 2
+#define LY_L (FFN_WARPS * AS_PPW)
+
+struct LayerArgs {
+    const u8 *wq, *wk, *wv, *wo, *wg, *wu, *wd;  // Q4_K, device layout
+    const float *attn_norm, *ffn_norm;          // d
+    float* x;                                   // the residual, d (read, then added into)
+    float *q, *k, *v;                           // q/k/v scratch: W, KV·hd, KV·hd
+    float *kc, *vc;                             // caches [T, KV·hd]
+    const float2* cs;                           // RoPE table of the position
+    const int* pos_dev;                         // null: `pos`
+    float* part;                                // split partials (AsPart, s_cap splits)
+    float* attn;                                // attention output, W
+    float* act;                                 // SwiGLU's output, f
+    u64* bar;
+    int pos, d, f, n_heads, n_kv, hd, rope_dim, s_cap, ns;
+    float eps, scale;
+};
+
+__device__ __forceinline__ int ly_groups(int n, int b, int G) { return n > b ? (n - b + G - 1) / G : 0; }
+
+// A product's x limbs in this block's shared memory `aq`, by the compute warps: of src (n values
+// that this grid or the kernel before wrote, read through L2; n % 128 == 0: whole warps), or with
+// w set, of its RMSNorm times w (Σx² in f64 as rms_norm, the warps in order; both norms of a layer
+// take this). Four loads a thread in flight before their limbs. (Not inlined, with ly_product, to
+// shrink the kernel from 206 to 130 KB of code, the step took 3.8 ms instead of 2.7: round 24.)
+// Traced, three records from `slot` (tags from `tag`): its start, the sums' loads used, their
+// reduction; the scale, the limbs written, the end; SM cycles over the whole (as start + cycles).
+__device__ __forceinline__ void ly_limbs(const float* src, const float* __restrict__ w, double* red64, u8* aq, int n,
+                                      float eps, u32 slot, u32 tag) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    constexpr int LB = 4, WS = FFN_WARPS * 32;
+    const u64 m0 = TRACE_NOW(), c0 = TRACE_CLOCK();
+    u64 m1 = m0, m2 = m0, m3 = m0;
+    float scale = 1.0f;
+    if (w) {
+        double ss = 0.0;
+        for (int i = t; i < n / 4; i += WS) {
+            const float4 v = __ldcg((const float4*)src + i);
+            ss += (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
+                  (double)v.w * (double)v.w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red64[warp] = ss;
+        m1 = TRACE_NOW();
+        named_bar(9, WS);
+        double tot = 0.0;
+        for (int i = 0; i < FFN_WARPS; i++) tot += red64[i];
+        m2 = TRACE_NOW();
+        scale = (float)(1.0 / sqrt(tot / (double)n + (double)eps));
+        m3 = TRACE_NOW();
+    }
+    for (int i0 = warp * 32; i0 < n / 4; i0 += LB * WS) {
+        float4 v[LB];
+#pragma unroll
+        for (int j = 0; j < LB; j++)
+            v[j] = i0 + j * WS < n / 4 ? __ldcg((const float4*)src + i0 + j * WS + lane) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < LB; j++) {
+            const int i = i0 + j * WS + lane;
+            if (i0 + j * WS >= n / 4) break;
+            if (w) {
+                const float4 g = ((const float4*)w)[i];
+                v[j].x = v[j].x * scale * g.x;
+                v[j].y = v[j].y * scale * g.y;
+                v[j].z = v[j].z * scale * g.z;
+                v[j].w = v[j].w * scale * g.w;
+            }
+            x_limbs4(v[j], i, aq, n, true);
+        }
+    }
+    const u64 m4 = TRACE_NOW();
+    named_bar(9, WS);
+    const u64 m5 = TRACE_NOW(), c1 = TRACE_CLOCK();
+    trace_span(slot, tag, m0, m1, m2);
+    trace_span(slot + 1, tag + 1, m3, m4, m5);
+    trace_span(slot + 2, tag + 2, m0, m0 + (c1 - c0), m5);
+}
+
+#define LY_QKV 0
+#define LY_SWIGLU 1
+#define LY_ADD 2
+
+// What a product's store does with the sums of its group i (row `l`'s in lane l): q/k/v's
+// RoPE and cache append (GemvRows::store, NORM pairs in neighbouring lanes), SwiGLU of gate
+// (lanes < LY_P) and up (the next LY_P lanes), or the residual add of o's and down's rows.
+struct LyStore {
+    int mode;  // LY_QKV, LY_SWIGLU, LY_ADD
+    int rows;  // rows a group (LY_ADD)
+    int b, G;
+    float* out;  // LY_SWIGLU: act; LY_ADD: x
+    GemvRows m;  // LY_QKV
+    __device__ __forceinline__ void operator()(int i, float sum, int l) const {
+        const int g = b + i * G;
+        if (mode == LY_QKV) {
+            const float pair = __shfl_xor_sync(0xffffffffu, sum, 1);
+            if (l < LY_R) m.store(g * LY_R + l, sum, pair);
+        } else if (mode == LY_SWIGLU) {
+            const float up = __shfl_down_sync(0xffffffffu, sum, LY_P);
+            if (l < LY_P) out[(size_t)g * LY_P + l] = silu_mul(sum, up);
+        } else if (l < rows) {
+            const int r = g * rows + l;
+            out[r] = __ldcg(out + r) + sum;
+        }
+    }
+};
+
+// One product of the layer from the ring (stages k0 .. k0 + n of this block), x's limbs in `aq`:
+// ffn_pass in R-row stages, S warp groups a team.
+template <int R, int S>
+__device__ __forceinline__ void ly_product(const u8* ring, u64* full, u64* empty, float* red, const u8* aq, int ns, int sb,
+                                        int k0, int n, int cols, const LyStore& st) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    XLimbs<TY_Q4_K, 64> q;
+    int tw, teams;
+    ffn_teams(cols / 64, S, tw, teams);
+    const int u0 = (warp % tw) * 32 + lane;
+    gemv_xq_load<TY_Q4_K, 64, true>(aq, cols, u0 < cols / 64 ? u0 : 0, q);
+    ffn_pass<R, S>(ring, full, empty, red, ns, sb, k0, n, cols, q, st);
+}
+
+// Compute warps: a grid barrier (every block's writes so far visible to every block after it).
+// Traced, phase `ph` is recorded (from t, the last barrier's exit, through the block's arrival
+// here, to this barrier's exit), and t becomes this exit.
+__device__ __forceinline__ void ly_grid_sync(u64* bar, u32 slots, int ph, u64& t) {
+    named_bar(9, FFN_WARPS * 32);
+    if (threadIdx.x == 0) {
+        const u64 tm = TRACE_NOW();
+        ffn_grid_sync(bar, gridDim.x);
+        const u64 t1 = TRACE_NOW();
+        trace_span(slots + ph, TRACE_LAYER + ph, t, tm, t1);
+        t = t1;
+    }
+    named_bar(9, FFN_WARPS * 32);
+}
+
+// An attention item's K and V rows below the position (earlier steps wrote them) into registers
+// (CW 1: hd ≤ 128), zeros elsewhere.
+__device__ __forceinline__ void ly_kv_rows(const LayerArgs& a, float4 (&kr)[AS_PPW][1], float4 (&vr)[AS_PPW][1],
+                                           int it, int pos) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, KV = a.n_kv, hd4 = a.hd >> 2, kvw = KV * a.hd;
+    const int kvh = it % KV, j0 = it / KV * LY_L;
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        const int j = j0 + p * FFN_WARPS + w;
+        float4 k4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v4 = k4;
+        if (j < pos && lane < hd4) {
+            const size_t off = (size_t)j * kvw + (size_t)kvh * a.hd + 4 * lane;
+            k4 = *(const float4*)(a.kc + off);
+            v4 = *(const float4*)(a.vc + off);
+        }
+        kr[p][0] = k4;
+        vr[p][0] = v4;
+    }
+}
+
+// Attention item `it` (KV head it mod KV, chunk it / KV): the position's own row (written by this
+// grid, read through L2), q's heads of the group into shared memory, then the split kernels'
+// scores, softmax and partial rows, to `part`.
+__device__ __forceinline__ void ly_attn_item(const LayerArgs& a, float4 (&kr)[AS_PPW][1], float4 (&vr)[AS_PPW][1],
+                                             float* sm, int it, int pos) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    constexpr int NT = FFN_WARPS * 32;
+    const int KV = a.n_kv, G = a.n_heads / KV, hd = a.hd, hd4 = hd >> 2, kvw = KV * hd;
+    const int kvh = it % KV, sp = it / KV, j0 = sp * LY_L, n_ctx = pos + 1;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int p = 0; p < AS_PPW; p++) {
+        if (j0 + p * FFN_WARPS + w == pos && lane < hd4) {
+            const size_t off = (size_t)pos * kvw + (size_t)kvh * hd + 4 * lane;
+            kr[p][0] = __ldcg((const float4*)(a.kc + off));
+            vr[p][0] = __ldcg((const float4*)(a.vc + off));
+        }
+    }
+    float* qs = sm;
+    float* es = qs + G * hd;
+    float4* red4 = (float4*)(es + G * LY_L);
+    const float4* q4 = (const float4*)(a.q + (size_t)kvh * G * hd);
+    for (int i = t; i < G * hd4; i += NT) ((float4*)qs)[i] = __ldcg(q4 + i);
+    named_bar(9, NT);
+    as_scores<1>(qs, kr, es, G, hd4, LY_L, FFN_WARPS, w, lane, j0, n_ctx, a.scale);
+    named_bar(9, NT);
+    const AsPart pt(a.part, a.s_cap, KV, G);
+    const size_t slot = (size_t)sp * KV + kvh;
+    for (int h = w; h < G; h += FFN_WARPS) {
+        float m = NEG_INF;
+        for (int i = lane; i < LY_L; i += 32) m = fmaxf(m, es[h * LY_L + i]);
+        m = as_warp_max(m);
+        const float ms = m == NEG_INF ? 0.0f : m;
+        double sum = 0.0;
+        for (int i = lane; i < LY_L; i += 32) {
+            const float e = expf(es[h * LY_L + i] - ms);
+            es[h * LY_L + i] = e;
+            sum += (double)e;
+        }
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            pt.m[slot * G + h] = m;
+            pt.s[slot * G + h] = sum;
+        }
+    }
+    named_bar(9, NT);
+    as_warp_rows<1>(es, vr, red4, 0, G, LY_L, FFN_WARPS, w, lane, hd4);
+    named_bar(9, NT);
+    float4* po = (float4*)(pt.o + slot * G * hd);
+    for (int i = t; i < G * hd4; i += NT) {
+        float4 s = red4[i];
+        for (int u = 1; u < FFN_WARPS; u++) s = as_add4(s, red4[u * G * hd4 + i]);
+        po[i] = s;
+    }
+    named_bar(9, NT);
+}
+
+// Query head hh's output row from the S splits' partials (see the phases above).
+__device__ __forceinline__ void ly_combine(const LayerArgs& a, float* sm, int hh, int S) {
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    constexpr int NT = FFN_WARPS * 32;
+    const int KV = a.n_kv, G = a.n_heads / KV, hd4 = a.hd >> 2, kvh = hh / G, h = hh % G;
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    const AsPart pt(a.part, a.s_cap, KV, G);
+    float* mi = sm;                       // M, 1/l
+    float4* red4 = (float4*)(sm + 4);     // NT / hd4 groups of hd4 columns
+    if (w == 0) {
+        float m = NEG_INF;
+        for (int s = lane; s < S; s += 32) m = fmaxf(m, __ldcg(pt.m + ((size_t)s * KV + kvh) * G + h));
+        m = as_warp_max(m);
+        double sum = 0.0;
+        for (int s = lane; s < S; s += 32) {
+            const size_t at = ((size_t)s * KV + kvh) * G + h;
+            sum += (double)expf(__ldcg(pt.m + at) - m) * __ldcg(pt.s + at);
+        }
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            mi[0] = m;
+            mi[1] = (float)(1.0 / sum);
+        }
+    }
+    named_bar(9, NT);
+    const float M = mi[0];
+    const int groups = NT / hd4, c = t % hd4, g = t / hd4;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s = g; s < S; s += groups) {
+        const size_t at = ((size_t)s * KV + kvh) * G + h;
+        const float e = expf(__ldcg(pt.m + at) - M);
+        acc = as_fma4(e, __ldcg((const float4*)(pt.o + at * a.hd) + c), acc);
+    }
+    red4[g * hd4 + c] = acc;
+    named_bar(9, NT);
+    if (t < hd4) {
+        float4 o = red4[t];
+        for (int u = 1; u < groups; u++) o = as_add4(o, red4[u * hd4 + t]);
+        const float inv = mi[1];
+        ((float4*)(a.attn + (size_t)hh * a.hd))[t] = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+    }
+    named_bar(9, NT);
+}
+
+__device__ __forceinline__ void layer_body(const LayerArgs& a) {
+    extern __shared__ __align__(16) u8 ly_smem[];
+    __shared__ u64 ly_issue[4];  // traced: when the copy warp issued each product's first stage
+    const int d = a.d, f = a.f, H = a.n_heads, KV = a.n_kv, hd = a.hd, W = H * hd, ns = a.ns;
+    const int rb_d = d / 256 * 144, rb_w = W / 256 * 144, rb_f = f / 256 * 144;
+    const int sb = max(max(LY_R * rb_d, LY_R * rb_w), max(2 * LY_P * rb_d, LY_RB * rb_f));
+    u64* full = (u64*)(ly_smem + (size_t)ns * sb);
+    u64* empty = full + ns;
+    float* red = (float*)(empty + ns);
+    double* red64 = (double*)(red + 2 * FFN_WARPS * LY_R);
+    u8* aq = (u8*)(red64 + 32);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, G = gridDim.x, b = blockIdx.x;
+    const int e0 = W, e1 = W + KV * hd, rows_qkv = e1 + KV * hd;
+    const int nq = rows_qkv / LY_R, no = d / LY_R, ngu = f / LY_P, ndn = d / LY_RB;
+    const int kq = ly_groups(nq, b, G), ko = ly_groups(no, b, G), kgu = ly_groups(ngu, b, G),
+              kdn = ly_groups(ndn, b, G);
+    griddep_launch();
+    u64 t = TRACE_NOW();
+    const u32 slots = trace_reserve(23);
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ns; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 1);
+        }
+    }
+    __syncthreads();
+    if (warp == FFN_WARPS) {
+        // The copy warp: the block's stages of every product in turn (weights only: no wait).
+        if (lane == 0) {
+            int k = 0;
+            const int firsts[4] = {0, kq, kq + ko, kq + ko + kgu};
+            auto put = [&](const u8* src0, const u8* src1, u32 bytes) {
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+                    if (k == firsts[p]) ly_issue[p] = TRACE_NOW();
+                const int s = k % ns;
+                if (k >= ns) mbar_wait(&empty[s], (k / ns - 1) & 1);
+                u8* st = ly_smem + (size_t)s * sb;
+                mbar_expect_tx(&full[s], src1 ? 2 * bytes : bytes);
+                bulk_g2s(st, src0, bytes, &full[s]);
+                if (src1) bulk_g2s(st + bytes, src1, bytes, &full[s]);
+                k++;
+            };
+            for (int g = b; g < nq; g += G) {
+                const int r = g * LY_R;
+                const u8* src = r < e0 ? a.wq + (size_t)r * rb_d
+                                : r < e1 ? a.wk + (size_t)(r - e0) * rb_d
+                                         : a.wv + (size_t)(r - e1) * rb_d;
+                put(src, nullptr, LY_R * rb_d);
+            }
+            for (int g = b; g < no; g += G) put(a.wo + (size_t)g * LY_R * rb_w, nullptr, LY_R * rb_w);
+            for (int g = b; g < ngu; g += G) {
+                const size_t at = (size_t)g * LY_P * rb_d;
+                put(a.wg + at, a.wu + at, LY_P * rb_d);
+            }
+            for (int g = b; g < ndn; g += G) put(a.wd + (size_t)g * LY_RB * rb_f, nullptr, LY_RB * rb_f);
+        }
+        return;
+    }
+    griddep_wait();  // x is the kernel before's output; nothing is written before this
+    const u64 t_start = t;
+    t = TRACE_NOW();
+    const u64 t_wait = t;
+    const int pos = a.pos_dev ? *a.pos_dev : a.pos;
+    int k0 = 0;
+
+    // 1. RMSNorm, q/k/v with RoPE and the cache append.
+    ly_limbs(a.x, a.attn_norm, red64, aq, d, a.eps, slots + 11, TRACE_LAYER + 11);
+    LyStore st;
+    st.b = b;
+    st.G = G;
+    st.mode = LY_QKV;
+    st.m.w0 = st.m.w1 = st.m.w2 = nullptr;
+    st.m.out0 = a.q;
+    st.m.out1 = a.k;
+    st.m.out2 = a.v;
+    st.m.end0 = e0;
+    st.m.end1 = e1;
+    st.m.cs = a.cs;
+    st.m.kc = a.kc;
+    st.m.vc = a.vc;
+    st.m.pos_dev = nullptr;
+    st.m.head_dim = hd;
+    st.m.rope_dim = a.rope_dim;
+    st.m.kv_row = pos;
+    st.m.rows = rows_qkv;
+    u64 t_in = TRACE_NOW();
+    ly_product<LY_R, 4>(ly_smem, full, empty, red, aq, ns, sb, k0, kq, d, st);
+    k0 += kq;
+    trace_span(slots + 7, TRACE_LAYER + 7, ly_issue[0], t_in, TRACE_POINT_GET());
+    const int n_ctx = pos + 1, C = (n_ctx + LY_L - 1) / LY_L, items = KV * C;
+    float4 kr[AS_PPW][1], vr[AS_PPW][1];
+    if (b < items) ly_kv_rows(a, kr, vr, b, pos);
+    ly_grid_sync(a.bar, slots, 0, t);
+
+    // 2. Attention items.
+    float* sm = (float*)aq;
+    for (int it = b; it < items; it += G) {
+        if (it != b) ly_kv_rows(a, kr, vr, it, pos);
+        ly_attn_item(a, kr, vr, sm, it, pos);
+    }
+    ly_grid_sync(a.bar, slots, 1, t);
+
+    // 3. Combine, a query head a block.
+    for (int hh = b; hh < H; hh += G) ly_combine(a, sm, hh, C);
+    ly_grid_sync(a.bar, slots, 2, t);
+
+    // 4. o, added into x.
+    ly_limbs(a.attn, nullptr, red64, aq, W, 0.0f, slots + 14, TRACE_LAYER + 14);
+    st.mode = LY_ADD;
+    st.rows = LY_R;
+    st.out = a.x;
+    t_in = TRACE_NOW();
+    ly_product<LY_R, 4>(ly_smem, full, empty, red, aq, ns, sb, k0, ko, W, st);
+    k0 += ko;
+    trace_span(slots + 8, TRACE_LAYER + 8, ly_issue[1], t_in, TRACE_POINT_GET());
+    ly_grid_sync(a.bar, slots, 3, t);
+
+    // 5. RMSNorm, gate/up and SwiGLU.
+    ly_limbs(a.x, a.ffn_norm, red64, aq, d, a.eps, slots + 17, TRACE_LAYER + 17);
+    st.mode = LY_SWIGLU;
+    st.out = a.act;
+    t_in = TRACE_NOW();
+    ly_product<2 * LY_P, 4>(ly_smem, full, empty, red, aq, ns, sb, k0, kgu, d, st);
+    k0 += kgu;
+    trace_span(slots + 9, TRACE_LAYER + 9, ly_issue[2], t_in, TRACE_POINT_GET());
+    ly_grid_sync(a.bar, slots, 4, t);
+
+    // 6. down, added into x.
+    ly_limbs(a.act, nullptr, red64, aq, f, 0.0f, slots + 20, TRACE_LAYER + 20);
+    st.mode = LY_ADD;
+    st.rows = LY_RB;
+    st.out = a.x;
+    t_in = TRACE_NOW();
+    ly_product<LY_RB, 1>(ly_smem, full, empty, red, aq, ns, sb, k0, kdn, f, st);
+    trace_span(slots + 10, TRACE_LAYER + 10, ly_issue[3], t_in, TRACE_POINT_GET());
+    named_bar(9, FFN_WARPS * 32);
+    const u64 t_end = TRACE_NOW();
+    trace_span(slots + 5, TRACE_LAYER + 5, t, 0, t_end);
+    trace_span(slots + 6, TRACE_LAYER + 6, t_start, t_wait, t_end);
+}
+
+// Launched with (FFN_WARPS + 1)·32 threads, one block a SM (gridDim.x of them, all resident).
+extern "C" __global__ void __launch_bounds__((FFN_WARPS + 1) * 32, 1) layer_q4k(const LayerArgs a) {
+    layer_body(a);
+}
 
 // A bound for the Q4_K GEMV, not a product (`kernels --bench`): the loads of warp-rows
 // gemvw_q4_k_r8_w4_u1_m2 (the default's, but NW 2 in launches of 8192+ rows) with no arithmetic

@@ -231,6 +231,15 @@ pub trait Backend: Send + Sync {
     fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
         ffn_swiglu_ops(self, h, n, ws, out)
     }
+    /// One llama-style layer of a one-token step as one op, where the backend has a fused form
+    /// (CUDA, opt-in: one launch for every product, the attention and both norms): `x += o ·
+    /// attention(…)`, then `x += ffn(…)`, appending the position's k and v to `caches` = [k
+    /// cache, v cache] as `linear_qkv_rope` does. False (nothing done) where it has none or the
+    /// layer's shape or types are not its own: the model code then goes op by op.
+    fn decode_layer(&self, x: &mut Buf, layer: &DecodeLayer<'_>, caches: [&mut Buf; 2]) -> bool {
+        let _ = (x, layer, caches);
+        false
+    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
@@ -321,6 +330,20 @@ pub trait StepGraph: Send {
     /// True when a step at `pos0` fits what was recorded (the KV caches' capacity and the
     /// attention's shared memory); otherwise the engine records a new graph.
     fn fits(&self, pos0: usize) -> bool;
+}
+
+/// A dense GQA layer's weights and hyper-parameters for [`Backend::decode_layer`]: RMSNorm (both
+/// norms share `eps`), q/k/v with `rope` and the KV append, attention of `shape`, o, then the
+/// SwiGLU FFN of `ffn` = [gate, up, down].
+pub struct DecodeLayer<'a> {
+    pub attn_norm: &'a [f32],
+    pub ffn_norm: &'a [f32],
+    pub eps: f32,
+    pub qkv: [WeightRef<'a>; 3],
+    pub o: WeightRef<'a>,
+    pub ffn: [WeightRef<'a>; 3],
+    pub rope: QkRope,
+    pub shape: GqaShape,
 }
 
 /// The host backend: ranks are threads, ops are the rayon kernels.

@@ -94,6 +94,8 @@ pub use gemm::GemmBench;
 
 #[path = "cuda_gemv_tc.rs"]
 mod gemv_tc;
+#[path = "cuda_layer.rs"]
+mod layer;
 #[path = "cuda_trace.rs"]
 mod trace;
 
@@ -683,6 +685,8 @@ pub struct CudaBackend {
     /// barrier's arrival count (over every launch on this device).
     ffn: Option<crate::cuda_kernels::FfnVariant>,
     ffn_bar: Arc<CudaSlice<u64>>,
+    /// The fused decode layer is on (`LLMDIFF_LAYER=1`, see cuda_layer.rs; it shares `ffn_bar`).
+    layer: bool,
 }
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -781,6 +785,7 @@ impl CudaBackend {
                     || f.starts_with("gqa_attn_tc_")
                     || f.starts_with("gemvb_")
                     || f.starts_with("ffn_q4k_")
+                    || f == "layer_q4k"
                     || f.starts_with("gemm2_q4_k"))
                 .then_some(attn_smem_max);
                 if let Some(bytes) = smem {
@@ -826,6 +831,7 @@ impl CudaBackend {
             trace: trace.map(Mutex::new),
             ffn: ffn::from_env(),
             ffn_bar,
+            layer: layer::from_env(),
         })
     }
 
@@ -2100,6 +2106,10 @@ impl Backend for CudaBackend {
             .collect()
     }
 
+    fn decode_layer(&self, x: &mut Buf, layer: &crate::backend::DecodeLayer<'_>, caches: [&mut Buf; 2]) -> bool {
+        self.layer && self.layer_fused(x, layer, caches)
+    }
+
     fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
         if !self.ffn.is_some_and(|v| self.ffn_fused(h, n, ws, out, v)) {
             crate::backend::ffn_swiglu_ops(self, h, n, ws, out);
@@ -3223,6 +3233,7 @@ impl CudaBackend {
         out.extend(self.attn_tiled_checks());
         out.extend(self.attn_split_checks());
         out.extend(self.ffn_checks());
+        out.extend(self.layer_checks());
         // The recorded step with the split decode attention (at its setting, the default where it
         // is off) and with the per-(token, head) kernel.
         let split = self.attn.split_chunk();

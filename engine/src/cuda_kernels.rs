@@ -72,7 +72,7 @@ impl KernelId {
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
                 .chain(FFN_VARIANTS.iter().map(|&v| ffn_entry(v)))
-                .chain(["gemv_x_limbs", "gemv_read_probe"].map(String::from))
+                .chain(["gemv_x_limbs", "gemv_read_probe", "layer_q4k"].map(String::from))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",

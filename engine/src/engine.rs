@@ -482,8 +482,14 @@ impl Engine {
             });
         }
 
+        // A one-token step on one rank with nothing tapped and no fault may take each layer as
+        // one backend op (`Rank::fused_layer`; the backend says whether it has one).
+        let fusable = is_decode && n == 1 && self.tp == 1 && plan.is_empty() && self.faults.specs().is_empty();
         for layer_idx in 0..c.n_layers {
             self.weight_taps(tap, &plan, layer_idx);
+            if fusable && self.ranks[0].fused_layer(&ctx, layer_idx) {
+                continue;
+            }
             for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
                 let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| match phase_site {
                     Site::AttnProj => r.attn_block(&ctx, layer_idx),

@@ -8,7 +8,7 @@
 //! double buffer (layer l writes buffer l mod 2), reused across layers and steps. Every tensor
 //! here is a backend [`Buf`] (device memory on CUDA); taps download only what is wanted.
 
-use crate::backend::{Backend, Buf};
+use crate::backend::{Backend, Buf, DecodeLayer};
 use crate::fault::{Fault, FaultSet};
 use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle};
 use crate::taps::{Emit, RankTaps, TapPlan};
@@ -162,6 +162,34 @@ fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: Nor
     }
 }
 
+/// A GQA layer's RoPE (every head rotating `rope_dim` from its start) and attention shape on a
+/// rank whose q and k have `q_rows` and `k_rows` rows.
+fn gqa_rope_shape(ctx: &StepCtx<'_>, hy: &Hyper, q_rows: usize, k_rows: usize) -> (QkRope, GqaShape) {
+    let c = ctx.config;
+    let hd = c.head_dim;
+    let (h_r, kv_r) = (q_rows / hd, k_rows / hd);
+    let layout = |heads| RopeLayout {
+        n_heads: heads,
+        head_stride: hd,
+        offset: 0,
+        rope_dim: c.rope_dim,
+    };
+    let rope = QkRope {
+        q: layout(h_r),
+        k: layout(kv_r),
+        pos0: ctx.pos0,
+        base: hy.rope_base,
+        style: hy.rope_style,
+    };
+    let shape = GqaShape {
+        n_heads: h_r,
+        n_kv_heads: kv_r,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    (rope, shape)
+}
+
 /// A rank's result from one phase: a partial sum (or slice) and its tap copies.
 pub struct PhaseOut<'p> {
     pub data: Buf,
@@ -281,24 +309,10 @@ impl Rank {
         let out_width;
         match &lw.attn {
             AttnShard::Gqa { q, k, v } => {
-                let hd = c.head_dim;
-                let (h_r, kv_r) = (q.rows / hd, k.rows / hd);
+                let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows);
                 let mut qv = be.alloc(n * q.rows);
                 let mut kv = be.alloc(n * k.rows);
                 let mut vv = be.alloc(n * v.rows);
-                let layout = |heads| RopeLayout {
-                    n_heads: heads,
-                    head_stride: hd,
-                    offset: 0,
-                    rope_dim: c.rope_dim,
-                };
-                let rope = QkRope {
-                    q: layout(h_r),
-                    k: layout(kv_r),
-                    pos0: ctx.pos0,
-                    base: hy.rope_base,
-                    style: hy.rope_style,
-                };
                 let ws = [q.view(), k.view(), v.view()];
                 if off_by_one {
                     be.linear_many(&h, n, &ws, &mut [&mut qv, &mut kv, &mut vv]);
@@ -312,13 +326,7 @@ impl Rank {
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::K, &kv, k.rows, Emit::Column);
                 taps.emit_buf(be, Site::V, &vv, v.rows, Emit::Column);
-                out_width = h_r * hd;
-                let shape = GqaShape {
-                    n_heads: h_r,
-                    n_kv_heads: kv_r,
-                    head_dim: hd,
-                    scale: 1.0 / (hd as f32).sqrt(),
-                };
+                out_width = q.rows;
                 for buf in &mut self.attn_out {
                     prepare_out(be, buf, n * out_width, false);
                 }
@@ -434,6 +442,39 @@ impl Rank {
         be.linear(attn_out, n, lw.o.view(), &mut partial);
         taps.emit_buf(be, Site::AttnProj, &partial, d, Emit::Partial);
         PhaseOut { data: partial, taps }
+    }
+
+    /// The whole layer as one backend op (`Backend::decode_layer`: one launch on CUDA, opt-in)
+    /// for a step the engine lets fuse (one token, one rank, nothing tapped, no fault): x gets
+    /// both blocks' outputs added, the caches the position's k and v. False (nothing done) for a
+    /// layer that is not dense GQA or a backend without the fused form: the engine then goes
+    /// phase by phase.
+    pub fn fused_layer(&mut self, ctx: &StepCtx<'_>, layer_idx: usize) -> bool {
+        let lw = &self.shard.layers[layer_idx];
+        let (AttnShard::Gqa { q, k, v }, FfnShard::Dense(mlp)) = (&lw.attn, &lw.ffn) else {
+            return false;
+        };
+        let hy = ctx.hyper(layer_idx, self.idx);
+        let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows);
+        let layer = DecodeLayer {
+            attn_norm: &lw.attn_norm,
+            ffn_norm: &lw.ffn_norm,
+            eps: hy.rms_eps,
+            qkv: [q.view(), k.view(), v.view()],
+            o: lw.o.view(),
+            ffn: [mlp.gate.view(), mlp.up.view(), mlp.down.view()],
+            rope,
+            shape,
+        };
+        let cache = &mut self.cache[layer_idx];
+        let done = ctx
+            .backend
+            .decode_layer(&mut self.x, &layer, [&mut cache.k, &mut cache.v]);
+        if done {
+            // The kernel norms x itself; an input normed before it is stale now.
+            self.normed = None;
+        }
+        done
     }
 
     /// ffn_norm → dense SwiGLU or MoE mix (custom op) → partial `[n, d]`.
