@@ -830,7 +830,6 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     if (j0 >= n_ctx) return;
     const int S = (n_ctx + L - 1) / L;
     const int hd4 = hd >> 2, kvw = KV * hd, ncol = G * hd4;
-    const float NEG_INF = -__int_as_float(0x7f800000);
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 
     const AsPart pt(part, s_cap, KV, G);
@@ -871,23 +870,7 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     TRACE_MARK(22);
 
     // The chunk's max and Σ exp per head (a warp per head).
-    for (int h = w; h < G; h += nw) {
-        float m = NEG_INF;
-        for (int i = lane; i < L; i += 32) m = fmaxf(m, es[h * L + i]);
-        m = as_warp_max(m);
-        const float ms = m == NEG_INF ? 0.0f : m;
-        double sum = 0.0;
-        for (int i = lane; i < L; i += 32) {
-            const float e = expf(es[h * L + i] - ms);
-            es[h * L + i] = e;
-            sum += (double)e;
-        }
-        sum = as_warp_sum64(sum);
-        if (lane == 0) {
-            pt.m[slot * G + h] = m;
-            pt.s[slot * G + h] = sum;
-        }
-    }
+    as_softmax(es, pt, slot, G, L, nw, w, lane);
     __syncthreads();
     TRACE_MARK(23);
 

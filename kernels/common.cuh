@@ -537,3 +537,29 @@ struct AsPart {
         o = part + ((3 * N + 3) & ~(size_t)3);
     }
 };
+
+// A chunk's max and Σ exp per head (a warp per head, warps w, w + nw, ...) over its L scores in
+// es, replaced by their exps: m = max (fmaxf, so NaN scores do not set it), e = expf(s − m) (m =
+// −inf: expf(s)), the sum in f64 (lane-strided, then a butterfly); m and the sum go to the
+// partials of `slot`.
+__device__ __forceinline__ void as_softmax(float* es, const AsPart& pt, size_t slot, int G, int L, int nw, int w,
+                                           int lane) {
+    const float NEG_INF = -__int_as_float(0x7f800000);
+    for (int h = w; h < G; h += nw) {
+        float m = NEG_INF;
+        for (int i = lane; i < L; i += 32) m = fmaxf(m, es[h * L + i]);
+        m = as_warp_max(m);
+        const float ms = m == NEG_INF ? 0.0f : m;
+        double sum = 0.0;
+        for (int i = lane; i < L; i += 32) {
+            const float e = expf(es[h * L + i] - ms);
+            es[h * L + i] = e;
+            sum += (double)e;
+        }
+        sum = as_warp_sum64(sum);
+        if (lane == 0) {
+            pt.m[slot * G + h] = m;
+            pt.s[slot * G + h] = sum;
+        }
+    }
+}

@@ -1186,6 +1186,18 @@ __device__ __forceinline__ void ffn_grid_sync(u64* bar, u32 n) {
     __threadfence();
 }
 
+// The ring's `full` and `empty` barriers (count 1 each), by thread 0, then a block barrier (every
+// warp, the copy warp too, before it leaves).
+__device__ __forceinline__ void ffn_ring_init(u64* full, u64* empty, int ns) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ns; i++) {
+            mbar_init(&full[i], 1);
+            mbar_init(&empty[i], 1);
+        }
+    }
+    __syncthreads();
+}
+
 // Teams for rows of `units` pair units, S warp groups a team: TW = the warps a row needs (at
 // least 2); the most teams of TW·S warps that fit the compute warps, rounded down to a power of
 // two (at most 8), so that every stage count the host picks (a multiple of 8) is a multiple of
@@ -1304,13 +1316,7 @@ __device__ __forceinline__ void ffn_body(const u8* __restrict__ wg, const u8* __
     const int na = f / P, nb = RB > 0 ? d_out / RB : 0;
     const int ka = na > b ? (na - b + G - 1) / G : 0, kb = nb > b ? (nb - b + G - 1) / G : 0;
     griddep_launch();  // the kernel after it may place its blocks as this one's leave
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < ns; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 1);
-        }
-    }
-    __syncthreads();
+    ffn_ring_init(full, empty, ns);
     if (warp == FFN_WARPS) {
         // The copy warp: stage k of the block's ka + kb, once stage k − ns has been released.
         if (lane == 0) {
@@ -1591,7 +1597,6 @@ __device__ __forceinline__ void ly_attn_item(const LayerArgs& a, float4 (&kr)[AS
     constexpr int NT = FFN_WARPS * 32;
     const int KV = a.n_kv, G = a.n_heads / KV, hd = a.hd, hd4 = hd >> 2, kvw = KV * hd;
     const int kvh = it % KV, sp = it / KV, j0 = sp * LY_L, n_ctx = pos + 1;
-    const float NEG_INF = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int p = 0; p < AS_PPW; p++) {
         if (j0 + p * FFN_WARPS + w == pos && lane < hd4) {
@@ -1610,23 +1615,7 @@ __device__ __forceinline__ void ly_attn_item(const LayerArgs& a, float4 (&kr)[AS
     named_bar(9, NT);
     const AsPart pt(a.part, a.s_cap, KV, G);
     const size_t slot = (size_t)sp * KV + kvh;
-    for (int h = w; h < G; h += FFN_WARPS) {
-        float m = NEG_INF;
-        for (int i = lane; i < LY_L; i += 32) m = fmaxf(m, es[h * LY_L + i]);
-        m = as_warp_max(m);
-        const float ms = m == NEG_INF ? 0.0f : m;
-        double sum = 0.0;
-        for (int i = lane; i < LY_L; i += 32) {
-            const float e = expf(es[h * LY_L + i] - ms);
-            es[h * LY_L + i] = e;
-            sum += (double)e;
-        }
-        sum = as_warp_sum64(sum);
-        if (lane == 0) {
-            pt.m[slot * G + h] = m;
-            pt.s[slot * G + h] = sum;
-        }
-    }
+    as_softmax(es, pt, slot, G, LY_L, FFN_WARPS, w, lane);
     named_bar(9, NT);
     as_warp_rows<1>(es, vr, red4, 0, G, LY_L, FFN_WARPS, w, lane, hd4);
     named_bar(9, NT);
@@ -1702,13 +1691,7 @@ __device__ __forceinline__ void layer_body(const LayerArgs& a) {
     griddep_launch();
     u64 t = TRACE_NOW();
     const u32 slots = trace_reserve(23);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < ns; i++) {
-            mbar_init(&full[i], 1);
-            mbar_init(&empty[i], 1);
-        }
-    }
-    __syncthreads();
+    ffn_ring_init(full, empty, ns);
     if (warp == FFN_WARPS) {
         // The copy warp: the block's stages of every product in turn (weights only: no wait).
         if (lane == 0) {

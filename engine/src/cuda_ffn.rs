@@ -22,10 +22,12 @@
 //! types, n > 1, rows not a multiple of 256 values, wider than its warps cover) go op by op.
 //! `kernels --check` runs every variant against the CPU engine whatever the setting.
 
-use super::{compare, dev, dev_mut, limbs_of, limbs_words, noise, CudaBackend, KernelCheck, RawArgs};
+use super::{
+    compare, dev, dev_mut, limbs_of, limbs_words, noise, test_bytes, test_weight, CudaBackend, KernelCheck, RawArgs,
+};
 use crate::backend::{ffn_swiglu_ops, Backend, Buf, CpuBackend};
 use crate::cuda_kernels::{ffn_entry as entry, FfnVariant, FFN_VARIANTS};
-use crate::kernels::{QMat, WeightRef};
+use crate::kernels::WeightRef;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 use references::GgmlType;
@@ -170,26 +172,12 @@ impl CudaBackend {
         ];
         let all = FFN_VARIANTS.iter().map(|&v| (2048, 5632, 2048, v));
         for (d, f, d_out, v) in shapes.into_iter().chain(all) {
-            let mats: Vec<(Vec<u8>, usize, usize)> = [(f, d), (f, d), (d_out, f)]
-                .iter()
-                .enumerate()
-                .map(|(i, &(rows, cols))| {
-                    let w = noise(rows * cols, 900 + i as u64 + d as u64);
-                    let q = references::quant::quantize(GgmlType::Q4K, &w).expect("quantize test weights");
-                    (q, rows, cols)
-                })
+            let shapes = [(f, d), (f, d), (d_out, f)];
+            let mats: Vec<Vec<u8>> = (0..3)
+                .map(|i| test_bytes(GgmlType::Q4K, shapes[i].0, shapes[i].1, 900 + i as u64 + d as u64))
                 .collect();
-            let ws: Vec<WeightRef<'_>> = mats
-                .iter()
-                .map(|(b, rows, cols)| {
-                    WeightRef::Quant(QMat {
-                        ty: GgmlType::Q4K,
-                        bytes: b,
-                        rows: *rows,
-                        cols: *cols,
-                        row_bytes: b.len() / rows,
-                    })
-                })
+            let ws: Vec<WeightRef<'_>> = (0..3)
+                .map(|i| test_weight(GgmlType::Q4K, &mats[i], shapes[i].0, shapes[i].1))
                 .collect();
             let ws = [ws[0], ws[1], ws[2]];
             let h: Vec<f32> = noise(d, 77).iter().map(|v| 3.0 * v).collect();

@@ -23,9 +23,9 @@
 //! scratch leaves too little shared memory for the ring) go op by op. `kernels --check` runs it
 //! against the CPU engine's ops whatever the setting.
 
-use super::{compare, dev, dev_mut, limbs_words, noise, CudaBackend, KernelCheck};
+use super::{compare, dev, dev_mut, limbs_words, noise, test_bytes, test_weight, CudaBackend, KernelCheck};
 use crate::backend::{ffn_swiglu_ops, Backend, Buf, CpuBackend, DecodeLayer};
-use crate::kernels::{GqaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::kernels::{GqaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use references::GgmlType;
@@ -287,26 +287,12 @@ impl CudaBackend {
         for (i, &(d, f, nh, nkv, hd, pos)) in shapes.iter().enumerate() {
             let (w, kvw) = (nh * hd, nkv * hd);
             let seed = 1300 + 16 * i as u64;
-            let mats: Vec<(Vec<u8>, usize, usize)> = [(w, d), (kvw, d), (kvw, d), (d, w), (f, d), (f, d), (d, f)]
-                .iter()
-                .enumerate()
-                .map(|(j, &(rows, cols))| {
-                    let q = references::quant::quantize(GgmlType::Q4K, &noise(rows * cols, seed + j as u64))
-                        .expect("quantize test weights");
-                    (q, rows, cols)
-                })
+            let shapes = [(w, d), (kvw, d), (kvw, d), (d, w), (f, d), (f, d), (d, f)];
+            let mats: Vec<Vec<u8>> = (0..7)
+                .map(|j| test_bytes(GgmlType::Q4K, shapes[j].0, shapes[j].1, seed + j as u64))
                 .collect();
-            let ws: Vec<WeightRef<'_>> = mats
-                .iter()
-                .map(|(b, rows, cols)| {
-                    WeightRef::Quant(QMat {
-                        ty: GgmlType::Q4K,
-                        bytes: b,
-                        rows: *rows,
-                        cols: *cols,
-                        row_bytes: b.len() / rows,
-                    })
-                })
+            let ws: Vec<WeightRef<'_>> = (0..7)
+                .map(|j| test_weight(GgmlType::Q4K, &mats[j], shapes[j].0, shapes[j].1))
                 .collect();
             let norm_w: Vec<f32> = noise(d, seed + 8).iter().map(|v| 1.0 + 0.5 * v).collect();
             let ffn_w: Vec<f32> = noise(d, seed + 9).iter().map(|v| 1.0 + 0.5 * v).collect();
@@ -393,6 +379,7 @@ fn decode_layer_ops(be: &dyn Backend, x: &mut Buf, l: &DecodeLayer<'_>, caches: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::QMat;
 
     fn q4k(rows: usize, cols: usize) -> WeightRef<'static> {
         WeightRef::Quant(QMat {
