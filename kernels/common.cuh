@@ -152,33 +152,10 @@ __device__ __forceinline__ u64 trace_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-struct TraceBlock {
-    u64 t0;
-    u32 slot, tag;
-    __device__ __forceinline__ explicit TraceBlock(u32 tag_) : t0(0), slot(0xffffffffu), tag(tag_) {
-        if (threadIdx.x == 0) {
-            t0 = trace_now();
-            llmdiff_trace_wait = 0;
-            slot = atomicAdd(llmdiff_trace_n, 1u);
-        }
-    }
-    __device__ __forceinline__ ~TraceBlock() {
-        if (threadIdx.x == 0 && slot < llmdiff_trace_cap) {
-            u32 sm;
-            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            u64* r = llmdiff_trace_rec + 4 * (size_t)slot;
-            r[0] = t0;
-            r[1] = llmdiff_trace_wait;
-            r[2] = trace_now();
-            r[3] = (u64)(tag & 0xff) | ((u64)(sm & 0xff) << 8) | ((u64)(blockIdx.x & 0xffffff) << 16) |
-                   ((u64)(gridDim.x & 0xffffff) << 40);
-        }
-    }
-};
-#define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
 // Spans of a persistent kernel's phases (the fused decode layer): thread 0 reserves n records at
 // its start (trace_reserve) and writes span i (start, a mid point in the wait slot, end) at its
-// end (trace_span), so no span waits for a round trip of its own.
+// end (trace_span), so no span waits for a round trip of its own. TraceBlock writes its one
+// record the same way.
 __device__ __forceinline__ u32 trace_reserve(u32 n) { return threadIdx.x == 0 ? atomicAdd(llmdiff_trace_n, n) : 0u; }
 __device__ __forceinline__ void trace_span(u32 slot, u32 tag, u64 t0, u64 tm, u64 t1) {
     if (threadIdx.x == 0 && slot < llmdiff_trace_cap) {
@@ -192,6 +169,19 @@ __device__ __forceinline__ void trace_span(u32 slot, u32 tag, u64 t0, u64 tm, u6
                ((u64)(gridDim.x & 0xffffff) << 40);
     }
 }
+struct TraceBlock {
+    u64 t0;
+    u32 slot, tag;
+    __device__ __forceinline__ explicit TraceBlock(u32 tag_) : t0(0), slot(0xffffffffu), tag(tag_) {
+        if (threadIdx.x == 0) {
+            t0 = trace_now();
+            llmdiff_trace_wait = 0;
+            slot = atomicAdd(llmdiff_trace_n, 1u);
+        }
+    }
+    __device__ __forceinline__ ~TraceBlock() { trace_span(slot, tag, t0, llmdiff_trace_wait, trace_now()); }
+};
+#define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
 #define TRACE_NOW() trace_now()
 #define TRACE_CLOCK() ((u64)clock64())
 // The time thread 0 last marked (TRACE_POINT): a point inside a phase for its span's mid slot.
