@@ -1,6 +1,6 @@
-// Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0
-// and Q4_1 weights in the device layouts of kernels/quant.cu (quants first, then the headers),
-// at f32-like precision.
+// Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0,
+// Q4_1 and F16 weights in the device layouts of kernels/quant.cu (quants first, then the headers;
+// F16 rows as stored), at f32-like precision.
 //
 // Precision argument. A weight is (block scale) × (small integer) [− (block offset)]; the
 // integers (Q4_K: q·sc ≤ 15·63 = 945; Q8_0: −128..127; Q4_1: 0..15) are exact in f16. Each
@@ -11,6 +11,8 @@
 // (Q8_0, Q4_1: 32 values; Q4_K: one 256-value super-block) the f32 partial sum is scaled by the
 // block's d on the CUDA cores, the offset terms (Q4_1 m·Σx, Q4_K dmin·Σ m_sub·Σx_sub) are added
 // with per-32-value sums of x·s from the pre-pass, and the result is divided by s (exact).
+// F16 weights are f16 already (11 significant bits, as the integers above): w × x_hi and w × x_lo
+// are exact in f32 too, and the block scale is 1.
 //
 // v2 (gemm2_*, Q4_K) keeps the argument and changes only where the offset term is formed: per
 // super-block, Σ_sub m_sub·(Σx_sub·s/32) is one more f32-accumulated MMA product, with the 6-bit
@@ -22,7 +24,7 @@
 // - gemm_split_x: the pre-pass, one block per token of n_pad (n rounded up to the N tile; the
 //   padding tokens are written as zeros): x_hi, x_lo (f16, [n_pad, cols] each, x_lo right after
 //   x_hi), Σ(x·s) per 32 values ([n_pad, cols/32]) and 1/s ([n_pad]).
-// - gemm_q4_k, gemm_q8_0, gemm_q4_1: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
+// - gemm_q4_k, gemm_q8_0, gemm_q4_1, gemm_f16: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
 //   (4 along rows × 2 along tokens, 32 × 32 each: 2 × 4 mma tiles), K step 64; one block per SM
 //   (150–200 registers). gemm_<type>_n32: the same with BN = 32 (warps 32 × 16: 2 × 2 mma
 //   tiles), under 128 registers, two blocks per SM. Each step the
@@ -78,6 +80,7 @@
 #define TY_Q8_0 7
 #define TY_Q4_K 8
 #define TY_Q4_1 4
+#define TY_F16 1
 
 #define GEMM_BM 128
 #define GEMM_BK 64
@@ -193,7 +196,7 @@ struct XTile {
 
 template <int TY, int NI>
 struct GemmRegs {
-    u32 q[8];     // weight bytes of this thread's share of the step (Q8_0: 32, else 16)
+    u32 q[TY == TY_F16 ? 16 : 8];  // this thread's weight bytes of the step (F16: 64, Q8_0: 32, else 16)
     u32 h[4];     // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m)
     uint4 xh[XTile<NI>::XU];  // halves of x_hi
     uint4 xl[XTile<NI>::XU];  // and of x_lo
@@ -234,6 +237,17 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
             } else {
                 r.xs[0] = xs_row[sb * 8 + part];
             }
+        }
+    } else if constexpr (TY == TY_F16) {
+        // Values 32·(2ks + half) .. + 32 of the row: 64 bytes (row_bytes = 2·cols, cols % 64 == 0).
+        const uint4* qp = (const uint4*)(wr + (size_t)(2 * ks + half) * 64);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const uint4 v = qp[i];
+            r.q[4 * i] = v.x;
+            r.q[4 * i + 1] = v.y;
+            r.q[4 * i + 2] = v.z;
+            r.q[4 * i + 3] = v.w;
         }
     } else if constexpr (TY == TY_Q8_0) {
         int blk = 2 * ks + half;
@@ -328,6 +342,10 @@ __device__ __forceinline__ void gemm_store(GemmSmem<XTile<NI>::BN>& sm, const Ge
                 sm.xs[tok_l][part] = r.xs[0];
             }
         }
+    } else if constexpr (TY == TY_F16) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) arow[4 * half + i] = make_uint4(r.q[4 * i], r.q[4 * i + 1], r.q[4 * i + 2], r.q[4 * i + 3]);
+        sm.scale[row_l][half] = 1.0f;
     } else if constexpr (TY == TY_Q8_0) {
         // Bytes xor 0x80 are q + 128: 1024 + q + 128 in the mantissa, minus 1152.
         const u32 one = 0x3C003C00u, neg = 0xE480E480u;
@@ -422,7 +440,10 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
                 }
             }
             // Block ends: fold the partial sums in with the block's scale (and offset).
-            bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : true;
+            // F16 has no block scale but is still folded in once a step: left in the tensor cores'
+            // f32 accumulator for a whole row, the sums drift (5.3e-5 at the 8B-shaped F16 model's
+            // logits after 8 layers, against 1e-6 folded; round 26).
+            bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : TY == TY_F16 ? h == 1 : true;
             if (flush) {
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++)
@@ -476,7 +497,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
 // gemm_<type>_n32 (NI 2: 32-token tiles, two blocks per SM). W: rows × row_bytes in the device
 // layout; xh: the pre-pass's x_hi then x_lo ([n_pad, cols] f16 each); xs: [n_pad, cols/32]; inv:
 // [n_pad]; out: [n, rows]. Grid (n_pad / BN, ⌈rows / 128⌉), 256 threads; n_pad a multiple of
-// BN. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0.
+// BN. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0 (F16: 2·cols).
 #define GEMM_ENTRY(NAME, TY)                                                                                  \
     extern "C" __global__ __launch_bounds__(256, 1) void gemm_##NAME(const u8* W, const u16* xh, const float* xs, \
                                                                       const float* inv, float* out, int rows,  \
@@ -492,6 +513,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
 GEMM_ENTRY(q4_k, TY_Q4_K)
 GEMM_ENTRY(q8_0, TY_Q8_0)
 GEMM_ENTRY(q4_1, TY_Q4_1)
+GEMM_ENTRY(f16, TY_F16)
 
 // ---------------------------------------------------------------------------------------------
 // v2, Q4_K only: gemm2_split_x (pre-pass) and gemm2_q4_k / gemm2_q4_k_n64 (the GEMM). See the file

@@ -991,6 +991,10 @@ impl CudaBackend {
             // Wide Q8_0 rows: warp-rows R 4, NW 4, U 1 in the integer form ran at 84 and 95 % of
             // copy on the H200, x-stationary at 70 and 75 % (round 12, launches chained by PDL).
             GgmlType::Q8_0 if units >= 128 => GemvKind::Wr,
+            // Wide F16 rows: warp-rows R 2, NW 4, U 1 read 100–103 % of copy at 14336×4096 and
+            // 4096×14336 on the H200, x-stationary 93–95 %, and an 8-layer F16 8B-shaped model
+            // decoded in 1.035 against 1.169 ms a token (round 26). BF16 was not measured so.
+            GgmlType::F16 if units >= 256 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
         // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only, mode 3 (pair
@@ -1023,7 +1027,10 @@ impl CudaBackend {
             // smollm2's rows (18 and 48 units): 0.67-0.68 ms a decode step against 0.81 at
             // (1, 4, 2) on the H200, in the graph (round 11).
             GgmlType::Q4_1 => (4, 2, 2),
+            // R 8, U 2 read 93 % of copy at 4096×14336 against R 4, U 1's 86 %, but a 16-layer
+            // Q8_0 model's decode step was the same under both (round 26), so R 4, U 1 stays.
             GgmlType::Q8_0 => (4, 4, 1),
+            GgmlType::F16 => (2, 4, 1),
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
         // Bulk-staged: 8 rows a stage for pair units, 4 else; 2 stages (below); the fewest warps

@@ -2,9 +2,9 @@
 //! it, its launch (the x pre-pass, then the tiled `mma.sync` kernel), its checks against the CPU
 //! engine, and its benchmark beside the warp-per-row matmul.
 //!
-//! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0 or Q4_1 (cols % 64
-//! == 0) weight in the repacked device layout, unless `LLMDIFF_GEMM=0`; everything else keeps the
-//! f32 SIMT `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
+//! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0, Q4_1 or F16 (cols %
+//! 64 == 0) weight in its device layout, unless `LLMDIFF_GEMM=0`; everything else (F32, BF16, the
+//! other quant types) keeps the f32 SIMT `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
 //! - v2 (the default; Q4_K only, other types take v1): `gemm2_q4_k`, 128 rows × 128 tokens per
 //!   block, `cp.async` stages, quants dequantized from shared memory straight into the MMA
 //!   fragments, or `gemm2_q4_k_n64` (64 tokens), and K split in two (the output zeroed, then
@@ -89,6 +89,7 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
         GgmlType::Q4K if cols % 256 == 0 && w.row_bytes == cols / 256 * 144 => Some("gemm_q4_k"),
         GgmlType::Q8_0 if cols % 64 == 0 && w.row_bytes == cols / 32 * 34 => Some("gemm_q8_0"),
         GgmlType::Q4_1 if cols % 64 == 0 && w.row_bytes == cols / 32 * 20 => Some("gemm_q4_1"),
+        GgmlType::F16 if cols % 64 == 0 && w.row_bytes == cols * 2 => Some("gemm_f16"),
         _ => None,
     }
 }
@@ -386,21 +387,22 @@ impl CudaBackend {
         plan
     }
 
-    /// The GEMM against the CPU engine: Q4_K, Q8_0 and Q4_1 at row counts that are not a
+    /// The GEMM against the CPU engine: Q4_K, Q8_0, Q4_1 and F16 at row counts that are not a
     /// multiple of the 128-row tile, n = 2, 9, 17, 65, 130 (partial token tiles), one and
     /// several blocks per row, rows whose length is or is not a multiple of 16 bytes; tokens of
     /// very different magnitudes (×3e4, ×1e-6, an all-zero token, one outlier value ×100) so the
-    /// per-token scaling and hi/lo split are exercised; on v2 at both token tiles (Q4_K; Q8_0
-    /// and Q4_1 take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
+    /// per-token scaling and hi/lo split are exercised; on v2 at both token tiles (Q4_K; the
+    /// others take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
     /// hide a small one's error) and the worst is reported. Also the wgmma variant (Q4_K; only
     /// where it runs, sm_90a), the SIMT matmul on the same types (the `LLMDIFF_GEMM=0` path),
     /// and three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
-        let cases: [(GgmlType, &[(usize, usize)]); 3] = [
+        let cases: [(GgmlType, &[(usize, usize)]); 4] = [
             (GgmlType::Q4K, &[(37, 256), (130, 768), (259, 512)]),
             (GgmlType::Q8_0, &[(37, 64), (130, 320), (131, 256)]),
             (GgmlType::Q4_1, &[(37, 64), (130, 576), (131, 512)]),
+            (GgmlType::F16, &[(37, 64), (130, 320), (131, 256)]),
         ];
         for (ty, shapes) in cases {
             let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");
@@ -495,11 +497,13 @@ impl CudaBackend {
         out
     }
 
-    /// Times a prefill-shaped product on each of `PATHS` (`bench_linear` with the GEMM switched).
+    /// Times a prefill-shaped product on each of `PATHS` (`bench_linear` with the GEMM switched);
+    /// types other than Q4_K on v1's paths and the SIMT matmul only (v2 would fall back to v1).
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
         let mut paths = Vec::new();
-        for (label, path) in self.gemm_paths(&PATHS) {
+        let runs = |p: &GemmPath| ty == GgmlType::Q4K || p.1 .1 == KIND_V1;
+        for (label, path) in self.gemm_paths(&PATHS).into_iter().filter(runs) {
             let iters = if path.0 { 50 } else { 10 };
             let prev = self.gemm.set(path);
             let r = self.bench_linear(ty, rows, cols, n, iters);

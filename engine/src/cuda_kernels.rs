@@ -125,7 +125,7 @@ impl KernelId {
             .map(String::from)
             .into_iter()
             .chain(
-                ["q4_k", "q8_0", "q4_1"]
+                ["q4_k", "q8_0", "q4_1", "f16"]
                     .iter()
                     .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
             )

@@ -20,6 +20,14 @@ parse ${BINS%%[[:space:]]*}; B0=$B
 say "synth"
 [ -f $M/smollm2-135m.gguf ] || $B0 synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
 [ -f $M/llama8b.gguf ] || timeout 100 $B0 synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant Q4_K --seed 3 -o $M/llama8b.gguf >/dev/null 2>>$LOG
+# MODELS (default: llama8b, and smollm2-135m with SMOL=1) may name 8B-shaped models of another
+# weight type and depth, llama8b_<QUANT>_<N>L (e.g. llama8b_F16_8L), synthesized here.
+MODELS=${MODELS:-llama8b ${SMOL:+smollm2-135m}}
+for m in $MODELS; do
+  case $m in llama8b_*_*L) q=${m#llama8b_}; nl=${q##*_}; nl=${nl%L}; q=${q%_*}
+    [ -f $M/$m.gguf ] || timeout 200 $B0 synth --arch llama --n-layers $nl --d-model 4096 --n-heads 32 --n-kv-heads 8 --ffn-dim 14336 --vocab 32000 --quant $q --seed 3 -o $M/$m.gguf >/dev/null 2>>$LOG ;;
+  esac
+done
 say "model bench"
 REV=$(for cfg in $BINS; do echo $cfg; done | tac | tr '\n' ' ')
 for np in ${PROMPTS:-512}; do
@@ -27,7 +35,7 @@ for np in ${PROMPTS:-512}; do
     order=$BINS; [ $((round % 2)) = 0 ] && order=$REV
     for cfg in $order; do
       parse $cfg
-      for m in llama8b ${SMOL:+smollm2-135m}; do
+      for m in $MODELS; do
         env $envs timeout 120 $B bench $M/$m.gguf --backend cuda --n-prompt $np --n-decode 48 --reps 2 --json 2>>$LOG >$W/b.json
         python3 -c "
 import json; d=json.load(open('$W/b.json')); g=d.get('decode_graphs') or {}

@@ -170,11 +170,16 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             }
         }
         doc["read_probe"] = json!(probe_out);
-        // Prefill-shaped products (512 tokens, the 8B's FFN and attention shapes): the
-        // tensor-core GEMM beside the SIMT matmul.
+        // Prefill-shaped products (512 tokens, the 8B's FFN and attention shapes, and its FFN down
+        // in F16): the tensor-core GEMM beside the SIMT matmul.
         let mut gemm_out = Vec::new();
-        for (rows, cols) in [(4096usize, 14336usize), (14336, 4096), (4096, 4096)] {
-            let r = be.bench_gemm(GgmlType::Q4K, rows, cols, 512)?;
+        for (ty, rows, cols) in [
+            (GgmlType::Q4K, 4096usize, 14336usize),
+            (GgmlType::Q4K, 14336, 4096),
+            (GgmlType::Q4K, 4096, 4096),
+            (GgmlType::F16, 4096, 14336),
+        ] {
+            let r = be.bench_gemm(ty, rows, cols, 512)?;
             if !a.json {
                 let parts: Vec<String> = r
                     .paths
