@@ -344,7 +344,8 @@ __device__ __forceinline__ void gemm_store(GemmSmem<XTile<NI>::BN>& sm, const Ge
         }
     } else if constexpr (TY == TY_F16) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) arow[4 * half + i] = make_uint4(r.q[4 * i], r.q[4 * i + 1], r.q[4 * i + 2], r.q[4 * i + 3]);
+        for (int i = 0; i < 4; i++)
+            arow[4 * half + i] = make_uint4(r.q[4 * i], r.q[4 * i + 1], r.q[4 * i + 2], r.q[4 * i + 3]);
         sm.scale[row_l][half] = 1.0f;
     } else if constexpr (TY == TY_Q8_0) {
         // Bytes xor 0x80 are q + 128: 1024 + q + 128 in the mantissa, minus 1152.
