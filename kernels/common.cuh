@@ -240,7 +240,7 @@ __device__ __forceinline__ void griddep_wait() {
 }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// 16, 8 or 4 bytes of weights (never written during a run) through the read-only path, not kept in
+// 16, 8, 4 or 2 bytes of weights (never written during a run) through the read-only path, not kept in
 // L1 (L1::no_allocate): a weight byte is read once per launch, and the lines it would take are
 // those of x's limbs, which every row of the block rereads (round 12: 8B decode −1.3 %).
 __device__ __forceinline__ uint4 ldg16(const u8* p) {
@@ -256,6 +256,11 @@ __device__ __forceinline__ uint2 ldg8(const u8* p) {
 __device__ __forceinline__ u32 ldg4(const u8* p) {
     u32 v;
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg2(const u8* p) {
+    u16 v;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
     return v;
 }
 

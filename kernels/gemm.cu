@@ -1,15 +1,17 @@
 // Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0,
-// Q4_1 and F16 weights in the device layouts of kernels/quant.cu (quants first, then the headers;
+// Q4_1, Q6_K and F16 weights in the device layouts of kernels/quant.cu (quants first, then the headers;
 // F16 rows as stored), at f32-like precision.
 //
 // Precision argument. A weight is (block scale) × (small integer) [− (block offset)]; the
-// integers (Q4_K: q·sc ≤ 15·63 = 945; Q8_0: −128..127; Q4_1: 0..15) are exact in f16. Each
+// integers (Q4_K: q·sc ≤ 15·63 = 945; Q8_0: −128..127; Q4_1: 0..15; Q6_K: q − 32 in −32..31) are
+// exact in f16. Each
 // token's x is scaled by a power of two s (max |x·s| in [2^14, 2^15); exact) and split into two
 // f16s, x_hi = f16(x·s), x_lo = f16(x·s − x_hi): 22 significant bits, the split error is at most
 // 2^-22 of max |x·s| per value. The tensor cores (mma.sync m16n8k16, f16 × f16 → f32) form
 // integer × x_hi and integer × x_lo exactly (11 × 11 bits) and accumulate in f32. Per block
-// (Q8_0, Q4_1: 32 values; Q4_K: one 256-value super-block) the f32 partial sum is scaled by the
-// block's d on the CUDA cores, the offset terms (Q4_1 m·Σx, Q4_K dmin·Σ m_sub·Σx_sub) are added
+// (Q8_0, Q4_1: 32 values; Q4_K: one 256-value super-block; Q6_K: 16 values, whose scale d·sc is
+// exact in f32, since (q − 32)·sc can reach 4096 and would not be exact in f16) the f32 partial
+// sum is scaled by the block's d on the CUDA cores, the offset terms (Q4_1 m·Σx, Q4_K dmin·Σ m_sub·Σx_sub) are added
 // with per-32-value sums of x·s from the pre-pass, and the result is divided by s (exact).
 // F16 weights are f16 already (11 significant bits, as the integers above): w × x_hi and w × x_lo
 // are exact in f32 too, and the block scale is 1.
@@ -24,7 +26,7 @@
 // - gemm_split_x: the pre-pass, one block per token of n_pad (n rounded up to the N tile; the
 //   padding tokens are written as zeros): x_hi, x_lo (f16, [n_pad, cols] each, x_lo right after
 //   x_hi), Σ(x·s) per 32 values ([n_pad, cols/32]) and 1/s ([n_pad]).
-// - gemm_q4_k, gemm_q8_0, gemm_q4_1, gemm_f16: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
+// - gemm_q4_k, gemm_q8_0, gemm_q4_1, gemm_q6_k, gemm_f16: block tile BM = 128 weight rows × BN = 64 tokens, 8 warps
 //   (4 along rows × 2 along tokens, 32 × 32 each: 2 × 4 mma tiles), K step 64; one block per SM
 //   (150–200 registers). gemm_<type>_n32: the same with BN = 32 (warps 32 × 16: 2 × 2 mma
 //   tiles), under 128 registers, two blocks per SM. Each step the
@@ -81,6 +83,7 @@
 #define TY_Q4_K 8
 #define TY_Q4_1 4
 #define TY_F16 1
+#define TY_Q6_K 10
 
 #define GEMM_BM 128
 #define GEMM_BK 64
@@ -196,8 +199,10 @@ struct XTile {
 
 template <int TY, int NI>
 struct GemmRegs {
-    u32 q[TY == TY_F16 ? 16 : 8];  // this thread's weight bytes of the step (F16: 64, Q8_0: 32, else 16)
-    u32 h[4];     // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m)
+    // This thread's weight bytes of the step (F16: 64; Q6_K: 32 of ql, then 32 of qh; Q8_0: 32;
+    // else 16).
+    u32 q[(TY == TY_F16 || TY == TY_Q6_K) ? 16 : 8];
+    u32 h[4];     // header words (Q4_K: the super-block's 16 bytes; Q8_0: d; Q4_1: d|m; Q6_K: 2 scales, d)
     uint4 xh[XTile<NI>::XU];  // halves of x_hi
     uint4 xl[XTile<NI>::XU];  // and of x_lo
     float xs[2];  // Σx of blocks (Q4_K: 8 / XP of the super-block's 8 sub-blocks; Q4_1: 1)
@@ -238,6 +243,26 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
                 r.xs[0] = xs_row[sb * 8 + part];
             }
         }
+    } else if constexpr (TY == TY_Q6_K) {
+        // Step ks: values 64j .. 64j + 64 of super-block sb (j = ks % 4), in the repacked layout
+        // of kernels/quant.cu (deq8). Half h takes ql bytes 64n + 32h .. + 32 of the super-block
+        // (n = j / 2: low nibbles for even j, high for odd), their qh bytes 32n .. 32n + 32 (bits
+        // 2h + 4(j % 2), + 1), and the scales of its two runs of 16: ggml's sc[8n + 4(j % 2) +
+        // 2h + e], bytes 8n + 4h + 2e + j % 2 of the repacked 16 (e = 0, 1).
+        const int nsb = cols >> 8, sb = ks >> 2, j = ks & 3, n = j >> 1;
+        const uint4* qp = (const uint4*)(wr + (size_t)sb * 128 + 64 * n + 32 * half);
+        const uint4* hp = (const uint4*)(wr + (size_t)nsb * 128 + (size_t)sb * 64 + 32 * n);
+        const uint4 v[4] = {qp[0], qp[1], hp[0], hp[1]};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            r.q[4 * i] = v[i].x;
+            r.q[4 * i + 1] = v[i].y;
+            r.q[4 * i + 2] = v[i].z;
+            r.q[4 * i + 3] = v[i].w;
+        }
+        const u8* sp = wr + (size_t)nsb * 192 + (size_t)sb * 16 + 8 * n + 4 * half + (j & 1);
+        r.h[0] = (u32)sp[0] | ((u32)sp[2] << 8);
+        r.h[1] = ld16(wr + (size_t)nsb * 208 + 2 * sb);
     } else if constexpr (TY == TY_F16) {
         // Values 32·(2ks + half) .. + 32 of the row: 64 bytes (row_bytes = 2·cols, cols % 64 == 0).
         const uint4* qp = (const uint4*)(wr + (size_t)(2 * ks + half) * 64);
@@ -291,7 +316,8 @@ struct GemmSmem {
     u32 a[GEMM_BM][GEMM_LDS];   // weight integers as f16 pairs, [row][k/2]
     u32 bh[BN][GEMM_LDS];     // x_hi, [token][k/2]
     u32 bl[BN][GEMM_LDS];     // x_lo
-    float scale[GEMM_BM][2];    // per-row block scale (Q4_K: [0] = d; else the step's 2 blocks)
+    float scale[GEMM_BM][4];    // per-row block scale (Q4_K: [0] = d; Q6_K: the step's 4 runs of 16;
+                                // else the step's 2 blocks)
     float off[GEMM_BM][8];      // Q4_K: dmin·m per sub-block; Q4_1: m of the step's 2 blocks
     float xs[BN][8];            // Q4_K: Σx per sub-block; Q4_1: Σx of the step's 2 blocks
 };
@@ -342,6 +368,22 @@ __device__ __forceinline__ void gemm_store(GemmSmem<XTile<NI>::BN>& sm, const Ge
                 sm.xs[tok_l][part] = r.xs[0];
             }
         }
+    } else if constexpr (TY == TY_Q6_K) {
+        // q = nibble | 2 bits of qh << 4 per byte; 1024 + q in the mantissa, minus 1056: q − 32.
+        const int nib = 4 * (ks & 1), sh = 2 * half + nib;
+        const u32 one = 0x3C003C00u, neg = 0xE420E420u;
+        u32 v[16];
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            u32 b = ((r.q[w] >> nib) & 0x0F0F0F0Fu) | (((r.q[8 + w] >> sh) & 0x03030303u) << 4);
+            v[2 * w] = hfma2(bytes_to_halves(b, 0) | 0x64006400u, one, neg);
+            v[2 * w + 1] = hfma2(bytes_to_halves(b, 1) | 0x64006400u, one, neg);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) arow[4 * half + i] = make_uint4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+        const float d = f16_to_f32((u16)r.h[1]);
+        sm.scale[row_l][2 * half] = d * (float)(i8)(r.h[0] & 0xFFu);
+        sm.scale[row_l][2 * half + 1] = d * (float)(i8)((r.h[0] >> 8) & 0xFFu);
     } else if constexpr (TY == TY_F16) {
 #pragma unroll
         for (int i = 0; i < 4; i++)
@@ -414,6 +456,43 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
         gemm_store<TY, NI>(sm, r, ks, row_l, half, tok_l, part);
         __syncthreads();
         if (ks + 1 < n_steps) gemm_load<TY, NI>(wr, xh_row, xl_row, xs_row, ks + 1, cols, half, part, vec16, r);
+        // Fold the partial sums into acc with run scale sm.scale[row][si] (and the offsets of
+        // half h of the step).
+        auto fold = [&](int si, int h) {
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int e2 = 0; e2 < 2; e2++) {
+                    int rl = wm * 32 + mi * 16 + g + 8 * e2;
+                    float d = sm.scale[rl][si];
+                    const float* o = &sm.off[rl][TY == TY_Q4_1 ? h : 0];
+#pragma unroll
+                    for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                        for (int e1 = 0; e1 < 2; e1++) {
+                            int tl = wn * 8 * NI + ni * 8 + 2 * t + e1;
+                            int e = 2 * e2 + e1;
+                            float a_ = fmaf(d, tmp[mi][ni][e], acc[mi][ni][e]);
+                            if constexpr (TY == TY_Q4_K) {
+                                float4 u = *(const float4*)&sm.xs[tl][0], v = *(const float4*)&sm.xs[tl][4];
+                                float4 p = *(const float4*)&o[0], q = *(const float4*)&o[4];
+                                float m = p.x * u.x;
+                                m = fmaf(p.y, u.y, m);
+                                m = fmaf(p.z, u.z, m);
+                                m = fmaf(p.w, u.w, m);
+                                m = fmaf(q.x, v.x, m);
+                                m = fmaf(q.y, v.y, m);
+                                m = fmaf(q.z, v.z, m);
+                                m = fmaf(q.w, v.w, m);
+                                a_ -= m;
+                            } else if constexpr (TY == TY_Q4_1) {
+                                a_ = fmaf(o[0], sm.xs[tl][h], a_);
+                            }
+                            acc[mi][ni][e] = a_;
+                            tmp[mi][ni][e] = 0.0f;
+                        }
+                }
+        };
 #pragma unroll
         for (int h = 0; h < 2; h++) {
 #pragma unroll
@@ -439,46 +518,16 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
                         mma16816(tmp[mi][ni], a[mi], l0, l1);
                     }
                 }
+                // Q6_K's runs of 16 end at every k16.
+                if constexpr (TY == TY_Q6_K) fold(2 * h + k2, h);
             }
             // Block ends: fold the partial sums in with the block's scale (and offset).
             // F16 has no block scale but is still folded in once a step: left in the tensor cores'
             // f32 accumulator for a whole row, the sums drift (5.3e-5 at the 8B-shaped F16 model's
             // logits after 8 layers, against 1e-6 folded; round 26).
-            bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : TY == TY_F16 ? h == 1 : true;
-            if (flush) {
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-                    for (int e2 = 0; e2 < 2; e2++) {
-                        int rl = wm * 32 + mi * 16 + g + 8 * e2;
-                        float d = sm.scale[rl][TY == TY_Q4_K ? 0 : h];
-                        const float* o = &sm.off[rl][TY == TY_Q4_1 ? h : 0];
-#pragma unroll
-                        for (int ni = 0; ni < NI; ni++)
-#pragma unroll
-                            for (int e1 = 0; e1 < 2; e1++) {
-                                int tl = wn * 8 * NI + ni * 8 + 2 * t + e1;
-                                int e = 2 * e2 + e1;
-                                float a_ = fmaf(d, tmp[mi][ni][e], acc[mi][ni][e]);
-                                if constexpr (TY == TY_Q4_K) {
-                                    float4 u = *(const float4*)&sm.xs[tl][0], v = *(const float4*)&sm.xs[tl][4];
-                                    float4 p = *(const float4*)&o[0], q = *(const float4*)&o[4];
-                                    float m = p.x * u.x;
-                                    m = fmaf(p.y, u.y, m);
-                                    m = fmaf(p.z, u.z, m);
-                                    m = fmaf(p.w, u.w, m);
-                                    m = fmaf(q.x, v.x, m);
-                                    m = fmaf(q.y, v.y, m);
-                                    m = fmaf(q.z, v.z, m);
-                                    m = fmaf(q.w, v.w, m);
-                                    a_ -= m;
-                                } else if constexpr (TY == TY_Q4_1) {
-                                    a_ = fmaf(o[0], sm.xs[tl][h], a_);
-                                }
-                                acc[mi][ni][e] = a_;
-                                tmp[mi][ni][e] = 0.0f;
-                            }
-                    }
+            if constexpr (TY != TY_Q6_K) {
+                bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : TY == TY_F16 ? h == 1 : true;
+                if (flush) fold(TY == TY_Q4_K ? 0 : h, h);
             }
         }
     }
@@ -515,6 +564,7 @@ GEMM_ENTRY(q4_k, TY_Q4_K)
 GEMM_ENTRY(q8_0, TY_Q8_0)
 GEMM_ENTRY(q4_1, TY_Q4_1)
 GEMM_ENTRY(f16, TY_F16)
+GEMM_ENTRY(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
 // v2, Q4_K only: gemm2_split_x (pre-pass) and gemm2_q4_k / gemm2_q4_k_n64 (the GEMM). See the file

@@ -78,16 +78,19 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
         *p0 = c * 256 + 64 * j + i0;
         *p1 = *p0 + 32;
     } else if constexpr (TY == TY_Q6_K) {
+        // Rows repacked on upload (`repack_q6_k` in engine/src/cuda.rs): every super-block's 128
+        // ql bytes, then the 64 qh bytes of each, then 16 scale bytes of each in unit order (unit
+        // i = 4n + 2p + is: sc[8n + is + 2p], sc[8n + is + 2p + 4]), then each one's f16 d.
         // Lane: half (128 values), g (q1/q2 from low nibbles, or q3/q4 from high), l0 (4 of 32 l).
-        const u8* b = row + (size_t)c * 210;
-        float d = f16_to_f32(ld16(b + 208));
+        const int nsb = cols >> 8;
+        float d = f16_to_f32(ld16(row + (size_t)nsb * 208 + 2 * c));
         int half = lane >> 4, g = (lane >> 3) & 1, l0 = (lane & 7) * 4;
-        const u8* ql = b + 64 * half;
-        const u8* qh = b + 128 + 32 * half;
-        const i8* sc = (const i8*)(b + 192) + 8 * half;
+        const u8* ql = row + (size_t)c * 128 + 64 * half;
+        const u8* qh = row + (size_t)nsb * 128 + (size_t)c * 64 + 32 * half;
+        const i8* sc = (const i8*)(row + (size_t)nsb * 192 + (size_t)c * 16);
         int is = l0 >> 4;
-        float da = d * sc[is + 4 * g], db = d * sc[is + 2 + 4 * g];
-        // 210-byte blocks are only 2-byte aligned: assemble the words from 16-bit loads.
+        float da = d * sc[2 * (4 * half + is) + g], db = d * sc[2 * (4 * half + 2 + is) + g];
+        // Rows of an odd super-block count are only 2-byte aligned: 16-bit loads.
         u32 a4 = ld32(ql + l0), b4 = ld32(ql + 32 + l0), h4 = ld32(qh + l0);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
@@ -267,7 +270,7 @@ MATMUL_ENTRY(q5_k, TY_Q5_K)
 MATMUL_ENTRY(q6_k, TY_Q6_K)
 
 // ---------------------------------------------------------------------------------------------
-// GEMV for one token (n = 1): F16, BF16, Q8_0, Q4_1 and Q4_K, in two work splits over the same
+// GEMV for one token (n = 1): F16, BF16, Q8_0, Q4_1, Q4_K and Q6_K, in two work splits over the same
 // per-unit primitives (gemv_load, gemv_x_load, gemv_dot; a unit's numerics are the same in both):
 // x-stationary (gemv_body, entries gemv_*, below) and warp-rows (gemvw_body, entries gemvw_*, at
 // the end of the file); `CudaBackend::gemv_default` picks one per type. (A third split, x staged
@@ -297,6 +300,9 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 // headers (same row_bytes: 144 per super-block), so unit u's quants are bytes 16u .. 16u+16 and
 // a warp's quant loads are one contiguous 512-byte run (the ggml layout interleaves a header
 // every 144 bytes, so those loads were 32-byte strided).
+// Q6_K rows likewise (warp-rows only, modes 0 and 2; see deq8 for the layout): a unit is 32 values, one
+// 16-byte load of ql (16 values in the low nibbles, the same positions 64 on in the high ones),
+// one of the 16 qh bytes holding their highs, and its two scale bytes and super-block d.
 // Q4_1 rows likewise: the 16 quant bytes of every block back to back (cols/2 bytes), then each
 // block's 4-byte header (f16 d, f16 m); same row_bytes (20 per block), so unit u's quants are
 // bytes 8u .. 8u+8, 8-byte aligned when row_bytes is (an even number of blocks). A unit's dot is
@@ -304,7 +310,7 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 
 template <int TY>
 __host__ __device__ constexpr int gemv_vals() {
-    return TY == TY_Q4_K ? 32 : (TY == TY_Q8_0 || TY == TY_Q4_1) ? 16 : 8;
+    return (TY == TY_Q4_K || TY == TY_Q6_K) ? 32 : (TY == TY_Q8_0 || TY == TY_Q4_1) ? 16 : 8;
 }
 
 // A unit's weights: its quants (a) and header (h; Q4_K: one word of it, see gemv_load). V is the
@@ -317,6 +323,13 @@ struct WFrag {
 template <>
 struct WFrag<TY_Q4_K, 64> {
     uint4 a, b, h;
+};
+// Q6_K: the unit's 16 ql bytes (a), the 16 qh bytes its 2-bit highs are in (h, shared with the
+// unit two on), its two scale bytes and its super-block's f16 d (s: scales low, d high).
+template <>
+struct WFrag<TY_Q6_K, 32> {
+    uint4 a, h;
+    u32 s;
 };
 
 template <int TY, int V>
@@ -337,6 +350,14 @@ __device__ __forceinline__ void gemv_load(const u8* row, int u, int cols, WFrag<
         const uint2 a = ldg8(row + 8 * u);
         f.a.x = a.x, f.a.y = a.y;
         f.h.x = ldg4(row + (cols >> 1) + 4 * (u >> 1));
+    } else if constexpr (TY == TY_Q6_K) {
+        // Repacked rows (see deq8): unit u = 8·sb + i of super-block sb is ql bytes 16u .. 16u+16
+        // (n = i/4, p = i/2 % 2, is = i % 2), its highs are qh bytes 32n + 16is .. +16 of the
+        // super-block, its scales bytes 2i, 2i+1 of the super-block's 16.
+        const int nsb = cols >> 8, sb = u >> 3, i = u & 7;
+        f.a = ldg16(row + 16 * u);
+        f.h = ldg16(row + (size_t)nsb * 128 + 64 * sb + 32 * (i >> 2) + 16 * (i & 1));
+        f.s = (u32)ldg2(row + (size_t)nsb * 192 + 16 * sb + 2 * i) | ((u32)ldg2(row + (size_t)nsb * 208 + 2 * sb) << 16);
     } else {
         // One header word per thread: the 8 threads of a super-block (units 8s .. 8s+7 are 8
         // neighbouring lanes, since blocks are whole warps and cols % 256 == 0) load words 0..3
@@ -361,6 +382,20 @@ __device__ __forceinline__ float q4k_unit(u32 hword, int u, float s0, float s1, 
     float sc0 = byte_f<0>(sm, 8388608.0f), sc1 = byte_f<1>(sm, 8388608.0f);
     float m0 = byte_f<2>(sm, 8388608.0f), m1 = byte_f<3>(sm, 8388608.0f);
     return d * (sc0 * s0 + sc1 * s1) - dmin * (m0 * x0 + m1 * x1);
+}
+
+// s0 += Σ_b (byte b of lo − bias)·x0[b], s1 likewise of hi with x1 (bytes placed as 2^23 + byte:
+// byte_f), one FMA a byte in this order.
+__device__ __forceinline__ void byte_fma2(u32 lo, u32 hi, const float* x0, const float* x1, float bias, float& s0,
+                                          float& s1) {
+    s0 = fmaf(byte_f<0>(lo, bias), x0[0], s0);
+    s0 = fmaf(byte_f<1>(lo, bias), x0[1], s0);
+    s0 = fmaf(byte_f<2>(lo, bias), x0[2], s0);
+    s0 = fmaf(byte_f<3>(lo, bias), x0[3], s0);
+    s1 = fmaf(byte_f<0>(hi, bias), x1[0], s1);
+    s1 = fmaf(byte_f<1>(hi, bias), x1[1], s1);
+    s1 = fmaf(byte_f<2>(hi, bias), x1[2], s1);
+    s1 = fmaf(byte_f<3>(hi, bias), x1[3], s1);
 }
 
 // One unit's dot with its x slice xv (V values) and, for Q4_K, xs = its two 16-value runs' sums
@@ -406,17 +441,28 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
 #pragma unroll
         for (int k = 0; k < 2; k++) {
             u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
-            s0 = fmaf(byte_f<0>(lo, bias), xv[4 * k], s0);
-            s0 = fmaf(byte_f<1>(lo, bias), xv[4 * k + 1], s0);
-            s0 = fmaf(byte_f<2>(lo, bias), xv[4 * k + 2], s0);
-            s0 = fmaf(byte_f<3>(lo, bias), xv[4 * k + 3], s0);
-            s1 = fmaf(byte_f<0>(hi, bias), xv[8 + 4 * k], s1);
-            s1 = fmaf(byte_f<1>(hi, bias), xv[8 + 4 * k + 1], s1);
-            s1 = fmaf(byte_f<2>(hi, bias), xv[8 + 4 * k + 2], s1);
-            s1 = fmaf(byte_f<3>(hi, bias), xv[8 + 4 * k + 3], s1);
+            byte_fma2(lo, hi, xv + 4 * k, xv + 8 + 4 * k, bias, s0, s1);
         }
         float d = f16_to_f32((u16)(f.h.x & 0xFFFFu)), m = f16_to_f32((u16)(f.h.x >> 16));
         return fmaf(d, s0 + s1, m * xs[0]);
+    } else if constexpr (TY == TY_Q6_K) {
+        // Byte k·4 + b of the quants: low nibble at xv[4k + b] (run 0), high nibble at
+        // xv[16 + 4k + b] (run 1); their 2-bit highs are bits 2p, 2p + 1 (run 0) and 4 + 2p,
+        // 5 + 2p (run 1) of the qh byte at the same place. Each byte becomes 2^23 + q, less
+        // 2^23 + 32: q − 32 exactly.
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w}, hw[4] = {f.h.x, f.h.y, f.h.z, f.h.w};
+        const int sh = 2 * ((u >> 1) & 1);
+        const float bias = 8388640.0f;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 hb = hw[k] >> sh;
+            const u32 lo = (w[k] & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u);
+            const u32 hi = ((w[k] >> 4) & 0x0F0F0F0Fu) | (hb & 0x30303030u);
+            byte_fma2(lo, hi, xv + 4 * k, xv + 16 + 4 * k, bias, s0, s1);
+        }
+        const float sc0 = (float)(i8)(f.s & 0xFFu), sc1 = (float)(i8)((f.s >> 8) & 0xFFu);
+        return f16_to_f32((u16)(f.s >> 16)) * (sc0 * s0 + sc1 * s1);
     } else {
         // xv[0..16): 16 values of sub-block 2j (low nibbles), xv[16..32): the same positions of
         // sub-block 2j+1 (high nibbles); word k holds positions 4k .. 4k+3 of both.
@@ -427,14 +473,7 @@ __device__ __forceinline__ float gemv_dot(const WFrag<TY>& f, const float* xv, c
             if constexpr (MODE == 0) {
                 u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
                 const float bias = 8388608.0f;
-                s0 = fmaf(byte_f<0>(lo, bias), xv[4 * k], s0);
-                s0 = fmaf(byte_f<1>(lo, bias), xv[4 * k + 1], s0);
-                s0 = fmaf(byte_f<2>(lo, bias), xv[4 * k + 2], s0);
-                s0 = fmaf(byte_f<3>(lo, bias), xv[4 * k + 3], s0);
-                s1 = fmaf(byte_f<0>(hi, bias), xv[16 + 4 * k], s1);
-                s1 = fmaf(byte_f<1>(hi, bias), xv[16 + 4 * k + 1], s1);
-                s1 = fmaf(byte_f<2>(hi, bias), xv[16 + 4 * k + 2], s1);
-                s1 = fmaf(byte_f<3>(hi, bias), xv[16 + 4 * k + 3], s1);
+                byte_fma2(lo, hi, xv + 4 * k, xv + 16 + 4 * k, bias, s0, s1);
             } else {
                 // Each byte 1000qqqq placed as bits 16..23 under exponent byte 0x3F: 1 + q/128.
                 u32 lo = (w[k] & 0x0F0F0F0Fu) | 0x80808080u, hi = ((w[k] >> 4) & 0x0F0F0F0Fu) | 0x80808080u;
@@ -461,6 +500,12 @@ __device__ __forceinline__ int gemv_x_at(int u, int r) {
     if constexpr (TY == TY_Q4_K) {
         int base = 256 * (u >> 3) + 64 * ((u & 7) >> 1) + 16 * (u & 1);
         return base + (r < 4 ? 4 * r : 32 + 4 * (r - 4));
+    } else if constexpr (TY == TY_Q6_K) {
+        // Unit u = 8·sb + i: positions 128n + 32p + 16is .. +16 of super-block sb (low nibbles),
+        // then those 64 further on (high nibbles); n, p, is as in gemv_load.
+        const int i = u & 7;
+        int base = 256 * (u >> 3) + 128 * (i >> 2) + 32 * ((i >> 1) & 1) + 16 * (i & 1);
+        return base + (r < 4 ? 4 * r : 64 + 4 * (r - 4));
     } else if constexpr (TY == TY_Q4_1) {
         // Unit u: block u/2, quant bytes 8(u%2) .. +8: x values 8(u%2) .. +8 of the block (low
         // nibbles), then those 16 further on (high nibbles).
@@ -503,7 +548,7 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Integer GEMV form (MODE 2, both work splits; Q4_K, Q4_1, Q8_0): the weights' integers meet x as int8
+// Integer GEMV form (MODE 2, both work splits; Q4_K, Q4_1, Q8_0; warp-rows Q6_K): the weights' integers meet x as int8
 // through dp4a, four products and their sum in one instruction, where the float forms spend two
 // or three instructions a weight (the H200 sweep found Q4_K and Q8_0 limited by that decode and
 // FMA work, not by memory: the same time for the same weights, although Q8_0 has twice the bytes).
@@ -627,6 +672,11 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
                 q.l[l][V / 8 + 4 * i] = w.x, q.l[l][V / 8 + 4 * i + 1] = w.y;
                 q.l[l][V / 8 + 4 * i + 2] = w.z, q.l[l][V / 8 + 4 * i + 3] = w.w;
             }
+        } else if constexpr (TY == TY_Q6_K) {
+            // The low-nibble run's 16 values at a, the high-nibble run's 64 further on.
+            uint4 v = xq_ld16<SH>(p + a), w = xq_ld16<SH>(p + a + 64);
+            q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = v.z, q.l[l][3] = v.w;
+            q.l[l][4] = w.x, q.l[l][5] = w.y, q.l[l][6] = w.z, q.l[l][7] = w.w;
         } else if constexpr (TY == TY_Q4_1) {
             uint2 v = xq_ld8<SH>(p + a), w = xq_ld8<SH>(p + a + 16);
             q.l[l][0] = v.x, q.l[l][1] = v.y, q.l[l][2] = w.x, q.l[l][3] = w.y;
@@ -641,6 +691,9 @@ __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols
         float4 x0 = xq_ld16f<SH>(s8 + a / 8), x1 = xq_ld16f<SH>(s8 + a / 8 + 4);
         q.s[0] = s2.x, q.s[1] = s2.y;
         q.xs[0] = (x0.x + x0.y) + (x0.z + x0.w), q.xs[1] = (x1.x + x1.y) + (x1.z + x1.w);
+    } else if constexpr (TY == TY_Q6_K) {
+        q.s[0] = xq_ld4f<SH>(sc + a / 32), q.s[1] = xq_ld4f<SH>(sc + a / 32 + 2);
+        q.xs[0] = q.xs[1] = 0.0f;
     } else if constexpr (TY == TY_Q4_K) {
         float2 s2 = xq_ld8f<SH>(sc + a / 32);
         float2 x0 = xq_ld8f<SH>(s8 + a / 8), x1 = xq_ld8f<SH>(s8 + a / 8 + 4);
@@ -704,6 +757,26 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
         }
         float d = f16_to_f32((u16)(f.h.x & 0xFFFFu)), m = f16_to_f32((u16)(f.h.x >> 16));
         return fmaf(d, limbs_f(a[0], a[1], a[2]) * q.s[0], m * q.xs[0]);
+    } else if constexpr (TY == TY_Q6_K) {
+        // The 6-bit quants as signed bytes q − 32 (__vsub4), as gemv_dot assembles them; |q − 32|
+        // ≤ 32, so 128²·D0 over a run of 16 stays under 2^30 (16·32·127·128²) and limbs_f is exact.
+        const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w}, hw[4] = {f.h.x, f.h.y, f.h.z, f.h.w};
+        const int sh = 2 * ((u >> 1) & 1);
+        int a[3] = {0, 0, 0}, b[3] = {0, 0, 0};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 hb = hw[k] >> sh;
+            const u32 lo = __vsub4((w[k] & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u), 0x20202020u);
+            const u32 hi = __vsub4(((w[k] >> 4) & 0x0F0F0F0Fu) | (hb & 0x30303030u), 0x20202020u);
+#pragma unroll
+            for (int l = 0; l < 3; l++) {
+                a[l] = dp4a(lo, q.l[l][k], a[l]);
+                b[l] = dp4a(hi, q.l[l][4 + k], b[l]);
+            }
+        }
+        const float sc0 = (float)(i8)(f.s & 0xFFu), sc1 = (float)(i8)((f.s >> 8) & 0xFFu);
+        const float d = f16_to_f32((u16)(f.s >> 16));
+        return d * fmaf(sc0 * q.s[0], limbs_f(a[0], a[1], a[2]), sc1 * q.s[1] * limbs_f(b[0], b[1], b[2]));
     } else {
         // Signed 8-bit quants: |D0| reaches 16·128·127, so 128²·D0 would overflow int32.
         const u32 w[4] = {f.a.x, f.a.y, f.a.z, f.a.w};
@@ -992,6 +1065,13 @@ GEMVW_ENTRY(f16, TY_F16, 2, 4, 1, 0)
 GEMVW_ENTRY(f16, TY_F16, 2, 4, 2, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 1, 0)
 GEMVW_ENTRY(bf16, TY_BF16, 2, 4, 2, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 2, 4, 1, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 2, 4, 2, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 4, 2, 1, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 4, 4, 1, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 4, 4, 2, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 8, 2, 1, 0)
+GEMVW_ENTRY(q6_k, TY_Q6_K, 8, 4, 1, 0)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 2, 2)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 1, 2)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 4, 4, 2, 2)
@@ -1008,6 +1088,11 @@ GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 1, 2)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 4, 4, 2, 2)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 1, 2)
 GEMVW_ENTRY_Q(q8_0, TY_Q8_0, 8, 4, 2, 2)
+GEMVW_ENTRY_Q(q6_k, TY_Q6_K, 2, 4, 1, 2)
+GEMVW_ENTRY_Q(q6_k, TY_Q6_K, 4, 2, 1, 2)
+GEMVW_ENTRY_Q(q6_k, TY_Q6_K, 4, 4, 1, 2)
+GEMVW_ENTRY_Q(q6_k, TY_Q6_K, 8, 2, 1, 2)
+GEMVW_ENTRY_Q(q6_k, TY_Q6_K, 8, 4, 1, 2)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 1, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 2, 1, 3)
 GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 2, 4, 1, 3)

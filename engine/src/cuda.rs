@@ -305,6 +305,36 @@ fn repack_headers_last(bytes: &[u8], rows: usize, row_bytes: usize, block: usize
     out
 }
 
+/// Q6_K rows as the device keeps them (`kernels/quant.cu`): every super-block's 128 `ql` bytes
+/// back to back, then every one's 64 `qh` bytes, then its 16 scales in unit order, then its f16
+/// `d`; the same bytes and row length as the ggml row (210 per super-block). Unit i of a
+/// super-block (n = i / 4, p = i / 2 % 2, is = i % 2) is `ql` bytes 16i .. 16i + 16 (positions
+/// 128n + 32p + 16is + k from the low nibbles, 64 further on from the high ones); its two scale
+/// bytes are ggml's sc[8n + is + 2p] and sc[8n + is + 2p + 4]. So a warp's quant loads are one
+/// aligned 512-byte run, where the ggml blocks are only 2-byte aligned.
+fn repack_q6_k(bytes: &[u8], rows: usize, row_bytes: usize) -> Vec<u8> {
+    let n_sb = row_bytes / 210;
+    let mut out = vec![0u8; bytes.len()];
+    for r in 0..rows {
+        let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+        let dst = &mut out[r * row_bytes..(r + 1) * row_bytes];
+        let (ql, rest) = dst.split_at_mut(128 * n_sb);
+        let (qh, rest) = rest.split_at_mut(64 * n_sb);
+        let (sc, d) = rest.split_at_mut(16 * n_sb);
+        for (b, blk) in src.chunks_exact(210).enumerate() {
+            ql[128 * b..128 * (b + 1)].copy_from_slice(&blk[..128]);
+            qh[64 * b..64 * (b + 1)].copy_from_slice(&blk[128..192]);
+            for i in 0..8 {
+                let (n, p, is) = (i / 4, i / 2 % 2, i % 2);
+                sc[16 * b + 2 * i] = blk[192 + 8 * n + is + 2 * p];
+                sc[16 * b + 2 * i + 1] = blk[192 + 8 * n + is + 2 * p + 4];
+            }
+            d[2 * b..2 * b + 2].copy_from_slice(&blk[208..210]);
+        }
+    }
+    out
+}
+
 /// The device bytes of a ggml weight of a type with a register decoder.
 fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> std::borrow::Cow<'_, [u8]> {
     match ty {
@@ -313,6 +343,7 @@ fn device_layout(ty: GgmlType, bytes: &[u8], rows: usize, row_bytes: usize) -> s
         GgmlType::Q4K if row_bytes % 144 == 0 => {
             std::borrow::Cow::Owned(repack_headers_last(bytes, rows, row_bytes, 144, 16))
         }
+        GgmlType::Q6K if row_bytes % 210 == 0 => std::borrow::Cow::Owned(repack_q6_k(bytes, rows, row_bytes)),
         _ => std::borrow::Cow::Borrowed(bytes),
     }
 }
@@ -948,6 +979,9 @@ impl CudaBackend {
             // Whole 8-byte quant loads: an even number of blocks per row.
             GgmlType::Q4_1 => cols % 64 == 0 && row_bytes == cols / 32 * 20,
             GgmlType::Q4K => cols % 256 == 0 && row_bytes == cols / 256 * 144,
+            // 16-byte quant loads: a row of 210-byte super-blocks stays aligned when it holds a
+            // multiple of 8 (4096 and 14336 wide rows do; 1536 wide ones take the generic matvec).
+            GgmlType::Q6K => cols % 256 == 0 && row_bytes == cols / 256 * 210 && row_bytes % 16 == 0,
             _ => false,
         };
         if !ok_shape || cols == 0 {
@@ -987,7 +1021,8 @@ impl CudaBackend {
         };
         let kind = kind.unwrap_or(match ty {
             GgmlType::Q4K if cfg.bulk_rows > 0 && rows >= cfg.bulk_rows && units >= 128 && bulk_fits() => GemvKind::Wb,
-            GgmlType::Q4K | GgmlType::Q4_1 => GemvKind::Wr,
+            // Q6_K has warp-rows variants only.
+            GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q6K => GemvKind::Wr,
             // Wide Q8_0 rows: warp-rows R 4, NW 4, U 1 in the integer form ran at 84 and 95 % of
             // copy on the H200, x-stationary at 70 and 75 % (round 12, launches chained by PDL).
             GgmlType::Q8_0 if units >= 128 => GemvKind::Wr,
@@ -997,7 +1032,7 @@ impl CudaBackend {
             GgmlType::F16 if units >= 256 => GemvKind::Wr,
             _ => GemvKind::Xs,
         });
-        // The integer form (mode 2) is Q4_K, Q4_1 and Q8_0; mode 1 is Q4_K only, mode 3 (pair
+        // The integer form (mode 2) is Q4_K, Q4_1, Q8_0 and Q6_K; mode 1 is Q4_K only, mode 3 (pair
         // units) warp-rows Q4_K only, other types and splits keeping their default under it.
         let mode = match (cfg.mode, kind, ty) {
             (Some(3), GemvKind::Wr | GemvKind::Wb, GgmlType::Q4K) => 3,
@@ -1007,11 +1042,14 @@ impl CudaBackend {
             // take pair units, R 4, NW 2: 47–48 % of copy at 4096×4096 against 44 %, and 8B decode
             // 1.982–1.986 ms against 1.990–1.995 in three interleaved rounds (round 16).
             (None, GemvKind::Wr, GgmlType::Q4K) if (128..256).contains(&units) && rows < cfg.pair_below => 3,
-            (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) => 2,
+            (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q6K) => 2,
             (Some(1), _, GgmlType::Q4K) => 1,
             (Some(m), _, _) if m != 3 => 0,
             // Narrow rows (smollm2's) lose more to the pre-pass's launch than they gain.
             (_, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) if units >= 128 => 2,
+            // Q6_K (round 27, H200): the integer form read 71 % of copy at 4096×14336 and 81 % at
+            // 32000×4096 (float form 61 and 70 %), but 18 % against 20–23 % at 1024×4096.
+            (_, GemvKind::Wr, GgmlType::Q6K) if units >= 256 || rows >= 8192 => 2,
             (_, _, _) => 0,
         };
         // Warp-rows (R, NW, U) by type and row length in units; pair units (mode 3): R 4, NW by
@@ -1031,6 +1069,10 @@ impl CudaBackend {
             // Q8_0 model's decode step was the same under both (round 26), so R 4, U 1 stays.
             GgmlType::Q8_0 => (4, 4, 1),
             GgmlType::F16 => (2, 4, 1),
+            // Q6_K (round 27, H200): R 4, NW 4 at 4096×14336 (U 2: 10 points less), R 8, NW 2 at
+            // 32000×4096, R 8, NW 4 (float form) at 1024×4096; the others within 2 points.
+            GgmlType::Q6K if units >= 256 => (4, 4, 1),
+            GgmlType::Q6K => (8, if rows >= 8192 { 2 } else { 4 }, 1),
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
         // Bulk-staged: 8 rows a stage for pair units, 4 else; 2 stages (below); the fewest warps
@@ -2601,7 +2643,7 @@ impl CudaBackend {
         // partial chunk of 32 units, a partial last step of NW·32·U units, chunks wholly past the
         // end (skipped), rows not a multiple of R and fewer rows than R; Q4_K from 1 to 70
         // super-blocks per row, Q4_1 with even block counts (smollm2's widths among them).
-        let wr_shapes: [(GgmlType, &[(usize, usize)]); 5] = [
+        let wr_shapes: [(GgmlType, &[(usize, usize)]); 6] = [
             // Units: 8 (one partial chunk), 40, 152, 456, 560 (two steps at NW 4, U 4); pair units
             // (mode 3): 4, 20, 76, 228, 280 (3 to 9 chunks: two steps at NW 7, four at NW 2).
             (
@@ -2618,6 +2660,8 @@ impl CudaBackend {
             // Units: 1, 129, 257.
             (GgmlType::F16, &[(8, 37), (1032, 37), (2056, 3)]),
             (GgmlType::BF16, &[(8, 5), (1032, 37), (2056, 37)]),
+            // Units: 64, 128, 448 (3.5 steps at NW 4, U 1): rows of a multiple of 8 super-blocks.
+            (GgmlType::Q6K, &[(2048, 37), (4096, 3), (14336, 37)]),
         ];
         for (ty, shapes) in wr_shapes {
             for &(cols, rows) in shapes {
@@ -2662,6 +2706,7 @@ impl CudaBackend {
             (GgmlType::Q4K, 1280, 37),
             (GgmlType::Q4_1, 1216, 37),
             (GgmlType::Q8_0, 768, 37),
+            (GgmlType::Q6K, 2048, 37),
         ] {
             let bytes = test_bytes(ty, rows, cols, 70 + ty as u64);
             let w = test_weight(ty, &bytes, rows, cols);
@@ -3673,7 +3718,8 @@ pub struct LaunchCost {
 
 #[cfg(test)]
 mod tests {
-    use super::{repack_headers_last, RawArgs};
+    use super::{repack_headers_last, repack_q6_k, RawArgs};
+    use references::ggml_type::GgmlType;
 
     #[test]
     fn raw_args_hold_4_byte_scalars_in_the_low_half() {
@@ -3695,5 +3741,46 @@ mod tests {
             out,
             vec![10, 11, 12, 13, 14, 15, 1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 5, 6, 7, 8]
         );
+    }
+
+    #[test]
+    fn q6_k_repack_decodes_as_the_gemv_units_read_it() {
+        // Three rows of 2 super-blocks; every value decoded through the units of kernels/quant.cu
+        // (unit i = 4n + 2p + is of a super-block: ql bytes 16i.., qh bytes 32n + 16is.. at bits
+        // 2p (low nibbles) and 4 + 2p (high), scale bytes 2i and 2i + 1, d after all scales).
+        let (rows, cols) = (3usize, 512usize);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+            .collect();
+        let bytes = references::quant::quantize(GgmlType::Q6K, &w).unwrap();
+        let row_bytes = bytes.len() / rows;
+        let mut want = vec![0f32; rows * cols];
+        crate::dequant::dequantize(GgmlType::Q6K, &bytes, &mut want).unwrap();
+        let dev = repack_q6_k(&bytes, rows, row_bytes);
+        let nsb = cols / 256;
+        for r in 0..rows {
+            let row = &dev[r * row_bytes..(r + 1) * row_bytes];
+            for sb in 0..nsb {
+                let d = half::f16::from_le_bytes([row[208 * nsb + 2 * sb], row[208 * nsb + 2 * sb + 1]]).to_f32();
+                for i in 0..8 {
+                    let (n, p, is) = (i / 4, i / 2 % 2, i % 2);
+                    for k in 0..16 {
+                        let ql = row[128 * sb + 16 * i + k];
+                        let qh = row[128 * nsb + 64 * sb + 32 * n + 16 * is + k];
+                        let lo = (ql & 15) | ((qh >> (2 * p)) & 3) << 4;
+                        let hi = (ql >> 4) | ((qh >> (4 + 2 * p)) & 3) << 4;
+                        let sc = |b: usize| row[192 * nsb + 16 * sb + 2 * i + b] as i8 as f32;
+                        let pos = r * cols + 256 * sb + 128 * n + 32 * p + 16 * is + k;
+                        assert_eq!(d * sc(0) * (lo as f32 - 32.0), want[pos], "row {r} value {pos}");
+                        assert_eq!(
+                            d * sc(1) * (hi as f32 - 32.0),
+                            want[pos + 64],
+                            "row {r} value {}",
+                            pos + 64
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -90,6 +90,10 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
         GgmlType::Q8_0 if cols % 64 == 0 && w.row_bytes == cols / 32 * 34 => Some("gemm_q8_0"),
         GgmlType::Q4_1 if cols % 64 == 0 && w.row_bytes == cols / 32 * 20 => Some("gemm_q4_1"),
         GgmlType::F16 if cols % 64 == 0 && w.row_bytes == cols * 2 => Some("gemm_f16"),
+        // 16-byte quant loads, as the GEMV's (rows of a multiple of 8 super-blocks).
+        GgmlType::Q6K if cols % 256 == 0 && w.row_bytes == cols / 256 * 210 && w.row_bytes % 16 == 0 => {
+            Some("gemm_q6_k")
+        }
         _ => None,
     }
 }
@@ -398,11 +402,13 @@ impl CudaBackend {
     /// and three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
-        let cases: [(GgmlType, &[(usize, usize)]); 4] = [
+        let cases: [(GgmlType, &[(usize, usize)]); 5] = [
             (GgmlType::Q4K, &[(37, 256), (130, 768), (259, 512)]),
             (GgmlType::Q8_0, &[(37, 64), (130, 320), (131, 256)]),
             (GgmlType::Q4_1, &[(37, 64), (130, 576), (131, 512)]),
             (GgmlType::F16, &[(37, 64), (130, 320), (131, 256)]),
+            // 8 and 16 super-blocks a row (the GEMM needs a multiple of 8).
+            (GgmlType::Q6K, &[(37, 2048), (131, 4096)]),
         ];
         for (ty, shapes) in cases {
             let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");

@@ -125,7 +125,7 @@ impl KernelId {
             .map(String::from)
             .into_iter()
             .chain(
-                ["q4_k", "q8_0", "q4_1", "f16"]
+                ["q4_k", "q8_0", "q4_1", "f16", "q6_k"]
                     .iter()
                     .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
             )
@@ -191,7 +191,7 @@ impl GemvVariant {
     /// Values per unit (one thread's share of a row per step).
     pub fn unit_values(ty: GgmlType) -> usize {
         match ty {
-            GgmlType::Q4K => 32,
+            GgmlType::Q4K | GgmlType::Q6K => 32,
             GgmlType::Q8_0 | GgmlType::Q4_1 => 16,
             _ => 8,
         }
@@ -304,11 +304,11 @@ pub const GEMVT_VARIANTS: [GemvVariant; 8] = [
 
 /// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
-/// Q8_0, F16, BF16; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
-/// pre-pass) for Q4_K, Q4_1 and Q8_0; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
+/// Q8_0, F16, BF16, seven for Q6_K; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
+/// pre-pass) for Q4_K, Q4_1, Q8_0 and Q6_K; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
 /// at U 1 (NW 7: the 7 chunks of a 14336-wide row in one step).
-const GEMVW_VARIANTS: [GemvVariant; 67] = {
-    use GgmlType::{BF16, F16, Q4K, Q4_1, Q8_0};
+const GEMVW_VARIANTS: [GemvVariant; 79] = {
+    use GgmlType::{BF16, F16, Q4K, Q4_1, Q6K, Q8_0};
     [
         gw(Q4K, 1, 4, 2, 0),
         gw(Q4K, 1, 4, 4, 0),
@@ -349,6 +349,13 @@ const GEMVW_VARIANTS: [GemvVariant; 67] = {
         gw(F16, 2, 4, 2, 0),
         gw(BF16, 2, 4, 1, 0),
         gw(BF16, 2, 4, 2, 0),
+        gw(Q6K, 2, 4, 1, 0),
+        gw(Q6K, 2, 4, 2, 0),
+        gw(Q6K, 4, 2, 1, 0),
+        gw(Q6K, 4, 4, 1, 0),
+        gw(Q6K, 4, 4, 2, 0),
+        gw(Q6K, 8, 2, 1, 0),
+        gw(Q6K, 8, 4, 1, 0),
         gw(Q4K, 2, 4, 2, 2),
         gw(Q4K, 4, 4, 1, 2),
         gw(Q4K, 4, 4, 2, 2),
@@ -365,6 +372,11 @@ const GEMVW_VARIANTS: [GemvVariant; 67] = {
         gw(Q8_0, 4, 4, 2, 2),
         gw(Q8_0, 8, 4, 1, 2),
         gw(Q8_0, 8, 4, 2, 2),
+        gw(Q6K, 2, 4, 1, 2),
+        gw(Q6K, 4, 2, 1, 2),
+        gw(Q6K, 4, 4, 1, 2),
+        gw(Q6K, 8, 2, 1, 2),
+        gw(Q6K, 8, 4, 1, 2),
         gw(Q4K, 2, 1, 1, 3),
         gw(Q4K, 2, 2, 1, 3),
         gw(Q4K, 2, 4, 1, 3),
@@ -384,7 +396,7 @@ const GEMVW_VARIANTS: [GemvVariant; 67] = {
 /// `GEMV_ENTRY` lines): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
 /// ([`GEMVW_VARIANTS`]), then the bulk-staged ones ([`GEMVB_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 123] = {
+pub const GEMV_VARIANTS: [GemvVariant; 135] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -394,7 +406,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 123] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 123];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 135];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];

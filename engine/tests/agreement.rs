@@ -230,6 +230,7 @@ fn deepseek_v3_tiny_from_llama_cpp_converter_agrees() {
         config: c.clone(),
         weight_type: GgmlType::F32,
         embd_type: GgmlType::F32,
+        more_bits: None,
     };
     let mut worst: BTreeMap<String, f64> = BTreeMap::new();
     let tps: Vec<usize> = valid_tp_degrees(&c)

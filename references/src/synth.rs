@@ -22,6 +22,21 @@ pub struct SynthSpec {
     pub weight_type: GgmlType,
     /// Type of token_embd.
     pub embd_type: GgmlType,
+    /// llama.cpp's `_K_M` mixes (`--quant Q4_K_M`, `Q5_K_M`): this type (Q6_K) for the output
+    /// matrix (token_embd when tied), and for attn_v and ffn_down in the layers
+    /// [`use_more_bits`] picks; None: every weight is `weight_type`.
+    pub more_bits: Option<GgmlType>,
+}
+
+/// The `_K_M` mix names `synth --quant` takes beyond the plain types: (name, weight type), the
+/// promoted tensors in Q6_K (see [`SynthSpec::more_bits`]).
+pub const K_M_MIXES: [(&str, GgmlType); 2] = [("Q4_K_M", GgmlType::Q4K), ("Q5_K_M", GgmlType::Q5K)];
+
+/// llama.cpp's layer choice for the `_K_M` mixes' promoted attn_v and ffn_down: the first and
+/// last eighth of the layers and every third one between.
+pub fn use_more_bits(layer: usize, n_layers: usize) -> bool {
+    let eighth = n_layers / 8;
+    layer < eighth || layer >= 7 * n_layers / 8 || (layer - eighth) % 3 == 2
 }
 
 /// Preset names, with one line each for `--list-presets`.
@@ -125,6 +140,7 @@ pub fn preset(name: &str) -> Option<SynthSpec> {
         config,
         weight_type,
         embd_type,
+        more_bits: None,
     })
 }
 
@@ -194,21 +210,24 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
         });
     };
     let w = spec.weight_type;
+    let tied_more = spec.more_bits.filter(|_| c.tied_embeddings);
     push(
         "token_embd.weight".into(),
-        spec.embd_type,
+        tied_more.unwrap_or(spec.embd_type),
         &[d, vocab],
         Init::Normal(1.0),
     );
     for l in 0..c.n_layers {
         let b = |s: &str| format!("blk.{l}.{s}.weight");
+        // attn_v and ffn_down (dense, expert and shared) of the layers a `_K_M` mix promotes.
+        let wm = spec.more_bits.filter(|_| use_more_bits(l, c.n_layers)).unwrap_or(w);
         push(b("attn_norm"), GgmlType::F32, &[d], Init::Norm);
         match &c.mla {
             None => {
                 let (h, kv, hd) = (c.n_heads as u64, c.n_kv_heads as u64, c.head_dim as u64);
                 push(b("attn_q"), w, &[d, h * hd], Init::Linear(1.0));
                 push(b("attn_k"), w, &[d, kv * hd], Init::Linear(1.0));
-                push(b("attn_v"), w, &[d, kv * hd], Init::Linear(1.0));
+                push(b("attn_v"), wm, &[d, kv * hd], Init::Linear(1.0));
                 push(b("attn_output"), w, &[h * hd, d], Init::Linear(1.0));
             }
             Some(m) => {
@@ -256,25 +275,30 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
                 }
                 push(b("ffn_gate_exps"), w, &[d, eff, n], Init::Linear(1.0));
                 push(b("ffn_up_exps"), w, &[d, eff, n], Init::Linear(1.0));
-                push(b("ffn_down_exps"), w, &[eff, d, n], Init::Linear(1.0));
+                push(b("ffn_down_exps"), wm, &[eff, d, n], Init::Linear(1.0));
                 if m.n_shared > 0 {
                     let sh = eff * m.n_shared as u64;
                     push(b("ffn_gate_shexp"), w, &[d, sh], Init::Linear(1.0));
                     push(b("ffn_up_shexp"), w, &[d, sh], Init::Linear(1.0));
-                    push(b("ffn_down_shexp"), w, &[sh, d], Init::Linear(1.0));
+                    push(b("ffn_down_shexp"), wm, &[sh, d], Init::Linear(1.0));
                 }
             }
             _ => {
                 let f = c.ffn_dim as u64;
                 push(b("ffn_gate"), w, &[d, f], Init::Linear(1.0));
                 push(b("ffn_up"), w, &[d, f], Init::Linear(1.0));
-                push(b("ffn_down"), w, &[f, d], Init::Linear(1.0));
+                push(b("ffn_down"), wm, &[f, d], Init::Linear(1.0));
             }
         }
     }
     push("output_norm.weight".into(), GgmlType::F32, &[d], Init::Norm);
     if !c.tied_embeddings {
-        push("output.weight".into(), w, &[d, vocab], Init::Linear(4.0));
+        push(
+            "output.weight".into(),
+            spec.more_bits.unwrap_or(w),
+            &[d, vocab],
+            Init::Linear(4.0),
+        );
     }
     out
 }
@@ -537,5 +561,33 @@ mod tests {
             (s.config.n_heads * (m.qk_nope + m.v_head_dim), m.kv_lora_rank),
             (28672, 512)
         );
+    }
+
+    #[test]
+    fn k_m_mix_promotes_llama_cpp_s_layers() {
+        // llama.cpp's use_more_bits over 32 layers: 0..4, 28..32 and 6, 9, .., 27.
+        let picked: Vec<usize> = (0..32).filter(|&l| use_more_bits(l, 32)).collect();
+        assert_eq!(picked, [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]);
+        let mut s = preset("llama-tiny").unwrap();
+        s.config.n_layers = 16;
+        s.config.d_model = 512;
+        s.config.head_dim = 64;
+        s.config.rope_dim = 64;
+        s.weight_type = GgmlType::Q4K;
+        s.embd_type = GgmlType::Q4K;
+        s.more_bits = Some(GgmlType::Q6K);
+        let ty = |name: &str| plan(&s).into_iter().find(|p| p.spec.name == name).unwrap().spec.ty;
+        assert_eq!(ty("output.weight"), GgmlType::Q6K);
+        assert_eq!(ty("token_embd.weight"), GgmlType::Q4K);
+        for l in 0..16 {
+            let want = if use_more_bits(l, 16) {
+                GgmlType::Q6K
+            } else {
+                GgmlType::Q4K
+            };
+            assert_eq!(ty(&format!("blk.{l}.attn_v.weight")), want, "layer {l}");
+            assert_eq!(ty(&format!("blk.{l}.ffn_down.weight")), want, "layer {l}");
+            assert_eq!(ty(&format!("blk.{l}.attn_k.weight")), GgmlType::Q4K, "layer {l}");
+        }
     }
 }

@@ -83,12 +83,20 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
         if a.bench_tokens > 1 {
             ns.push(a.bench_tokens);
         }
-        for ty in [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::F16] {
+        for ty in [
+            GgmlType::Q4K,
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::F16,
+            GgmlType::Q6K,
+        ] {
             // Q4_1 also on smollm2-135m's FFN shapes (its layers' type).
             // Q4_K also on the 8B's attention and output shapes (tensor-core GEMV beside the default).
             let shapes: &[(usize, usize)] = match ty {
                 GgmlType::Q4_1 => &[(4096, 14336), (14336, 4096), (1536, 576), (576, 1536)],
                 GgmlType::Q4K => &[(4096, 14336), (14336, 4096), (4096, 4096), (1024, 4096), (32000, 4096)],
+                // Q6_K: the 8B's Q4_K_M FFN down, attn_v and output.
+                GgmlType::Q6K => &[(4096, 14336), (1024, 4096), (32000, 4096)],
                 _ => &[(4096, 14336), (14336, 4096)],
             };
             for &(rows, cols) in shapes {
@@ -178,6 +186,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             (GgmlType::Q4K, 14336, 4096),
             (GgmlType::Q4K, 4096, 4096),
             (GgmlType::F16, 4096, 14336),
+            (GgmlType::Q6K, 4096, 14336),
         ] {
             let r = be.bench_gemm(ty, rows, cols, 512)?;
             if !a.json {

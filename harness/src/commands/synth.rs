@@ -3,7 +3,7 @@
 use crate::cli::{DimArgs, SynthArgs};
 use crate::output::{config_json, persist, progress_bar};
 use anyhow::{bail, Context};
-use references::synth::{preset, write_model, SynthSpec, PRESETS};
+use references::synth::{preset, write_model, SynthSpec, K_M_MIXES, PRESETS};
 use references::GgmlType;
 use serde_json::json;
 use std::io::BufWriter;
@@ -23,7 +23,7 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
     };
     let bytes = write_spec(&spec, a.seed, out, !a.json)?;
     if a.json {
-        let doc = json!({"output": out.display().to_string(), "preset": spec.name, "weight_type": spec.weight_type.name(),
+        let doc = json!({"output": out.display().to_string(), "preset": spec.name, "weight_type": quant_name(&spec),
                          "seed": a.seed, "tensor_bytes": bytes, "config": config_json(&spec.config)});
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -31,12 +31,20 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
             "wrote {} ({}, {}, seed {}, {:.1} MiB of tensors)",
             out.display(),
             spec.name,
-            spec.weight_type,
+            quant_name(&spec),
             a.seed,
             bytes as f64 / (1 << 20) as f64
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The spec's weight type, or its `_K_M` mix name.
+fn quant_name(spec: &SynthSpec) -> String {
+    match spec.more_bits {
+        Some(_) => format!("{}_M", spec.weight_type.name()),
+        None => spec.weight_type.name().to_string(),
+    }
 }
 
 /// Writes `spec` to `out` through a temp file in the same directory, renamed at the end, so a
@@ -84,12 +92,20 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
     };
     let mut spec = apply_dims(base, &a.dims)?;
     if let Some(q) = &a.quant {
-        let ty = GgmlType::from_name(q).with_context(|| {
-            let names: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
-            format!("unknown quant type {q:?} (types: {})", names.join(", "))
-        })?;
+        let mix = K_M_MIXES
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(q) || n.replace('_', "").eq_ignore_ascii_case(q));
+        let ty = match mix {
+            Some((_, ty)) => *ty,
+            None => GgmlType::from_name(q).with_context(|| {
+                let mut names: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
+                names.extend(K_M_MIXES.iter().map(|(n, _)| *n));
+                format!("unknown quant type {q:?} (types: {})", names.join(", "))
+            })?,
+        };
         spec.weight_type = ty;
         spec.embd_type = ty;
+        spec.more_bits = mix.map(|_| GgmlType::Q6K);
     }
     Ok(spec)
 }
