@@ -83,6 +83,10 @@ __device__ __forceinline__ void cp_async16s(u32 dst, const void* src) {  // dst:
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) { cp_async16s(smem_addr(dst), src); }
+// 4 bytes (both addresses 4-byte aligned; cached in L1 and L2: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

@@ -16,7 +16,8 @@
 // F16 weights are f16 already (11 significant bits, as the integers above): w × x_hi and w × x_lo
 // are exact in f32 too, and the block scale is 1.
 //
-// v2 (gemm2_*, Q4_K) keeps the argument and changes only where the offset term is formed: per
+// v2 (gemm2_*, Q4_K and Q6_K) keeps the argument. For Q6_K it changes nothing (the per-16 scale
+// is folded at every k16 as in v1). For Q4_K it changes only where the offset term is formed: per
 // super-block, Σ_sub m_sub·(Σx_sub·s/32) is one more f32-accumulated MMA product, with the 6-bit
 // integers m exact in f16 and each Σx_sub·s/32 (|·| < 2^15, so no f16 overflow) split into three
 // f16s hi + mid + lo that are exact down to f16's smallest subnormal 2^-24 (far below the x_lo
@@ -37,7 +38,7 @@
 //   Grid: x = token tiles (fastest, so the token tiles of one weight tile run together and the
 //   weight bytes come from L2 after the first), y = row tiles.
 //
-// Kernels (v2, Q4_K only, the default; see `cuda_gemm.rs`):
+// Kernels (v2, Q4_K and Q6_K, the default; see `cuda_gemm.rs`):
 // - gemm2_split_x: the pre-pass: x_hi, x_lo as above but each group of 4 values a, b, c, d stored
 //   as a, c, b, d; per super-block the Σx MMA's B fragments (the three f16 parts of Σx·s/32 for
 //   sub-block pairs); 1/s. A block per token, a warp per super-block, 16-byte loads and stores.
@@ -58,6 +59,15 @@
 //   are 256 bytes (x_hi, x_lo) with 16-byte chunks XOR-swizzled by token parity (conflict-free
 //   loads). Grid: x = token tiles, y = the row tiles of up to three matrices (Gemm2Parts) that
 //   share x; rows past a matrix's end read its last row and are not stored.
+// - gemm6_split_x, gemm2_q6_k, gemm2_q6_k_n64: the same pipeline, tiles and grid for Q6_K. A
+//   64-value step is 32 ql bytes (low nibbles: one run of 32 values, high: the run 64 further
+//   on) and the 32 qh bytes of their half super-block; both go to shared memory by cp.async
+//   (128 rows × 32 bytes each, a row's 16-byte halves swapped where (row >> 2) & 1), the scales
+//   (16 bytes) and d (an aligned 4-byte pair) with the headers, and become a per-row G6Row of
+//   d·sc. The pre-pass orders x so that each k16 tile is one run of 16 values (one scale): in
+//   each 32-value run, chunk k holds groups k and k + 4 of 4 values. A thread reads quant words
+//   t and t + 4 of a row (tiles w 0 and 1), makes q − 32 in f16 (mask, shift, one HFMA2), and each
+//   tile's two MMAs (x_hi, x_lo) start from zero and are folded into acc by the run's d·sc.
 // - gemm2_q4_k_wg (LLMDIFF_GEMM_KIND=wg): the same tile (BM = BN = 128, 4 stages), pre-pass,
 //   loaders, headers and super-block fold, on Hopper's wgmma (sm_90a only: the module must be
 //   compiled for sm_90a; elsewhere the entry traps and the host does not pick it). Two warpgroups
@@ -594,9 +604,14 @@ __device__ __forceinline__ void split3(float v, u16* hi, u16* mid, u16* lo) {
 // a, b, c, d: a, c, b, d), per super-block the B fragments of the Σx MMA (16 words: word 4t + p
 // is part p (hi, mid, lo; word 4t + 3 = 0) of sub-blocks 2t, 2t+1's Σ(x·s)/32 as an f16 pair), and
 // 1/s. Padding tokens (n ≤ tok < n_pad) are zeros. cols % 256 == 0.
-extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __restrict__ x, u16* __restrict__ xh,
-                                                                  u32* __restrict__ xsb, float* __restrict__ inv,
-                                                                  int n, int n_pad, int cols) {
+//
+// Q6 (gemm6_split_x, for gemm2_q6_k): within each run of 32 values, the 16-byte chunk k (k = 0..3)
+// holds groups k and k + 4 of 4 values (values 4k .., 16 + 4k ..), each as a, c, b, d, so a
+// thread's chunk of a step is its B fragments of both k16 tiles of a run, and each k16 tile is
+// one run of 16 (one Q6_K scale).
+template <bool Q6>
+__device__ __forceinline__ void split_x_body(const float* __restrict__ x, u16* __restrict__ xh, u32* __restrict__ xsb,
+                                             float* __restrict__ inv, int n, int n_pad, int cols) {
     __shared__ float scratch[32];
     const int tok = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_sb = cols >> 8;
@@ -646,8 +661,18 @@ extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __r
         }
 #pragma unroll
         for (int k = 0; k < 8; k++) sum += v[k] * s;
-        *(uint4*)(hi + i) = make_uint4(h[0], h[1], h[2], h[3]);
-        *(uint4*)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
+        if constexpr (Q6) {
+            // This thread's groups 2c, 2c + 1 of its run (c = lane % 4) go to chunks 2c % 4 and
+            // (2c + 1) % 4, in their halves 2c / 4.
+            const int run = i & ~31, c = lane & 3, half = 4 * (c >> 1);
+            *(uint2*)(hi + run + 8 * (2 * c & 3) + half) = make_uint2(h[0], h[1]);
+            *(uint2*)(hi + run + 8 * ((2 * c + 1) & 3) + half) = make_uint2(h[2], h[3]);
+            *(uint2*)(lo + run + 8 * (2 * c & 3) + half) = make_uint2(l[0], l[1]);
+            *(uint2*)(lo + run + 8 * ((2 * c + 1) & 3) + half) = make_uint2(l[2], l[3]);
+        } else {
+            *(uint4*)(hi + i) = make_uint4(h[0], h[1], h[2], h[3]);
+            *(uint4*)(lo + i) = make_uint4(l[0], l[1], l[2], l[3]);
+        }
         // Σ over the 4 lanes of a sub-block (fixed order), then lanes 0..3 write the pairs.
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -661,6 +686,17 @@ extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __r
                 make_uint4((u32)a0 | ((u32)b0 << 16), (u32)a1 | ((u32)b1 << 16), (u32)a2 | ((u32)b2 << 16), 0u);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __restrict__ x, u16* __restrict__ xh,
+                                                                  u32* __restrict__ xsb, float* __restrict__ inv,
+                                                                  int n, int n_pad, int cols) {
+    split_x_body<false>(x, xh, xsb, inv, n, n_pad, cols);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm6_split_x(const float* __restrict__ x, u16* __restrict__ xh,
+                                                                  u32* __restrict__ xsb, float* __restrict__ inv,
+                                                                  int n, int n_pad, int cols) {
+    split_x_body<true>(x, xh, xsb, inv, n, n_pad, cols);
 }
 
 __device__ __forceinline__ void mma1688(float (&d)[4], u32 a0, u32 a1, u32 b, const float (&c)[4]) {
@@ -698,17 +734,33 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 magic) {
     return d;
 }
 
-template <int NI, bool WG>
+// Shared memory of a gemm2 variant. Q4_K: per stage 128 rows × 32 quant bytes; headers 16 bytes a
+// row; Σx fragments; G2Row constants. Q6_K (mma.sync only): per stage 128 rows × 32 ql bytes,
+// then 128 × 32 qh bytes; headers 32 bytes a row (16 scales, then the 4-byte word holding its
+// f16 d); no Σx; G6Row constants.
+template <int TY, int NI, bool WG>
 struct G2 {
+    static_assert(TY == TY_Q4_K || (TY == TY_Q6_K && !WG), "gemm2: Q4_K, or Q6_K on mma.sync");
+    static constexpr bool Q6 = TY == TY_Q6_K;
     static constexpr int BN = 16 * NI;       // tokens per block (warps: 4 along rows × 2 along tokens)
     static constexpr int STAGES = WG ? 4 : 5;
-    static constexpr int A_BYTES = G2_BM * 32;  // one step's quant bytes: 128 rows × 32
+    static constexpr int A_BYTES = G2_BM * (Q6 ? 64 : 32);  // one step's weight bytes
     static constexpr int X_BYTES = BN * 256;    // x_hi (128 bytes) then x_lo per token, swizzled
     static constexpr int STAGE = A_BYTES + X_BYTES;
-    static constexpr int HDR = STAGES * STAGE;          // 2 × 128 headers
-    static constexpr int XSB = HDR + 2 * G2_BM * 16;    // 2 × BN × 64 bytes of Σx fragments
-    static constexpr int ROWS = XSB + 2 * BN * 64;      // 2 × 128 G2Row
-    static constexpr int SMEM = ROWS + 2 * G2_BM * (int)sizeof(G2Row);
+    static constexpr int HDR_ROW = Q6 ? 32 : 16;
+    static constexpr int HDR = STAGES * STAGE;                // 2 × 128 headers
+    static constexpr int XSB = HDR + 2 * G2_BM * HDR_ROW;     // 2 × BN × 64 bytes of Σx fragments
+    static constexpr int ROWS = XSB + (Q6 ? 0 : 2 * BN * 64);  // 2 × 128 row constants
+    static constexpr int SMEM = ROWS + 2 * G2_BM * (Q6 ? 64 : (int)sizeof(G2Row));
+};
+
+// Q6_K per weight row and super-block: for each 64-value step j (ql bytes 32j .. 32j + 32: their
+// low nibbles are values 128·(j/2) + 32·(j%2) + 0..32, the high ones 64 further on) the f32
+// scales d·sc of its four runs of 16 in the order the main loop takes them: low nibbles of quant
+// words 0 and 1 of a thread's 8 bytes (k16 tiles 0, 1), then high (tiles 2, 3). With the
+// repacked scales (unit order, `repack_q6_k`) those are scale bytes 4j + 0, 2, 1, 3.
+struct G6Row {
+    float4 s[4];
 };
 
 __device__ __forceinline__ void g2_row_consts(const uint4 hv, G2Row* out) {
@@ -780,11 +832,88 @@ struct G2Warp {
     static constexpr int NT = WG ? 16 : NI;
 };
 
-template <int NI, bool WG>
+// mma.sync B fragments of token tl of a stage's x tile (256-byte rows, 16-byte chunks swizzled
+// by token parity), thread t of its quad: x_hi chunk 4p + t into bh, x_lo's into bl; .x, .y the
+// first k16 tile's {b0,b1}, {b2,b3}, .z, .w the second's.
+__device__ __forceinline__ void g2_x_frags(const u8* xbase, int tl, int p, int t, uint4& bh, uint4& bl) {
+    const int sw = (tl & 1) << 2;
+    bh = *(const uint4*)(xbase + tl * 256 + 16 * ((4 * p + t) ^ sw));
+    bl = *(const uint4*)(xbase + tl * 256 + 16 * ((8 + 4 * p + t) ^ sw));
+}
+
+// Q6_K header of one row and super-block: its 16 scale bytes (unit order) hv, its f16 d in the low
+// half of dw → the G6Row (d·sc exact in f32).
+__device__ __forceinline__ void g6_row_consts(const uint4 hv, u32 dw, G6Row* out) {
+    const float d = f16_to_f32((u16)(dw & 0xFFFFu));
+    const u32 h[4] = {hv.x, hv.y, hv.z, hv.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32 w = h[j];
+        out->s[j] = make_float4(d * (float)(i8)(w & 0xFF), d * (float)(i8)((w >> 16) & 0xFF),
+                                d * (float)(i8)((w >> 8) & 0xFF), d * (float)(i8)(w >> 24));
+    }
+}
+
+// One 64-value step j of gemm2_q6_k for this thread (mma.sync tile: 2 row tiles of 16 × NI token
+// tiles of 8). Stage: 128 rows × 32 ql bytes, then 128 × 32 qh bytes, the two 16-byte halves of a
+// row swapped where (row >> 2) & 1 (conflict-free 4-byte reads); x in gemm6_split_x's order. k16
+// tile (p, w) of the step is its run of 16 values 16·(2p + w): thread t's A registers come from
+// quant words t (w 0) and t + 4 (w 1): {a0,a1} = bytes 0, 2 and {a4,a5} = bytes 1, 3, p 0 the low
+// nibbles, 1 the high; the 2-bit highs are bits 2·(j & 1) + 4p of the qh byte at the same place.
+// 1024 + q is placed in an f16 mantissa and one HFMA2 makes q − 32 (exact); each tile's two
+// MMAs (x_hi, x_lo) start from zero and the run's d·sc (exact in f32) folds them into acc.
+template <int NI>
+__device__ __forceinline__ void g6_step(const u8* abase, const u8* xbase, const G6Row* rt, int j, int wm, int wn, int g,
+                                        int t, u32 magic, float (&acc)[2][NI][4]) {
+    const u32 one = 0x3C003C00u, m1056 = 0xE420E420u;  // f16 pairs (1, 1), (−1056, −1056)
+    const int sw = 16 * ((g >> 2) & 1), hsh = 2 * (j & 1);
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        u32 a[2][2][4];
+        float2 sc[2][2];  // [mi][e]: the scales of tiles (p, 0), (p, 1) of rows g, g + 8
+#pragma unroll
+        for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int r = wm * 32 + mi * 16 + g + 8 * e;
+                sc[mi][e] = *((const float2*)&rt[r].s[j] + p);
+#pragma unroll
+                for (int w = 0; w < 2; w++) {
+                    // ql, qh words t (w 0) and t + 4 (w 1) of row r.
+                    const int off = r * 32 + ((16 * w) ^ sw) + 4 * t;
+                    const u32 l = *(const u32*)(abase + off) >> (4 * p);
+                    const u32 h = (*(const u32*)(abase + G2_BM * 32 + off) >> (hsh + 4 * p)) << 4;
+                    a[mi][w][e] = hfma2(and_or<0x00300030u>(h, and_or<0x000F000Fu>(l, magic)), one, m1056);
+                    a[mi][w][2 + e] = hfma2(and_or<0x00300030u>(h >> 8, and_or<0x000F000Fu>(l >> 8, magic)), one, m1056);
+                }
+            }
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++) {
+            uint4 bh, bl;
+            g2_x_frags(xbase, wn * 8 * NI + ni * 8 + g, p, t, bh, bl);
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int w = 0; w < 2; w++) {
+                    float tm[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                    mma16816(tm, a[mi][w], w ? bh.z : bh.x, w ? bh.w : bh.y);
+                    mma16816(tm, a[mi][w], w ? bl.z : bl.x, w ? bl.w : bl.y);
+                    const float s0 = w ? sc[mi][0].y : sc[mi][0].x, s1 = w ? sc[mi][1].y : sc[mi][1].x;
+                    acc[mi][ni][0] = fmaf(s0, tm[0], acc[mi][ni][0]);
+                    acc[mi][ni][1] = fmaf(s0, tm[1], acc[mi][ni][1]);
+                    acc[mi][ni][2] = fmaf(s1, tm[2], acc[mi][ni][2]);
+                    acc[mi][ni][3] = fmaf(s1, tm[3], acc[mi][ni][3]);
+                }
+        }
+    }
+}
+
+template <int TY, int NI, bool WG>
 __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __restrict__ xh,
                                            const u32* __restrict__ xsb, const float* __restrict__ inv, int cols,
                                            int n, int n_pad) {
-    using C = G2<NI, WG>;
+    using C = G2<TY, NI, WG>;
+    constexpr bool Q6 = C::Q6;
     constexpr int BN = C::BN, S = C::STAGES;
     constexpr int MI = G2Warp<NI, WG>::MI, NT = G2Warp<NI, WG>::NT;
     static_assert(!WG || NI == 8, "the wgmma variant is BN = 128 only");
@@ -815,19 +944,29 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     const int n_all = cols >> 8, splits = gridDim.z;
     const int sb0 = (int)((long)blockIdx.z * n_all / splits);
     const int n_sb = (int)((long)(blockIdx.z + 1) * n_all / splits) - sb0, n_steps = 4 * n_sb;
-    const size_t row_bytes = (size_t)n_all * 144;
+    const size_t row_bytes = (size_t)n_all * (Q6 ? 210 : 144);
     if (n_sb == 0) return;  // the host splits at most into the row's super-blocks
 
-    // Loader roles. Quants: row tid/2, 16-byte half tid%2. Headers: row tid (tid < 128). x: chunk
-    // c = tid % 16 of tokens tid/16 + 16·r (c < 8: x_hi, else x_lo). mma.sync: stored at chunk
-    // c ^ 4·(token & 1) of its 256-byte token row. wgmma: as 8 × 8 core matrices, [c][token / 8]
-    // 128 bytes each, token % 8 the 16-byte row in it. Σx fragments: chunk tid % 4 of tokens
-    // tid/4 + 64·r.
-    const u8* wq = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes + (size_t)sb0 * 128 + 16 * (tid & 1);
-    const u8* wh = W + (size_t)min(row0 + (tid & 127), rows - 1) * row_bytes + (size_t)n_all * 128 + (size_t)sb0 * 16;
+    // Loader roles. Quants: row tid/2, 16-byte half tid%2 (Q6_K: of ql, and of qh). Headers: row
+    // tid (tid < 128). x: chunk c = tid % 16 of tokens tid/16 + 16·r (c < 8: x_hi, else x_lo).
+    // mma.sync: stored at chunk c ^ 4·(token & 1) of its 256-byte token row. wgmma: as 8 × 8 core
+    // matrices, [c][token / 8] 128 bytes each, token % 8 the 16-byte row in it. Σx fragments:
+    // chunk tid % 4 of tokens tid/4 + 64·r.
+    const u8* wrow_q = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes;
+    const u8* wq = wrow_q + (size_t)sb0 * 128 + 16 * (tid & 1);
+    const u8* wqh = wrow_q + (size_t)n_all * 128 + (size_t)sb0 * 64 + 16 * (tid & 1);  // Q6_K's qh
+    const u8* wrow_h = W + (size_t)min(row0 + (tid & 127), rows - 1) * row_bytes;
+    const u8* wh = wrow_h + (size_t)n_all * (Q6 ? 192 : 128) + (size_t)sb0 * 16;
+    const u8* wd = wrow_h + (size_t)n_all * 208;  // Q6_K's f16 d's, read as aligned pairs
+    // Q6_K: a row's two halves swapped where (row >> 2) & 1 (see g6_step).
+    const int qdst = Q6 ? 32 * (tid >> 1) + 16 * ((tid & 1) ^ ((tid >> 3) & 1)) : 16 * tid;
     const int xc = tid & 15, xt = tid >> 4;
+    // x positions of chunk c of step st (relative to sb0): Q4_K, 64·st + 8·c; Q6_K, the two runs
+    // of 32 that step's ql bytes hold (see G6Row).
+    const int xcoff = Q6 ? 8 * (xc & 3) + 64 * ((xc >> 2) & 1) : 8 * (xc & 7);
+    auto x_step = [](int st) { return Q6 ? 256 * (st >> 2) + 128 * ((st >> 1) & 1) + 32 * (st & 1) : G2_BK * st; };
     const u16* xsrc =
-        xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + (size_t)sb0 * 256 + 8 * (xc & 7);
+        xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + (size_t)sb0 * 256 + xcoff;
     const int xdst = WG ? (xc * (BN / 8) + (xt >> 3)) * 128 + (xt & 7) * 16 : xt * 256 + 16 * (xc ^ ((xt & 1) << 2));
     constexpr int XR = WG ? 2 * 128 : 16 * 256;  // bytes between the tokens xt + 16·r and xt + 16·(r + 1)
     const u32* ssrc = xsb + ((size_t)(tok0 + (tid >> 2)) * n_all + sb0) * 16 + 4 * (tid & 3);
@@ -839,7 +978,11 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
             cp_async16(d + (tid + 256 * r) * 16, ssrc + ((size_t)64 * r * n_all + sb) * 16);
     };
     auto load_hdr = [&](int sb) {
-        if (tid < G2_BM) cp_async16(smem + C::HDR + (sb & 1) * G2_BM * 16 + tid * 16, wh + sb * 16);
+        if (tid < G2_BM) {
+            u8* d = smem + C::HDR + (sb & 1) * G2_BM * C::HDR_ROW + tid * C::HDR_ROW;
+            cp_async16(d, wh + sb * 16);
+            if constexpr (Q6) cp_async4(d + 16, wd + 4 * ((sb0 + sb) >> 1));
+        }
     };
     // Stage st: its quants and x; with step 4·sb (sb's first) Σx of sb; with step 4·sb + 1 the
     // header of sb + 1 (sb 0's comes with step 0). Always one commit group.
@@ -847,21 +990,27 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
         if (st < n_steps) {
             u8* base = smem + (st % S) * C::STAGE;
             const int sb = st >> 2, j = st & 3;
-            cp_async16(base + tid * 16, wq + sb * 128 + 32 * j);
+            cp_async16(base + qdst, wq + sb * 128 + 32 * j);
+            if constexpr (Q6) cp_async16(base + G2_BM * 32 + qdst, wqh + sb * 64 + 32 * (j >> 1));
             u8* xd = base + C::A_BYTES + xdst;
-            const u16* xs_ = xsrc + st * G2_BK;
+            const u16* xs_ = xsrc + x_step(st);
 #pragma unroll
             for (int r = 0; r < BN / 16; r++) cp_async16(xd + r * XR, xs_ + (size_t)16 * r * cols);
-            if (j == 0) load_sb(sb);
+            if (!Q6 && j == 0) load_sb(sb);
             if (st == 0) load_hdr(0);
             if (j == 1 && sb + 1 < n_sb) load_hdr(sb + 1);
         }
         cp_async_commit();
     };
-    auto build_rows = [&](int sb) {  // header of sb → G2Row table (sb & 1)
+    auto build_rows = [&](int sb) {  // header of sb → G2Row / G6Row table (sb & 1)
         if (tid < G2_BM) {
-            uint4 hv = *(const uint4*)(smem + C::HDR + (sb & 1) * G2_BM * 16 + tid * 16);
-            g2_row_consts(hv, (G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM + tid);
+            const u8* h = smem + C::HDR + (sb & 1) * G2_BM * C::HDR_ROW + tid * C::HDR_ROW;
+            if constexpr (Q6) {
+                g6_row_consts(*(const uint4*)h, *(const u32*)(h + 16) >> (16 * ((sb0 + sb) & 1)),
+                              (G6Row*)(smem + C::ROWS) + (sb & 1) * G2_BM + tid);
+            } else {
+                g2_row_consts(*(const uint4*)h, (G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM + tid);
+            }
         }
     };
 
@@ -934,6 +1083,9 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
         if (j == 2 && sb + 1 < n_sb) build_rows(sb + 1);
         const u8* abase = smem + (ks % S) * C::STAGE;
         const u8* xbase = abase + C::A_BYTES;
+        if constexpr (Q6) {
+            g6_step<NI>(abase, xbase, (const G6Row*)(smem + C::ROWS) + (sb & 1) * G2_BM, j, wm, wn, g, t, magic, acc);
+        } else {
         const G2Row* rt = (const G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM;
         // This thread's quant words (rows g, g + 8 of each 16-row tile; bytes 8t .. 8t + 8).
         uint2 q[2][2];
@@ -963,10 +1115,8 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
                 }
 #pragma unroll
             for (int ni = 0; ni < NI; ni++) {
-                const int tl = wn * 8 * NI + ni * 8 + g;
-                const int sw = (tl & 1) << 2;
-                const uint4 bh = *(const uint4*)(xbase + tl * 256 + 16 * ((4 * p + t) ^ sw));
-                const uint4 bl = *(const uint4*)(xbase + tl * 256 + 16 * ((8 + 4 * p + t) ^ sw));
+                uint4 bh, bl;
+                g2_x_frags(xbase, wn * 8 * NI + ni * 8 + g, p, t, bh, bl);
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) {
                     mma16816(tmp[mi][ni], a[mi][0], bh.x, bh.y);
@@ -977,6 +1127,7 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
             }
         }
         if (j == 3) fold(sb);
+        }
     }
     } else {
 #if G3_WGMMA
@@ -1083,12 +1234,14 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 // Grid (n_pad / BN, row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at
 // least two super-blocks a row), 256 threads, dynamic shared memory G2<NI, WG>::SMEM bytes
 // (checked).
-#define GEMM2_ENTRY(NAME, NI, WG)                                                                     \
+#define GEMM2_ENTRY(NAME, TY, NI, WG)                                                                     \
     extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \
-        gemm2_body<NI, WG>(P, xh, xsb, inv, cols, n, n_pad);                                          \
+        gemm2_body<TY, NI, WG>(P, xh, xsb, inv, cols, n, n_pad);                                      \
     }
 
-GEMM2_ENTRY(gemm2_q4_k, 8, false)
-GEMM2_ENTRY(gemm2_q4_k_n64, 4, false)
-GEMM2_ENTRY(gemm2_q4_k_wg, 8, true)
+GEMM2_ENTRY(gemm2_q4_k, TY_Q4_K, 8, false)
+GEMM2_ENTRY(gemm2_q4_k_n64, TY_Q4_K, 4, false)
+GEMM2_ENTRY(gemm2_q4_k_wg, TY_Q4_K, 8, true)
+GEMM2_ENTRY(gemm2_q6_k, TY_Q6_K, 8, false)
+GEMM2_ENTRY(gemm2_q6_k_n64, TY_Q6_K, 4, false)

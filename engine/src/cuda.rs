@@ -817,7 +817,7 @@ impl CudaBackend {
                     || f.starts_with("gemvb_")
                     || f.starts_with("ffn_q4k_")
                     || f == "layer_q4k"
-                    || f.starts_with("gemm2_q4_k"))
+                    || f.starts_with("gemm2_q"))
                 .then_some(attn_smem_max);
                 if let Some(bytes) = smem {
                     // Static shared memory (the kernel trace's word, where compiled in) counts

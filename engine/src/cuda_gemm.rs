@@ -2,15 +2,18 @@
 //! it, its launch (the x pre-pass, then the tiled `mma.sync` kernel), its checks against the CPU
 //! engine, and its benchmark beside the warp-per-row matmul.
 //!
-//! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q8_0, Q4_1 or F16 (cols %
-//! 64 == 0) weight in its device layout, unless `LLMDIFF_GEMM=0`; everything else (F32, BF16, the
-//! other quant types) keeps the f32 SIMT `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
-//! - v2 (the default; Q4_K only, other types take v1): `gemm2_q4_k`, 128 rows × 128 tokens per
-//!   block, `cp.async` stages, quants dequantized from shared memory straight into the MMA
-//!   fragments, or `gemm2_q4_k_n64` (64 tokens), and K split in two (the output zeroed, then
-//!   added into), when the grid would leave SMs idle (picked per launch by [`gemm2_tile`];
-//!   `LLMDIFF_GEMM_BN=128|64` and `LLMDIFF_GEMM_SPLIT=1|2` force them). Up to three weights that share
-//!   x (`linear_many`: q/k/v, gate/up) go in one launch.
+//! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q6_K (cols % 2048 == 0:
+//! rows of 16-byte multiples), Q8_0, Q4_1 or F16 (cols % 64 == 0) weight in its device layout,
+//! unless `LLMDIFF_GEMM=0`; everything else (F32, BF16, the other quant types) keeps the f32 SIMT
+//! `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
+//! - v2 (the default; Q4_K and Q6_K, other types take v1): `gemm2_q4_k` / `gemm2_q6_k`, 128 rows
+//!   × 128 tokens per block, `cp.async` stages, quants dequantized from shared memory straight
+//!   into the MMA fragments, or `gemm2_q*_k_n64` (64 tokens), and K split in two (the output
+//!   zeroed, then added into), when the grid would leave SMs idle (picked per launch by
+//!   [`gemm2_tile`]; `LLMDIFF_GEMM_BN=128|64` and `LLMDIFF_GEMM_SPLIT=1|2` force them). Up to
+//!   three weights of one type that share x (`linear_many`: q/k/v, gate/up) go in one launch; a
+//!   Q4_K_M layer's q, k (Q4_K) and v (Q6_K) take a pre-pass and launch per type (Q6_K's pre-pass
+//!   orders x so that each k16 tile is one run of 16, one Q6_K scale).
 //! - wg (Q4_K only, and only where the kernels were compiled for `sm_90a`; elsewhere it falls back
 //!   to v2): `gemm2_q4_k_wg`, v2's 128 × 128 tile, pre-pass and launch on Hopper's `wgmma`
 //!   (A fragments in registers, x by descriptor from shared memory, asynchronous).
@@ -107,14 +110,23 @@ pub(super) struct GemmPlan {
     bn: usize,
 }
 
-/// Dynamic shared memory of `gemm2_q4_k` (bn 128), `gemm2_q4_k_n64` or `gemm2_q4_k_wg` (`wg`):
-/// `G2<NI, WG>::SMEM` in kernels/gemm.cu (stages, five or the wgmma form's four, of 128 rows ×
-/// 32 quant bytes and bn tokens × 256 bytes of x, two
-/// buffers of 128 headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row constants).
-/// The kernel traps if it gets less.
-fn gemm2_smem(bn: usize, wg: bool) -> usize {
+/// Dynamic shared memory of `gemm2_q4_k` (bn 128), `gemm2_q4_k_n64` or `gemm2_q4_k_wg` (`wg`),
+/// or of `gemm2_q6_k[_n64]` (`q6`): `G2<TY, NI, WG>::SMEM` in kernels/gemm.cu. Q4_K: stages (five,
+/// or the wgmma form's four) of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
+/// buffers of 128 16-byte headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row
+/// constants. Q6_K: five stages of 128 rows × 64 bytes (ql, qh) and the x tile, two buffers of
+/// 128 32-byte headers and of 128 64-byte row constants. The kernel traps if it gets less.
+fn gemm2_smem(bn: usize, wg: bool, q6: bool) -> usize {
+    if q6 {
+        return 5 * (GEMM_BM * 64 + bn * 256) + 2 * GEMM_BM * 32 + 2 * GEMM_BM * 64;
+    }
     let stages = if wg { 4 } else { 5 };
     stages * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
+}
+
+/// Whether v2 has a kernel for weights of `ty` (Q4_K: `gemm2_q4_k*`; Q6_K: `gemm2_q6_k*`).
+fn v2_type(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q6K)
 }
 
 /// v2's token tile and K split for `tiles` row tiles of 128, n tokens and rows of `n_sb`
@@ -187,7 +199,7 @@ const PATHS: [GemmPath; 9] = [
 impl CudaBackend {
     /// Whether `gemm2_q4_k_wg` has its wgmma body: the kernels were compiled for sm_90a.
     fn gemm_wg_ok(&self) -> bool {
-        self.arch == "sm_90a" && gemm2_smem(128, true) <= self.gemm.smem_max
+        self.arch == "sm_90a" && gemm2_smem(128, true, false) <= self.gemm.smem_max
     }
 
     /// `PATHS` less `gemm2_wg` where it would not run (it would fall back to v2).
@@ -197,8 +209,9 @@ impl CudaBackend {
     }
 
     /// How products of n > 1 tokens with `ws` (weight, rows) that share x of `cols` run on the
-    /// GEMM, if all of them can (`None` when off). v2 (or wg, asked for and available) takes them
-    /// when all are Q4_K and its tile fits the device's shared memory; otherwise v1.
+    /// GEMM, if all of them can (`None` when off). v2 takes them when all are Q4_K or Q6_K (a
+    /// launch per type) and its tile fits the device's shared memory, wg (asked for and available)
+    /// when all are Q4_K; otherwise v1.
     pub(super) fn gemm_plan(&self, ws: &[(&DevWeight, usize)], cols: usize, n: usize) -> Option<GemmPlan> {
         let st = &self.gemm;
         if !st.on.load(Ordering::Relaxed) || n < 2 || ws.is_empty() {
@@ -210,8 +223,9 @@ impl CudaBackend {
         let bn = st.bn.load(Ordering::Relaxed);
         let kind = st.kind.load(Ordering::Relaxed);
         let split = st.split.load(Ordering::Relaxed);
-        if kind >= KIND_V2 && ws.iter().all(|(w, _)| w.ty == GgmlType::Q4K) {
-            if kind == KIND_WG && self.gemm_wg_ok() {
+        if kind >= KIND_V2 && ws.iter().all(|(w, _)| v2_type(w.ty)) {
+            let q6 = ws.iter().any(|(w, _)| w.ty == GgmlType::Q6K);
+            if kind == KIND_WG && !q6 && self.gemm_wg_ok() {
                 return Some(GemmPlan {
                     kind,
                     bn: 128,
@@ -221,7 +235,7 @@ impl CudaBackend {
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
             let ask = if bn == 128 || bn == 64 { bn } else { 0 };
             let (bn, splits) = gemm2_tile(tiles, n, cols / 256, self.sms as usize, ask, split);
-            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b, false) <= st.smem_max) {
+            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b, false, q6) <= st.smem_max) {
                 return Some(GemmPlan {
                     kind: KIND_V2,
                     bn,
@@ -236,8 +250,9 @@ impl CudaBackend {
         })
     }
 
-    /// Launches the plan's x pre-pass once, then its GEMM over every part (v2: up to three parts
-    /// a launch; v1: one each), on device buffers: x [n, cols], each part's out [n, rows].
+    /// Launches the plan's x pre-pass, then its GEMM over every part (v2: a pre-pass per weight
+    /// type, then up to three parts of that type a launch; v1: one pre-pass, one launch a part),
+    /// on device buffers: x [n, cols], each part's out [n, rows].
     pub(super) fn launch_gemm(
         &self,
         s: &Arc<CudaStream>,
@@ -256,13 +271,13 @@ impl CudaBackend {
         let mut xs = self.new_buf(n_pad * (cols / if v2 { 16 } else { 32 }));
         let mut inv = self.new_buf(n_pad);
         let (nn, np, c) = (n as i32, n_pad as i32, cols as i32);
-        {
-            let split = if v2 { "gemm2_split_x" } else { "gemm_split_x" };
-            let mut b = s.launch_builder(self.func(split));
+        let split_x = |name: &str, bufs: [&mut Buf; 3]| {
+            let [xh, xs, inv] = bufs;
+            let mut b = s.launch_builder(self.func(name));
             b.arg(x)
-                .arg(dev_mut(&mut xh))
-                .arg(dev_mut(&mut xs))
-                .arg(dev_mut(&mut inv))
+                .arg(dev_mut(xh))
+                .arg(dev_mut(xs))
+                .arg(dev_mut(inv))
                 .arg(&nn)
                 .arg(&np)
                 .arg(&c);
@@ -271,12 +286,14 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: matches gemm_split_x / gemm2_split_x in kernels/gemm.cu: x has n·cols floats,
-            // xh 2·n_pad·cols halves, xs n_pad·cols/32 floats (v2: n_pad·cols/16 words; v2 is
-            // Q4_K only, cols % 256 == 0), inv n_pad floats.
+            // SAFETY: matches gemm_split_x / gemm2_split_x / gemm6_split_x in kernels/gemm.cu: x
+            // has n·cols floats, xh 2·n_pad·cols halves, xs n_pad·cols/32 floats (v2: n_pad·cols/16
+            // words; v2 is Q4_K and Q6_K only, cols % 256 == 0), inv n_pad floats. A later
+            // pre-pass into the same buffers runs after the GEMMs before it on this stream.
             ok(unsafe { b.launch(cfg) });
-        }
+        };
         if !v2 {
+            split_x("gemm_split_x", [&mut xh, &mut xs, &mut inv]);
             for (w, out, rows) in parts.iter_mut() {
                 let entry = gemm_entry_for(w, cols).expect("gemm: plan for an unsupported weight");
                 let name = if bn == 32 {
@@ -310,61 +327,75 @@ impl CudaBackend {
             }
             return;
         }
-        let name = match (plan.kind, bn) {
-            (KIND_WG, _) => "gemm2_q4_k_wg",
-            (_, 128) => "gemm2_q4_k",
-            _ => "gemm2_q4_k_n64",
-        };
-        for chunk in parts.chunks_mut(3) {
-            let mut m = Gemm2Parts::default();
-            let k = chunk.len();
-            let mut guards = Vec::with_capacity(2 * k);
-            let mut tiles = 0usize;
-            for (i, (w, out, rows)) in chunk.iter_mut().enumerate() {
-                assert!(
-                    w.ty == GgmlType::Q4K && w.row_bytes == cols / 256 * 144 && out.len() >= n * *rows,
-                    "gemm2: a part is not Q4_K of this width, or its output is short"
-                );
-                // Split K: the splits add their sums into zeros.
-                if plan.splits > 1 {
-                    ok(s.memset_zeros(&mut **out));
+        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+            let mut group: Vec<&mut GemmPart<'_>> = parts.iter_mut().filter(|p| p.0.ty == ty).collect();
+            if group.is_empty() {
+                continue;
+            }
+            let q6 = ty == GgmlType::Q6K;
+            let name = if q6 { "gemm6_split_x" } else { "gemm2_split_x" };
+            split_x(name, [&mut xh, &mut xs, &mut inv]);
+            let name = match (q6, plan.kind, bn) {
+                (true, _, 128) => "gemm2_q6_k",
+                (true, _, _) => "gemm2_q6_k_n64",
+                (_, KIND_WG, _) => "gemm2_q4_k_wg",
+                (_, _, 128) => "gemm2_q4_k",
+                _ => "gemm2_q4_k_n64",
+            };
+            let block = if q6 { 210 } else { 144 };
+            for chunk in group.chunks_mut(3) {
+                let mut m = Gemm2Parts::default();
+                let k = chunk.len();
+                let mut guards = Vec::with_capacity(2 * k);
+                let mut tiles = 0usize;
+                for (i, (w, out, rows)) in chunk.iter_mut().map(|p| &mut **p).enumerate() {
+                    assert!(
+                        w.row_bytes == cols / 256 * block && out.len() >= n * *rows,
+                        "gemm2: a part is not of this width, or its output is short"
+                    );
+                    // Split K: the splits add their sums into zeros.
+                    if plan.splits > 1 {
+                        ok(s.memset_zeros(&mut **out));
+                    }
+                    let (wp, gw) = w.data.device_ptr(s);
+                    let (op, go) = out.device_ptr_mut(s);
+                    (m.w[i], m.out[i], m.rows[i]) = (wp, op, *rows as i32);
+                    guards.push(gw);
+                    guards.push(go);
+                    tiles += rows.div_ceil(GEMM_BM);
+                    if i < 2 {
+                        m.tend[i] = tiles as i32;
+                    }
                 }
-                let (wp, gw) = w.data.device_ptr(s);
-                let (op, go) = out.device_ptr_mut(s);
-                (m.w[i], m.out[i], m.rows[i]) = (wp, op, *rows as i32);
-                guards.push(gw);
-                guards.push(go);
-                tiles += rows.div_ceil(GEMM_BM);
-                if i < 2 {
+                for i in k..2 {
                     m.tend[i] = tiles as i32;
                 }
+                let mut b = s.launch_builder(self.func(name));
+                b.arg(&m)
+                    .arg(dev(&xh))
+                    .arg(dev(&xs))
+                    .arg(dev(&inv))
+                    .arg(&c)
+                    .arg(&nn)
+                    .arg(&np);
+                let cfg = LaunchConfig {
+                    grid_dim: ((n_pad / bn) as u32, tiles as u32, plan.splits as u32),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: gemm2_smem(bn, plan.kind == KIND_WG, q6) as u32,
+                };
+                // SAFETY: matches gemm2_q4_k[_n64|_wg] / gemm2_q6_k[_n64] in kernels/gemm.cu
+                // (gemm2_q4_k_wg only on sm_90a, gemm_wg_ok; grid z the K splits, at most the
+                // row's super-blocks, with the outputs zeroed above where there are two): each
+                // part's W is rows·row_bytes of this group's type in the device layout (type by
+                // the filter, row length checked above; Q6_K rows a multiple of 16 bytes,
+                // gemm_entry_for) and its out n·rows floats, the grid's row tiles are the parts'
+                // in order (tend), the pre-pass buffers (this type's order) are sized for n_pad
+                // tokens, and the dynamic shared memory is G2<TY, NI, WG>::SMEM (gemm2_smem; the
+                // function's limit was raised at load). The pointers stay valid (and ordered on
+                // this stream) while `guards` lives, past the launch.
+                ok(unsafe { b.launch(cfg) });
+                drop(guards);
             }
-            for i in k..2 {
-                m.tend[i] = tiles as i32;
-            }
-            let mut b = s.launch_builder(self.func(name));
-            b.arg(&m)
-                .arg(dev(&xh))
-                .arg(dev(&xs))
-                .arg(dev(&inv))
-                .arg(&c)
-                .arg(&nn)
-                .arg(&np);
-            let cfg = LaunchConfig {
-                grid_dim: ((n_pad / bn) as u32, tiles as u32, plan.splits as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: gemm2_smem(bn, plan.kind == KIND_WG) as u32,
-            };
-            // SAFETY: matches gemm2_q4_k[_n64|_wg] in kernels/gemm.cu (gemm2_q4_k_wg only on
-            // sm_90a, gemm_wg_ok; grid z the K splits, at most the row's super-blocks, with the
-            // outputs zeroed above where there are two): each part's W is rows·row_bytes
-            // of Q4_K in the device layout (checked above) and its out n·rows floats, the grid's
-            // row tiles are the parts' in order (tend), the pre-pass buffers are sized for n_pad
-            // tokens, and the dynamic shared memory is G2<NI, WG>::SMEM (gemm2_smem; the function's
-            // limit was raised at load). The pointers stay valid (and ordered on this stream)
-            // while `guards` lives, past the launch.
-            ok(unsafe { b.launch(cfg) });
-            drop(guards);
         }
     }
 
@@ -399,7 +430,8 @@ impl CudaBackend {
     /// others take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
     /// hide a small one's error) and the worst is reported. Also the wgmma variant (Q4_K; only
     /// where it runs, sm_90a), the SIMT matmul on the same types (the `LLMDIFF_GEMM=0` path),
-    /// and three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch).
+    /// three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch), and two Q4_K
+    /// and a Q6_K weight sharing x (on v2 a pre-pass and launch per type).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
         let cases: [(GgmlType, &[(usize, usize)]); 5] = [
@@ -436,12 +468,29 @@ impl CudaBackend {
             out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..8])));
         }
         self.weights.lock().expect("weight map").clear();
+        // A Q4_K_M layer's q, k (Q4_K) and v (Q6_K) sharing x: on v2 a launch (and pre-pass) per type.
+        let cols = 2048;
+        let mixed = [(GgmlType::Q4K, 130usize), (GgmlType::Q4K, 37), (GgmlType::Q6K, 37)];
+        let bytes: Vec<Vec<u8>> = mixed
+            .iter()
+            .map(|&(ty, r)| test_bytes(ty, r, cols, 95 + r as u64 + ty as u64))
+            .collect();
+        let ws: Vec<WeightRef<'_>> = mixed
+            .iter()
+            .zip(&bytes)
+            .map(|(&(ty, r), b)| test_weight(ty, b, r, cols))
+            .collect();
+        for n in [9usize, 130] {
+            out.extend(self.gemm_case("q4_K+q6_K", &ws, cols, n, &self.gemm_paths(&PATHS[..8])));
+        }
+        self.weights.lock().expect("weight map").clear();
         out
     }
 
     /// One check per path in `paths` of the product(s) of `ws` (sharing x of n tokens) against
     /// the CPU engine: per-token rel_l2 ≤ 1e-5 over every output, and the case must have taken
-    /// the path it names (v2 and wg paths: that for Q4_K, v1 for the other types).
+    /// the path it names (v2 paths: that for Q4_K and Q6_K; wg: that for Q4_K, v2 where a Q6_K
+    /// part is among them; v1 for the other types).
     fn gemm_case(
         &self,
         name: &str,
@@ -480,10 +529,17 @@ impl CudaBackend {
                 check.pass &= one.pass;
             }
             // The case must have taken the path it names.
-            let q4k = ws
-                .iter()
-                .all(|w| matches!(w, WeightRef::Quant(q) if q.ty == GgmlType::Q4K));
-            let want_kind = if q4k && path.1 >= KIND_V2 { path.1 } else { KIND_V1 };
+            let ty_of = |w: &WeightRef<'_>| match w {
+                WeightRef::Quant(q) => Some(q.ty),
+                _ => None,
+            };
+            let v2 = ws.iter().all(|w| ty_of(w).is_some_and(v2_type));
+            let q6 = ws.iter().any(|w| ty_of(w) == Some(GgmlType::Q6K));
+            let want_kind = match path.1 {
+                KIND_WG if v2 && q6 => KIND_V2,
+                k if v2 && k >= KIND_V2 => k,
+                _ => KIND_V1,
+            };
             let want_bn = match (want_kind, path.2) {
                 (KIND_V1, b) => Some(if b == 32 { 32 } else { 64 }),
                 (_, 0) => None,
@@ -504,11 +560,16 @@ impl CudaBackend {
     }
 
     /// Times a prefill-shaped product on each of `PATHS` (`bench_linear` with the GEMM switched);
-    /// types other than Q4_K on v1's paths and the SIMT matmul only (v2 would fall back to v1).
+    /// the v2 paths for Q4_K and Q6_K only (wg for Q4_K), v1's paths and the SIMT matmul for all
+    /// (elsewhere v2 would fall back to v1).
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
         let mut paths = Vec::new();
-        let runs = |p: &GemmPath| ty == GgmlType::Q4K || p.1 .1 == KIND_V1;
+        let runs = |p: &GemmPath| match p.1 .1 {
+            KIND_V1 => true,
+            KIND_WG => ty == GgmlType::Q4K,
+            _ => v2_type(ty),
+        };
         for (label, path) in self.gemm_paths(&PATHS).into_iter().filter(runs) {
             let iters = if path.0 { 50 } else { 10 };
             let prev = self.gemm.set(path);

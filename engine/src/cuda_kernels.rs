@@ -118,9 +118,12 @@ impl KernelId {
             KernelId::Gemm => [
                 "gemm_split_x",
                 "gemm2_split_x",
+                "gemm6_split_x",
                 "gemm2_q4_k",
                 "gemm2_q4_k_n64",
                 "gemm2_q4_k_wg",
+                "gemm2_q6_k",
+                "gemm2_q6_k_n64",
             ]
             .map(String::from)
             .into_iter()
@@ -568,7 +571,7 @@ mod tests {
                         })
                     }
                     || {
-                        // gemm2_q4_k[_n64|_wg] come from GEMM2_ENTRY(<name>, <NI>, <WG>).
+                        // gemm2_q4_k[_n64|_wg], gemm2_q6_k[_n64] come from GEMM2_ENTRY(<name>, <TY>, <NI>, <WG>).
                         src.contains(&format!("GEMM2_ENTRY({f}, "))
                     }
                     || {

@@ -31,12 +31,14 @@ fi
 if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
   timeout 170 $B kernels --check --json >$W/check.json 2>>$LOG; echo "rc=$?" >>$LOG
+  gzip -c $W/check.json >$OUT/check.json.gz
   python3 - $W/check.json <<'PY' | tee -a $LOG
 import json, sys
 c = json.load(open(sys.argv[1]))["checks"]
 print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [x["case"] for x in c if not x["pass"]][:20])
 q6 = [x for x in c if "q6_K" in x["case"] or "q6_k" in x["case"]]
-print("Q6_K cases:", len(q6), "all pass:", all(x["pass"] for x in q6), "max rel_l2 %.3e" % max(x["rel_l2"] for x in q6))
+worst = max(q6, key=lambda x: x["rel_l2"])
+print("Q6_K cases:", len(q6), "all pass:", all(x["pass"] for x in q6), "max rel_l2 %.3e" % worst["rel_l2"], "in", worst["case"])
 for x in q6:
     if not x["pass"]: print("  FAIL", x["case"], x["rel_l2"])
 PY
