@@ -756,8 +756,8 @@ struct G2 {
 
 // Q6_K per weight row and super-block: for each 64-value step j (ql bytes 32j .. 32j + 32: their
 // low nibbles are values 128·(j/2) + 32·(j%2) + 0..32, the high ones 64 further on) the f32
-// scales d·sc of its four runs of 16 in the order the main loop takes them: low nibbles of quant
-// words 0 and 1 of a thread's 8 bytes (k16 tiles 0, 1), then high (tiles 2, 3). With the
+// scales d·sc of its four runs of 16 in the order g6_step takes them, k16 tile (p, w) at 2p + w:
+// the low nibbles' run (p 0) then the high (p 1), values 0..16 of it (w 0) then 16..32. With the
 // repacked scales (unit order, `repack_q6_k`) those are scale bytes 4j + 0, 2, 1, 3.
 struct G6Row {
     float4 s[4];
@@ -1229,11 +1229,12 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 
 // gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 5 stages; gemm2_q4_k_n64:
 // 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
-// 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages. Arguments: the parts;
-// xh, xsb, inv from gemm2_split_x; cols (% 256 == 0); n; n_pad (a multiple of the token tile).
-// Grid (n_pad / BN, row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at
-// least two super-blocks a row), 256 threads, dynamic shared memory G2<NI, WG>::SMEM bytes
-// (checked).
+// 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages; gemm2_q6_k,
+// gemm2_q6_k_n64: the 128 × 128 and 128 × 64 tiles on Q6_K (rows of a multiple of 8 super-blocks).
+// Arguments: the parts (all of the kernel's type); xh, xsb, inv from gemm2_split_x (Q6_K:
+// gemm6_split_x); cols (% 256 == 0); n; n_pad (a multiple of the token tile). Grid (n_pad / BN,
+// row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at least two
+// super-blocks a row), 256 threads, dynamic shared memory G2<TY, NI, WG>::SMEM bytes (checked).
 #define GEMM2_ENTRY(NAME, TY, NI, WG)                                                                     \
     extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \

@@ -160,11 +160,13 @@ pub struct KernelsArgs {
     /// Compile every kernel module and run each kernel against the CPU engine's on odd shapes.
     #[arg(long)]
     pub check: bool,
-    /// Time GEMV (4096×14336 and 14336×4096; Q4_K, Q8_0, Q4_1, F16; Q4_1 also 1536×576 and
-    /// 576×1536), the default path and every compiled variant, against device-to-device copy
-    /// bandwidth. Launches run back to back as a decode step's do (PDL unless LLMDIFF_PDL=0), the
-    /// integer forms given x's limbs made once; their time with a limbs pre-pass before every
-    /// launch is shown beside.
+    /// Time GEMV (4096×14336 and 14336×4096 for Q4_K, Q8_0, Q4_1, F16; Q4_1 also 1536×576 and
+    /// 576×1536; Q4_K also the 8B's attention and output shapes; Q6_K the 8B Q4_K_M's ffn_down,
+    /// attn_v and output), the default path and every compiled variant, against device-to-device
+    /// copy bandwidth. Launches run back to back as a decode step's do (PDL unless
+    /// LLMDIFF_PDL=0), the integer forms given x's limbs made once; their time with a limbs
+    /// pre-pass before every launch is shown beside. Then the prefill GEMM at 512 tokens (Q4_K,
+    /// F16, Q6_K; every GEMM path beside the SIMT matmul, in TFLOP/s) and prefill attention.
     #[arg(long)]
     pub bench: bool,
     /// Also time the batched form (matmul) at this many tokens (0: skip).
