@@ -12,8 +12,9 @@
 //!   zeroed, then added into), when the grid would leave SMs idle (picked per launch by
 //!   [`gemm2_tile`]; `LLMDIFF_GEMM_BN=128|64` and `LLMDIFF_GEMM_SPLIT=1|2` force them). Up to
 //!   three weights of one type that share x (`linear_many`: q/k/v, gate/up) go in one launch; a
-//!   Q4_K_M layer's q, k (Q4_K) and v (Q6_K) take a pre-pass and launch per type (Q6_K's pre-pass
-//!   orders x so that each k16 tile is one run of 16, one Q6_K scale).
+//!   Q4_K_M layer's q, k (Q4_K) and v (Q6_K) take a pre-pass and launch per type, each with the
+//!   tile and split for its own row tiles (Q6_K's pre-pass orders x so that each k16 tile is one
+//!   run of 16, one Q6_K scale).
 //! - wg (Q4_K only, and only where the kernels were compiled for `sm_90a`; elsewhere it falls back
 //!   to v2): `gemm2_q4_k_wg`, v2's 128 × 128 tile, pre-pass and launch on Hopper's `wgmma`
 //!   (A fragments in registers, x by descriptor from shared memory, asynchronous).
@@ -222,7 +223,6 @@ impl CudaBackend {
         }
         let bn = st.bn.load(Ordering::Relaxed);
         let kind = st.kind.load(Ordering::Relaxed);
-        let split = st.split.load(Ordering::Relaxed);
         if kind >= KIND_V2 && ws.iter().all(|(w, _)| v2_type(w.ty)) {
             let q6 = ws.iter().any(|(w, _)| w.ty == GgmlType::Q6K);
             if kind == KIND_WG && !q6 && self.gemm_wg_ok() {
@@ -233,9 +233,7 @@ impl CudaBackend {
                 });
             }
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
-            let ask = if bn == 128 || bn == 64 { bn } else { 0 };
-            let (bn, splits) = gemm2_tile(tiles, n, cols / 256, self.sms as usize, ask, split);
-            if let Some(bn) = [bn, 64].into_iter().find(|&b| gemm2_smem(b, false, q6) <= st.smem_max) {
+            if let Some((bn, splits)) = self.v2_tile(tiles, n, cols, q6) {
                 return Some(GemmPlan {
                     kind: KIND_V2,
                     bn,
@@ -250,6 +248,21 @@ impl CudaBackend {
         })
     }
 
+    /// v2's (token tile, K split) for one launch of `tiles` row tiles (`q6`: Q6_K's kernel) at n
+    /// tokens: [`gemm2_tile`]'s pick under the forced settings, or the 64-token tile where the
+    /// 128-token one's shared memory does not fit (`None` if neither does).
+    fn v2_tile(&self, tiles: usize, n: usize, cols: usize, q6: bool) -> Option<(usize, usize)> {
+        let st = &self.gemm;
+        let bn = st.bn.load(Ordering::Relaxed);
+        let ask = if bn == 128 || bn == 64 { bn } else { 0 };
+        let split = st.split.load(Ordering::Relaxed);
+        let (bn, splits) = gemm2_tile(tiles, n, cols / 256, self.sms as usize, ask, split);
+        [bn, 64]
+            .into_iter()
+            .find(|&b| gemm2_smem(b, false, q6) <= st.smem_max)
+            .map(|b| (b, splits))
+    }
+
     /// Launches the plan's x pre-pass, then its GEMM over every part (v2: a pre-pass per weight
     /// type, then up to three parts of that type a launch; v1: one pre-pass, one launch a part),
     /// on device buffers: x [n, cols], each part's out [n, rows].
@@ -262,16 +275,18 @@ impl CudaBackend {
         n: usize,
         plan: GemmPlan,
     ) {
-        let bn = plan.bn;
         let v2 = plan.kind >= KIND_V2;
-        let n_pad = n.div_ceil(bn) * bn;
         // x_hi then x_lo, f16 each: n_pad·cols f32 words hold both. v1: Σx per 32 values (f32);
-        // v2: 16 words of Σx fragments per 256 values.
-        let mut xh = self.new_buf(n_pad * cols);
-        let mut xs = self.new_buf(n_pad * (cols / if v2 { 16 } else { 32 }));
-        let mut inv = self.new_buf(n_pad);
-        let (nn, np, c) = (n as i32, n_pad as i32, cols as i32);
-        let split_x = |name: &str, bufs: [&mut Buf; 3]| {
+        // v2: 16 words of Σx fragments per 256 values. v2 sized for its larger token tile (a
+        // group of one type may take another tile than the plan's).
+        let tile = if v2 { 128 } else { plan.bn };
+        let cap = n.div_ceil(tile) * tile;
+        let mut xh = self.new_buf(cap * cols);
+        let mut xs = self.new_buf(cap * (cols / if v2 { 16 } else { 32 }));
+        let mut inv = self.new_buf(cap);
+        let (nn, c) = (n as i32, cols as i32);
+        let split_x = |name: &str, n_pad: usize, bufs: [&mut Buf; 3]| {
+            let np = n_pad as i32;
             let [xh, xs, inv] = bufs;
             let mut b = s.launch_builder(self.func(name));
             b.arg(x)
@@ -293,7 +308,9 @@ impl CudaBackend {
             ok(unsafe { b.launch(cfg) });
         };
         if !v2 {
-            split_x("gemm_split_x", [&mut xh, &mut xs, &mut inv]);
+            let (bn, n_pad) = (plan.bn, n.div_ceil(plan.bn) * plan.bn);
+            let np = n_pad as i32;
+            split_x("gemm_split_x", n_pad, [&mut xh, &mut xs, &mut inv]);
             for (w, out, rows) in parts.iter_mut() {
                 let entry = gemm_entry_for(w, cols).expect("gemm: plan for an unsupported weight");
                 let name = if bn == 32 {
@@ -327,14 +344,25 @@ impl CudaBackend {
             }
             return;
         }
+        let n_parts = parts.len();
         for ty in [GgmlType::Q4K, GgmlType::Q6K] {
             let mut group: Vec<&mut GemmPart<'_>> = parts.iter_mut().filter(|p| p.0.ty == ty).collect();
             if group.is_empty() {
                 continue;
             }
             let q6 = ty == GgmlType::Q6K;
+            // A group of some of the parts (a Q4_K_M layer's q, k and v) takes the tile and
+            // split for its own row tiles.
+            let (bn, splits) = if group.len() < n_parts {
+                let tiles = group.iter().map(|p| p.2.div_ceil(GEMM_BM)).sum();
+                self.v2_tile(tiles, n, cols, q6).unwrap_or((plan.bn, plan.splits))
+            } else {
+                (plan.bn, plan.splits)
+            };
+            let n_pad = n.div_ceil(bn) * bn;
+            let np = n_pad as i32;
             let name = if q6 { "gemm6_split_x" } else { "gemm2_split_x" };
-            split_x(name, [&mut xh, &mut xs, &mut inv]);
+            split_x(name, n_pad, [&mut xh, &mut xs, &mut inv]);
             let name = match (q6, plan.kind, bn) {
                 (true, _, 128) => "gemm2_q6_k",
                 (true, _, _) => "gemm2_q6_k_n64",
@@ -354,7 +382,7 @@ impl CudaBackend {
                         "gemm2: a part is not of this width, or its output is short"
                     );
                     // Split K: the splits add their sums into zeros.
-                    if plan.splits > 1 {
+                    if splits > 1 {
                         ok(s.memset_zeros(&mut **out));
                     }
                     let (wp, gw) = w.data.device_ptr(s);
@@ -379,7 +407,7 @@ impl CudaBackend {
                     .arg(&nn)
                     .arg(&np);
                 let cfg = LaunchConfig {
-                    grid_dim: ((n_pad / bn) as u32, tiles as u32, plan.splits as u32),
+                    grid_dim: ((n_pad / bn) as u32, tiles as u32, splits as u32),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: gemm2_smem(bn, plan.kind == KIND_WG, q6) as u32,
                 };
@@ -389,10 +417,10 @@ impl CudaBackend {
                 // part's W is rows·row_bytes of this group's type in the device layout (type by
                 // the filter, row length checked above; Q6_K rows a multiple of 16 bytes,
                 // gemm_entry_for) and its out n·rows floats, the grid's row tiles are the parts'
-                // in order (tend), the pre-pass buffers (this type's order) are sized for n_pad
-                // tokens, and the dynamic shared memory is G2<TY, NI, WG>::SMEM (gemm2_smem; the
-                // function's limit was raised at load). The pointers stay valid (and ordered on
-                // this stream) while `guards` lives, past the launch.
+                // in order (tend), the pre-pass buffers (this type's order) are sized for at least
+                // n_pad tokens, and the dynamic shared memory is G2<TY, NI, WG>::SMEM
+                // (gemm2_smem; the function's limit was raised at load). The pointers stay valid
+                // (and ordered on this stream) while `guards` lives, past the launch.
                 ok(unsafe { b.launch(cfg) });
                 drop(guards);
             }
