@@ -328,7 +328,7 @@ struct GemvRows {
         return base + (row - (row < end0 ? 0 : row < end1 ? end0 : end1));
     }
     // Stores row `row`'s sum s; `pair` is row (row ^ 1)'s (the same block's: R, end0 and end1
-    // even when cs is set), the other half of its RoPE pair.
+    // even when cs is set and the launch has q or k rows), the other half of its RoPE pair.
     __device__ __forceinline__ void store(int row, float s, float pair) const {
         const int local = row - (row < end0 ? 0 : row < end1 ? end0 : end1);
         float v = s, other;

@@ -151,8 +151,10 @@ struct KvAppend<'a> {
 }
 
 /// A one-row q/k/v GEMV's store (see `GemvRows`): NORM RoPE by the table `cs`, k and v appended to
-/// their caches. `done` is set when the launch took it (a warp-rows GEMV of even R over even q and
-/// k row counts); otherwise the caller still owes the RoPE and the appends.
+/// their caches. The launch's parts are q, k, v from role `first` on (0: q first; 2: v alone, the
+/// launch after a q + k one when v's type differs, as in Q4_K_M's promoted layers). `done` is set
+/// when the launch took it (a warp-rows GEMV of even R over even q and k row counts); otherwise
+/// the caller still owes the RoPE and the appends.
 struct GemvEpi<'a> {
     cs: &'a CudaSlice<f32>,
     kc: &'a mut CudaSlice<f32>,
@@ -161,6 +163,7 @@ struct GemvEpi<'a> {
     rope_dim: usize,
     slot: usize,
     dpos: bool,
+    first: usize,
     done: bool,
 }
 
@@ -1220,7 +1223,11 @@ impl CudaBackend {
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
-        let (total, n_parts): (usize, usize) = (parts.iter().map(|p| p.2).sum(), parts.len());
+        let total: usize = parts.iter().map(|p| p.2).sum();
+        // Part i takes slot `first + i` (q, k, v with a store; else 0, 1, 2), and end[j] counts the
+        // rows of the slots up to j, so a lone v part (first 2) has end = [0, 0].
+        let first = epi.as_ref().map_or(0, |e| e.first);
+        assert!(first + parts.len() <= 3, "gemv: parts past the third slot");
         let mut m = GemvRows::default();
         let mut guards = Vec::with_capacity(2 * parts.len());
         let mut end = 0usize;
@@ -1232,19 +1239,18 @@ impl CudaBackend {
             assert!(out.len() >= *rows, "gemv: an output is shorter than its rows");
             let (wp, gw) = w.data.device_ptr(s);
             let (op, go) = out.device_ptr_mut(s);
-            (m.w[i], m.out[i]) = (wp, op);
+            (m.w[first + i], m.out[first + i]) = (wp, op);
             guards.push(gw);
             guards.push(go);
             end += *rows;
-            if i < 2 {
-                m.end[i] = end as i32;
+            for e in first + i..2 {
+                m.end[e] = end as i32;
             }
         }
-        for e in n_parts..2 {
-            m.end[e] = total as i32;
-        }
+        // RoPE pairs (rows 2i, 2i + 1 of q or k) must fall in one block; a lone v has none.
         let even = |r: i32| r % 2 == 0;
-        let epi = epi.filter(|_| v.r % 2 == 0 && n_parts == 3 && even(m.end[0]) && even(m.end[1]));
+        let pairs_whole = m.end[1] == 0 || (v.r % 2 == 0 && even(m.end[0]) && even(m.end[1]));
+        let epi = epi.filter(|_| pairs_whole);
         if let Some(e) = epi {
             let (cs, gc) = e.cs.device_ptr(s);
             let (kc, gk) = e.kc.device_ptr_mut(s);
@@ -1534,6 +1540,25 @@ impl CudaBackend {
             parts.push((d, dev_mut(out), w.rows()));
         }
         self.launch_gemv_rows(s, &mut parts, cols, dev(x), limbs_of(x, cols), v, epi);
+    }
+
+    /// The two one-token GEMVs of a q/k/v whose v differs from q and k in type or width (q and k
+    /// alike, all three of one width): the q + k variant, then v's, when both are warp-rows-like
+    /// (`GemvRows`, so both can take the q/k/v store) and q + k's R is even (its RoPE pairs stay
+    /// in a block); None otherwise, and for one type, which `linear_many` puts in one launch.
+    fn qk_then_v(&self, dws: &[Arc<DevWeight>; 3], ws: &[WeightRef<'_>; 3]) -> Option<[GemvVariant; 2]> {
+        let alike = |a: &DevWeight, b: &DevWeight| a.ty == b.ty && a.row_bytes == b.row_bytes;
+        let cols = ws[0].cols();
+        if !alike(&dws[0], &dws[1]) || alike(&dws[0], &dws[2]) || ws.iter().any(|w| w.cols() != cols) {
+            return None;
+        }
+        let rows_like = |v: &GemvVariant| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb);
+        let qk = self
+            .gemv_variant(&dws[0], ws[0].rows() + ws[1].rows(), cols)
+            .filter(|v| rows_like(v) && v.r % 2 == 0)?;
+        // (v alone has no RoPE pairs, so any R takes the store.)
+        let v = self.gemv_variant(&dws[2], ws[2].rows(), cols).filter(rows_like)?;
+        Some([qk, v])
     }
 
     /// The device copy of a small f32 parameter (a norm weight), uploaded on first use.
@@ -2023,8 +2048,24 @@ impl Backend for CudaBackend {
                 rope_dim: dim,
                 slot: rope.pos0,
                 dpos,
+                first: 0,
                 done: false,
             };
+            let s = &self.stream;
+            let dws = ws.map(|w| self.weight(w, s));
+            if let Some([qk, vv]) = self.qk_then_v(&dws, &ws) {
+                // q and k of one type, v of another (Q4_K_M's promoted layers: Q4_K q, k and Q6_K
+                // v): a q + k launch, then v's, each with its part of the store.
+                let (cols, xq) = (ws[0].cols(), limbs_of(x, ws[0].cols()));
+                let mut qk_parts = [(&*dws[0], dev_mut(q), q_rows), (&*dws[1], dev_mut(k), k_rows)];
+                self.launch_gemv_rows(s, &mut qk_parts, cols, dev(x), xq, qk, Some(&mut epi));
+                assert!(epi.done, "linear_qkv_rope: the q + k launch declined the store");
+                (epi.first, epi.done) = (2, false);
+                let mut v_parts = [(&*dws[2], dev_mut(v), v_rows)];
+                self.launch_gemv_rows(s, &mut v_parts, cols, dev(x), xq, vv, Some(&mut epi));
+                assert!(epi.done, "linear_qkv_rope: the v launch declined the store");
+                return;
+            }
             self.linear_many_with(x, 1, &ws, &mut [&mut *q, &mut *k, &mut *v], None, Some(&mut epi));
             if epi.done {
                 return;
@@ -2927,16 +2968,22 @@ impl CudaBackend {
         // q/k/v with RoPE and the KV-cache append in the GEMV's store (linear_qkv_rope), after 7
         // cached rows: against the CPU engine, and bit for bit against the GPU's separate launches
         // (linear_many, rope_qk_cache). Q4_K rows of 4096 (the integer GEMV) with whole-head RoPE,
-        // of 512 (the float GEMV) with a partial one; NEOX takes the separate launches.
-        for (cols, hd, dim, style) in [
-            (4096usize, 64usize, 64usize, RopeStyle::Norm),
-            (512, 48, 32, RopeStyle::Norm),
-            (512, 32, 32, RopeStyle::Neox),
+        // of 512 (the float GEMV) with a partial one; NEOX takes the separate launches. A Q6_K v
+        // (Q4_K_M's promoted layers): at 4096 a q + k launch and a v launch share the store, at
+        // 512 (no warp-rows Q6_K) the separate launches run.
+        for (cols, hd, dim, style, v_ty, want_split) in [
+            (4096usize, 64usize, 64usize, RopeStyle::Norm, GgmlType::Q4K, false),
+            (512, 48, 32, RopeStyle::Norm, GgmlType::Q4K, false),
+            (512, 32, 32, RopeStyle::Neox, GgmlType::Q4K, false),
+            (4096, 64, 64, RopeStyle::Norm, GgmlType::Q6K, true),
+            (4096, 128, 128, RopeStyle::Norm, GgmlType::Q6K, true),
+            (512, 48, 32, RopeStyle::Norm, GgmlType::Q6K, false),
         ] {
             let (qh, kh, pos0) = (4usize, 2usize, 7usize);
             let rows = [qh * hd, kh * hd, kh * hd];
-            let bytes = [0, 1, 2].map(|i| test_bytes(GgmlType::Q4K, rows[i], cols, 95 + i as u64));
-            let ws = [0, 1, 2].map(|i| test_weight(GgmlType::Q4K, &bytes[i], rows[i], cols));
+            let tys = [GgmlType::Q4K, GgmlType::Q4K, v_ty];
+            let bytes = [0, 1, 2].map(|i| test_bytes(tys[i], rows[i], cols, 95 + i as u64));
+            let ws = [0, 1, 2].map(|i| test_weight(tys[i], &bytes[i], rows[i], cols));
             let x = noise(cols, 98);
             let (old_k, old_v) = (noise(pos0 * rows[1], 99), noise(pos0 * rows[2], 100));
             let layout = |heads| RopeLayout {
@@ -2969,10 +3016,22 @@ impl CudaBackend {
                     .flat_map(|b| be.download(b))
                     .collect::<Vec<f32>>()
             };
-            let case = format!("MUL_MAT_QKV_ROPE(type=q4_k,cols={cols},hd={hd},dim={dim},style={style:?},pos0={pos0})");
+            let ty = if v_ty == GgmlType::Q4K { "q4_k" } else { "q4_k+q6_k" };
+            let case = format!("MUL_MAT_QKV_ROPE(type={ty},cols={cols},hd={hd},dim={dim},style={style:?},pos0={pos0})");
             let (g, c) = both(self, |be| run(be, true));
             out.push(compare(case.clone(), &g, &c, 1e-5));
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
+            // The q + k and v launches are taken where expected (the cases above pass either way).
+            let split = self.qk_then_v(&ws.map(|w| self.weight(w, &self.stream)), &ws).is_some();
+            if split != want_split {
+                out.push(KernelCheck {
+                    case: format!("{case}_QK_THEN_V(taken={split})"),
+                    rel_l2: f64::NAN,
+                    max_abs: f64::NAN,
+                    tol: 0.0,
+                    pass: false,
+                });
+            }
             self.weights.lock().expect("weight map").clear();
         }
         // The residual add fused with the next norm: x after the add, then the normed rows; on
