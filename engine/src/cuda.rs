@@ -153,8 +153,8 @@ struct KvAppend<'a> {
 /// A one-row q/k/v GEMV's store (see `GemvRows`): NORM RoPE by the table `cs`, k and v appended to
 /// their caches. The launch's parts are q, k, v from role `first` on (0: q first; 2: v alone, the
 /// launch after a q + k one when v's type differs, as in Q4_K_M's promoted layers). `done` is set
-/// when the launch took it (a warp-rows GEMV of even R over even q and k row counts); otherwise
-/// the caller still owes the RoPE and the appends.
+/// when the launch took it (a warp-rows GEMV, of even R over even q and k row counts where it has
+/// q or k rows); otherwise the caller still owes the RoPE and the appends.
 struct GemvEpi<'a> {
     cs: &'a CudaSlice<f32>,
     kc: &'a mut CudaSlice<f32>,
