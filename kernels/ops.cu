@@ -4,23 +4,49 @@
 // A row of at most one float4 per thread (a decode row: the host sizes the block to it), the
 // thread's float4 v of x and w of the weight already in registers (zeros past the row): the same
 // sums and products as rms_norm_row's loops, without reloading x and the weight after the sum.
+//
+// The row may be split over `split` = S blocks, the whole grid (`norm_split` on the host, only
+// where d % (128·S) == 0): every block sums the whole row in the same order, so every block has
+// the same scale, and block b writes the normed values (and limbs) of its share only, float4s
+// [b·d4/S, (b+1)·d4/S) of d4 = d/4, whole warps. So S SMs share the scale, stores and limbs one
+// SM did alone. xr (add_rms_norm split over the grid, else null): x's row, which every block has
+// read, gets x + a (v) from the block that arrives last at `arrive`: a u32 that atomicInc wraps
+// to 0 at S arrivals, so it is 0 between launches, and a block arrives only after all its
+// threads have read x (the sum's barriers), so the last block writes x with no block left to
+// read it.
 __device__ __forceinline__ void rms_norm_one(float4 v, float4 w, float* __restrict__ o, int d, float eps,
-                                             u8* __restrict__ xq) {
+                                             u8* __restrict__ xq, int split, float* __restrict__ xr,
+                                             u32* __restrict__ arrive) {
     __shared__ double scratch[32];
-    const int i = threadIdx.x;
+    __shared__ u32 last;
+    const int i = threadIdx.x, share = (d >> 2) / split, lo = split > 1 ? (int)blockIdx.x * share : 0;
     double ss = (double)v.x * (double)v.x + (double)v.y * (double)v.y + (double)v.z * (double)v.z +
                 (double)v.w * (double)v.w;
     ss = block_sum_f64(ss, scratch);
+    u32 ticket = 0;
+    if (xr && i == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // release: this block's reads of x
+        ticket = atomicInc(arrive, split - 1);
+    }
     float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
     TRACE_MARK(12);
-    if (i >= (d >> 2)) return;
-    v.x = v.x * scale * w.x;
-    v.y = v.y * scale * w.y;
-    v.z = v.z * scale * w.z;
-    v.w = v.w * scale * w.w;
-    ((float4*)o)[i] = v;
-    TRACE_MARK(13);
-    if (xq) x_limbs4(v, i, xq, d, true);
+    if (i >= lo && i < lo + share) {
+        float4 y = v;
+        y.x = y.x * scale * w.x;
+        y.y = y.y * scale * w.y;
+        y.z = y.z * scale * w.z;
+        y.w = y.w * scale * w.w;
+        ((float4*)o)[i] = y;
+        TRACE_MARK(13);
+        if (xq) x_limbs4(y, i, xq, d, true);
+    }
+    if (!xr) return;
+    if (i == 0) {
+        last = ticket == (u32)(split - 1);
+        if (last) asm volatile("fence.acq_rel.gpu;" ::: "memory");  // acquire: the others' reads
+    }
+    __syncthreads();
+    if (last && i < (d >> 2)) ((float4*)xr)[i] = v;
 }
 
 __device__ __forceinline__ float4 ld4_or_zero(const float* p, int i, bool live) {
@@ -40,7 +66,8 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
     const bool vec = (d & 3) == 0;
     if (vec && (d >> 2) <= (int)blockDim.x) {
         const bool live = (int)threadIdx.x < (d >> 2);
-        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), ld4_or_zero(weight, threadIdx.x, live), o, d, eps, xq);
+        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), ld4_or_zero(weight, threadIdx.x, live), o, d, eps, xq, 1, nullptr,
+                     nullptr);
         return;
     }
     double ss = 0.0;
@@ -79,9 +106,10 @@ __device__ __forceinline__ void rms_norm_row(const float* __restrict__ xr, const
     }
 }
 
-// xq: null, or (one row) its limbs, see rms_norm_row.
+// xq: null, or (one row) its limbs, see rms_norm_row. split: 1 (a block a row), or the blocks
+// one row is split over (rms_norm_one).
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ weight,
-                                    float* __restrict__ out, int d, float eps, u8* __restrict__ xq) {
+                                    float* __restrict__ out, int d, float eps, u8* __restrict__ xq, int split) {
     // Launched early (PDL, common.cuh): lets the GEMV after it start, then waits for its input.
     // The weight, which no kernel writes, is loaded before the wait, so its round trip overlaps
     // the kernel before.
@@ -90,10 +118,11 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
     const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && (int)threadIdx.x < (d >> 2);
     const float4 w = ld4_or_zero(weight, threadIdx.x, live);
     griddep_wait();
-    const float* xr = x + (size_t)blockIdx.x * d;
-    float* o = out + (size_t)blockIdx.x * d;
+    const size_t row = split > 1 ? 0 : blockIdx.x;
+    const float* xr = x + row * d;
+    float* o = out + row * d;
     if (one)
-        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), w, o, d, eps, xq);
+        rms_norm_one(ld4_or_zero(xr, threadIdx.x, live), w, o, d, eps, xq, split, nullptr, nullptr);
     else
         rms_norm_row(xr, weight, o, d, eps, xq);
 }
@@ -111,19 +140,21 @@ __device__ __forceinline__ float resid_add(float x, float a, int f16_round) {
 
 // The residual add and the next block's RMSNorm in one launch: x[row] += a[row] (as add_assign),
 // then out[row] = rms_norm(x[row]) (as rms_norm, same block shape): each thread adds exactly the
-// elements it then reads, so the result is bit for bit the two kernels'.
+// elements it then reads, so the result is bit for bit the two kernels'. split as rms_norm's;
+// a split launch takes `arrive` (rms_norm_one), else it may be null.
 extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __restrict__ a,
                                         const float* __restrict__ weight, float* __restrict__ out, int d, float eps,
-                                        int f16_round, u8* __restrict__ xq) {
+                                        int f16_round, u8* __restrict__ xq, int split, u32* __restrict__ arrive) {
     TRACE_BLOCK(TRACE_ADD_RMS_NORM);
     griddep_launch();  // as rms_norm, the weight loaded before the wait
     const int i = threadIdx.x;
     const bool one = (d & 3) == 0 && (d >> 2) <= (int)blockDim.x, live = one && i < (d >> 2);
     const float4 w = ld4_or_zero(weight, i, live);
     griddep_wait();
-    float* xr = x + (size_t)blockIdx.x * d;
-    const float* ar = a + (size_t)blockIdx.x * d;
-    float* orow = out + (size_t)blockIdx.x * d;
+    const size_t row = split > 1 ? 0 : blockIdx.x;
+    float* xr = x + row * d;
+    const float* ar = a + row * d;
+    float* orow = out + row * d;
     if (one) {
         float4 v = ld4_or_zero(xr, i, live);
         const float4 av = ld4_or_zero(ar, i, live);
@@ -131,9 +162,9 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
         v.y = resid_add(v.y, av.y, f16_round);
         v.z = resid_add(v.z, av.z, f16_round);
         v.w = resid_add(v.w, av.w, f16_round);
-        if (live) ((float4*)xr)[i] = v;
+        if (live && split == 1) ((float4*)xr)[i] = v;
         TRACE_MARK(11);
-        rms_norm_one(v, w, orow, d, eps, xq);
+        rms_norm_one(v, w, orow, d, eps, xq, split, split > 1 ? xr : nullptr, arrive);
         return;
     }
     if ((d & 3) == 0) {

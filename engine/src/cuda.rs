@@ -81,6 +81,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 #[path = "cuda_attn.rs"]
@@ -721,7 +722,15 @@ pub struct CudaBackend {
     ffn_bar: Arc<CudaSlice<u64>>,
     /// The fused decode layer is on (`LLMDIFF_LAYER=1`, see cuda_layer.rs; it shares `ffn_bar`).
     layer: bool,
+    /// The blocks a one-row (decode) norm is split over (`LLMDIFF_NORM_SPLIT`, default
+    /// [`NORM_SPLIT_DEFAULT`]; `rms_norm_one` in kernels/ops.cu), and the arrival count the
+    /// blocks of a split `add_rms_norm` share (0 between launches).
+    norm_split: AtomicUsize,
+    norm_arrive: Arc<CudaSlice<u32>>,
 }
+
+/// The blocks a one-row norm is split over by default (`LLMDIFF_NORM_SPLIT`).
+const NORM_SPLIT_DEFAULT: usize = 1;
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
 /// recomputed at every replay) .. + n, `rope_dim`, `base` (bits). A table's values are a
@@ -794,6 +803,7 @@ impl CudaBackend {
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(2).map_err(drv("alloc"))?);
         let ffn_bar = Arc::new(stream.alloc_zeros::<u64>(1).map_err(drv("alloc"))?);
+        let norm_arrive = Arc::new(stream.alloc_zeros::<u32>(1).map_err(drv("alloc"))?);
         let step_words = Arc::new(StepWords::new(&ctx).map_err(drv("page-locked alloc"))?);
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
         // 128 bytes): the opt-in limit.
@@ -866,6 +876,14 @@ impl CudaBackend {
             ffn: ffn::from_env(),
             ffn_bar,
             layer: layer::from_env(),
+            norm_split: AtomicUsize::new(
+                std::env::var("LLMDIFF_NORM_SPLIT")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&s: &usize| (1..=32).contains(&s))
+                    .unwrap_or(NORM_SPLIT_DEFAULT),
+            ),
+            norm_arrive,
         })
     }
 
@@ -1619,11 +1637,13 @@ impl CudaBackend {
         c.max_rows = c.max_rows.min(rows);
     }
 
-    /// The device weight and launch shape of `rms_norm`/`add_rms_norm` over `len` values of rows
-    /// of `weight.len()`; None when there is nothing to do. One thread per float4 of the row (per
-    /// value when d % 4 != 0), whole warps, at most 1024: a one-row decode norm is spread over the
-    /// block. Both kernels get the same block, so their sums agree bit for bit.
-    fn norm_setup(&self, len: usize, weight: &[f32], out_len: usize) -> Option<(Arc<DevWeight>, LaunchConfig)> {
+    /// The device weight, launch shape and split of `rms_norm`/`add_rms_norm` over `len` values
+    /// of rows of `weight.len()`; None when there is nothing to do. One thread per float4 of the
+    /// row (per value when d % 4 != 0), whole warps, at most 1024: a one-row decode norm is
+    /// spread over the block, and over `norm_split` blocks where each takes whole warps of
+    /// float4s (d % (128·split) == 0; else 1). Both kernels get the same block, so their sums
+    /// agree bit for bit, split or not.
+    fn norm_setup(&self, len: usize, weight: &[f32], out_len: usize) -> Option<(Arc<DevWeight>, LaunchConfig, i32)> {
         let d = weight.len();
         assert!(d > 0 && len % d == 0 && len == out_len, "rms_norm: x is not [n, d]");
         if len == 0 {
@@ -1631,12 +1651,18 @@ impl CudaBackend {
         }
         let per_thread = if d % 4 == 0 { 4 } else { 1 };
         let threads = (d.div_ceil(per_thread).div_ceil(32) * 32).clamp(32, 1024) as u32;
+        let s = self.norm_split.load(Ordering::Relaxed);
+        let split = if len == d && d <= 4096 && d % (128 * s) == 0 {
+            s
+        } else {
+            1
+        };
         let cfg = LaunchConfig {
-            grid_dim: ((len / d) as u32, 1, 1),
+            grid_dim: (if split > 1 { split } else { len / d } as u32, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        Some((self.param(weight), cfg))
+        Some((self.param(weight), cfg, split as i32))
     }
 
     /// The RoPE angle table for rows `pos0 .. pos0 + n` (the position word when recording): the
@@ -2085,7 +2111,7 @@ impl Backend for CudaBackend {
     }
 
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
-        let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
+        let Some((wd, cfg, split)) = self.norm_setup(x.len(), weight, out.len()) else {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
@@ -2095,16 +2121,17 @@ impl Backend for CudaBackend {
             .buf(dev_mut(out))
             .i32(weight.len() as i32)
             .f32(eps);
-        a.opt_buf(q.as_ref().map(dev));
+        a.opt_buf(q.as_ref().map(dev)).i32(split);
         // SAFETY: matches rms_norm in kernels/ops.cu (which waits first): x and out [n, d], weight
-        // d; xq (one row of d % 128 == 0, see limbs_out) limbs_words(d) words, or null.
+        // d; xq (one row of d % 128 == 0, see limbs_out) limbs_words(d) words, or null; split > 1
+        // only for one row with d % (128·split) == 0, with that many blocks (norm_setup).
         unsafe { self.launch_chained("rms_norm", cfg, &mut a) };
         attach_limbs(out, q);
     }
 
     fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
         assert_eq!(x.len(), a.len(), "add_rms_norm: lengths differ");
-        let Some((wd, cfg)) = self.norm_setup(x.len(), weight, out.len()) else {
+        let Some((wd, cfg, split)) = self.norm_setup(x.len(), weight, out.len()) else {
             return;
         };
         let q = self.limbs_out(x.len(), weight.len());
@@ -2113,9 +2140,12 @@ impl Backend for CudaBackend {
         r.i32(weight.len() as i32)
             .f32(eps)
             .i32(f16_round as i32)
-            .opt_buf(q.as_ref().map(dev));
+            .opt_buf(q.as_ref().map(dev))
+            .i32(split)
+            .buf(&*self.norm_arrive);
         // SAFETY: matches add_rms_norm in kernels/ops.cu (which waits first): x, a and out [n, d],
-        // weight d; xq as in rms_norm.
+        // weight d; xq and split as in rms_norm; `arrive` is this device's one u32, which every
+        // split launch leaves at 0 (launches on the one stream, so never two at once).
         unsafe { self.launch_chained("add_rms_norm", cfg, &mut r) };
         attach_limbs(out, q);
     }
@@ -2553,6 +2583,54 @@ fn noise(len: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Runs `f` (which uploads its inputs, runs ops and downloads a result) on the GPU and the CPU.
+impl CudaBackend {
+    /// One-row norms split over S blocks (`rms_norm_one` in kernels/ops.cu) against the unsplit
+    /// launch, bit for bit: the add form's x, the normed row and its limbs (the integer GEMV's
+    /// x), for S = 2 .. 32 and a width S does not divide into whole warps (which runs unsplit).
+    /// Each split launch also must leave the arrival count at 0 for the next, so a later case
+    /// would fail if one did not.
+    fn check_norm_split(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
+        let was = self.norm_split.load(Ordering::Relaxed);
+        // x after the add (or as given), the normed row, and its limbs as bits (words that are
+        // not floats).
+        let run = |split: usize, add: Option<bool>, x: &[f32], a: &[f32], w: &[f32]| {
+            self.norm_split.store(split, Ordering::Relaxed);
+            let (mut xb, mut o) = (self.upload(x), self.alloc(x.len()));
+            match add {
+                Some(f16) => self.add_rms_norm(&mut xb, &self.upload(a), f16, w, 1e-5, &mut o),
+                None => self.rms_norm(&xb, w, 1e-5, &mut o),
+            }
+            let limbs = limbs_of(&o, x.len()).map(|q| {
+                let words = self.stream.clone_dtoh(q).expect("download limbs");
+                words.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+            });
+            ([self.download(&xb), self.download(&o)].concat(), limbs)
+        };
+        for (d, add) in [
+            (4096usize, Some(false)),
+            (4096, Some(true)),
+            (4096, None),
+            (2048, Some(false)),
+            (3072, Some(false)),
+        ] {
+            let (x, a, w) = (noise(d, 23), noise(d, 24), noise(d, 25));
+            let (one, one_limbs) = run(1, add, &x, &a, &w);
+            for split in [2usize, 4, 8, 16, 32] {
+                let (got, limbs) = run(split, add, &x, &a, &w);
+                let form = add.map_or("RMS_NORM".to_string(), |f| format!("ADD_RMS_NORM(f16={f})"));
+                let c = compare(format!("{form}_SPLIT(ne=[{d},1],split={split})"), &got, &one, 0.0);
+                out.push(KernelCheck {
+                    pass: c.pass && limbs == one_limbs,
+                    ..c
+                });
+            }
+        }
+        self.norm_split.store(was, Ordering::Relaxed);
+        out
+    }
+}
+
 fn both(gpu: &dyn Backend, f: impl Fn(&dyn Backend) -> Vec<f32>) -> (Vec<f32>, Vec<f32>) {
     (f(gpu), f(&CpuBackend))
 }
@@ -3060,6 +3138,7 @@ impl CudaBackend {
             let two = [self.download(&xb), self.download(&o)].concat();
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &two, 0.0));
         }
+        out.extend(self.check_norm_split());
         // q and k in one launch: 5 + 2 heads (a chunk spanning both), MLA-like offsets.
         for (ql, kl, pos0) in [
             (
