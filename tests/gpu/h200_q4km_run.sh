@@ -32,16 +32,7 @@ if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
   timeout 170 $B kernels --check --json >$W/check.json 2>>$LOG; echo "rc=$?" >>$LOG
   gzip -c $W/check.json >$OUT/check.json.gz
-  python3 - $W/check.json <<'PY' | tee -a $LOG
-import json, sys
-c = json.load(open(sys.argv[1]))["checks"]
-print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [x["case"] for x in c if not x["pass"]][:20])
-q6 = [x for x in c if "q6_K" in x["case"] or "q6_k" in x["case"]]
-worst = max(q6, key=lambda x: x["rel_l2"])
-print("Q6_K cases:", len(q6), "all pass:", all(x["pass"] for x in q6), "max rel_l2 %.3e" % worst["rel_l2"], "in", worst["case"])
-for x in q6:
-    if not x["pass"]: print("  FAIL", x["case"], x["rel_l2"])
-PY
+  python3 $D/check_summary.py $W/check.json "Q6_K:q6_K|q6_k" | tee -a $LOG
 fi
 say "synth"
 Q=${QUANT:-Q4_K_M}; F=$M/llama8b_$Q.gguf

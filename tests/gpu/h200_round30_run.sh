@@ -19,13 +19,7 @@ if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
   timeout 170 $B kernels --check --json >$W/check.json 2>>$LOG; echo "rc=$?" >>$LOG
   gzip -c $W/check.json >$OUT/check.json.gz
-  python3 - $W/check.json <<'PY' | tee -a $LOG
-import json, sys
-c = json.load(open(sys.argv[1]))["checks"]
-print(sum(x["pass"] for x in c), "of", len(c), "kernel checks pass; failing:", [x["case"] for x in c if not x["pass"]][:20])
-s = [x for x in c if "_SPLIT" in x["case"]]
-print(len(s), "split cases,", sum(x["pass"] for x in s), "pass; worst rel_l2", max(x["rel_l2"] for x in s) if s else None)
-PY
+  python3 $D/check_summary.py $W/check.json "split:_SPLIT(" | tee -a $LOG
 fi
 say "synth"
 [ -f $M/smollm2-135m.gguf ] || $B synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
