@@ -2583,7 +2583,6 @@ fn noise(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Runs `f` (which uploads its inputs, runs ops and downloads a result) on the GPU and the CPU.
 impl CudaBackend {
     /// One-row norms split over S blocks (`rms_norm_one` in kernels/ops.cu) against the unsplit
     /// launch, bit for bit: the add form's x, the normed row and its limbs (the integer GEMV's
@@ -2632,6 +2631,7 @@ impl CudaBackend {
     }
 }
 
+/// Runs `f` (which uploads its inputs, runs ops and downloads a result) on the GPU and the CPU.
 fn both(gpu: &dyn Backend, f: impl Fn(&dyn Backend) -> Vec<f32>) -> (Vec<f32>, Vec<f32>) {
     (f(gpu), f(&CpuBackend))
 }
