@@ -8,7 +8,10 @@ name holds one of its SUBSTRs: how many, how many pass, the worst rel_l2 and any
 import json
 import sys
 
-checks = json.load(open(sys.argv[1]))["checks"]
+try:
+    checks = json.load(open(sys.argv[1]))["checks"]
+except (OSError, ValueError, KeyError) as e:
+    sys.exit(f"no kernel check results in {sys.argv[1]} ({e})")
 print(sum(x["pass"] for x in checks), "of", len(checks), "kernel checks pass; failing:",
       [x["case"] for x in checks if not x["pass"]][:20])
 for spec in sys.argv[2:]:

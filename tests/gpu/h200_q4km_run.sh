@@ -30,9 +30,7 @@ if [ -n "${LCPP_TAR:-}" ]; then
 fi
 if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
-  timeout 170 $B kernels --check --json >$W/check.json 2>>$LOG; echo "rc=$?" >>$LOG
-  gzip -c $W/check.json >$OUT/check.json.gz
-  python3 $D/check_summary.py $W/check.json "Q6_K:q6_K|q6_k" | tee -a $LOG
+  B=$B W=$W OUT=$OUT LOG=$LOG bash $D/kernel_check.sh "Q6_K:q6_K|q6_k"
 fi
 say "synth"
 Q=${QUANT:-Q4_K_M}; F=$M/llama8b_$Q.gguf

@@ -17,9 +17,7 @@ OLD=LLMDIFF_NVRTC_DEFINES=LLMDIFF_LIMBS_OLD
 SPLITS=${SPLITS:-2 4 8}
 if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
-  timeout 170 $B kernels --check --json >$W/check.json 2>>$LOG; echo "rc=$?" >>$LOG
-  gzip -c $W/check.json >$OUT/check.json.gz
-  python3 $D/check_summary.py $W/check.json "split:_SPLIT(" | tee -a $LOG
+  B=$B W=$W OUT=$OUT LOG=$LOG bash $D/kernel_check.sh "split:_SPLIT("
 fi
 say "synth"
 [ -f $M/smollm2-135m.gguf ] || $B synth --preset smollm2-135m --seed 1 -o $M/smollm2-135m.gguf >/dev/null 2>>$LOG
