@@ -135,6 +135,10 @@ impl RawArgs {
         self.0.push(v.to_bits() as u64);
         self
     }
+    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.push(v);
+        self
+    }
 }
 
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
@@ -600,7 +604,10 @@ fn limbs_words(cols: usize) -> usize {
 /// The one-token GEMV's settings, read once from the environment (for benchmarks and sweeps):
 /// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
 /// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
-///   its type (an x-stationary one only where its block fits the row).
+///   its type (an x-stationary one only where its block fits the row). A comma-separated list may
+///   name launch shapes, `<rows>x<cols>=<entry>` (e.g. `6144x4096=gemvb_q4_k_r8_w2_m3_s2` for the
+///   8B's q/k/v launch, whose rows are q's, k's and v's together); the first item that matches a
+///   launch's type and shape (or names no shape) is taken.
 /// - `LLMDIFF_GEMV_KIND=xs|wr|tc|bulk`: the work split (default per type, see
 ///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
 ///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, see `cuda_gemv_tc.rs`;
@@ -631,7 +638,8 @@ fn limbs_words(cols: usize) -> usize {
 #[derive(Clone, Debug)]
 struct GemvConfig {
     on: bool,
-    variant: Option<String>,
+    /// `LLMDIFF_GEMV_VARIANT`'s items: an entry, for launches of one shape or any.
+    variant: Vec<(Option<(usize, usize)>, String)>,
     /// None: per type (see `CudaBackend::gemv_default`).
     kind: Option<GemvKind>,
     r: Option<usize>,
@@ -645,12 +653,28 @@ struct GemvConfig {
     qkv_store: bool,
 }
 
+/// `LLMDIFF_GEMV_VARIANT`'s items (see [`GemvConfig`]): `entry` or `<rows>x<cols>=entry`,
+/// comma-separated; an item whose shape does not parse is dropped.
+fn parse_variants(v: &str) -> Vec<(Option<(usize, usize)>, String)> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|i| !i.is_empty())
+        .filter_map(|i| match i.split_once('=') {
+            None => Some((None, i.to_string())),
+            Some((shape, entry)) => {
+                let (r, c) = shape.split_once('x')?;
+                Some((Some((r.trim().parse().ok()?, c.trim().parse().ok()?)), entry.trim().to_string()))
+            }
+        })
+        .collect()
+}
+
 impl GemvConfig {
     fn from_env() -> GemvConfig {
         let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
         GemvConfig {
             on: get("LLMDIFF_GEMV") != Some(0),
-            variant: std::env::var("LLMDIFF_GEMV_VARIANT").ok().filter(|v| !v.is_empty()),
+            variant: std::env::var("LLMDIFF_GEMV_VARIANT").map_or(Vec::new(), |v| parse_variants(&v)),
             kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
                 Ok("xs") => Some(GemvKind::Xs),
                 Ok("wr") => Some(GemvKind::Wr),
@@ -1015,7 +1039,10 @@ impl CudaBackend {
         let xs_upt = [1usize, 2, 4]
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
-        if let Some(name) = &cfg.variant {
+        for (shape, name) in &cfg.variant {
+            if shape.is_some_and(|s| s != (rows, cols)) {
+                continue;
+            }
             let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS);
             if let Some(v) = all.into_iter().find(|v| v.ty == ty && v.entry() == *name) {
                 if self.gemv_fits(*v, cols) {
@@ -2261,6 +2288,10 @@ impl Backend for CudaBackend {
         ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
     }
 
+    fn prefetch_next(&self, ws: &[WeightRef<'_>]) {
+        self.prefetch_weights(ws)
+    }
+
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         let slots = out.len() / shape.head_dim.max(1);
         if slots == 0 {
@@ -2268,6 +2299,7 @@ impl Backend for CudaBackend {
         }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
+        let pf = self.prefetch_take();
         // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
         if !capturing {
             if let Some(entry) = self.attn_tiled_entry(n, shape) {
@@ -2276,7 +2308,7 @@ impl Backend for CudaBackend {
             }
         }
         // Decode: the split kernel (cuda_attn.rs; recorded too), unless LLMDIFF_ATTN_SPLIT=0.
-        if n == 1 && self.gqa_split(q, k, v, pos0, shape, out) {
+        if n == 1 && self.gqa_split(q, k, v, pos0, shape, out, pf) {
             return;
         }
         let threads = attn_threads(slots, self.sms);
