@@ -658,13 +658,17 @@ __device__ __forceinline__ float4 xq_ld16f(const void* p) {
     return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
 }
 
+// Experiment (round 31): the limbs of x the integer GEMVs use (3; fewer drops the finer ones).
+#ifndef LLMDIFF_NLIMB
+#define LLMDIFF_NLIMB 3
+#endif
 template <int TY, int V, bool SH = false>
 __device__ __forceinline__ void gemv_xq_load(const u8* __restrict__ xq, int cols, int u, XLimbs<TY, V>& q) {
     const float* sc = (const float*)(xq + 3 * (size_t)cols);
     const float* s8 = sc + cols / 32;
     const int a = V == 64 ? 64 * u : gemv_x_at<TY>(u, 0);
 #pragma unroll
-    for (int l = 0; l < 3; l++) {
+    for (int l = 0; l < LLMDIFF_NLIMB; l++) {
         const u8* p = xq + (size_t)l * cols;
         if constexpr (TY == TY_Q4_K) {
             // The low-nibble run's V/2 values at a, the high-nibble run's 32 further on.
@@ -731,7 +735,7 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
             // 16 out).
             u32 lo = w[k] & 0x0F0F0F0Fu, hi = w[k] & 0xF0F0F0F0u;
 #pragma unroll
-            for (int l = 0; l < 3; l++) {
+            for (int l = 0; l < LLMDIFF_NLIMB; l++) {
                 a[l] = dp4a(lo, q.l[l][k], a[l]);
                 b[l] = dp4a_u8(hi, q.l[l][V / 8 + k], b[l]);
             }
@@ -756,7 +760,7 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
         for (int k = 0; k < 2; k++) {
             u32 lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
-            for (int l = 0; l < 3; l++) a[l] = dp4a(hi, q.l[l][2 + k], dp4a(lo, q.l[l][k], a[l]));
+            for (int l = 0; l < LLMDIFF_NLIMB; l++) a[l] = dp4a(hi, q.l[l][2 + k], dp4a(lo, q.l[l][k], a[l]));
         }
         float d = f16_to_f32((u16)(f.h.x & 0xFFFFu)), m = f16_to_f32((u16)(f.h.x >> 16));
         return fmaf(d, limbs_f(a[0], a[1], a[2]) * q.s[0], m * q.xs[0]);
@@ -772,7 +776,7 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
             const u32 lo = __vsub4((w[k] & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u), 0x20202020u);
             const u32 hi = __vsub4(((w[k] >> 4) & 0x0F0F0F0Fu) | (hb & 0x30303030u), 0x20202020u);
 #pragma unroll
-            for (int l = 0; l < 3; l++) {
+            for (int l = 0; l < LLMDIFF_NLIMB; l++) {
                 a[l] = dp4a(lo, q.l[l][k], a[l]);
                 b[l] = dp4a(hi, q.l[l][4 + k], b[l]);
             }
@@ -787,7 +791,7 @@ __device__ __forceinline__ float gemv_dot_q(const WFrag<TY, V>& f, const XLimbs<
 #pragma unroll
         for (int k = 0; k < 4; k++)
 #pragma unroll
-            for (int l = 0; l < 3; l++) a[l] = dp4a(w[k], q.l[l][k], a[l]);
+            for (int l = 0; l < LLMDIFF_NLIMB; l++) a[l] = dp4a(w[k], q.l[l][k], a[l]);
         float d = f16_to_f32((u16)f.h.x);
         return d * q.s[0] * fmaf((float)a[0], 16384.0f, (float)(a[1] * 128 + a[2]));
     }

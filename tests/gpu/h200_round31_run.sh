@@ -3,9 +3,11 @@
 # gate weights (LLMDIFF_PREFETCH_MB) and the q/k/v launch's variant (LLMDIFF_GEMV_VARIANT with a
 # shape). `kernels --check` (summary, the split attention's cases, whose `_dpos` runs prefetch),
 # then the A/B bench of SETTINGS (label=VAR=value[,VAR=value]; tests/gpu/h200_ab_binaries.sh,
-# 8B only), then kernel traces of TRACES (labels of SETTINGS).
+# 8B only), then kernel traces of TRACES (labels of SETTINGS), then `diff-layers --decode-steps 2`
+# on the 8B shape under each of DIFFS (labels of SETTINGS): verdict, first divergence, the worst
+# tap against its threshold and the logits' rel_l2.
 # Usage (GPU machine): LLMDIFF=target/new/llmdiff OUT=dir [SETTINGS="..."] [TRACES="pf0 pf24"]
-#   [ROUNDS=3] bash tests/gpu/h200_round31_run.sh
+#   [DIFFS="..."] [ROUNDS=3] bash tests/gpu/h200_round31_run.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 D=$(cd $(dirname $0) && pwd)
 B=${LLMDIFF:?}
@@ -28,6 +30,25 @@ for t in ${TRACES:-pf0 pf24}; do
     [ "${s%%=*}" = $t ] || continue
     say "trace $t"
     LLMDIFF=$B MODELS=llama8b PLAIN=0 TRACE_SETTINGS="$(echo ${s#*=} | tr ',' ' ')" LABEL=_$t OUT=$OUT bash $D/h200_trace_run.sh
+  done
+done
+for t in ${DIFFS:-}; do
+  for s in $SETTINGS; do
+    [ "${s%%=*}" = $t ] || continue
+    say "diff-layers $t"
+    env $(echo ${s#*=} | tr ',' ' ') timeout 150 $B diff-layers $M/llama8b.gguf --tokens 1,5,9,13,17,21,25,29 \
+      --backend cuda --decode-steps 2 --json >$W/d_$t.json 2>>$LOG
+    echo "rc=$?" >>$LOG
+    python3 - $W/d_$t.json $t <<'PY' | tee -a $LOG
+import json, sys
+d = json.load(open(sys.argv[1]))
+taps = [t for t in d["taps"] if t["metrics"]["rel_l2"] is not None]
+worst = max(taps, key=lambda t: t["metrics"]["rel_l2"] / t["threshold"])
+lg = [t["metrics"]["rel_l2"] for t in taps if t["site"] == "logits"]
+print(sys.argv[2], "verdict", d["verdict"], "first", d["first_divergence"], "taps over", sum(t["over"] for t in taps),
+      "of", len(taps), "worst", worst["tap"], "%.3g (threshold %.3g)" % (worst["metrics"]["rel_l2"], worst["threshold"]),
+      "logits rel_l2", ["%.3g" % x for x in lg])
+PY
   done
 done
 say "done"
