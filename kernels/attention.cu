@@ -1026,8 +1026,7 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
 
 // q [1, H·hd], k/v [≥ pos0 + 1, KV·hd] (16-byte aligned rows: hd % 4 == 0), out [1, H·hd]; part
 // and cnt as above (s_cap ≥ S splits); s_max ≥ 1; xq null or the row's limbs. Grid: KV · (S, or
-// s_cap for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above; pf0/pn0
-// and pf1/pn1 up to two byte ranges of weights to prefetch into L2 (l2_prefetch2, common.cuh). Launch
+// s_cap for `_dpos`) blocks of 32·L/4 threads (L = 16, 32 or 64), shared memory as above. Launch
 // bounds (512, 1): ptxas gives the 128 and 256 forms ~102 and ~122 registers (the runs ~128), no
 // spills (with (512) alone it held the 128 form to 64 and spilled in the combine's eight-load
 // batches).
@@ -1035,11 +1034,9 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
     extern "C" __global__ void __launch_bounds__(512, 1) NAME(                                                 \
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq, int pos0, int n_heads,       \
-        int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr, const u8* pf0,                      \
-        unsigned long long pn0, const u8* pf1, unsigned long long pn1) {                                       \
+        int n_kv_heads, int hd, float scale, int s_cap, int s_max, int hr) {                                   \
         TRACE_BLOCK(TRACE_ATTN_SPLIT);                                                                         \
         griddep_launch(); /* launched early (PDL, common.cuh): the o GEMV may start */                         \
-        l2_prefetch2(pf0, pn0, pf1, pn1);                                                                      \
         gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, pos0, n_heads, n_kv_heads, hd, scale, s_cap,       \
                                s_max, hr);                                                                     \
     }                                                                                                          \
@@ -1047,10 +1044,9 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,                 \
         float* __restrict__ out, float* part, unsigned* cnt, u8* __restrict__ xq,                              \
         const int* __restrict__ pos_dev, int n_heads, int n_kv_heads, int hd, float scale, int s_cap,          \
-        int s_max, int hr, const u8* pf0, unsigned long long pn0, const u8* pf1, unsigned long long pn1) {     \
+        int s_max, int hr) {                                                                                   \
         TRACE_BLOCK(TRACE_ATTN_SPLIT);                                                                         \
         griddep_launch();                                                                                      \
-        l2_prefetch2(pf0, pn0, pf1, pn1);                                                                      \
         gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap,   \
                                s_max, hr);                                                                     \
     }

@@ -244,27 +244,6 @@ __device__ __forceinline__ void griddep_wait() {
 }
 __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// L2 prefetch of up to two byte ranges: the weights of the products that follow the launch (see
-// Backend::prefetch_next; null or 0 bytes: none). HBM is idle while a latency-bound kernel (the
-// split decode attention) runs, so the next GEMVs may then find their first rows in L2. The ranges
-// are dealt over every thread of the grid in PF_PIECE-byte bulk prefetches, piece i to block
-// i % gridDim.x, so the copy engines of all the grid's SMs share them. Fire and forget: nothing
-// waits for them and no value depends on them. Addresses and lengths are multiples of 16.
-#define PF_PIECE 8192u
-__device__ __forceinline__ void l2_prefetch_range(const u8* p, unsigned long long n) {
-    const unsigned long long t = (unsigned long long)threadIdx.x * gridDim.x + blockIdx.x;
-    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x * PF_PIECE;
-    for (unsigned long long off = t * PF_PIECE; off < n; off += step) {
-        const unsigned bytes = (unsigned)min((unsigned long long)PF_PIECE, n - off);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(bytes) : "memory");
-    }
-}
-__device__ __forceinline__ void l2_prefetch2(const u8* p0, unsigned long long n0, const u8* p1,
-                                             unsigned long long n1) {
-    if (p0) l2_prefetch_range(p0, n0);
-    if (p1) l2_prefetch_range(p1, n1);
-}
-
 // 16, 8, 4 or 2 bytes of weights (never written during a run) through the read-only path, not kept in
 // L1 (L1::no_allocate): a weight byte is read once per launch, and the lines it would take are
 // those of x's limbs, which every row of the block rereads (round 12: 8B decode −1.3 %).

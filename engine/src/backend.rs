@@ -240,13 +240,6 @@ pub trait Backend: Send + Sync {
         let _ = (x, layer, caches);
         false
     }
-    /// A hint from the model code: `ws` are the products the step runs after its next attention
-    /// call, in order. A backend may start moving their first bytes toward its compute units
-    /// during that call (CUDA: the split decode kernel prefetches them into L2). It changes no
-    /// value; the default does nothing.
-    fn prefetch_next(&self, ws: &[WeightRef<'_>]) {
-        let _ = ws;
-    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.

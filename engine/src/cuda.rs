@@ -135,10 +135,6 @@ impl RawArgs {
         self.0.push(v.to_bits() as u64);
         self
     }
-    pub(crate) fn u64(&mut self, v: u64) -> &mut Self {
-        self.0.push(v);
-        self
-    }
 }
 
 /// Heads per thread in `rope_qk` (`ROPE_HEADS` in kernels/ops.cu).
@@ -2288,10 +2284,6 @@ impl Backend for CudaBackend {
         ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
     }
 
-    fn prefetch_next(&self, ws: &[WeightRef<'_>]) {
-        self.prefetch_weights(ws)
-    }
-
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         let slots = out.len() / shape.head_dim.max(1);
         if slots == 0 {
@@ -2299,7 +2291,6 @@ impl Backend for CudaBackend {
         }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
-        let pf = self.prefetch_take();
         // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
         if !capturing {
             if let Some(entry) = self.attn_tiled_entry(n, shape) {
@@ -2308,7 +2299,7 @@ impl Backend for CudaBackend {
             }
         }
         // Decode: the split kernel (cuda_attn.rs; recorded too), unless LLMDIFF_ATTN_SPLIT=0.
-        if n == 1 && self.gqa_split(q, k, v, pos0, shape, out, pf) {
+        if n == 1 && self.gqa_split(q, k, v, pos0, shape, out) {
             return;
         }
         let threads = attn_threads(slots, self.sms);

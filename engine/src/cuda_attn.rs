@@ -94,21 +94,7 @@ pub(super) struct AttnState {
     pub(super) smem_max: usize,
     split: AtomicUsize,
     scratch: Mutex<HashMap<usize, SplitScratch>>,
-    /// Bytes of the coming products' weights the split decode kernel prefetches into L2
-    /// (`LLMDIFF_PREFETCH_MB`, default [`PREFETCH_MB_DEFAULT`]; 0 off), and each rank's ranges
-    /// for its next launch (see [`CudaBackend::prefetch_weights`]).
-    prefetch_bytes: usize,
-    prefetch: Mutex<HashMap<usize, L2Prefetch>>,
 }
-
-/// The split decode kernel's L2 prefetch by default, in MB: the o projection's weights and the
-/// start of gate/up's at the 8B shape (see [`CudaBackend::prefetch_weights`]).
-const PREFETCH_MB_DEFAULT: usize = 24;
-
-/// Up to two byte ranges of device memory (address, length; a multiple of 16 each) that a split
-/// decode launch prefetches into L2 (`l2_prefetch2` in kernels/common.cuh); zeros: none.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct L2Prefetch([(u64, u64); 2]);
 
 /// One rank's partials and counters for the split decode kernel (see `gqa_split` in
 /// kernels/attention.cu). `part` only grows, outside a recording; the buffers it replaces are
@@ -138,13 +124,6 @@ impl AttnState {
             smem_max,
             split: AtomicUsize::new(split),
             scratch: Mutex::new(HashMap::new()),
-            prefetch_bytes: std::env::var("LLMDIFF_PREFETCH_MB")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(PREFETCH_MB_DEFAULT)
-                .min(1 << 12)
-                << 20,
-            prefetch: Mutex::new(HashMap::new()),
         }
     }
 
@@ -412,48 +391,11 @@ impl CudaBackend {
     /// launched. While recording, the `_dpos` form; where this rank's scratch cannot serve the
     /// recording (it grows only outside one), the recording is spoiled (run once, not kept) and
     /// false sends the caller to the per-(token, head) kernel.
-    /// [`Backend::prefetch_next`]: the first bytes of `ws` in order (whole products, the last cut
-    /// at the budget; at most two), kept for this rank's next [`Backend::gqa_attention`] call.
-    /// The split decode kernel of that call prefetches them into L2 while it runs: its latency
-    /// chain leaves HBM idle, and the o GEMV and gate/up after it read their first rows from L2.
-    pub(super) fn prefetch_weights(&self, ws: &[crate::kernels::WeightRef<'_>]) {
-        use cudarc::driver::DevicePtr;
-        let mut left = self.attn.prefetch_bytes;
-        let mut pf = L2Prefetch::default();
-        for (slot, w) in pf.0.iter_mut().zip(ws) {
-            let d = self.weight(*w, &self.stream);
-            let n = d.data.len().min(left) & !15;
-            if n == 0 {
-                break;
-            }
-            *slot = (d.data.device_ptr(&self.stream).0, n as u64);
-            left -= n;
-        }
-        let rank = crate::backend::current_rank();
-        self.attn.prefetch.lock().expect("prefetch").insert(rank, pf);
-    }
-
-    /// This rank's pending prefetch (none if there is none), cleared.
-    pub(super) fn prefetch_take(&self) -> L2Prefetch {
-        let rank = crate::backend::current_rank();
-        self.attn.prefetch.lock().expect("prefetch").remove(&rank).unwrap_or_default()
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn gqa_split(
-        &self,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        pos0: usize,
-        shape: GqaShape,
-        out: &mut Buf,
-        pf: L2Prefetch,
-    ) -> bool {
+    pub(super) fn gqa_split(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) -> bool {
         let Some(plan) = self.attn_split_plan(shape) else {
             return false;
         };
-        if self.launch_gqa_split(&plan, q, k, v, out, pos0, self.capturing(), shape, pf) {
+        if self.launch_gqa_split(&plan, q, k, v, out, pos0, self.capturing(), shape) {
             return true;
         }
         self.spoil("attention split scratch");
@@ -467,7 +409,6 @@ impl CudaBackend {
     /// forms, so an op-by-op step leaves the scratch that a recording at the same capacity needs.
     /// Where the row takes them (H·hd a multiple of 128 and wide enough, see `limbs_out`; G·hd a
     /// multiple of 32) the kernel also writes the row's limbs, attached to `out` as rms_norm does.
-    /// `pf`: weights the kernel prefetches into L2 (see [`CudaBackend::prefetch_weights`]).
     /// False, with nothing launched, while recording if this rank's scratch is missing or too small.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_gqa_split(
@@ -480,7 +421,6 @@ impl CudaBackend {
         pos0: usize,
         dpos: bool,
         shape: GqaShape,
-        pf: L2Prefetch,
     ) -> bool {
         let (h, kv, hd) = (shape.n_heads, shape.n_kv_heads, shape.head_dim);
         let g = h / kv;
@@ -543,9 +483,6 @@ impl CudaBackend {
             .i32(s_cap as i32)
             .i32(plan.s_max as i32)
             .i32(plan.hr as i32);
-        for (p, n) in pf.0 {
-            a.u64(p).u64(n);
-        }
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (plan.threads, 1, 1),
@@ -556,8 +493,7 @@ impl CudaBackend {
         // split_words(s_cap, ..) floats, cnt SPLIT_MAX_KV ≥ KV zeroed counters (this rank's,
         // used by one launch at a time on this stream), xq limbs_words(H·hd) words or null; the
         // position word (dpos) holds a position < cap_rows (limit_rows while recording); shared
-        // memory as split_plan; the kernel waits (griddep_wait) before touching memory; pf's ranges
-        // lie in live weight buffers (prefetch_weights) or are empty.
+        // memory as split_plan; the kernel waits (griddep_wait) before touching memory.
         unsafe { self.launch_chained(plan.entries[2 * runs as usize + dpos as usize], cfg, &mut a) };
         drop(map);
         super::attach_limbs(out, xq);
@@ -710,17 +646,12 @@ impl CudaBackend {
                 be.download(&o)
             };
             let (qd, kd, vd) = (self.upload(&q), self.upload(&k), self.upload(&v));
-            // The `_dpos` run also prefetches k's buffer into L2: the output must not change.
             let run = |dpos: bool| {
                 let mut o = self.upload(&vec![f32::NAN; h * hd]);
-                let mut pf = L2Prefetch::default();
                 if dpos {
                     self.set_pos_word(pos0);
-                    use cudarc::driver::DevicePtr;
-                    let kb = dev(&kd);
-                    pf.0[0] = (kb.device_ptr(&self.stream).0, (kb.len() * 4) as u64 & !15);
                 }
-                let launched = self.launch_gqa_split(&plan, &qd, &kd, &vd, &mut o, pos0, dpos, s, pf);
+                let launched = self.launch_gqa_split(&plan, &qd, &kd, &vd, &mut o, pos0, dpos, s);
                 assert!(launched, "gqa_split: not launched outside a recording");
                 self.download(&o)
             };

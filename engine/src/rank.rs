@@ -331,11 +331,6 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                // o, then the FFN's first product, may start toward the GPU while attention runs.
-                match &lw.ffn {
-                    FfnShard::Dense(m) => be.prefetch_next(&[lw.o.view(), m.gate.view()]),
-                    FfnShard::Moe(_) => be.prefetch_next(&[lw.o.view()]),
-                }
                 let op = |out: &mut Buf| be.gqa_attention(&qv, &cache.k, &cache.v, ctx.pos0, shape, out);
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
