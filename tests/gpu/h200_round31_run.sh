@@ -1,13 +1,16 @@
 #!/bin/bash
-# Round 31 (issue #8), one device call: the split decode attention's L2 prefetch of the o and
-# gate weights (LLMDIFF_PREFETCH_MB) and the q/k/v launch's variant (LLMDIFF_GEMV_VARIANT with a
-# shape). `kernels --check` (summary, the split attention's cases, whose `_dpos` runs prefetch),
-# then the A/B bench of SETTINGS (label=VAR=value[,VAR=value]; tests/gpu/h200_ab_binaries.sh,
-# 8B only), then kernel traces of TRACES (labels of SETTINGS), then `diff-layers --decode-steps 2`
-# on the 8B shape under each of DIFFS (labels of SETTINGS): verdict, first divergence, the worst
-# tap against its threshold and the logits' rel_l2.
-# Usage (GPU machine): LLMDIFF=target/new/llmdiff OUT=dir [SETTINGS="..."] [TRACES="pf0 pf24"]
-#   [DIFFS="..."] [ROUNDS=3] bash tests/gpu/h200_round31_run.sh
+# Round 31 (issue #8), one device call: A/B settings of one binary on the 8B decode step, with
+# `kernels --check` first (summary; the split attention's cases) unless SKIP_CHECK, then the A/B
+# bench of SETTINGS (label=VAR=value[,VAR=value]; tests/gpu/h200_ab_binaries.sh, 8B only), kernel
+# traces of TRACES (labels of SETTINGS), and `diff-layers --decode-steps 2` on the 8B shape under
+# each of DIFFS (labels of SETTINGS): verdict, first divergence, the worst tap against its
+# threshold and the logits' rel_l2.
+# Default SETTINGS: the integer GEMVs with 3, 2 and 1 limbs of x (LLMDIFF_NLIMB, an NVRTC define
+# of the round's experiment commit) and the q/k/v launch's variants (LLMDIFF_GEMV_VARIANT with a
+# shape). Call 1 ran commit aa12444 with the split attention's L2 prefetch settings
+# (LLMDIFF_PREFETCH_MB=0, 12, 24, 40; the prefetch was removed after it).
+# Usage (GPU machine): LLMDIFF=target/new/llmdiff OUT=dir [SETTINGS="..."] [TRACES="..."]
+#   [DIFFS="..."] [ROUNDS=3] [SKIP_CHECK=1] bash tests/gpu/h200_round31_run.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 D=$(cd $(dirname $0) && pwd)
 B=${LLMDIFF:?}
@@ -15,9 +18,9 @@ W=/tmp/gpu; M=$W/models; mkdir -p $M
 T0=$(date +%s); LOG=$OUT/log.txt
 say() { echo "== $* (t=$(( $(date +%s) - T0 ))s)" | tee -a $LOG; }
 QKV=6144x4096
-SETTINGS=${SETTINGS:-pf0=LLMDIFF_PREFETCH_MB=0 pf12=LLMDIFF_PREFETCH_MB=12 pf24=LLMDIFF_PREFETCH_MB=24 pf40=LLMDIFF_PREFETCH_MB=40 \
-qkv_bulk=LLMDIFF_GEMV_VARIANT=$QKV=gemvb_q4_k_r8_w2_m3_s2 qkv_r2=LLMDIFF_GEMV_VARIANT=$QKV=gemvw_q4_k_r2_w2_u1_m3 \
-qkv_m2=LLMDIFF_GEMV_VARIANT=$QKV=gemvw_q4_k_r8_w4_u1_m2}
+N=LLMDIFF_NVRTC_DEFINES=LLMDIFF_NLIMB
+SETTINGS=${SETTINGS:-nl3=X=1 nl2=$N=2 nl1=$N=1 qkv_bulk=LLMDIFF_GEMV_VARIANT=$QKV=gemvb_q4_k_r8_w2_m3_s2 \
+qkv_r2=LLMDIFF_GEMV_VARIANT=$QKV=gemvw_q4_k_r2_w2_u1_m3 qkv_m2=LLMDIFF_GEMV_VARIANT=$QKV=gemvw_q4_k_r8_w4_u1_m2}
 if [ -z "${SKIP_CHECK:-}" ]; then
   say "kernels --check"
   B=$B W=$W OUT=$OUT LOG=$LOG bash $D/kernel_check.sh "split:ATTN_GQA_SPLIT("
@@ -25,7 +28,7 @@ fi
 say "A/B"
 BINS=$(for s in $SETTINGS; do echo "${s%%=*}=$B,${s#*=}"; done | tr '\n' ' ')
 BINS="$BINS" MODELS=llama8b ROUNDS=${ROUNDS:-3} OUT=$OUT bash $D/h200_ab_binaries.sh >/dev/null 2>&1
-for t in ${TRACES:-pf0 pf24}; do
+for t in ${TRACES:-}; do
   for s in $SETTINGS; do
     [ "${s%%=*}" = $t ] || continue
     say "trace $t"
