@@ -659,7 +659,10 @@ fn parse_variants(v: &str) -> Vec<(Option<(usize, usize)>, String)> {
             None => Some((None, i.to_string())),
             Some((shape, entry)) => {
                 let (r, c) = shape.split_once('x')?;
-                Some((Some((r.trim().parse().ok()?, c.trim().parse().ok()?)), entry.trim().to_string()))
+                Some((
+                    Some((r.trim().parse().ok()?, c.trim().parse().ok()?)),
+                    entry.trim().to_string(),
+                ))
             }
         })
         .collect()
@@ -3880,8 +3883,22 @@ pub struct LaunchCost {
 
 #[cfg(test)]
 mod tests {
-    use super::{repack_headers_last, repack_q6_k, RawArgs};
+    use super::{parse_variants, repack_headers_last, repack_q6_k, RawArgs};
     use references::ggml_type::GgmlType;
+
+    #[test]
+    fn gemv_variant_items_take_an_optional_shape() {
+        let v = parse_variants(" gemvw_a, 6144x4096=gemvb_b ,,12x=bad, x4=bad2,1x2=c=d");
+        assert_eq!(
+            v,
+            vec![
+                (None, "gemvw_a".to_string()),
+                (Some((6144, 4096)), "gemvb_b".to_string()),
+                (Some((1, 2)), "c=d".to_string()),
+            ]
+        );
+        assert!(parse_variants("").is_empty());
+    }
 
     #[test]
     fn raw_args_hold_4_byte_scalars_in_the_low_half() {
