@@ -7,12 +7,7 @@
 # Usage (GPU machine): LLMDIFF=target/new/llmdiff OUT=dir [SPLITS="2 4 8"] bash tests/gpu/h200_round30_run.sh
 # It ran a build of commit 8bd5939: the old limbs (LLMDIFF_LIMBS_OLD) exist only there; at later
 # commits that setting changes nothing, so "old" is the new arithmetic too.
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-D=$(cd $(dirname $0) && pwd)
-B=${LLMDIFF:?}
-W=/tmp/gpu; M=$W/models; mkdir -p $M
-T0=$(date +%s); LOG=$OUT/log.txt
-say() { echo "== $* (t=$(( $(date +%s) - T0 ))s)" | tee -a $LOG; }
+source $(dirname $0)/preamble.sh
 OLD=LLMDIFF_NVRTC_DEFINES=LLMDIFF_LIMBS_OLD
 SPLITS=${SPLITS:-2 4 8}
 if [ -z "${SKIP_CHECK:-}" ]; then

@@ -11,12 +11,7 @@
 # (LLMDIFF_PREFETCH_MB=0, 12, 24, 40; the prefetch was removed after it).
 # Usage (GPU machine): LLMDIFF=target/new/llmdiff OUT=dir [SETTINGS="..."] [TRACES="..."]
 #   [DIFFS="..."] [ROUNDS=3] [SKIP_CHECK=1] bash tests/gpu/h200_round31_run.sh
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-D=$(cd $(dirname $0) && pwd)
-B=${LLMDIFF:?}
-W=/tmp/gpu; M=$W/models; mkdir -p $M
-T0=$(date +%s); LOG=$OUT/log.txt
-say() { echo "== $* (t=$(( $(date +%s) - T0 ))s)" | tee -a $LOG; }
+source $(dirname $0)/preamble.sh
 QKV=6144x4096
 N=LLMDIFF_NVRTC_DEFINES=LLMDIFF_NLIMB
 SETTINGS=${SETTINGS:-nl3=X=1 nl2=$N=2 nl1=$N=1 qkv_bulk=LLMDIFF_GEMV_VARIANT=$QKV=gemvb_q4_k_r8_w2_m3_s2 \
