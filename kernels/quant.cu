@@ -658,7 +658,9 @@ __device__ __forceinline__ float4 xq_ld16f(const void* p) {
     return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w));
 }
 
-// Experiment (round 31): the limbs of x the integer GEMVs use (3; fewer drops the finer ones).
+// The limbs of x the integer GEMVs use: 3. A measurement knob only (round 31, through
+// LLMDIFF_NVRTC_DEFINES=LLMDIFF_NLIMB=N): with N < 3 the loads and dp4a of the finer limbs go, so
+// x is carried to ~2^-(7N+1) of its block's max and the precision argument above no longer holds.
 #ifndef LLMDIFF_NLIMB
 #define LLMDIFF_NLIMB 3
 #endif
