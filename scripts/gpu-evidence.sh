@@ -6,8 +6,9 @@
 #   LCPP_TAR=llama.cpp.tar.xz STEPS=peers bash scripts/gpu-evidence.sh   # the peer tables
 #
 # The binary is a `cargo build --release --features cuda` made anywhere (cudarc loads CUDA at run
-# time), carried to the machine at target/release/llmdiff; the models are synthesized here with
-# `llmdiff synth`, so nothing else is needed. Steps (STEPS, space-separated; default all but peers):
+# time), carried to the machine at target/release/llmdiff (`strip` it first if the carry has a
+# size limit: ~69 MB with line tables, far less stripped); the models are synthesized here with
+# `llmdiff synth`, so nothing else is needed. LLMDIFF=path overrides the binary. Steps (STEPS, space-separated; default all but peers):
 #   check    `kernels --check`: every kernel against the CPU engine
 #   healthy  diff-layers on CUDA, 3 presets x TP x prefill/decode: every case must agree
 #   faults   the fault catalog on CUDA and on the CPU engine: the same verdict, tap and class
