@@ -108,7 +108,8 @@ fn tokenize(src: &str) -> Vec<(Tok, usize)> {
         } else if ch == '\'' {
             // A char literal ('a', '\n', '\u{..}') or a lifetime ('a): both are dropped.
             if c.get(i + 1) == Some(&'\\') {
-                let mut j = i + 2;
+                // Past the backslash and the escaped char ('\'', '\n', '\u{..}').
+                let mut j = i + 3;
                 while j < c.len() && c[j] != '\'' {
                     j += 1;
                 }
@@ -693,7 +694,7 @@ fn the_checker_finds_planted_cycles_and_only_those() {
     );
     w(
         "leaf.rs",
-        "//! l\nuse std::fmt;\npub struct X<'a>(&'a u8, char);\nconst C: char = '{';\n",
+        "//! l\nuse std::fmt;\npub struct X<'a>(&'a u8, char);\nconst C: [char; 2] = ['{', '\\''];\nconst D: &str = r#\"}\"#;\n",
     );
 
     let c = Crate::load(dir.path(), &src.join("lib.rs")).unwrap();
