@@ -1228,8 +1228,7 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 }
 
 // gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 5 stages; gemm2_q4_k_n64:
-// 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
-// 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages; gemm2_q6_k,
+// 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q6_k,
 // gemm2_q6_k_n64: the 128 × 128 and 128 × 64 tiles on Q6_K (rows of a multiple of 8 super-blocks).
 // Arguments: the parts (all of the kernel's type); xh, xsb, inv from gemm2_split_x (Q6_K:
 // gemm6_split_x); cols (% 256 == 0); n; n_pad (a multiple of the token tile). Grid (n_pad / BN,
@@ -1243,6 +1242,5 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 
 GEMM2_ENTRY(gemm2_q4_k, TY_Q4_K, 8, false)
 GEMM2_ENTRY(gemm2_q4_k_n64, TY_Q4_K, 4, false)
-GEMM2_ENTRY(gemm2_q4_k_wg, TY_Q4_K, 8, true)
 GEMM2_ENTRY(gemm2_q6_k, TY_Q6_K, 8, false)
 GEMM2_ENTRY(gemm2_q6_k_n64, TY_Q6_K, 4, false)

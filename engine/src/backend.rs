@@ -225,21 +225,6 @@ pub trait Backend: Send + Sync {
     }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
-    /// A dense SwiGLU FFN, `out[n, down.rows] = (silu(h·gateᵀ) ⊙ h·upᵀ)·downᵀ`: `linear_many`
-    /// of gate and up, `swiglu`, then `linear` here; one launch on CUDA for a one-token Q4_K
-    /// step (the model code takes this op only when no tap wants gate's or up's output).
-    fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
-        ffn_swiglu_ops(self, h, n, ws, out)
-    }
-    /// One llama-style layer of a one-token step as one op, where the backend has a fused form
-    /// (CUDA, opt-in: one launch for every product, the attention and both norms): `x += o ·
-    /// attention(…)`, then `x += ffn(…)`, appending the position's k and v to `caches` = [k
-    /// cache, v cache] as `linear_qkv_rope` does. False (nothing done) where it has none or the
-    /// layer's shape or types are not its own: the model code then goes op by op.
-    fn decode_layer(&self, x: &mut Buf, layer: &DecodeLayer<'_>, caches: [&mut Buf; 2]) -> bool {
-        let _ = (x, layer, caches);
-        false
-    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
@@ -332,27 +317,13 @@ pub trait StepGraph: Send {
     fn fits(&self, pos0: usize) -> bool;
 }
 
-/// A dense GQA layer's weights and hyper-parameters for [`Backend::decode_layer`]: RMSNorm (both
-/// norms share `eps`), q/k/v with `rope` and the KV append, attention of `shape`, o, then the
-/// SwiGLU FFN of `ffn` = [gate, up, down].
-pub struct DecodeLayer<'a> {
-    pub attn_norm: &'a [f32],
-    pub ffn_norm: &'a [f32],
-    pub eps: f32,
-    pub qkv: [WeightRef<'a>; 3],
-    pub o: WeightRef<'a>,
-    pub ffn: [WeightRef<'a>; 3],
-    pub rope: QkRope,
-    pub shape: GqaShape,
-}
-
 /// The host backend: ranks are threads, ops are the rayon kernels.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
-/// [`Backend::ffn_swiglu`] op by op (its default, and a device backend's fallback): `ws` = [gate,
-/// up, down].
-pub(crate) fn ffn_swiglu_ops<B: Backend + ?Sized>(be: &B, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
+/// A dense SwiGLU FFN, `out[n, down.rows] = (silu(h·gateᵀ) ⊙ h·upᵀ)·downᵀ`, from the trait's ops:
+/// `linear_many` of `ws` = [gate, up], `swiglu`, then `linear` of down.
+pub(crate) fn ffn_swiglu<B: Backend + ?Sized>(be: &B, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
     let [gate, up, down] = ws;
     let mut g = be.alloc(n * gate.rows());
     let mut u = be.alloc(n * up.rows());

@@ -9,28 +9,23 @@
 //!   loads, same size); Q2_K and Q3_K are dequantized to f32 on upload. RMSNorm weights are cached the
 //!   same way.
 //! - Products of n > 1 tokens with Q4_K, Q8_0 or Q4_1 weights take the tensor-core GEMM of
-//!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `cuda_gemm.rs`,
-//!   `LLMDIFF_GEMM=0` turns it off, `LLMDIFF_GEMM_KIND=v1` picks the older kernel); weights that
+//!   `kernels/gemm.cu` (split-f16 x, exact integer weights, f32 accumulation; `gemm.rs`,
+//!   `LLMDIFF_CUDA_DISABLE=gemm` turns it off); weights that
 //!   share x (`linear_many`) share its x pre-pass. Other types and shapes keep the SIMT `matmul_*`.
 //! - One-token products (n = 1) take a GEMV of `kernels/quant.cu` (`CudaBackend::gemv_default`;
 //!   Q4_K/Q4_1 rows of 128 units or more in the integer form: dp4a on x in int8 limbs, which a
 //!   decode row's norm, SwiGLU or split GQA attention writes beside the row, [`DevBuf`]'s
-//!   `limbs`, else a pre-pass),
-//!   or with `LLMDIFF_GEMV_KIND=tc` and Q4_K weights the tensor-core GEMV of
-//!   `kernels/gemv_tc.cu` (the same integer form in `mma.sync`; `cuda_gemv_tc.rs`), or with
-//!   `LLMDIFF_GEMV_KIND=bulk` (or `LLMDIFF_GEMV_BULK_ROWS`) the bulk-staged Q4_K GEMV (`gemvb_*`:
-//!   weights copied into a ring in shared memory by TMA, a persistent grid, x's limbs held in
-//!   registers).
+//!   `limbs`, else a pre-pass;
+//!   `LLMDIFF_CUDA_DISABLE=gemv` turns it off).
 //! - GQA attention of n > 1 new tokens (prefill, from 32 (token, query head) rows per KV head)
 //!   takes the tiled kernel of `kernels/attention.cu` (a block per 64 rows of one KV head, K/V
 //!   tiles staged once for the group's query heads, online softmax; on the tensor cores in 3xTF32
-//!   where head_dim is a multiple of 8 up to 128; `cuda_attn.rs`, `LLMDIFF_ATTN_TILED=0` turns it
-//!   off, `=1` takes it for every n > 1, `LLMDIFF_ATTN_TC=0` keeps the CUDA-core form); GQA
+//!   where head_dim is a multiple of 8 up to 128; `attn.rs`, `LLMDIFF_CUDA_DISABLE=attn-tiled` turns
+//!   it off, `attn-tc` keeps the CUDA-core form); GQA
 //!   decode (n = 1, op by op and recorded) takes the split kernel (a block per chunk of positions,
 //!   or run of chunks on long contexts, and KV head, the last block of a KV head combining the
 //!   splits in a fixed order and writing
-//!   the row's limbs for the o-projection; `LLMDIFF_ATTN_SPLIT=0` turns it off, `=16|32|64` sets
-//!   the chunk);
+//!   the row's limbs for the o-projection; `LLMDIFF_CUDA_DISABLE=attn-split` turns it off);
 //!   MLA and the shapes neither takes keep a block per (token, head).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
@@ -59,11 +54,11 @@
 //!   `cuLaunchKernel` back to back (cudarc's builder adds nothing measurable; the first launch
 //!   after a synchronization took 8.5 µs in round 19); a graph node costs ~0.7 µs.
 //! - A decode step's kernels are chained by programmatic dependent launch (off with
-//!   `LLMDIFF_PDL=0`): the warp-rows GEMVs (`launch_pdl`) and the one-token norms, SwiGLU and
-//!   split attention (`launch_chained`; `LLMDIFF_PDL_CHAIN=0` launches these plainly) start while
+//!   `LLMDIFF_CUDA_DISABLE=pdl`): the warp-rows GEMVs (`launch_pdl`) and the one-token norms, SwiGLU
+//!   and split attention (`launch_chained`; `pdl-chain` launches these plainly) start while
 //!   the kernel before them runs and wait for it before reading what it wrote. A GQA layer's
 //!   one-token q/k/v GEMV also rotates q and k and appends k and v to the KV cache in its store
-//!   (`linear_qkv_rope`; off with `LLMDIFF_GEMV_QKV_STORE=0`).
+//!   (`linear_qkv_rope`; off with `LLMDIFF_CUDA_DISABLE=qkv-store`).
 //!
 //! A missing driver, device or NVRTC is an [`EngineError::Cuda`] from [`CudaBackend::new`], never
 //! a CPU fallback. Errors after start-up (out of device memory) panic with a `cuda:` message,
@@ -71,10 +66,10 @@
 
 use crate::backend::{Backend, BlockTrace, Buf, BufRepr, CommClock, CommStats, CpuBackend};
 use crate::cuda_kernels::{
-    gemvb_smem, pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMVT_VARIANTS, GEMV_VARIANTS,
-};
+pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::kernels::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::{route, Route};
+use crate::options::{CudaDisable, CudaOptions};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
@@ -86,23 +81,20 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 #[path = "cuda_attn.rs"]
 mod attn;
-#[path = "cuda_ffn.rs"]
-mod ffn;
 #[path = "cuda_gemm.rs"]
 mod gemm;
 pub use attn::{AttnBench, AttnDecodeBench};
 pub use gemm::GemmBench;
 
-#[path = "cuda_gemv_tc.rs"]
-mod gemv_tc;
-#[path = "cuda_layer.rs"]
-mod layer;
 #[path = "cuda_trace.rs"]
 mod trace;
 
-/// Warp-rows GEMVs take programmatic dependent launch unless `LLMDIFF_PDL=0` (see `launch_pdl`):
-/// 8B decode 2.11 against 2.23 ms on the H200, graph-replayed logits bitwise the op-by-op step's.
-const PDL_DEFAULT: bool = true;
+/// Q4_K warp-rows launches of rows of 128..255 units and fewer rows than this take pair units
+/// (mode 3; see `gemv_select`).
+const PAIR_BELOW_ROWS: usize = 8192;
+
+/// Q4_K warp-rows launches of rows of 128..255 units and at least this many rows take NW 2.
+const NW2_ROWS: usize = 8192;
 
 /// A kernel's parameters for [`CudaBackend::launch_chained`], each held in 8 bytes: a device
 /// pointer, or a 4-byte scalar in the low half (where the driver reads a 4-byte parameter).
@@ -225,15 +217,6 @@ pub fn compile(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, Eng
     if trace {
         options.push("-DLLMDIFF_TRACE".into());
     }
-    // Kernel experiments: `LLMDIFF_NVRTC_DEFINES=NAME[=V]:NAME...` defines each for every module
-    // (one binary A/B'd against itself under other kernel forms).
-    if let Ok(defs) = std::env::var("LLMDIFF_NVRTC_DEFINES") {
-        options.extend(
-            defs.split([':', ' '])
-                .filter(|d| !d.is_empty())
-                .map(|d| format!("-D{d}")),
-        );
-    }
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec!["/usr/local/cuda/include".into()],
@@ -251,6 +234,23 @@ pub fn compile(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, Eng
     })?;
     cache.lock().expect("ptx cache").insert((id, arch, trace), ptx.clone());
     Ok(ptx)
+}
+
+/// The cuda backend for TP `tp` under `opts`: real ranks over NCCL ([`crate::cuda_nccl`]) or
+/// simulated ranks on one GPU, by [`CudaOptions::ranks`] and the device count; the kernel trace
+/// runs on one GPU only.
+pub fn backend_for(tp: usize, opts: &CudaOptions) -> Result<Box<dyn Backend>, EngineError> {
+    let n = CudaBackend::device_count();
+    if crate::cuda_nccl::wants_real_ranks(opts.ranks, tp, n)? {
+        if opts.kernel_trace {
+            return Err(EngineError::Cuda(
+                "the kernel trace runs on one GPU: use simulated ranks (--ranks simulated)".into(),
+            ));
+        }
+        Ok(Box::new(crate::cuda_nccl::NcclBackend::new(tp, opts)?))
+    } else {
+        Ok(Box::new(CudaBackend::on_device(0, opts)?))
+    }
 }
 
 /// A weight resident on the device.
@@ -597,103 +597,6 @@ fn limbs_words(cols: usize) -> usize {
     3 * cols / 4 + cols / 32 + cols / 8
 }
 
-/// The one-token GEMV's settings, read once from the environment (for benchmarks and sweeps):
-/// - `LLMDIFF_GEMV=0`: no GEMV, back to the warp-per-row matvec.
-/// - `LLMDIFF_GEMV_VARIANT=<entry>` (e.g. `gemvw_q4_k_r4_w4_u1_m0`): that variant for weights of
-///   its type (an x-stationary one only where its block fits the row). A comma-separated list may
-///   name launch shapes, `<rows>x<cols>=<entry>` (e.g. `6144x4096=gemvb_q4_k_r8_w2_m3_s2` for the
-///   8B's q/k/v launch, whose rows are q's, k's and v's together); the first item that matches a
-///   launch's type and shape (or names no shape) is taken.
-/// - `LLMDIFF_GEMV_KIND=xs|wr|tc|bulk`: the work split (default per type, see
-///   [`CudaBackend::gemv_default`]; `xs` x-stationary, `wr` warp-rows, `tc` the tensor-core GEMV
-///   of `kernels/gemv_tc.cu` for Q4_K, other types keeping their default, see `cuda_gemv_tc.rs`;
-///   `bulk` the bulk-staged warp-rows GEMV for Q4_K, [`GemvKind::Wb`], where U is its ring's
-///   stages).
-/// - `LLMDIFF_GEMV_R`, `LLMDIFF_GEMV_NW`, `LLMDIFF_GEMV_U`: rows per block, warps per block and
-///   chunks per step of warp-rows (R also x-stationary's rows per step; for `tc`, R is 16 or 32
-///   rows per block, NW up to 16); the nearest compiled variant is taken (R first, then NW, then
-///   U).
-/// - `LLMDIFF_GEMV_MODE=0|1|2|3`: how quants meet x (see [`GemvVariant`]): 0 as exact floats, 1
-///   (Q4_K) as 1 + q/128, 2 (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8
-///   limbs from a pre-pass; 3 (warp-rows Q4_K) the same in pair units (64 values a thread), other
-///   types and splits keeping their default mode; modes 0–2 where the type or split lacks them
-///   fall back to 0.
-/// - `LLMDIFF_GEMV_BPS`: a cap on x-stationary and bulk-staged blocks per SM.
-/// - `LLMDIFF_GEMV_BULK_ROWS=<rows>`: Q4_K launches of at least that many rows (rows of 128 units
-///   or more) take the bulk-staged GEMV (default 0: never; it did not speed up the 8B decode step
-///   on the H200, round 16).
-/// - `LLMDIFF_GEMV_NW2_ROWS=<rows>`: warp-rows Q4_K rows of 128..255 units take NW 2 (not 4) in
-///   a launch of at least that many rows (default 8192; 0: never).
-/// - `LLMDIFF_GEMV_PAIR_BELOW=<rows>`: warp-rows Q4_K rows of 128..255 units take pair units
-///   (mode 3, R 4, NW 2) in a launch of fewer rows than that (default 8192; 0: never), unless
-///   `LLMDIFF_GEMV_MODE` is set.
-/// - `LLMDIFF_GEMV_QKV_STORE=0`: a layer's q/k/v GEMV stores plainly; RoPE and the cache append
-///   take their own launch (`rope_qk_cache`) instead of the GEMV's store (`linear_qkv_rope`).
-///
-/// Defaults: see [`CudaBackend::gemv_default`].
-#[derive(Clone, Debug)]
-struct GemvConfig {
-    on: bool,
-    /// `LLMDIFF_GEMV_VARIANT`'s items: an entry, for launches of one shape or any.
-    variant: Vec<(Option<(usize, usize)>, String)>,
-    /// None: per type (see `CudaBackend::gemv_default`).
-    kind: Option<GemvKind>,
-    r: Option<usize>,
-    nw: Option<usize>,
-    u: Option<usize>,
-    mode: Option<usize>,
-    bps: Option<u32>,
-    nw2_rows: usize,
-    bulk_rows: usize,
-    pair_below: usize,
-    qkv_store: bool,
-}
-
-/// `LLMDIFF_GEMV_VARIANT`'s items (see [`GemvConfig`]): `entry` or `<rows>x<cols>=entry`,
-/// comma-separated; an item whose shape does not parse is dropped.
-fn parse_variants(v: &str) -> Vec<(Option<(usize, usize)>, String)> {
-    v.split(',')
-        .map(str::trim)
-        .filter(|i| !i.is_empty())
-        .filter_map(|i| match i.split_once('=') {
-            None => Some((None, i.to_string())),
-            Some((shape, entry)) => {
-                let (r, c) = shape.split_once('x')?;
-                Some((
-                    Some((r.trim().parse().ok()?, c.trim().parse().ok()?)),
-                    entry.trim().to_string(),
-                ))
-            }
-        })
-        .collect()
-}
-
-impl GemvConfig {
-    fn from_env() -> GemvConfig {
-        let get = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<usize>().ok());
-        GemvConfig {
-            on: get("LLMDIFF_GEMV") != Some(0),
-            variant: std::env::var("LLMDIFF_GEMV_VARIANT").map_or(Vec::new(), |v| parse_variants(&v)),
-            kind: match std::env::var("LLMDIFF_GEMV_KIND").as_deref() {
-                Ok("xs") => Some(GemvKind::Xs),
-                Ok("wr") => Some(GemvKind::Wr),
-                Ok("tc") => Some(GemvKind::Tc),
-                Ok("bulk") => Some(GemvKind::Wb),
-                _ => None,
-            },
-            r: get("LLMDIFF_GEMV_R").filter(|r| (1..=64).contains(r)),
-            nw: get("LLMDIFF_GEMV_NW").filter(|w| (1..=16).contains(w)),
-            u: get("LLMDIFF_GEMV_U").filter(|u| (1..=4).contains(u)),
-            mode: get("LLMDIFF_GEMV_MODE").filter(|m| *m <= 3),
-            bps: get("LLMDIFF_GEMV_BPS").map(|b| b.max(1) as u32),
-            nw2_rows: get("LLMDIFF_GEMV_NW2_ROWS").unwrap_or(8192),
-            bulk_rows: get("LLMDIFF_GEMV_BULK_ROWS").unwrap_or(0),
-            pair_below: get("LLMDIFF_GEMV_PAIR_BELOW").unwrap_or(8192),
-            qkv_store: get("LLMDIFF_GEMV_QKV_STORE") != Some(0),
-        }
-    }
-}
-
 /// The GPU backend: one context on a device, its kernels, its stream, and the resident weights.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -704,10 +607,11 @@ pub struct CudaBackend {
     stream: Arc<CudaStream>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
     sms: u32,
-    gemv: GemvConfig,
-    /// The tensor-core GEMM's settings for n > 1 (`LLMDIFF_GEMM=0` turns it off; see `cuda_gemm.rs`).
+    /// Default fast paths turned off (`LLMDIFF_CUDA_DISABLE`, see [`CudaDisable`]).
+    disable: CudaDisable,
+    /// The tensor-core GEMM's settings for n > 1 (see `gemm.rs`).
     gemm: gemm::GemmState,
-    /// The tiled prefill attention's settings (`LLMDIFF_ATTN_TILED=0` turns it off; see `cuda_attn.rs`).
+    /// The tiled prefill and split decode attention's settings (see `attn.rs`).
     attn: attn::AttnState,
     /// Resident blocks per SM of a GEMV entry at a block size and dynamic shared memory.
     occupancy: Mutex<HashMap<(String, u32, u32), u32>>,
@@ -715,13 +619,14 @@ pub struct CudaBackend {
     clock: CommClock,
     /// Freed activation buffers for reuse.
     pool: Arc<BufPool>,
-    /// Decode graphs on (`LLMDIFF_CUDA_GRAPH=0` turns them off).
+    /// Decode graphs on ([`CudaOptions::graphs_on`]).
     graphs_on: bool,
-    /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`;
-    /// `LLMDIFF_PDL=0` turns it off).
+    /// Warp-rows GEMVs launched with programmatic dependent launch (`launch_pdl`; off with
+    /// `LLMDIFF_CUDA_DISABLE=pdl`): 8B decode 2.11 against 2.23 ms on the H200, graph-replayed
+    /// logits bitwise the op-by-op step's.
     pdl: bool,
-    /// The norms, SwiGLU and the split attention launched the same way (`launch_chained`;
-    /// `LLMDIFF_PDL_CHAIN=0` turns it off).
+    /// The norms, SwiGLU and the split attention launched the same way (`launch_chained`; off
+    /// with `pdl` or `pdl-chain`).
     pdl_chain: bool,
     /// The decode graph being recorded, if any.
     capture: Mutex<CaptureState>,
@@ -739,21 +644,14 @@ pub struct CudaBackend {
     staging: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// The kernel trace's buffer, when the kernels were compiled with it (`with_trace`).
     trace: Option<Mutex<trace::KernelTrace>>,
-    /// The fused FFN's variant (None: op by op; `LLMDIFF_FFN`, see cuda_ffn.rs) and its grid
-    /// barrier's arrival count (over every launch on this device).
-    ffn: Option<crate::cuda_kernels::FfnVariant>,
-    ffn_bar: Arc<CudaSlice<u64>>,
-    /// The fused decode layer is on (`LLMDIFF_LAYER=1`, see cuda_layer.rs; it shares `ffn_bar`).
-    layer: bool,
-    /// The blocks a one-row (decode) norm is split over (`LLMDIFF_NORM_SPLIT`, default
-    /// [`NORM_SPLIT_DEFAULT`]; `rms_norm_one` in kernels/ops.cu), and the arrival count the
+    /// The blocks a one-row (decode) norm is split over ([`NORM_SPLIT_DEFAULT`], 1 with
+    /// `LLMDIFF_CUDA_DISABLE=norm-split`; `rms_norm` in kernels/ops.cu), and the arrival count the
     /// blocks of a split `add_rms_norm` share (0 between launches).
     norm_split: AtomicUsize,
     norm_arrive: Arc<CudaSlice<u32>>,
 }
 
-/// The blocks a one-row norm is split over by default (`LLMDIFF_NORM_SPLIT`; 1 = one block).
-/// On the H200 (round 30) 8 took the 8B decode step from 1.915 to 1.901 ms, 4 to 1.909.
+/// The blocks a one-row norm is split over by default (1 = one block). On the H200 8 took the 8B decode step from 1.915 to 1.901 ms, 4 to 1.909.
 const NORM_SPLIT_DEFAULT: usize = 8;
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
@@ -769,9 +667,9 @@ struct RopeKey {
 }
 
 impl CudaBackend {
-    /// Opens device 0 and compiles every kernel module for it.
+    /// Opens device 0 with the default options and compiles every kernel module for it.
     pub fn new() -> Result<CudaBackend, EngineError> {
-        CudaBackend::on_device(0)
+        CudaBackend::on_device(0, &CudaOptions::default())
     }
 
     /// The number of CUDA devices (0 where there is no driver).
@@ -782,14 +680,10 @@ impl CudaBackend {
         .map_or(0, |n| n.max(0) as usize)
     }
 
-    /// Opens device `ordinal` and compiles every kernel module for it.
-    pub fn on_device(ordinal: usize) -> Result<CudaBackend, EngineError> {
-        CudaBackend::with_trace(ordinal, false)
-    }
-
-    /// [`CudaBackend::on_device`], with the kernel trace compiled in when `trace` (see
-    /// `cuda_trace.rs`; `Backend::kernel_trace_take` reads it).
-    pub fn with_trace(ordinal: usize, trace: bool) -> Result<CudaBackend, EngineError> {
+    /// Opens device `ordinal` and compiles every kernel module for it, with the kernel trace
+    /// compiled in when `opts.kernel_trace` (see `trace.rs`; `Backend::kernel_trace_take` reads it).
+    pub fn on_device(ordinal: usize, opts: &CudaOptions) -> Result<CudaBackend, EngineError> {
+        let trace = opts.kernel_trace;
         let ctx = guarded("CUDA driver", || {
             let n = CudaContext::device_count().map_err(drv("CUDA driver"))?;
             if (n.max(0) as usize) <= ordinal {
@@ -826,7 +720,6 @@ impl CudaBackend {
             .map_err(drv("SM count"))?
             .max(1) as u32;
         let pos_dev = Arc::new(stream.alloc_zeros::<i32>(2).map_err(drv("alloc"))?);
-        let ffn_bar = Arc::new(stream.alloc_zeros::<u64>(1).map_err(drv("alloc"))?);
         let norm_arrive = Arc::new(stream.alloc_zeros::<u32>(1).map_err(drv("alloc"))?);
         let step_words = Arc::new(StepWords::new(&ctx).map_err(drv("page-locked alloc"))?);
         // The tiled prefill attention's and the v2 GEMM's blocks (static shared memory: none, or
@@ -851,9 +744,6 @@ impl CudaBackend {
                 // Dynamic shared memory: the whole opt-in limit for the kernels that stage in it.
                 let smem = (f.starts_with("gqa_attn_tiled_")
                     || f.starts_with("gqa_attn_tc_")
-                    || f.starts_with("gemvb_")
-                    || f.starts_with("ffn_q4k_")
-                    || f == "layer_q4k"
                     || f.starts_with("gemm2_q"))
                 .then_some(attn_smem_max);
                 if let Some(bytes) = smem {
@@ -873,7 +763,7 @@ impl CudaBackend {
                 funcs.insert(f, func);
             }
         }
-        let pdl = std::env::var("LLMDIFF_PDL").map_or(PDL_DEFAULT, |v| v != "0");
+        let d = opts.disable;
         Ok(CudaBackend {
             ctx,
             device,
@@ -882,31 +772,22 @@ impl CudaBackend {
             stream,
             weights: Mutex::new(HashMap::new()),
             sms,
-            gemv: GemvConfig::from_env(),
-            gemm: gemm::GemmState::from_env(attn_smem_max),
-            attn: attn::AttnState::new(attn_smem_max),
+            disable: d,
+            gemm: gemm::GemmState::new(!d.gemm, attn_smem_max),
+            attn: attn::AttnState::new(&d, attn_smem_max),
             occupancy: Mutex::new(HashMap::new()),
             clock: CommClock::default(),
             pool: Arc::default(),
-            graphs_on: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
-            pdl,
-            pdl_chain: pdl && std::env::var("LLMDIFF_PDL_CHAIN").map_or(true, |v| v != "0"),
+            graphs_on: opts.graphs_on(),
+            pdl: !d.pdl,
+            pdl_chain: !d.pdl && !d.pdl_chain,
             capture: Mutex::new(CaptureState::default()),
             pos_dev,
             step_words,
             rope_table: Mutex::new(None),
             staging: Mutex::new(None),
             trace: trace.map(Mutex::new),
-            ffn: ffn::from_env(),
-            ffn_bar,
-            layer: layer::from_env(),
-            norm_split: AtomicUsize::new(
-                std::env::var("LLMDIFF_NORM_SPLIT")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&s: &usize| (1..=32).contains(&s))
-                    .unwrap_or(NORM_SPLIT_DEFAULT),
-            ),
+            norm_split: AtomicUsize::new(if d.norm_split { 1 } else { NORM_SPLIT_DEFAULT }),
             norm_arrive,
         })
     }
@@ -981,41 +862,32 @@ impl CudaBackend {
 
     /// The GEMV variant a one-token product of `w` takes by default, if any.
     fn gemv_variant(&self, w: &DevWeight, rows: usize, cols: usize) -> Option<GemvVariant> {
-        self.gemv_select(w.ty, w.row_bytes, rows, cols, &self.gemv)
+        self.gemv_select(w.ty, w.row_bytes, rows, cols)
     }
 
     /// The GEMV variant a one-token product of a `[rows, cols]` weight of type `ty` (ggml row
-    /// length, device layout) takes under the environment's settings, if any (`None`: the
-    /// warp-per-row matvec).
+    /// length, device layout) takes, if any (`None`: the warp-per-row matvec, also where
+    /// `LLMDIFF_CUDA_DISABLE=gemv`).
     ///
-    /// Without settings, from the H200 sweep of every variant (`kernels --bench`,
-    /// tests/gpu/h200-results/round6): F16, BF16 and narrow Q8_0 rows take the x-stationary split
-    /// (R 2 for F16/BF16, 4 for Q8_0, the smallest UPT whose block fits: 90–93 % and 71–78 % of
-    /// copy bandwidth, where warp-rows reached 83–89 % and 63–68 %); Q8_0 rows from 128 units take
-    /// warp-rows R 4, NW 4, U 1 in the integer form (round 12: 84–95 % of copy); Q4_K and Q4_1
-    /// take warp-rows, which is as fast there (all splits within ~3 %) and lets `linear_many` put
-    /// a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under 128 units, and under 256
-    /// in launches of 8192 rows or more: the 8B's gate/up and output head, 2.0 % off its decode
-    /// step, round 15; its q/k/v and o lose with NW 2), U 1; Q4_1 R 8, NW 4, U 2 from 128 units,
-    /// R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2. Warp-rows from 128 units take the integer form
-    /// (mode 2: dp4a on x in int8 limbs, round 7: 8–12 % faster on the 8B shapes, slower on
-    /// smollm2's narrow rows), the rest mode 0. Q4_K's pair units (mode 3) are taken only when
-    /// asked for (`LLMDIFF_GEMV_MODE=3`: R 4, NW by the row's chunks of 2048 values). The nearest
-    /// compiled variant is taken (R first, then NW, then U); `LLMDIFF_GEMV_*` override each choice.
+    /// From the H200 sweep of every variant (`kernels --bench`): F16, BF16 and narrow Q8_0 rows
+    /// take the x-stationary split (R 2 for F16/BF16, 4 for Q8_0, the smallest UPT whose block
+    /// fits: 90–93 % and 71–78 % of copy bandwidth, where warp-rows reached 83–89 % and 63–68 %);
+    /// Q8_0 rows from 128 units take warp-rows R 4, NW 4, U 1 in the integer form (84–95 % of
+    /// copy); Q4_K and Q4_1 take warp-rows, which is as fast there (all splits within ~3 %) and
+    /// lets `linear_many` put a layer's q/k/v or gate/up in one launch: Q4_K R 8, NW 4 (2 under
+    /// 128 units, and under 256 in launches of 8192 rows or more), U 1, and pair units (mode 3,
+    /// R 4, NW by the row's chunks of 2048 values) for rows of 128..255 units in launches under
+    /// 8192 rows; Q4_1 R 8, NW 4, U 2 from 128 units, R 4, NW 4, U 1 from 64, else R 4, NW 2, U 2.
+    /// Warp-rows from 128 units take the integer form (mode 2: dp4a on x in int8 limbs, 8–12 %
+    /// faster on the 8B shapes, slower on smollm2's narrow rows), the rest mode 0. The nearest
+    /// compiled variant is taken (R first, then NW, then U).
     pub fn gemv_default(&self, ty: GgmlType, rows: usize, cols: usize) -> Option<GemvVariant> {
         let row_bytes = cols / ty.block_elems() * ty.block_bytes();
-        self.gemv_select(ty, row_bytes, rows, cols, &self.gemv)
+        self.gemv_select(ty, row_bytes, rows, cols)
     }
 
-    fn gemv_select(
-        &self,
-        ty: GgmlType,
-        row_bytes: usize,
-        rows: usize,
-        cols: usize,
-        cfg: &GemvConfig,
-    ) -> Option<GemvVariant> {
-        if !cfg.on {
+    fn gemv_select(&self, ty: GgmlType, row_bytes: usize, rows: usize, cols: usize) -> Option<GemvVariant> {
+        if self.disable.gemv {
             return None;
         }
         let ok_shape = match ty {
@@ -1038,111 +910,64 @@ impl CudaBackend {
         let xs_upt = [1usize, 2, 4]
             .into_iter()
             .find(|u| units.div_ceil(*u).div_ceil(32) * 32 <= maxt);
-        for (shape, name) in &cfg.variant {
-            if shape.is_some_and(|s| s != (rows, cols)) {
-                continue;
-            }
-            let all = GEMV_VARIANTS.iter().chain(&GEMVT_VARIANTS);
-            if let Some(v) = all.into_iter().find(|v| v.ty == ty && v.entry() == *name) {
-                if self.gemv_fits(*v, cols) {
-                    return Some(*v);
-                }
-            }
-        }
-        // The tensor-core GEMV (Q4_K only; other types keep their default split).
-        let kind = match cfg.kind {
-            Some(GemvKind::Tc) if ty == GgmlType::Q4K => {
-                return Some(gemv_tc::pick(cfg.r, cfg.nw, cfg.u)).filter(|v| self.gemv_fits(*v, cols))
-            }
-            Some(GemvKind::Tc) => None,
-            Some(GemvKind::Wb) if ty != GgmlType::Q4K => None,
-            k => k,
-        };
-        // Bulk-staged: pair units on rows under 256 units (8 rows, 2 warps: 71 % and 87 % of copy
-        // at 14336×4096 and 32000×4096 on the H200), else units of 32 (4 rows, 14 warps: 66 % at
-        // 4096×14336; round 16).
-        let wb_mode = if units < 256 { 3 } else { 2 };
-        let bulk_fits = || {
-            GEMV_VARIANTS
-                .iter()
-                .any(|v| v.kind == GemvKind::Wb && v.mode == wb_mode && self.gemv_fits(*v, cols))
-        };
-        let kind = kind.unwrap_or(match ty {
-            GgmlType::Q4K if cfg.bulk_rows > 0 && rows >= cfg.bulk_rows && units >= 128 && bulk_fits() => GemvKind::Wb,
+        let kind = match ty {
             // Q6_K has warp-rows variants only.
             GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q6K => GemvKind::Wr,
             // Wide Q8_0 rows: warp-rows R 4, NW 4, U 1 in the integer form ran at 84 and 95 % of
-            // copy on the H200, x-stationary at 70 and 75 % (round 12, launches chained by PDL).
+            // copy on the H200, x-stationary at 70 and 75 % (launches chained by PDL).
             GgmlType::Q8_0 if units >= 128 => GemvKind::Wr,
             // Wide F16 rows: warp-rows R 2, NW 4, U 1 read 100–103 % of copy at 14336×4096 and
             // 4096×14336 on the H200, x-stationary 93–95 %, and an 8-layer F16 8B-shaped model
-            // decoded in 1.035 against 1.169 ms a token (round 26). BF16 was not measured so.
+            // decoded in 1.035 against 1.169 ms a token. BF16 was not measured so.
             GgmlType::F16 if units >= 256 => GemvKind::Wr,
             _ => GemvKind::Xs,
-        });
-        // The integer form (mode 2) is Q4_K, Q4_1, Q8_0 and Q6_K; mode 1 is Q4_K only, mode 3 (pair
-        // units) warp-rows Q4_K only, other types and splits keeping their default under it.
-        let mode = match (cfg.mode, kind, ty) {
-            (Some(3), GemvKind::Wr | GemvKind::Wb, GgmlType::Q4K) => 3,
-            (Some(2), GemvKind::Wb, _) => 2,
-            (_, GemvKind::Wb, _) => wb_mode,
+        };
+        // How quants meet x: the integer form (mode 2) for Q4_K, Q4_1, Q8_0 and Q6_K warp-rows,
+        // Q4_K's pair units (mode 3) for its narrow launches, else exact floats (mode 0).
+        let mode = match (kind, ty) {
             // Q4_K launches of rows of 128..255 units and under 8192 rows (the 8B's q/k/v and o)
             // take pair units, R 4, NW 2: 47–48 % of copy at 4096×4096 against 44 %, and 8B decode
-            // 1.982–1.986 ms against 1.990–1.995 in three interleaved rounds (round 16).
-            (None, GemvKind::Wr, GgmlType::Q4K) if (128..256).contains(&units) && rows < cfg.pair_below => 3,
-            (Some(2), _, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q6K) => 2,
-            (Some(1), _, GgmlType::Q4K) => 1,
-            (Some(m), _, _) if m != 3 => 0,
+            // 1.982–1.986 ms against 1.990–1.995 in three interleaved runs.
+            (GemvKind::Wr, GgmlType::Q4K) if (128..256).contains(&units) && rows < PAIR_BELOW_ROWS => 3,
             // Narrow rows (smollm2's) lose more to the pre-pass's launch than they gain.
-            (_, GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) if units >= 128 => 2,
-            // Q6_K (round 27, H200): the integer form read 71 % of copy at 4096×14336 and 81 % at
-            // 32000×4096 (float form 61 and 70 %), but 18 % against 20–23 % at 1024×4096.
-            (_, GemvKind::Wr, GgmlType::Q6K) if units >= 256 || rows >= 8192 => 2,
-            (_, _, _) => 0,
+            (GemvKind::Wr, GgmlType::Q4K | GgmlType::Q4_1 | GgmlType::Q8_0) if units >= 128 => 2,
+            // Q6_K (H200): the integer form read 71 % of copy at 4096×14336 and 81 % at 32000×4096
+            // (float form 61 and 70 %), but 18 % against 20–23 % at 1024×4096.
+            (GemvKind::Wr, GgmlType::Q6K) if units >= 256 || rows >= 8192 => 2,
+            _ => 0,
         };
         // Warp-rows (R, NW, U) by type and row length in units; pair units (mode 3): R 4, NW by
         // the row's chunks of 2048 values (`pair_nw`), U 1.
         let (wr_r, wr_nw, wr_u) = match ty {
             GgmlType::Q4K if mode == 3 => (4, pair_nw(cols), 1),
             GgmlType::Q4K => {
-                let nw2 = units < 128 || (units < 256 && cfg.nw2_rows > 0 && rows >= cfg.nw2_rows);
+                // NW 2 under 128 units, and under 256 in launches of 8192 rows or more (the 8B's
+                // gate/up and output head: 2.0 % off its decode step; its q/k/v and o lose with NW 2).
+                let nw2 = units < 128 || (units < 256 && rows >= NW2_ROWS);
                 (8, if nw2 { 2 } else { 4 }, 1)
             }
             GgmlType::Q4_1 if units >= 128 => (8, 4, 2),
             GgmlType::Q4_1 if units >= 64 => (4, 4, 1),
             // smollm2's rows (18 and 48 units): 0.67-0.68 ms a decode step against 0.81 at
-            // (1, 4, 2) on the H200, in the graph (round 11).
+            // (1, 4, 2) on the H200, in the graph.
             GgmlType::Q4_1 => (4, 2, 2),
             // R 8, U 2 read 93 % of copy at 4096×14336 against R 4, U 1's 86 %, but a 16-layer
-            // Q8_0 model's decode step was the same under both (round 26), so R 4, U 1 stays.
+            // Q8_0 model's decode step was the same under both, so R 4, U 1 stays.
             GgmlType::Q8_0 => (4, 4, 1),
             GgmlType::F16 => (2, 4, 1),
-            // Q6_K (round 27, H200): R 4, NW 4 at 4096×14336 (U 2: 10 points less), R 8, NW 2 at
+            // Q6_K (H200): R 4, NW 4 at 4096×14336 (U 2: 10 points less), R 8, NW 2 at
             // 32000×4096, R 8, NW 4 (float form) at 1024×4096; the others within 2 points.
             GgmlType::Q6K if units >= 256 => (4, 4, 1),
             GgmlType::Q6K => (8, if rows >= 8192 { 2 } else { 4 }, 1),
             _ => (4, if units >= 128 { 4 } else { 2 }, if units >= 256 { 2 } else { 1 }),
         };
-        // Bulk-staged: 8 rows a stage for pair units, 4 else; 2 stages (below); the fewest warps
-        // that cover the row (gemv_fits).
-        let wb_r = if mode == 3 { 8 } else { 4 };
-        let r_default = match (kind, ty) {
-            (GemvKind::Wr, _) => wr_r,
-            (GemvKind::Wb, _) => wb_r,
-            (_, GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1) => 4,
-            _ => 2,
-        };
-        let r = cfg.r.unwrap_or(r_default);
-        let of = |kind: GemvKind| {
-            GEMV_VARIANTS
-                .iter()
-                .copied()
-                .filter(move |v| v.kind == kind && v.ty == ty && v.mode == mode)
-        };
         match kind {
-            GemvKind::Tc => None,
             GemvKind::Xs => {
                 let upt = xs_upt?;
+                let r = match ty {
+                    GgmlType::Q4K | GgmlType::Q8_0 | GgmlType::Q4_1 => 4,
+                    _ => 2,
+                };
                 // R 6 and 8 exist for Q4_K at UPT 1 only, the integer form at fewer (R, UPT);
                 // R 4, then mode 0, stand in.
                 let find = |r: usize, m: usize| {
@@ -1156,17 +981,12 @@ impl CudaBackend {
                     .or_else(|| find(r, 0))
                     .or_else(|| find(4, 0))
             }
-            GemvKind::Wr => {
-                let (nw, u) = (cfg.nw.unwrap_or(wr_nw), cfg.u.unwrap_or(wr_u));
-                of(kind).min_by_key(|v| (v.r.abs_diff(r), v.nw.abs_diff(nw), v.upt.abs_diff(u)))
-            }
-            GemvKind::Wb => {
-                // U stands for the ring's stages here (2 unless set).
-                let st = cfg.u.unwrap_or(2);
-                of(kind)
-                    .filter(|v| self.gemv_fits(*v, cols))
-                    .min_by_key(|v| (v.nw, v.r.abs_diff(r), v.upt.abs_diff(st)))
-            }
+            // The nearest compiled variant (R first, then NW, then U).
+            GemvKind::Wr => GEMV_VARIANTS
+                .iter()
+                .copied()
+                .filter(|v| v.kind == kind && v.ty == ty && v.mode == mode)
+                .min_by_key(|v| (v.r.abs_diff(wr_r), v.nw.abs_diff(wr_nw), v.upt.abs_diff(wr_u))),
         }
     }
 
@@ -1177,15 +997,6 @@ impl CudaBackend {
         match v.kind {
             GemvKind::Xs => units.div_ceil(v.upt).div_ceil(32) * 32 <= GemvVariant::max_threads(v.ty),
             GemvKind::Wr => true,
-            GemvKind::Tc => v.ty == GgmlType::Q4K && cols % 256 == 0,
-            // One chunk a warp: the block's lanes cover the row's units.
-            GemvKind::Wb => {
-                let units = cols / if v.mode == 3 { 64 } else { 32 };
-                v.ty == GgmlType::Q4K
-                    && cols % 256 == 0
-                    && units <= 32 * v.nw
-                    && gemvb_smem(v, cols / 256 * 144) <= self.attn.smem_max
-            }
         }
     }
 
@@ -1214,8 +1025,7 @@ impl CudaBackend {
             threads as usize <= GemvVariant::max_threads(v.ty),
             "gemv: block too large"
         );
-        let occ = self.blocks_per_sm(&name, threads, 0);
-        let per_sm = self.gemv.bps.map_or(occ, |b| b.min(occ));
+        let per_sm = self.blocks_per_sm(&name, threads, 0);
         let groups = rows.div_ceil(v.r);
         let cfg = LaunchConfig {
             grid_dim: (groups.min((self.sms * per_sm) as usize).max(1) as u32, 1, 1),
@@ -1247,10 +1057,9 @@ impl CudaBackend {
         })
     }
 
-    /// Launches warp-rows (or tensor-core, or bulk-staged: the same arguments) GEMV variant `v`
-    /// over one to three weights of one type and width that share `x`, each `(weight, out, rows)`,
-    /// in one launch (`GemvRows`): a block per R rows of their rows taken one after another (the
-    /// bulk-staged form: a persistent grid walking those row groups).
+    /// Launches warp-rows GEMV variant `v` over one to three weights of one type and width that
+    /// share `x`, each `(weight, out, rows)`, in one launch (`GemvRows`): a block per R rows of
+    /// their rows taken one after another.
     #[allow(clippy::too_many_arguments)]
     fn launch_gemv_rows(
         &self,
@@ -1264,7 +1073,7 @@ impl CudaBackend {
     ) {
         use cudarc::driver::{DevicePtr, DevicePtrMut};
         assert!(
-            (1..=3).contains(&parts.len()) && matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb),
+            (1..=3).contains(&parts.len()) && v.kind == GemvKind::Wr,
             "gemv: one to three warp-rows parts"
         );
         let row_bytes = parts[0].0.row_bytes;
@@ -1311,28 +1120,13 @@ impl CudaBackend {
             e.done = true;
         }
         let (threads, groups) = ((v.nw * 32) as u32, total.div_ceil(v.r) as u32);
-        let (grid, smem) = match v.kind {
-            // Bulk-staged: a persistent grid of at most the resident blocks, one fewer a SM where
-            // three or more fit (`LLMDIFF_GEMV_BPS` caps it instead), so the kernel after it can
-            // place blocks early (PDL) and start its copies while this one ends.
-            GemvKind::Wb => {
-                let smem = gemvb_smem(v, row_bytes) as u32;
-                let occ = self.blocks_per_sm(&v.entry(), threads, smem);
-                let per_sm = self
-                    .gemv
-                    .bps
-                    .map_or(if occ >= 3 { occ - 1 } else { occ }, |b| b.min(occ));
-                (groups.min(self.sms * per_sm), smem)
-            }
-            _ => (groups, 0),
-        };
         let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
+            grid_dim: (groups, 1, 1),
             block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
+            shared_mem_bytes: 0,
         };
         let (r, c, rb) = (total as i32, cols as i32, row_bytes as i32);
-        // The integer forms' (warp-rows modes 2 and 3, the tensor-core GEMV): x in int8 limbs, block
+        // The integer forms' (warp-rows modes 2 and 3): x in int8 limbs, block
         // scales and Σx per 8, unless x came with them (`xq`, see DevBuf::limbs).
         let limbs = v.takes_limbs().then(|| self.x_limbs(s, x, cols, xq));
         if self.pdl {
@@ -1348,7 +1142,7 @@ impl CudaBackend {
             params.extend(ptrs.iter_mut().map(|p| (p as *mut u64).cast()));
             let mut ints = [r, c, rb];
             params.extend(ints.iter_mut().map(|v| (v as *mut i32).cast()));
-            // SAFETY: gemvw_* and gemvt_* take (GemvRows, x, [xq if takes_limbs], rows, cols,
+            // SAFETY: gemvw_* take (GemvRows, x, [xq if takes_limbs], rows, cols,
             // row_bytes), sized as for the plain launch below; they wait (griddep_wait) before
             // reading x or xq or writing anything; `params` and the pointers they name outlive the
             // call, and `guards` keeps the buffers ordered on this stream.
@@ -1362,9 +1156,8 @@ impl CudaBackend {
             b.arg(q.get());
         }
         b.arg(&r).arg(&c).arg(&rb);
-        // SAFETY: the arguments match gemvw_* in kernels/quant.cu and gemvt_* in kernels/gemv_tc.cu
-        // (Tc variants are Q4_K only and cols % 256 == 0, see gemv_fits; they and warp-rows modes 2
-        // and 3 get xq, sized by gemv_x_limbs): each part's W is rows·row_bytes in the device
+        // SAFETY: the arguments match gemvw_* in kernels/quant.cu (modes 2 and 3 get xq, sized
+        // by gemv_x_limbs): each part's W is rows·row_bytes in the device
         // layout and its out at least rows floats, x has cols floats; the pointers stay valid (and
         // ordered on this stream) while `guards` lives, past the launch.
         ok(unsafe { b.launch(cfg) });
@@ -1443,10 +1236,9 @@ impl CudaBackend {
     /// Scratch for the limbs of an op's output when it is one row of `d` values (`len == d`) that
     /// an integer-form GEMV (modes 2 and 3) may read: d % 128 == 0 (the fused kernels' warps hold
     /// whole 32-value blocks) and d ≥ 2048 (narrower rows take the float GEMV by default, see
-    /// `gemv_select`), unless the environment rules the integer form out. None: no limbs.
+    /// `gemv_select`), unless the GEMV is disabled. None: no limbs.
     fn limbs_out(&self, len: usize, d: usize) -> Option<Buf> {
-        let may = self.gemv.on && matches!(self.gemv.mode, None | Some(2) | Some(3));
-        (may && len == d && d % 128 == 0 && d >= 2048).then(|| self.new_buf(limbs_words(d)))
+        (!self.disable.gemv && len == d && d % 128 == 0 && d >= 2048).then(|| self.new_buf(limbs_words(d)))
     }
 
     /// The limbs an integer-form GEMV reads: those x came with (`xq`), else the pre-pass's.
@@ -1571,7 +1363,7 @@ impl CudaBackend {
         let v = (n == 1 && (2..=3).contains(&ws.len()) && same && ws.iter().all(|w| w.cols() == cols))
             .then(|| force.or_else(|| self.gemv_variant(&dws[0], ws.iter().map(|w| w.rows()).sum(), cols)))
             .flatten()
-            .filter(|v| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb));
+            .filter(|v| v.kind == GemvKind::Wr);
         let Some(v) = v else {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.linear_with(x, n, *w, out, force);
@@ -1597,7 +1389,7 @@ impl CudaBackend {
         if !alike(&dws[0], &dws[1]) || alike(&dws[0], &dws[2]) || ws.iter().any(|w| w.cols() != cols) {
             return None;
         }
-        let rows_like = |v: &GemvVariant| matches!(v.kind, GemvKind::Wr | GemvKind::Tc | GemvKind::Wb);
+        let rows_like = |v: &GemvVariant| v.kind == GemvKind::Wr;
         let qk = self
             .gemv_variant(&dws[0], ws[0].rows() + ws[1].rows(), cols)
             .filter(|v| rows_like(v) && v.r % 2 == 0)?;
@@ -2077,7 +1869,7 @@ impl Backend for CudaBackend {
         let (q_rows, k_rows, v_rows) = (ws[0].rows(), ws[1].rows(), ws[2].rows());
         // The GEMV's store rotates NORM pairs (rows 2i, 2i + 1 of a head) from each head's start.
         let store_fits = n == 1
-            && self.gemv.qkv_store
+            && !self.disable.qkv_store
             && rope.style == RopeStyle::Norm
             && (rope.q.offset, rope.k.offset) == (0, 0)
             && rope.k.head_stride == hd
@@ -2253,16 +2045,6 @@ impl Backend for CudaBackend {
             .collect()
     }
 
-    fn decode_layer(&self, x: &mut Buf, layer: &crate::backend::DecodeLayer<'_>, caches: [&mut Buf; 2]) -> bool {
-        self.layer && self.layer_fused(x, layer, caches)
-    }
-
-    fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
-        if !self.ffn.is_some_and(|v| self.ffn_fused(h, n, ws, out, v)) {
-            crate::backend::ffn_swiglu_ops(self, h, n, ws, out);
-        }
-    }
-
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         if gate.is_empty() {
             return;
@@ -2294,14 +2076,14 @@ impl Backend for CudaBackend {
         }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
-        // Prefill: the tiled kernel (cuda_attn.rs), unless recording or LLMDIFF_ATTN_TILED=0.
+        // Prefill: the tiled kernel (cuda_attn.rs), unless recording or disabled.
         if !capturing {
             if let Some(entry) = self.attn_tiled_entry(n, shape) {
                 self.launch_gqa_tiled(entry, dev(q), dev(k), dev(v), dev_mut(out), n, pos0, shape);
                 return;
             }
         }
-        // Decode: the split kernel (cuda_attn.rs; recorded too), unless LLMDIFF_ATTN_SPLIT=0.
+        // Decode: the split kernel (cuda_attn.rs; recorded too), unless disabled.
         if n == 1 && self.gqa_split(q, k, v, pos0, shape, out) {
             return;
         }
@@ -2597,6 +2379,22 @@ fn test_weight(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> WeightRe
     })
 }
 
+/// Noise of `cols` values scaled as `kind` says: `x1e4`, `x1e-30`, or `mixed` (×1e4, 1, 1e-30, 0
+/// and 1e-3 in turn, so a block of 32 holds very different magnitudes); else plain noise.
+fn scaled_test_x(kind: &str, cols: usize, seed: u64) -> Vec<f32> {
+    let x = noise(cols, seed);
+    match kind {
+        "x1e4" => x.iter().map(|v| v * 1e4).collect(),
+        "x1e-30" => x.iter().map(|v| v * 1e-30).collect(),
+        "mixed" => x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * [1e4f32, 1.0, 1e-30, 0.0, 1e-3][i % 5])
+            .collect(),
+        _ => x,
+    }
+}
+
 fn noise(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
@@ -2821,7 +2619,6 @@ impl CudaBackend {
                 let name = type_suffix(ty).unwrap_or("?");
                 let wr = GEMV_VARIANTS
                     .iter()
-                    .chain(&GEMVT_VARIANTS)
                     .filter(|v| v.ty == ty && v.kind != GemvKind::Xs && self.gemv_fits(**v, cols))
                     .map(|v| (Some(*v), v.entry()));
                 let default = (
@@ -2858,7 +2655,7 @@ impl CudaBackend {
             let w = test_weight(ty, &bytes, rows, cols);
             let name = type_suffix(ty).unwrap_or("?");
             for kind in ["x1e4", "x1e-30", "mixed", "nan", "inf"] {
-                let mut x = gemv_tc::tc_test_x(kind, cols, 71);
+                let mut x = scaled_test_x(kind, cols, 71);
                 match kind {
                     "nan" => x[cols / 2] = f32::NAN,
                     "inf" => x[cols / 3] = f32::INFINITY,
@@ -2870,7 +2667,6 @@ impl CudaBackend {
                 let xd = self.upload(&x);
                 for v in GEMV_VARIANTS
                     .iter()
-                    .chain(&GEMVT_VARIANTS)
                     .filter(|v| v.ty == ty && v.takes_limbs() && self.gemv_fits(**v, cols))
                 {
                     let mut g = self.upload(&vec![0.0; rows]);
@@ -3446,11 +3242,8 @@ impl CudaBackend {
             out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
         out.extend(self.gemm_checks());
-        out.extend(self.gemv_tc_checks());
         out.extend(self.attn_tiled_checks());
         out.extend(self.attn_split_checks());
-        out.extend(self.ffn_checks());
-        out.extend(self.layer_checks());
         // The recorded step with the split decode attention (at its setting, the default where it
         // is off) and with the per-(token, head) kernel.
         let split = self.attn.split_chunk();
@@ -3697,7 +3490,7 @@ impl CudaBackend {
                 }
             }
             let takes_limbs = n == 1
-                && v.or_else(|| self.gemv_select(ty, ws[0].row_bytes, rows, cols, &self.gemv))
+                && v.or_else(|| self.gemv_select(ty, ws[0].row_bytes, rows, cols))
                     .is_some_and(|v| v.takes_limbs());
             let mut time = |xq: Option<&CudaSlice<f32>>| {
                 for w in ws.iter().take(3) {
@@ -3883,22 +3676,8 @@ pub struct LaunchCost {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_variants, repack_headers_last, repack_q6_k, RawArgs};
+    use super::{repack_headers_last, repack_q6_k, RawArgs};
     use references::ggml_type::GgmlType;
-
-    #[test]
-    fn gemv_variant_items_take_an_optional_shape() {
-        let v = parse_variants(" gemvw_a, 6144x4096=gemvb_b ,,12x=bad, x4=bad2,1x2=c=d");
-        assert_eq!(
-            v,
-            vec![
-                (None, "gemvw_a".to_string()),
-                (Some((6144, 4096)), "gemvb_b".to_string()),
-                (Some((1, 2)), "c=d".to_string()),
-            ]
-        );
-        assert!(parse_variants("").is_empty());
-    }
 
     #[test]
     fn raw_args_hold_4_byte_scalars_in_the_low_half() {

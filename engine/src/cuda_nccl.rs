@@ -1,15 +1,15 @@
 //! Multi-GPU tensor parallelism (feature `cuda`): one rank per GPU in one process, the
 //! all-reduce through NCCL (cudarc's bindings, `ncclCommInitAll` over devices 0..tp).
 //!
-//! [`cuda_backend`] picks the mode for `--backend cuda --tp N`:
+//! [`crate::cuda::backend_for`] picks the mode for `--backend cuda --tp N` ([`RankMode`]):
 //! - `cuda-nccl` (real ranks) when 1 < N ≤ the device count: rank r's ops run on GPU r (the
 //!   engine tags each rank's work with [`crate::backend::as_rank`]), so rank r's weight shards are
 //!   uploaded to GPU r only (each GPU holds only its part), and the all-reduce is an NCCL sum.
 //! - `cuda` (simulated ranks) otherwise: every rank on GPU 0, separate streams, the fixed-order
 //!   device-side sum (see [`crate::cuda`]).
 //!
-//! `LLMDIFF_CUDA_RANKS=simulated` forces simulated ranks; `LLMDIFF_CUDA_RANKS=nccl` forces real
-//! ranks (also at TP 1: an NCCL communicator of one rank), and fails if there are too few GPUs.
+//! [`RankMode::Simulated`] forces simulated ranks; [`RankMode::Nccl`] forces real ranks (also at
+//! TP 1: an NCCL communicator of one rank), and fails if there are too few GPUs.
 //!
 //! What stays the same: the model code, taps (per rank, downloaded from that rank's GPU), the
 //! canary and every fault. Activations and KV caches stay on each rank's GPU (as with simulated
@@ -27,6 +27,7 @@ use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cuda::CudaBackend;
 use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
 use crate::rank::Route;
+use crate::options::{CudaOptions, RankMode};
 use crate::EngineError;
 use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
 use references::config::MoeConfig;
@@ -48,34 +49,15 @@ struct Comms(Vec<Comm>);
 // around `Comms` gives that.
 unsafe impl Send for Comms {}
 
-/// Which mode `--backend cuda` runs in, from `LLMDIFF_CUDA_RANKS` and the device count.
-fn wants_real_ranks(tp: usize, n_devices: usize) -> Result<bool, EngineError> {
-    match std::env::var("LLMDIFF_CUDA_RANKS").ok().as_deref() {
-        Some("simulated") => Ok(false),
-        Some("nccl") if tp <= n_devices => Ok(true),
-        Some("nccl") => Err(EngineError::Cuda(format!(
-            "LLMDIFF_CUDA_RANKS=nccl wants one GPU per rank: TP {tp} but {n_devices} device(s)"
+/// Whether `--backend cuda` runs real ranks (NCCL), from the mode asked for and the device count.
+pub(crate) fn wants_real_ranks(mode: RankMode, tp: usize, n_devices: usize) -> Result<bool, EngineError> {
+    match mode {
+        RankMode::Simulated => Ok(false),
+        RankMode::Nccl if tp <= n_devices => Ok(true),
+        RankMode::Nccl => Err(EngineError::Cuda(format!(
+            "--ranks nccl wants one GPU per rank: TP {tp} but {n_devices} device(s)"
         ))),
-        None | Some("") | Some("auto") => Ok(tp > 1 && tp <= n_devices),
-        Some(other) => Err(EngineError::Cuda(format!(
-            "LLMDIFF_CUDA_RANKS={other}: expected simulated, nccl or auto"
-        ))),
-    }
-}
-
-/// The cuda backend for TP `tp`: real ranks over NCCL or simulated ranks on one GPU (see the
-/// module docs), with the kernel trace compiled in when `trace` (one GPU only).
-pub fn cuda_backend(tp: usize, trace: bool) -> Result<Box<dyn Backend>, EngineError> {
-    let n = CudaBackend::device_count();
-    if wants_real_ranks(tp, n)? {
-        if trace {
-            return Err(EngineError::Cuda(
-                "the kernel trace runs on one GPU: set LLMDIFF_CUDA_RANKS=simulated".into(),
-            ));
-        }
-        Ok(Box::new(NcclBackend::new(tp)?))
-    } else {
-        Ok(Box::new(CudaBackend::with_trace(0, trace)?))
+        RankMode::Auto => Ok(tp > 1 && tp <= n_devices),
     }
 }
 
@@ -89,12 +71,14 @@ pub struct NcclBackend {
 
 impl NcclBackend {
     /// Opens devices 0..tp, compiles the kernels on each, and makes the communicators.
-    pub fn new(tp: usize) -> Result<NcclBackend, EngineError> {
+    pub fn new(tp: usize, opts: &CudaOptions) -> Result<NcclBackend, EngineError> {
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             // Before NCCL reads its environment; NVLink multicast must stay off on shared hosts.
             std::env::set_var("NCCL_NVLS_ENABLE", "0");
         }
-        let devs = (0..tp).map(CudaBackend::on_device).collect::<Result<Vec<_>, _>>()?;
+        let devs = (0..tp)
+            .map(|d| CudaBackend::on_device(d, opts))
+            .collect::<Result<Vec<_>, _>>()?;
         let streams = devs
             .iter()
             .map(|d| d.context().new_stream())
@@ -272,15 +256,16 @@ impl Backend for NcclBackend {
 #[cfg(test)]
 mod tests {
     use super::wants_real_ranks;
+    use crate::options::RankMode;
 
     #[test]
     fn mode_selection() {
-        // Only the default (no LLMDIFF_CUDA_RANKS in the test environment) is checked here.
-        if std::env::var_os("LLMDIFF_CUDA_RANKS").is_none() {
-            assert!(!wants_real_ranks(1, 2).unwrap());
-            assert!(wants_real_ranks(2, 2).unwrap());
-            assert!(!wants_real_ranks(4, 2).unwrap());
-            assert!(!wants_real_ranks(2, 0).unwrap());
-        }
+        assert!(!wants_real_ranks(RankMode::Auto, 1, 2).unwrap());
+        assert!(wants_real_ranks(RankMode::Auto, 2, 2).unwrap());
+        assert!(!wants_real_ranks(RankMode::Auto, 4, 2).unwrap());
+        assert!(!wants_real_ranks(RankMode::Auto, 2, 0).unwrap());
+        assert!(!wants_real_ranks(RankMode::Simulated, 2, 2).unwrap());
+        assert!(wants_real_ranks(RankMode::Nccl, 1, 2).unwrap());
+        assert!(wants_real_ranks(RankMode::Nccl, 4, 2).is_err());
     }
 }

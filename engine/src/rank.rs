@@ -8,7 +8,7 @@
 //! double buffer (layer l writes buffer l mod 2), reused across layers and steps. Every tensor
 //! here is a backend [`Buf`] (device memory on CUDA); taps download only what is wanted.
 
-use crate::backend::{Backend, Buf, DecodeLayer};
+use crate::backend::{Backend, Buf};
 use crate::fault::{Fault, FaultSet};
 use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle};
 use crate::taps::{Emit, RankTaps, TapPlan};
@@ -444,39 +444,6 @@ impl Rank {
         PhaseOut { data: partial, taps }
     }
 
-    /// The whole layer as one backend op (`Backend::decode_layer`: one launch on CUDA, opt-in)
-    /// for a step the engine lets fuse (one token, one rank, nothing tapped, no fault): x gets
-    /// both blocks' outputs added, the caches the position's k and v. False (nothing done) for a
-    /// layer that is not dense GQA or a backend without the fused form: the engine then goes
-    /// phase by phase.
-    pub fn fused_layer(&mut self, ctx: &StepCtx<'_>, layer_idx: usize) -> bool {
-        let lw = &self.shard.layers[layer_idx];
-        let (AttnShard::Gqa { q, k, v }, FfnShard::Dense(mlp)) = (&lw.attn, &lw.ffn) else {
-            return false;
-        };
-        let hy = ctx.hyper(layer_idx, self.idx);
-        let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows);
-        let layer = DecodeLayer {
-            attn_norm: &lw.attn_norm,
-            ffn_norm: &lw.ffn_norm,
-            eps: hy.rms_eps,
-            qkv: [q.view(), k.view(), v.view()],
-            o: lw.o.view(),
-            ffn: [mlp.gate.view(), mlp.up.view(), mlp.down.view()],
-            rope,
-            shape,
-        };
-        let cache = &mut self.cache[layer_idx];
-        let done = ctx
-            .backend
-            .decode_layer(&mut self.x, &layer, [&mut cache.k, &mut cache.v]);
-        if done {
-            // The kernel norms x itself; an input normed before it is stale now.
-            self.normed = None;
-        }
-        done
-    }
-
     /// ffn_norm → dense SwiGLU or MoE mix (custom op) → partial `[n, d]`.
     pub fn ffn_block<'p>(&mut self, ctx: &StepCtx<'p>, layer_idx: usize) -> PhaseOut<'p> {
         let be = ctx.backend;
@@ -491,7 +458,7 @@ impl Rank {
         match &lw.ffn {
             FfnShard::Dense(mlp) if !taps.wants_site(Site::FfnGate) && !taps.wants_site(Site::FfnUp) => {
                 let ws = [mlp.gate.view(), mlp.up.view(), mlp.down.view()];
-                be.ffn_swiglu(&h, n, ws, &mut self.ffn_out);
+                crate::backend::ffn_swiglu(be, &h, n, ws, &mut self.ffn_out);
             }
             FfnShard::Dense(mlp) => {
                 let f_r = mlp.gate.rows;
@@ -617,7 +584,7 @@ fn top_k(v: &[f32], k: usize) -> Vec<usize> {
 }
 
 fn mlp(be: &dyn Backend, x: &Buf, n: usize, w: &MlpShard, out: &mut Buf) {
-    be.ffn_swiglu(x, n, [w.gate.view(), w.up.view(), w.down.view()], out);
+    crate::backend::ffn_swiglu(be, x, n, [w.gate.view(), w.up.view(), w.down.view()], out);
 }
 
 /// The MoE mix custom op: writes `out` `[n, d]` = Σ_e w_e·expert_e(x) + shared(x), over this
