@@ -720,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
 // warps' partial rows and the arrival and combine.
 
 // The pieces below the scores (AS_PPW, as_scores, as_own_row, as_warp_rows, AsPart) are in
-// common.cuh: quant.cu's fused decode layer computes the same splits.
+// common.cuh.
 
 // A split's end, in every block of the split kernels: the arrival on the KV head's counter and, in
 // the last block to arrive, the combine of its S splits and the output row (see above). `red`:

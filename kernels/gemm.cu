@@ -1,5 +1,5 @@
 // Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0,
-// Q4_1, Q6_K and F16 weights in the device layouts of kernels/quant.cu (quants first, then the headers;
+// Q4_1, Q6_K and F16 weights in the device layouts of kernels/matmul.cu (quants first, then the headers;
 // F16 rows as stored), at f32-like precision.
 //
 // Precision argument. A weight is (block scale) × (small integer) [− (block offset)]; the
@@ -255,7 +255,7 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
         }
     } else if constexpr (TY == TY_Q6_K) {
         // Step ks: values 64j .. 64j + 64 of super-block sb (j = ks % 4), in the repacked layout
-        // of kernels/quant.cu (deq8). Half h takes ql bytes 64n + 32h .. + 32 of the super-block
+        // of kernels/matmul.cu (deq8). Half h takes ql bytes 64n + 32h .. + 32 of the super-block
         // (n = j / 2: low nibbles for even j, high for odd), their qh bytes 32n .. 32n + 32 (bits
         // 2h + 4(j % 2), + 1), and the scales of its two runs of 16: ggml's sc[8n + 4(j % 2) +
         // 2h + e], bytes 8n + 4h + 2e + j % 2 of the repacked 16 (e = 0, 1).

@@ -1,5 +1,5 @@
 //! The backend seam: the primitive ops the model code is written over, once, for every backend.
-//! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; `CudaBackend`
+//! [`CpuBackend`] runs them on the host with the kernels in [`crate::cpu_ops`]; `CudaBackend`
 //! (feature `cuda`, in `crate::cuda`) implements the same trait with NVRTC kernels from `kernels/`.
 //!
 //! Activations, KV caches and custom-op output buffers are [`Buf`]s: a tensor of f32 owned by the
@@ -15,8 +15,8 @@
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
-use crate::kernels::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
-use crate::rank::{route, Route};
+use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::moe_route::{route, Route};
 use half::f16;
 use references::config::MoeConfig;
 
@@ -47,7 +47,7 @@ pub struct Buf {
 pub(crate) enum BufRepr {
     Host(Vec<f32>),
     #[cfg(feature = "cuda")]
-    Dev(crate::cuda::DevBuf),
+    Dev(crate::device_buf::DevBuf),
 }
 
 impl Default for BufRepr {
@@ -179,7 +179,7 @@ pub trait Backend: Send + Sync {
         self.add_assign(x, a, f16_round);
         self.rms_norm(x, weight, eps, out);
     }
-    /// MoE routing of router logits `[n, n_exp]` ([`crate::rank::route`]): on the host here (the
+    /// MoE routing of router logits `[n, n_exp]` ([`crate::moe_route::route`]): on the host here (the
     /// logits come down), a kernel on CUDA (only the chosen experts and weights come down).
     fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
         route(&self.download(logits), n_exp, m, bias, scale)
@@ -427,26 +427,26 @@ impl Backend for CpuBackend {
         c[slot0 * width..slot0 * width + new.len()].copy_from_slice(new);
     }
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
-        kernels::matmul_any(h(x), n, w, hm(out))
+        cpu_ops::matmul_any(h(x), n, w, hm(out))
     }
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
-        kernels::rms_norm(h(x), weight, eps, hm(out))
+        cpu_ops::rms_norm(h(x), weight, eps, hm(out))
     }
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        kernels::rope(hm(x), layout, pos0, base, style)
+        cpu_ops::rope(hm(x), layout, pos0, base, style)
     }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
-        kernels::swiglu(hm(gate), h(up))
+        cpu_ops::swiglu(hm(gate), h(up))
     }
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
-        kernels::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))
+        cpu_ops::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))
     }
     fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
-        kernels::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
+        cpu_ops::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
     }
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let parts: Vec<&[f32]> = partials.iter().map(|p| h(p)).collect();
-        vec![Buf::host(crate::engine::all_reduce(&parts))]
+        vec![Buf::host(crate::collective::all_reduce(&parts))]
     }
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
         embed_rows_host(w, rows, hm(out))

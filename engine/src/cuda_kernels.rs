@@ -10,7 +10,9 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 /// One NVRTC module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
-    /// Quantized matvec/matmul and the embedding gather (`kernels/quant.cu`).
+    /// Quantized matvec/matmul and the embedding gather (`kernels/matmul.cu`), and the one-token
+    /// GEMV (`kernels/gemv.cu`: per-unit decode, the integer form, x-stationary; `kernels/gemv_rows.cu`:
+    /// warp-rows), one module over their shared decoders.
     Quant,
     /// RMSNorm, RoPE, SwiGLU, all-reduce sum, and the data movement of device-resident
     /// activations (`kernels/ops.cu`).
@@ -18,36 +20,45 @@ pub enum KernelId {
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
     Attention,
     /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
-    /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
+    /// pre-pass (`kernels/gemm.cu`; host side in `cuda/gemm.rs`).
     Gemm,
 }
 
 impl KernelId {
     pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
 
-    /// The source file's name under `kernels/`.
+    /// The module's name in messages: its source file under `kernels/`, or its files joined by `+`.
     pub fn file(self) -> &'static str {
         match self {
-            KernelId::Quant => "quant.cu",
+            KernelId::Quant => "matmul.cu+gemv.cu+gemv_rows.cu",
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
             KernelId::Gemm => "gemm.cu",
         }
     }
 
-    /// The module's own source (without [`COMMON`]).
-    pub fn source(self) -> &'static str {
+    /// The module's source files under `kernels/`, in compile order, each (name, text).
+    pub fn files(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            KernelId::Quant => include_str!("../../kernels/quant.cu"),
-            KernelId::Ops => include_str!("../../kernels/ops.cu"),
-            KernelId::Attention => include_str!("../../kernels/attention.cu"),
-            KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
+            KernelId::Quant => &[
+                ("matmul.cu", include_str!("../../kernels/matmul.cu")),
+                ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+                ("gemv_rows.cu", include_str!("../../kernels/gemv_rows.cu")),
+            ],
+            KernelId::Ops => &[("ops.cu", include_str!("../../kernels/ops.cu"))],
+            KernelId::Attention => &[("attention.cu", include_str!("../../kernels/attention.cu"))],
+            KernelId::Gemm => &[("gemm.cu", include_str!("../../kernels/gemm.cu"))],
         }
     }
 
-    /// The source NVRTC compiles: [`COMMON`] then the module.
+    /// The source NVRTC compiles: [`COMMON`], then the module's files in order, each after a
+    /// `#line` naming it (so a compile error names the file and line).
     pub fn full_source(self) -> String {
-        format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
+        let mut s = format!("{COMMON}\n");
+        for (name, text) in self.files() {
+            s.push_str(&format!("#line 1 \"{name}\"\n{text}"));
+        }
+        s
     }
 
     /// The `extern "C"` entry points the module defines.
@@ -124,7 +135,7 @@ impl KernelId {
     }
 }
 
-/// The forms of the one-token GEMV: the two work splits of `kernels/quant.cu`.
+/// The forms of the one-token GEMV: the two work splits of `kernels/gemv.cu` and `kernels/gemv_rows.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvKind {
     /// x-stationary (`gemv_*`): a block holds its slice of x in registers and walks groups of R
@@ -135,7 +146,7 @@ pub enum GemvKind {
     Wr,
 }
 
-/// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
+/// One compiled variant of the one-token GEMV (`kernels/gemv.cu`, `kernels/gemv_rows.cu`): R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
 /// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized to
 /// the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
@@ -206,7 +217,7 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
     }
 }
 
-/// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
+/// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/gemv_rows.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
 /// Q8_0, F16, BF16, seven for Q6_K; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
 /// pre-pass) for Q4_K, Q4_1, Q8_0 and Q6_K; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
@@ -296,7 +307,7 @@ const GEMVW_VARIANTS: [GemvVariant; 79] = {
     ]
 };
 
-/// Every compiled GEMV variant of `kernels/quant.cu`. x-stationary (the `GEMV_RU` and
+/// Every compiled GEMV variant. x-stationary (`kernels/gemv.cu`: the `GEMV_RU` and
 /// `GEMV_ENTRY` lines): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
 /// ([`GEMVW_VARIANTS`]).
@@ -347,7 +358,7 @@ pub fn pair_nw(cols: usize) -> usize {
 }
 
 /// The x-stationary variants of the integer form (mode 2; the `GEMV_ENTRY_Q` lines of
-/// `kernels/quant.cu`, in the same order): each thread holds its x slice as int8 limbs.
+/// `kernels/gemv.cu`, in the same order): each thread holds its x slice as int8 limbs.
 const GEMV_XS_INT: [GemvVariant; 9] = {
     use GgmlType::{Q4K, Q4_1, Q8_0};
     [
@@ -363,7 +374,7 @@ const GEMV_XS_INT: [GemvVariant; 9] = {
     ]
 };
 
-/// The weight types decoded in registers by `kernels/quant.cu`. Others (Q2_K, Q3_K) are
+/// The weight types decoded in registers by `kernels/matmul.cu`. Others (Q2_K, Q3_K) are
 /// dequantized to f32 on the host when uploaded.
 pub const GPU_TYPES: [GgmlType; 11] = [
     GgmlType::F32,

@@ -18,9 +18,9 @@
 
 use crate::backend::{as_rank, Backend, BackendKind, BlockTrace, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
+use crate::options::CudaOptions;
 use crate::rank::{NormAt, PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
-use crate::options::CudaOptions;
 use crate::weights::{Loader, WeightStorage};
 use crate::EngineError;
 use rayon::prelude::*;
@@ -559,17 +559,6 @@ fn download_logits(be: &dyn Backend, slices: &[Buf], n: usize, out: &mut Vec<f32
         .collect();
     let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
     *out = gather_columns(&refs, n).0;
-}
-
-/// Sum all-reduce in a fixed order: rank 0 + rank 1 + ....
-pub fn all_reduce(partials: &[&[f32]]) -> Vec<f32> {
-    let mut sum = partials[0].to_vec();
-    for p in &partials[1..] {
-        for (s, &v) in sum.iter_mut().zip(p.iter()) {
-            *s += v;
-        }
-    }
-    sum
 }
 
 /// Runs `f` for every rank (as that rank, see [`as_rank`]): one rayon task per rank when

@@ -23,10 +23,10 @@
 //! NVLink multicast (NVLS) stays off: `NCCL_NVLS_ENABLE=0` is set before the communicator is made
 //! unless the environment already sets it.
 
+use super::CudaBackend;
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
-use crate::cuda::CudaBackend;
-use crate::kernels::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
-use crate::rank::Route;
+use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::moe_route::Route;
 use crate::options::{CudaOptions, RankMode};
 use crate::EngineError;
 use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
@@ -121,8 +121,8 @@ impl NcclBackend {
         let t0 = Instant::now();
         nccl(group_start());
         for ((c, p), out) in comms.0.iter().zip(partials).zip(sums.iter_mut()) {
-            let send = crate::cuda::dev_view(p);
-            let mut recv = crate::cuda::dev_view_mut(out);
+            let send = super::dev_view(p);
+            let mut recv = super::dev_view_mut(out);
             nccl(c.all_reduce(&send, &mut recv, &ReduceOp::Sum));
         }
         nccl(group_end());

@@ -34,7 +34,7 @@
 
 use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck, RawArgs};
 use crate::backend::{Backend, Buf, CpuBackend};
-use crate::kernels::GqaShape;
+use crate::cpu_ops::GqaShape;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;

@@ -25,7 +25,7 @@
 
 use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, CudaBackend, DevWeight, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
-use crate::kernels::WeightRef;
+use crate::cpu_ops::WeightRef;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use references::GgmlType;
