@@ -161,6 +161,54 @@ impl CudaBackend {
     /// movement ops (fill, column copy, residual add with and without f16 rounding, KV-cache
     /// writes, row gather and scaled scatter-add).
     pub fn self_check(&self) -> Vec<KernelCheck> {
+        Self::CHECKS.iter().flat_map(|(_, cases)| cases(self)).collect()
+    }
+
+    /// The check families' op names, in run order (`kernels --check` runs them all).
+    pub fn check_families() -> impl Iterator<Item = &'static str> {
+        Self::CHECKS.iter().map(|(op, _)| *op)
+    }
+
+    /// The checks of the families named `op` only.
+    pub fn self_check_family(&self, op: &str) -> Vec<KernelCheck> {
+        Self::CHECKS
+            .iter()
+            .filter(|(o, _)| *o == op)
+            .flat_map(|(_, cases)| cases(self))
+            .collect()
+    }
+
+    /// The check families in the order `self_check` runs them: (op, cases). Each case runs the
+    /// GPU kernel and the CPU engine's on the same inputs and names itself by its parameters.
+    #[allow(clippy::type_complexity)]
+    const CHECKS: [(&'static str, fn(&CudaBackend) -> Vec<KernelCheck>); 23] = [
+        ("MUL_MAT", CudaBackend::check_mul_mat_get_rows),
+        ("GEMV", CudaBackend::check_gemv_xs),
+        ("GEMV", CudaBackend::check_gemv_rows),
+        ("GEMV", CudaBackend::check_gemv_int_extremes),
+        ("GEMV_LIMBS", CudaBackend::check_gemv_limbs),
+        ("MUL_MAT", CudaBackend::check_matvec_odd),
+        ("RMS_NORM", CudaBackend::check_rms_norm),
+        ("ROPE", CudaBackend::check_rope),
+        ("MUL_MAT_MANY", CudaBackend::check_gemv_multi),
+        ("MUL_MAT_QKV_ROPE", CudaBackend::check_qkv_rope),
+        ("ADD_RMS_NORM", CudaBackend::check_add_rms_norm),
+        ("RMS_NORM_SPLIT", CudaBackend::check_norm_split),
+        ("ROPE_QK", CudaBackend::check_rope_qk),
+        ("ROPE_QK_CACHE", CudaBackend::check_rope_qk_cache),
+        ("SWIGLU", CudaBackend::check_swiglu),
+        ("ATTN", CudaBackend::check_attention),
+        ("ALL_REDUCE", CudaBackend::check_all_reduce),
+        ("MOE_ROUTE", CudaBackend::check_moe_route),
+        ("DATA_MOVEMENT", CudaBackend::check_data_movement),
+        ("MUL_MAT_GEMM", CudaBackend::gemm_checks),
+        ("ATTN_GQA_TILED", CudaBackend::attn_tiled_checks),
+        ("ATTN_GQA_SPLIT", CudaBackend::attn_split_checks),
+        ("DECODE_GRAPH", CudaBackend::check_decode_graph_cases),
+    ];
+
+    /// Matmul/matvec and the embedding gather for every GPU weight type (`MUL_MAT` cases).
+    fn check_mul_mat_get_rows(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
         let rows = 37;
         for ty in crate::cuda_kernels::GPU_TYPES {
@@ -236,6 +284,13 @@ impl CudaBackend {
             // The test bytes die here; a later type's may reuse their address and length.
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// Every x-stationary GEMV variant (`GEMV` cases).
+    fn check_gemv_xs(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
+        let rows = 37;
         // Every compiled x-stationary GEMV variant, on shapes whose rows end in a partial warp of
         // units and whose row count is not a multiple of R.
         for ty in [
@@ -275,6 +330,12 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// Every warp-rows GEMV variant and the default selection (`GEMV` cases).
+    fn check_gemv_rows(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // Every warp-rows GEMV variant, x in shared memory or not, and every tensor-core one (and
         // the default selection), on shapes that end in a
         // partial chunk of 32 units, a partial last step of NW·32·U units, chunks wholly past the
@@ -334,6 +395,12 @@ impl CudaBackend {
                 self.weights.lock().expect("weight map").clear();
             }
         }
+        out
+    }
+
+    /// The integer form on x of extreme magnitudes and non-finite x (`GEMV` cases).
+    fn check_gemv_int_extremes(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // The integer form (modes 2 and 3) on x of very different magnitudes (×1e4, ×1e-30, and
         // mixed within a block of 32 with zeros: the limbs carry each x to 2^-22 of its block's
         // max), and on x with a NaN or an inf: the output is non-finite exactly where the CPU
@@ -379,6 +446,12 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// X limbs written by the op before the GEMV (`GEMV_LIMBS` cases).
+    fn check_gemv_limbs(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // The limbs a decode row's RMSNorm, add+RMSNorm, SwiGLU or GQA attention (the split kernel,
         // 32/8 heads of 128 over 300 positions) writes beside it (DevBuf::limbs): the GEMV that
         // reads them (the default, and the pair units' R 4 variant) gives bit for bit what it gives
@@ -443,6 +516,13 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// The warp-per-row matvec on repacked Q4_1 rows of an odd block count (`MUL_MAT` cases).
+    fn check_matvec_odd(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
+        let rows = 37;
         // Q4_1 with an odd number of blocks per row (no GEMV: the warp-per-row matvec on the
         // repacked layout), one token.
         {
@@ -463,6 +543,12 @@ impl CudaBackend {
             ));
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// RMSNorm (`RMS_NORM` cases).
+    fn check_rms_norm(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // Decode-sized rows (one block of 1024 threads, float4 and scalar paths, rows longer
         // than the block) next to the small shapes.
         for (n, d) in [
@@ -487,6 +573,12 @@ impl CudaBackend {
             out.push(compare(format!("RMS_NORM(ne=[{d},{n}])"), &g, &c, 1e-6));
         }
         self.weights.lock().expect("weight map").clear();
+        out
+    }
+
+    /// RoPE NORM and NEOX (`ROPE` cases).
+    fn check_rope(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         for style in [RopeStyle::Norm, RopeStyle::Neox] {
             for (layout, pos0) in [
                 (
@@ -526,6 +618,12 @@ impl CudaBackend {
                 ));
             }
         }
+        out
+    }
+
+    /// Several products of one token in one warp-rows launch (`MUL_MAT_MANY` cases).
+    fn check_gemv_multi(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // Several products of one token in one warp-rows launch (q/k/v, gate/up): row counts that
         // split R-row blocks between matrices, then outputs back to back.
         for (ty, cols, rows_each) in [
@@ -559,6 +657,12 @@ impl CudaBackend {
             ));
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// Q/k/v with RoPE and the KV append in the GEMV store (`MUL_MAT_QKV_ROPE` cases).
+    fn check_qkv_rope(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // q/k/v with RoPE and the KV-cache append in the GEMV's store (linear_qkv_rope), after 7
         // cached rows: against the CPU engine, and bit for bit against the GPU's separate launches
         // (linear_many, rope_qk_cache). Q4_K rows of 4096 (the integer GEMV) with whole-head RoPE,
@@ -628,6 +732,12 @@ impl CudaBackend {
             }
             self.weights.lock().expect("weight map").clear();
         }
+        out
+    }
+
+    /// The residual add fused with the next norm (`ADD_RMS_NORM` cases).
+    fn check_add_rms_norm(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // The residual add fused with the next norm: x after the add, then the normed rows; on
         // the GPU also against the add and the norm as two launches, bit for bit.
         for (d, n, f16) in [
@@ -654,7 +764,12 @@ impl CudaBackend {
             let two = [self.download(&xb), self.download(&o)].concat();
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &two, 0.0));
         }
-        out.extend(self.check_norm_split());
+        out
+    }
+
+    /// RoPE of q and k in one launch (`ROPE_QK` cases).
+    fn check_rope_qk(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // q and k in one launch: 5 + 2 heads (a chunk spanning both), MLA-like offsets.
         for (ql, kl, pos0) in [
             (
@@ -706,6 +821,12 @@ impl CudaBackend {
                 1e-5,
             ));
         }
+        out
+    }
+
+    /// RoPE with the KV-cache append in one launch (`ROPE_QK_CACHE` cases).
+    fn check_rope_qk_cache(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // RoPE with the KV-cache append in one launch (rope_qk_cache), after 7 cached rows:
         // against the CPU engine, and bit for bit against the GPU's separate launches (rope_qk,
         // then kv_write twice). GQA-like (4 + 2 heads of 16, NORM; 1 and 3 rows) and a partial
@@ -750,6 +871,12 @@ impl CudaBackend {
             out.push(compare(case.clone(), &g, &c, 1e-5));
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
         }
+        out
+    }
+
+    /// SwiGLU (`SWIGLU` cases).
+    fn check_swiglu(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         {
             let gate = noise(1001, 14);
             let up = noise(1001, 15);
@@ -760,6 +887,12 @@ impl CudaBackend {
             });
             out.push(compare("SWIGLU(ne=[1001])".into(), &g, &c, 1e-6));
         }
+        out
+    }
+
+    /// GQA and MLA attention, the per-(token, head) kernel (`ATTN` cases).
+    fn check_attention(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // The per-(token, head) kernel in prefill and decode (the tiled and split ones have their
         // own cases below).
         let tiled = self.attn.set(false);
@@ -819,6 +952,12 @@ impl CudaBackend {
         }
         self.attn.set(tiled);
         self.attn.set_split(split);
+        out
+    }
+
+    /// The all-reduce sum (`ALL_REDUCE` cases).
+    fn check_all_reduce(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         {
             let parts: Vec<Vec<f32>> = (0..8).map(|r| noise(999, 30 + r)).collect();
             let (g, c) = both(self, |be| {
@@ -828,6 +967,12 @@ impl CudaBackend {
             });
             out.push(compare("ALL_REDUCE(ranks=8,ne=[999])".into(), &g, &c, 0.0));
         }
+        out
+    }
+
+    /// MoE routing (`MOE_ROUTE` cases).
+    fn check_moe_route(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // MoE routing: chosen experts and weights (ids as floats, then weights) against the host's
         // route(); DeepSeek-V3-like (sigmoid, bias, 8 groups keep 3, normalized, scaled) and a
         // softmax router without groups, over 7 tokens of random logits.
@@ -866,6 +1011,12 @@ impl CudaBackend {
                 1e-6,
             ));
         }
+        out
+    }
+
+    /// Fill, column copy, residual add, KV writes, gather and scatter-add (`DATA_MOVEMENT` cases).
+    fn check_data_movement(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // Data movement: exact (tolerance 0); the canary must survive bit for bit.
         {
             let (g, c) = both(self, |be| {
@@ -934,9 +1085,12 @@ impl CudaBackend {
             });
             out.push(compare("GATHER_SCATTER_ADD(ne=[33,6],rows=4)".into(), &g, &c, 0.0));
         }
-        out.extend(self.gemm_checks());
-        out.extend(self.attn_tiled_checks());
-        out.extend(self.attn_split_checks());
+        out
+    }
+
+    /// A recorded decode step against the same ops one by one (`DECODE_GRAPH` cases).
+    fn check_decode_graph_cases(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
         // The recorded step with the split decode attention (at its setting, the default where it
         // is off) and with the per-(token, head) kernel.
         let split = self.attn.split_chunk();
