@@ -137,6 +137,19 @@ impl NcclBackend {
     }
 }
 
+/// Forwards each listed [`Backend`] op to the calling rank's GPU (`NcclBackend::dev`): every op
+/// but the all-reduce runs there unchanged.
+macro_rules! on_rank_gpu {
+    ($(fn $name:ident(&self $(, $arg:ident: $ty:ty)*) $(-> $ret:ty)?;)*) => {
+        $(fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+            self.dev().$name($($arg),*)
+        })*
+    };
+}
+
+/// What differs from the CUDA backend: the name, ranks on several GPUs (so `parallel_ranks` stays
+/// false: one driver thread enqueues every rank's work), and the all-reduce over NCCL with its
+/// clock. Decode graphs and the kernel trace keep the trait's defaults (off).
 impl Backend for NcclBackend {
     fn name(&self) -> &'static str {
         "cuda-nccl"
@@ -144,94 +157,8 @@ impl Backend for NcclBackend {
     fn describe(&self) -> String {
         self.describe.clone()
     }
-    fn alloc(&self, len: usize) -> Buf {
-        self.dev().alloc(len)
-    }
-    fn zeros(&self, len: usize) -> Buf {
-        self.dev().zeros(len)
-    }
     fn parallel_ranks(&self) -> bool {
         false
-    }
-    fn upload(&self, data: &[f32]) -> Buf {
-        self.dev().upload(data)
-    }
-    fn download(&self, b: &Buf) -> Vec<f32> {
-        self.dev().download(b)
-    }
-    fn fill(&self, b: &mut Buf, value: f32) {
-        self.dev().fill(b, value)
-    }
-    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
-        self.dev().copy(src, src_off, dst, dst_off, len)
-    }
-    fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf) {
-        self.dev().copy_cols(src, src_width, col0, n_cols, dst)
-    }
-    fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool) {
-        self.dev().add_assign(x, a, f16_round)
-    }
-    fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf {
-        self.dev().gather_rows(x, width, rows)
-    }
-    fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]) {
-        self.dev().add_rows_scaled(out, y, width, rows, weights)
-    }
-    fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize) {
-        self.dev().kv_write(cache, new, width, pos0, slot0)
-    }
-    fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
-        self.dev().linear(x, n, w, out)
-    }
-    fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]) {
-        self.dev().linear_many(x, n, ws, outs)
-    }
-    fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
-        self.dev().rms_norm(x, weight, eps, out)
-    }
-    fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf) {
-        self.dev().add_rms_norm(x, a, f16_round, weight, eps, out)
-    }
-    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        self.dev().rope(x, layout, pos0, base, style)
-    }
-    fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
-        self.dev().moe_route(logits, n_exp, m, bias, scale)
-    }
-    fn rope_qk(
-        &self,
-        q: &mut Buf,
-        q_layout: RopeLayout,
-        k: &mut Buf,
-        k_layout: RopeLayout,
-        pos0: usize,
-        base: f32,
-        style: RopeStyle,
-    ) {
-        self.dev().rope_qk(q, q_layout, k, k_layout, pos0, base, style)
-    }
-    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
-        self.dev().rope_qk_cache(q, k, v, v_width, rope, caches)
-    }
-    fn linear_qkv_rope(
-        &self,
-        x: &Buf,
-        n: usize,
-        ws: [WeightRef<'_>; 3],
-        outs: [&mut Buf; 3],
-        rope: QkRope,
-        caches: [&mut Buf; 2],
-    ) {
-        self.dev().linear_qkv_rope(x, n, ws, outs, rope, caches)
-    }
-    fn swiglu(&self, gate: &mut Buf, up: &Buf) {
-        self.dev().swiglu(gate, up)
-    }
-    fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
-        self.dev().gqa_attention(q, k, v, pos0, shape, out)
-    }
-    fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
-        self.dev().mla_attention(q, k_nope, k_pe, v, pos0, shape, out)
     }
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let t0 = Instant::now();
@@ -245,11 +172,33 @@ impl Backend for NcclBackend {
     fn reset_comm_stats(&self) {
         self.clock.reset()
     }
-    fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
-        self.dev().embed_rows(w, rows, out)
-    }
-    fn embed_token(&self, w: WeightRef<'_>, token: u32, vocab_start: usize, out: &mut Buf) {
-        self.dev().embed_token(w, token, vocab_start, out)
+
+    on_rank_gpu! {
+        fn alloc(&self, len: usize) -> Buf;
+        fn zeros(&self, len: usize) -> Buf;
+        fn upload(&self, data: &[f32]) -> Buf;
+        fn download(&self, b: &Buf) -> Vec<f32>;
+        fn fill(&self, b: &mut Buf, value: f32);
+        fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize);
+        fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf);
+        fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool);
+        fn gather_rows(&self, x: &Buf, width: usize, rows: &[usize]) -> Buf;
+        fn add_rows_scaled(&self, out: &mut Buf, y: &Buf, width: usize, rows: &[usize], weights: &[f32]);
+        fn kv_write(&self, cache: &mut Buf, new: &Buf, width: usize, pos0: usize, slot0: usize);
+        fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf);
+        fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]);
+        fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
+        fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf);
+        fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+        fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route>;
+        fn rope_qk(&self, q: &mut Buf, q_layout: RopeLayout, k: &mut Buf, k_layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+        fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]);
+        fn linear_qkv_rope(&self, x: &Buf, n: usize, ws: [WeightRef<'_>; 3], outs: [&mut Buf; 3], rope: QkRope, caches: [&mut Buf; 2]);
+        fn swiglu(&self, gate: &mut Buf, up: &Buf);
+        fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
+        fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);
+        fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
+        fn embed_token(&self, w: WeightRef<'_>, token: u32, vocab_start: usize, out: &mut Buf);
     }
 }
 
