@@ -105,7 +105,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // the next kernel, if so launched, start before this one ends.
 //
 // Kernel trace (`llmdiff bench --trace`; compiled in only with -DLLMDIFF_TRACE, see
-// engine/src/cuda_trace.rs): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag)
+// engine/src/cuda/trace.rs): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag)
 // records the block's start, its griddep_wait's return (0: it never waited) and its end
 // (%globaltimer, ns), then tag | SM << 8 | block << 16 | grid << 40, as 4 u64 words at the slot
 // it took from llmdiff_trace_n at its start (past llmdiff_trace_cap nothing is written; the count still
@@ -191,7 +191,7 @@ __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.
 
 // 16, 8, 4 or 2 bytes of weights (never written during a run) through the read-only path, not kept in
 // L1 (L1::no_allocate): a weight byte is read once per launch, and the lines it would take are
-// those of x's limbs, which every row of the block rereads (round 12: 8B decode −1.3 %).
+// those of x's limbs, which every row of the block rereads (8B decode −1.3 %).
 __device__ __forceinline__ uint4 ldg16(const u8* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -344,7 +344,7 @@ __device__ __forceinline__ void x_limbs4(float4 v, int i4, u8* __restrict__ xq, 
         // normal floats and a product with them is ldexpf's correctly rounded result; each
         // rint is y + 1.5·2^23 (round to nearest even at ulp 1, |y| <= 128), whose low mantissa
         // byte is the limb's two's-complement byte. The same values as the general path below
-        // (round 30: 8B decode −2 %, logits bitwise equal).
+        // (8B decode −2 %, logits bitwise equal).
         const int e = (int)(mb >> 23) - 126;
         const float mant = __uint_as_float((mb & 0x007FFFFFu) | 0x3F000000u), k = 127.0f / mant;
         const float p = __uint_as_float((u32)(127 - e) << 23), rnd = 12582912.0f;

@@ -301,9 +301,9 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // they do in the float forms; an all-zero block gets s = 0.
 // The scale s is a normal float only for blocks with max |x| ≥ 2^-104 (~5e-32): below that it
 // is subnormal and carries fewer bits (x ×1e-36 gave rel_l2 1.2e-3 against the CPU engine in
-// round 30), a range no working model's activations reach.
+// an earlier measurement), a range no working model's activations reach.
 //
-// On the H200 (tests/gpu/h200-results/round7) it cuts a Q4_K row-unit from ~5 to ~3 instructions
+// On the H200 it cuts a Q4_K row-unit from ~5 to ~3 instructions
 // a weight and the 8B GEMVs by 8–12 %, pre-pass included (its launch is ~2.6 µs); the kernel
 // then issues on ~56 % of cycles and waits on memory the rest. Two ways to hide that latency
 // were tried and removed: the next step's weights double-buffered in registers, and a ring of

@@ -78,7 +78,7 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
         *p0 = c * 256 + 64 * j + i0;
         *p1 = *p0 + 32;
     } else if constexpr (TY == TY_Q6_K) {
-        // Rows repacked on upload (`repack_q6_k` in engine/src/cuda.rs): every super-block's 128
+        // Rows repacked on upload (`repack_q6_k` in engine/src/cuda/gemv.rs): every super-block's 128
         // ql bytes, then the 64 qh bytes of each, then 16 scale bytes of each in unit order (unit
         // i = 4n + 2p + is: sc[8n + is + 2p], sc[8n + is + 2p + 4]), then each one's f16 d.
         // Lane: half (128 values), g (q1/q2 from low nibbles, or q3/q4 from high), l0 (4 of 32 l).

@@ -354,7 +354,7 @@ extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict_
 }
 
 // *p = v (a decode step's position or token run op by op; a recorded step's first node copies
-// both from page-locked host memory, StepWords in engine/src/cuda.rs).
+// both from page-locked host memory, StepWords in engine/src/cuda/graph.rs).
 extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
 
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).

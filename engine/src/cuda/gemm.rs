@@ -123,7 +123,7 @@ fn v2_type(ty: GgmlType) -> bool {
 /// × (tokens per block) / split. 64-token blocks count 15 % less efficient per token (more
 /// dequantization and fragment loads per MMA), a split of two 3 % (the output zeroed first, its
 /// stores atomic). The split helps where the row tiles fill a wave and a half: the 8B's q/k/v
-/// at 512 tokens (192 blocks on 132 SMs) was 212 µs at 64-token tiles on an H200 (round 17).
+/// at 512 tokens (192 blocks on 132 SMs) was 212 µs at 64-token tiles on an H200.
 pub(super) fn gemm2_tile(tiles: usize, n: usize, n_sb: usize, sms: usize, bn: usize, split: usize) -> (usize, usize) {
     let cost = |(bn, s): (usize, usize)| {
         let eff = if bn == 64 { 1.15 } else { 1.0 } * if s == 2 { 1.03 } else { 1.0 };

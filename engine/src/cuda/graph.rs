@@ -42,7 +42,7 @@ impl crate::backend::StepGraph for CudaStepGraph {
 
 /// A decode step's position and token in page-locked host memory. A recorded step's first node
 /// copies them to `CudaBackend::pos_dev`, so a replay writes them here and launches the graph:
-/// no kernel launch of its own (one cost ~8 µs of host time a step on the H200, round 19).
+/// no kernel launch of its own (one cost ~8 µs of host time a step on the H200).
 /// Written only when no recorded step is running: the engine downloads each step's logits (a
 /// synchronization) before the next step.
 pub(super) struct StepWords {

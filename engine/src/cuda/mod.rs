@@ -52,7 +52,7 @@
 //!   allocation, a shifted KV slot or MLA attention during the recording
 //!   makes it run once and not be kept. Host launch cost measured on an H200 is 3–4 µs per
 //!   `cuLaunchKernel` back to back (cudarc's builder adds nothing measurable; the first launch
-//!   after a synchronization took 8.5 µs in round 19); a graph node costs ~0.7 µs.
+//!   after a synchronization took 8.5 µs); a graph node costs ~0.7 µs.
 //! - A decode step's kernels are chained by programmatic dependent launch (off with
 //!   `LLMDIFF_CUDA_DISABLE=pdl`): the warp-rows GEMVs (`launch_pdl`) and the one-token norms, SwiGLU
 //!   and split attention (`launch_chained`; `pdl-chain` launches these plainly) start while
@@ -174,9 +174,9 @@ fn ok<T>(r: Result<T, DriverError>) -> T {
     r.unwrap_or_else(|e| panic!("cuda: {e}"))
 }
 
-/// The `-arch` NVRTC gets for a compute capability. Hopper gets `sm_90a`: its arch-specific
-/// instructions (wgmma, for the prefill GEMM's wg variant) run on compute capability 9.0, and
-/// 9.0 is the only device that code meets.
+/// The `-arch` NVRTC gets for a compute capability. Hopper gets `sm_90a` (the arch-specific
+/// target, which runs on compute capability 9.0 only), the target every Hopper figure was
+/// measured with.
 fn arch_name(major: i32, minor: i32) -> &'static str {
     match (major, minor) {
         (9, 0) => "sm_90a",
@@ -285,7 +285,7 @@ pub struct CudaBackend {
     /// Page-locked host memory that downloads of up to [`STAGING_MAX`] values land in (grown to
     /// the largest such download), so the copy is one DMA rather than the driver's staged copy
     /// through pageable memory (with the embedding recorded in the decode graph: 8B decode 1.97
-    /// against 1.99 ms, smollm2 0.62 against 0.66 ms on the H200, round 19).
+    /// against 1.99 ms, smollm2 0.62 against 0.66 ms on the H200).
     staging: Mutex<Option<cudarc::driver::PinnedHostSlice<f32>>>,
     /// The kernel trace's buffer, when the kernels were compiled with it (`with_trace`).
     trace: Option<Mutex<trace::KernelTrace>>,
