@@ -747,7 +747,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
-    TRACE_MARK(25);
     if (!as_last) return;
 
     float* Ms = red;
@@ -770,7 +769,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
-    TRACE_MARK(26);
 
     const int R = max(1, (int)blockDim.x / ncol);
     const float4* pc = (const float4*)(pt.o + (size_t)kvh * G * hd);
@@ -797,7 +795,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         acc4[t] = a;
     }
     __syncthreads();
-    TRACE_MARK(27);
 
     float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
     for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
@@ -863,16 +860,13 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     const float4* q4 = (const float4*)(q + (size_t)kvh * G * hd);
     for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
-    TRACE_MARK(21);
 
     as_scores<CW>(qs, kr, es, G, hd4, L, nw, w, lane, j0, n_ctx, scale);
     __syncthreads();
-    TRACE_MARK(22);
 
     // The chunk's max and Σ exp per head (a warp per head).
     as_softmax(es, pt, slot, G, L, nw, w, lane);
     __syncthreads();
-    TRACE_MARK(23);
 
     // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in order.
     float4* po = (float4*)(pt.o + slot * G * hd);
@@ -888,7 +882,6 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         __syncthreads();
     }
-    TRACE_MARK(24);
     as_finish(pt, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
 }
 

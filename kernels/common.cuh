@@ -150,30 +150,17 @@ struct TraceBlock {
 #define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
 #define TRACE_NOW() trace_now()
 #define TRACE_CLOCK() ((u64)clock64())
-// With -DLLMDIFF_TRACE_MARK=n, the mark n (a point inside a kernel, numbered where it stands)
-// takes the place of the wait's return in the record: where a kernel's time goes, a point at a
-// time.
-#ifdef LLMDIFF_TRACE_MARK
-#define TRACE_MARK(n)                                                                    \
-    do {                                                                                 \
-        if ((n) == LLMDIFF_TRACE_MARK && threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
-    } while (0)
-#endif
 #define TRACE_WAIT()                                         \
     do {                                                     \
         if (threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
     } while (0)
 #else
 #define TRACE_BLOCK(tag)
-#define TRACE_MARK(n)
 #define TRACE_NOW() 0ull
 #define TRACE_CLOCK() 0ull
 #define TRACE_WAIT() \
     do {             \
     } while (0)
-#endif
-#ifndef TRACE_MARK
-#define TRACE_MARK(n)
 #endif
 // Trace tags (engine/src/cuda/trace.rs `TRACE_TAGS` names them; 2, 3 and 10 on are retired).
 #define TRACE_GEMVW 1
