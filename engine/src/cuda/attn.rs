@@ -32,7 +32,7 @@
 //! grown only outside a recording and never freed while the backend lives (a recorded graph
 //! keeps their addresses).
 
-use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck, RawArgs};
+use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, Case, CudaBackend, KernelCheck, RawArgs};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::cpu_ops::GqaShape;
 use crate::EngineError;
@@ -591,8 +591,16 @@ impl CudaBackend {
             if let Some(m) = s_max {
                 extra += &format!(",s_max={m}");
             }
-            let name =
-                |form: &str| format!("ATTN_GQA_SPLIT(H={h},KV={kv},hd={hd},ctx={ctx},L={chunk}{extra},form={form})");
+            let name = |form: &str| {
+                Case::new("ATTN_GQA_SPLIT")
+                    .p("H", h)
+                    .p("KV", kv)
+                    .p("hd", hd)
+                    .p("ctx", ctx)
+                    .p("L", format!("{chunk}{extra}"))
+                    .p("form", form)
+                    .to_string()
+            };
             let Some(plan) = split_plan(s, chunk, self.sms as usize) else {
                 for form in ["op", "dpos"] {
                     out.push(KernelCheck {
@@ -815,7 +823,12 @@ impl CudaBackend {
             split_s.push((chunk, t));
         }
         Ok(AttnDecodeBench {
-            case: format!("ATTN_GQA_DECODE(H={h},KV={kv},hd={hd},ctx={ctx})"),
+            case: Case::new("ATTN_GQA_DECODE")
+                .p("H", h)
+                .p("KV", kv)
+                .p("hd", hd)
+                .p("ctx", ctx)
+                .to_string(),
             old_s,
             split_s,
         })
@@ -870,7 +883,13 @@ impl CudaBackend {
             t
         };
         Ok(AttnBench {
-            case: format!("ATTN_GQA(H={h},KV={kv},hd={hd},pos0=0,n={n})"),
+            case: Case::new("ATTN_GQA")
+                .p("H", h)
+                .p("KV", kv)
+                .p("hd", hd)
+                .p("pos0", "0")
+                .p("n", n)
+                .to_string(),
             old_s: time(false, false)?,
             tiled_s: time(true, false)?,
             tc_s: time(true, true)?,

@@ -3,6 +3,36 @@
 
 use super::*;
 
+/// A check case's name: its op and parameters, printed `OP(param=value,...)` as llama.cpp's
+/// test-backend-ops prints a case (`GEMV(type=q4_k,ne=[4096,37],variant=...)`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Case {
+    pub op: &'static str,
+    pub params: Vec<(&'static str, String)>,
+}
+
+impl Case {
+    pub fn new(op: &'static str) -> Case {
+        Case { op, params: Vec::new() }
+    }
+
+    /// The case with parameter `name` = `value` appended.
+    pub fn p(mut self, name: &'static str, value: impl std::fmt::Display) -> Case {
+        self.params.push((name, value.to_string()));
+        self
+    }
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}(", self.op)?;
+        for (i, (k, v)) in self.params.iter().enumerate() {
+            write!(f, "{}{k}={v}", if i == 0 { "" } else { "," })?;
+        }
+        write!(f, ")")
+    }
+}
+
 /// One numerical check of a GPU kernel against the CPU engine's kernel on the same inputs.
 #[derive(Clone, Debug)]
 pub struct KernelCheck {
@@ -135,7 +165,9 @@ impl CudaBackend {
             let (one, one_limbs) = run(1, add, &x, &a, &w);
             for split in [2usize, 4, 8, 16, 32] {
                 let (got, limbs) = run(split, add, &x, &a, &w);
-                let form = add.map_or("RMS_NORM".to_string(), |f| format!("ADD_RMS_NORM(f16={f})"));
+                let form = add.map_or("RMS_NORM".to_string(), |f| {
+                    Case::new("ADD_RMS_NORM").p("f16", f).to_string()
+                });
                 let c = compare(format!("{form}_SPLIT(ne=[{d},1],split={split})"), &got, &one, 0.0);
                 out.push(KernelCheck {
                     pass: c.pass && limbs == one_limbs,
@@ -240,7 +272,11 @@ impl CudaBackend {
                 });
                 let name = type_suffix(ty).unwrap_or("?");
                 out.push(compare(
-                    format!("MUL_MAT(type={name},ne=[{cols},{rows}],n={n})"),
+                    Case::new("MUL_MAT")
+                        .p("type", name)
+                        .p("ne", format!("[{cols},{rows}]"))
+                        .p("n", n)
+                        .to_string(),
                     &g,
                     &c,
                     1e-5,
@@ -386,7 +422,11 @@ impl CudaBackend {
                     let mut g = self.upload(&vec![f32::NAN; rows]);
                     self.linear_with(&xd, 1, w, &mut g, v);
                     out.push(compare(
-                        format!("GEMV(type={name},ne=[{cols},{rows}],variant={label})"),
+                        Case::new("GEMV")
+                            .p("type", name)
+                            .p("ne", format!("[{cols},{rows}]"))
+                            .p("variant", label)
+                            .to_string(),
                         &self.download(&g),
                         &c,
                         1e-5,
@@ -432,7 +472,12 @@ impl CudaBackend {
                     let mut g = self.upload(&vec![0.0; rows]);
                     self.linear_with(&xd, 1, w, &mut g, Some(*v));
                     let g = self.download(&g);
-                    let case = format!("GEMV(type={name},ne=[{cols},{rows}],x={kind},variant={})", v.entry());
+                    let case = Case::new("GEMV")
+                        .p("type", name)
+                        .p("ne", format!("[{cols},{rows}]"))
+                        .p("x", kind)
+                        .p("variant", v.entry())
+                        .to_string();
                     out.push(if kind == "nan" || kind == "inf" {
                         let same = g.len() == c.len() && g.iter().zip(&c).all(|(a, b)| a.is_finite() == b.is_finite());
                         KernelCheck {
@@ -507,7 +552,12 @@ impl CudaBackend {
                 out.push(KernelCheck {
                     pass: had == expect && dropped && same(&g1, &g2) && same(&g3, &g4),
                     ..compare(
-                        format!("GEMV_LIMBS(producer={producer},type=q4_k,ne=[{d},{rows}],fused={had}{label})"),
+                        Case::new("GEMV_LIMBS")
+                            .p("producer", producer)
+                            .p("type", "q4_k")
+                            .p("ne", format!("[{d},{rows}]"))
+                            .p("fused", format!("{had}{label}"))
+                            .to_string(),
                         &g1,
                         &g2,
                         0.0,
@@ -536,7 +586,12 @@ impl CudaBackend {
                 be.download(&o)
             });
             out.push(compare(
-                format!("MUL_MAT(type=q4_1,ne=[{cols},{rows}],n=1,path=matvec)"),
+                Case::new("MUL_MAT")
+                    .p("type", "q4_1")
+                    .p("ne", format!("[{cols},{rows}]"))
+                    .p("n", "1")
+                    .p("path", "matvec")
+                    .to_string(),
                 &g,
                 &c,
                 1e-5,
@@ -570,7 +625,12 @@ impl CudaBackend {
                 be.rms_norm(&be.upload(&x), &wt, 1e-5, &mut o);
                 be.download(&o)
             });
-            out.push(compare(format!("RMS_NORM(ne=[{d},{n}])"), &g, &c, 1e-6));
+            out.push(compare(
+                Case::new("RMS_NORM").p("ne", format!("[{d},{n}]")).to_string(),
+                &g,
+                &c,
+                1e-6,
+            ));
         }
         self.weights.lock().expect("weight map").clear();
         out
@@ -715,7 +775,14 @@ impl CudaBackend {
                     .collect::<Vec<f32>>()
             };
             let ty = if v_ty == GgmlType::Q4K { "q4_k" } else { "q4_k+q6_k" };
-            let case = format!("MUL_MAT_QKV_ROPE(type={ty},cols={cols},hd={hd},dim={dim},style={style:?},pos0={pos0})");
+            let case = Case::new("MUL_MAT_QKV_ROPE")
+                .p("type", ty)
+                .p("cols", cols)
+                .p("hd", hd)
+                .p("dim", dim)
+                .p("style", format!("{style:?}"))
+                .p("pos0", pos0)
+                .to_string();
             let (g, c) = both(self, |be| run(be, true));
             out.push(compare(case.clone(), &g, &c, 1e-5));
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
@@ -756,7 +823,10 @@ impl CudaBackend {
                 be.add_rms_norm(&mut xb, &be.upload(&a), f16, &wt, 1e-5, &mut o);
                 [be.download(&xb), be.download(&o)].concat()
             });
-            let case = format!("ADD_RMS_NORM(ne=[{d},{n}],f16={f16})");
+            let case = Case::new("ADD_RMS_NORM")
+                .p("ne", format!("[{d},{n}]"))
+                .p("f16", f16)
+                .to_string();
             out.push(compare(case.clone(), &g, &c, 1e-6));
             let (mut xb, mut o) = (self.upload(&x), self.alloc(n * d));
             self.add_assign(&mut xb, &self.upload(&a), f16);
@@ -866,7 +936,14 @@ impl CudaBackend {
                 }
                 [be.download(&q), be.download(&k), be.download(&kc), be.download(&vc)].concat()
             };
-            let case = format!("ROPE_QK_CACHE(hd={hd},off={off},dim={dim},style={style:?},n={n},pos0={pos0})");
+            let case = Case::new("ROPE_QK_CACHE")
+                .p("hd", hd)
+                .p("off", off)
+                .p("dim", dim)
+                .p("style", format!("{style:?}"))
+                .p("n", n)
+                .p("pos0", pos0)
+                .to_string();
             let (g, c) = both(self, |be| run(be, true));
             out.push(compare(case.clone(), &g, &c, 1e-5));
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
@@ -921,7 +998,13 @@ impl CudaBackend {
                 be.download(&o)
             });
             out.push(compare(
-                format!("ATTN_GQA(H=6,KV=2,hd={hd},pos0={pos0},n={n})"),
+                Case::new("ATTN_GQA")
+                    .p("H", "6")
+                    .p("KV", "2")
+                    .p("hd", hd)
+                    .p("pos0", pos0)
+                    .p("n", n)
+                    .to_string(),
                 &g,
                 &c,
                 1e-5,
@@ -944,7 +1027,14 @@ impl CudaBackend {
                 be.download(&o)
             });
             out.push(compare(
-                format!("ATTN_MLA(H=3,nope=24,rope=8,v=20,pos0={pos0},n={n})"),
+                Case::new("ATTN_MLA")
+                    .p("H", "3")
+                    .p("nope", "24")
+                    .p("rope", "8")
+                    .p("v", "20")
+                    .p("pos0", pos0)
+                    .p("n", n)
+                    .to_string(),
                 &g,
                 &c,
                 1e-5,
@@ -1049,7 +1139,12 @@ impl CudaBackend {
                     be.add_assign(&mut b, &be.upload(&a), f16_round);
                     be.download(&b)
                 });
-                out.push(compare(format!("ADD(f16_round={f16_round},ne=[501])"), &g, &c, 0.0));
+                out.push(compare(
+                    Case::new("ADD").p("f16_round", f16_round).p("ne", "[501]").to_string(),
+                    &g,
+                    &c,
+                    0.0,
+                ));
             }
             for (pos0, slot0, n) in [(0usize, 0usize, 5usize), (5, 5, 1), (5, 4, 1), (70, 70, 3)] {
                 let width = 24;
@@ -1065,7 +1160,12 @@ impl CudaBackend {
                     be.download(&cache)
                 });
                 out.push(compare(
-                    format!("KV_WRITE(width={width},pos0={pos0},slot0={slot0},n={n})"),
+                    Case::new("KV_WRITE")
+                        .p("width", width)
+                        .p("pos0", pos0)
+                        .p("slot0", slot0)
+                        .p("n", n)
+                        .to_string(),
                     &g,
                     &c,
                     0.0,
@@ -1178,5 +1278,20 @@ impl CudaBackend {
             &c,
             0.0,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Case;
+
+    #[test]
+    fn a_case_prints_its_op_and_parameters_in_order() {
+        let c = Case::new("GEMV")
+            .p("type", "q4_k")
+            .p("ne", format!("[{},{}]", 4096, 37))
+            .p("n", 1);
+        assert_eq!(c.to_string(), "GEMV(type=q4_k,ne=[4096,37],n=1)");
+        assert_eq!(Case::new("SWIGLU").to_string(), "SWIGLU()");
     }
 }

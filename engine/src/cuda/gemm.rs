@@ -23,7 +23,7 @@
 //! two f16s (x_hi + x_lo, 22 bits), the tensor cores accumulate in f32, block scales and offsets
 //! are applied in f32 (see `kernels/gemm.cu`).
 
-use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, CudaBackend, DevWeight, KernelCheck};
+use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, Case, CudaBackend, DevWeight, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
 use crate::cpu_ops::WeightRef;
 use crate::EngineError;
@@ -509,7 +509,12 @@ impl CudaBackend {
             let plan = self.linear_path(&xd, n, ws, &mut refs, path);
             let shape = rows.iter().map(|r| format!("{cols},{r}")).collect::<Vec<_>>().join(";");
             let mut check = compare(
-                format!("MUL_MAT(type={name},ne=[{shape}],n={n},path={label})"),
+                Case::new("MUL_MAT")
+                    .p("type", name)
+                    .p("ne", format!("[{shape}]"))
+                    .p("n", n)
+                    .p("path", label)
+                    .to_string(),
                 &[],
                 &[],
                 1e-5,
@@ -569,7 +574,12 @@ impl CudaBackend {
         }
         let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");
         Ok(GemmBench {
-            case: format!("GEMM(type={name},rows={rows},cols={cols},n={n})"),
+            case: Case::new("GEMM")
+                .p("type", name)
+                .p("rows", rows)
+                .p("cols", cols)
+                .p("n", n)
+                .to_string(),
             paths,
         })
     }

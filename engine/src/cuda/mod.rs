@@ -1,6 +1,14 @@
 //! The CUDA backend (feature `cuda`): the [`Backend`] ops as NVRTC kernels from `kernels/*.cu`
 //! (module list in [`crate::cuda_kernels`]), compiled at start-up for the device's arch and cached
-//! per process.
+//! per process. Settings come in as [`CudaOptions`]; [`backend_for`] builds the backend an engine
+//! runs on (one GPU, or one rank per GPU over NCCL).
+//!
+//! Files: `mod.rs` (this: the backend, its start-up, launches and the [`Backend`] ops), `gemv.rs`
+//! (device weights and repacking, GEMV variant choice and launches), `gemm.rs` (the prefill GEMM),
+//! `attn.rs` (tiled prefill and split decode attention), `ops.rs` (norm, RoPE, KV-cache, routing
+//! and gather helpers), `buffers.rs` (buffer accessors, pooled allocation, staged downloads),
+//! `graph.rs` (decode graphs), `nccl.rs` (real ranks), `trace.rs` (the kernel trace), `check.rs`
+//! (`kernels --check`) and `bench.rs` (`kernels --bench`).
 //!
 //! What lives where:
 //! - Weights are uploaded once, on first use, and stay on the device (keyed by their host address
@@ -92,7 +100,7 @@ mod trace;
 pub use crate::device_buf::{BufPool, DevBuf};
 pub use attn::{AttnBench, AttnDecodeBench};
 pub use bench::{GemvBench, LaunchCost};
-pub use check::KernelCheck;
+pub use check::{Case, KernelCheck};
 pub use gemm::GemmBench;
 pub use nccl::NcclBackend;
 
