@@ -7,8 +7,8 @@
 //! (device weights and repacking, GEMV variant choice and launches), `gemm.rs` (the prefill GEMM),
 //! `attn.rs` (tiled prefill and split decode attention), `ops.rs` (norm, RoPE, KV-cache, routing
 //! and gather helpers), `buffers.rs` (buffer accessors, pooled allocation, staged downloads),
-//! `graph.rs` (decode graphs), `nccl.rs` (real ranks), `trace.rs` (the kernel trace), `check.rs`
-//! (`kernels --check`) and `bench.rs` (`kernels --bench`).
+//! `graph.rs` (decode graphs), `nccl.rs` (real ranks), `trace.rs` (the kernel trace), `check.rs`,
+//! `check_gemv.rs` (`kernels --check`) and `bench.rs` (`kernels --bench`).
 //!
 //! What lives where:
 //! - Weights are uploaded once, on first use, and stay on the device (keyed by their host address
@@ -90,6 +90,7 @@ mod attn;
 mod bench;
 mod buffers;
 mod check;
+mod check_gemv;
 mod gemm;
 mod gemv;
 mod graph;
