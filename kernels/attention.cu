@@ -4,7 +4,7 @@
 //   256 threads, or 1024 when there are fewer blocks than SMs (decode; see `attn_threads` in
 //   crate::cuda): scores in shared memory, max-subtracted softmax with the sum in f64, then the
 //   weighted sum of V. Serve MLA, and GQA where the split kernel below does not take it (off with
-//   `LLMDIFF_ATTN_SPLIT=0`, or a shape it does not take: head_dim not a multiple of 4 or over
+//   `LLMDIFF_CUDA_DISABLE=attn-split`, or a shape it does not take: head_dim not a multiple of 4 or over
 //   256, more than 16 query heads per KV head) in decode (n = 1) and the captured decode graph
 //   (`*_dpos`), and short prefill chunks; row t
 //   of the new tokens sees positions 0 ..= pos0 + t. Dynamic shared memory: (q width + pos0 + n
@@ -15,7 +15,7 @@
 //   positions eight at a time, independent accumulators), then adds the G partial rows in order.
 //
 // - `gqa_attn_tiled_<HD>` (HD = 64, 128, 256: the largest head_dim it takes): GQA prefill (n > 1,
-//   not recorded; selection in engine/src/cuda_attn.rs, `LLMDIFF_ATTN_TILED=0` turns it off),
+//   not recorded; selection in engine/src/cuda/attn.rs, `LLMDIFF_CUDA_DISABLE=attn-tiled` turns it off),
 //   flash-attention style on CUDA cores in f32: a block per 64 (token, query head) rows of one KV
 //   head, K/V tiles staged once for the group's query heads, an online softmax. See the comment
 //   above gqa_tiled.
@@ -29,7 +29,7 @@
 //   finish combines the chunks in a fixed order (so the result does not depend on which block
 //   that is) and writes the output row and, for the o-projection's integer GEMV, its int8 limbs
 //   (x_limbs4). At the 8B shape (8 KV heads) and L = 32 a 512-token context is 128 blocks where
-//   the per-(token, head) kernel had 32. Selection and scratch in engine/src/cuda_attn.rs; see the
+//   the per-(token, head) kernel had 32. Selection and scratch in engine/src/cuda/attn.rs; see the
 //   comment above gqa_split.
 
 // dot(q, k[0..len)) with four accumulators; float4 loads when `vec`.
@@ -194,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __
 // hd rounded up to 4 (zero-padded) and QS = HD4, plus 4 when HD4/4 is even (an odd number of
 // float4s per row: the 8 key threads' float4 reads of 8 different K rows hit distinct banks).
 // hd = 128: 19072 floats (76.3 KB; with 128 registers a thread, 2 blocks per SM on an H200). The
-// host computes the same (`attn_tiled_smem` in crate::cuda's attn submodule, cuda_attn.rs).
+// host computes the same (`attn_tiled_smem` in crate::cuda's attn submodule, cuda/attn.rs).
 
 #define AT_BK 32
 #define AT_NX 8
@@ -417,7 +417,7 @@ GQA_TILED(256, 1)
 // ---------------------------------------------------------------------------------------------
 // Prefill GQA attention on the tensor cores (`gqa_attn_tc_<HD>`, HD = 64, 128: head widths that
 // are a multiple of 8 up to HD), the default where it fits; the CUDA-core kernel above stays for
-// the other widths and `LLMDIFF_ATTN_TC=0`. The same rows, blocks and online softmax as
+// the other widths and `LLMDIFF_CUDA_DISABLE=attn-tc`. The same rows, blocks and online softmax as
 // gqa_tiled: a block owns TC_R = 64 rows (token, query head) of one KV head, heaviest first; the
 // causal prefix is walked in tiles of TC_BK = 32 positions, K/V tiles double-buffered in shared
 // memory by cp.async. A warp owns 16 rows: lane (g = lane/4, t = lane%4) holds rows g and g + 8.
@@ -443,7 +443,7 @@ GQA_TILED(256, 1)
 // Shared memory (floats): Q TC_R × TS, then two stages of K and V, TC_BK × TS each; the row stride
 // TS = HD + 4 puts the fragment reads (8 rows × 4 consecutive columns, or 4 rows two apart × 8
 // consecutive columns) on 32 distinct banks. hd = 128: 25344 floats (99 KB, two blocks per SM
-// on an H200); `tiled_block` in cuda_attn.rs computes the same. Columns hd .. HD of Q, K and V
+// on an H200); `tiled_block` in cuda/attn.rs computes the same. Columns hd .. HD of Q, K and V
 // are zeros (written once; the copies never touch them), so every loop runs over HD (no
 // per-column branch: the mma chains of successive column groups overlap) and a narrower head
 // adds zero terms. Positions past the prefix's last (kmax) load row kmax (finite) and are
@@ -707,20 +707,20 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
 // `part` (floats, N = s_cap·KV·G): Σe per (split, kv head, head) as f64 (2N floats), then m (N),
 // then from round_up(3N, 4) the partial rows, (split, kv head) major, G·hd each. `cnt`: one
 // unsigned per KV head, 0 between launches. Both belong to one rank (crate::cuda's attn
-// submodule, cuda_attn.rs), so ranks on separate streams never share them.
+// submodule, cuda/attn.rs), so ranks on separate streams never share them.
 //
 // Dynamic shared memory (floats): q G·hd, scores/exps G·L, (runs only) α round_up(G, 4), then
 // max(warps·hr·hd, round_up(2G, 4) + 4·R·(G·hd/4)) for the warps' partial rows and the combine
-// (`split_plan` in cuda_attn.rs sizes it for the runs' layout).
+// (`split_plan` in cuda/attn.rs sizes it for the runs' layout).
 //
 // The two bodies stay apart: written as one (the plain entries a run of one), the plain entries
-// took ~2 % longer in the 8B decode step on the H200 (round 18), for the same arithmetic. They
+// took ~2 % longer in the 8B decode step on the H200, for the same arithmetic. They
 // share the pieces that leave the plain entries' SASS as it was measured (a few instructions moved
 // or with commuted operands): the partials' layout, the scores, the position's own row, the
 // warps' partial rows and the arrival and combine.
 
 // The pieces below the scores (AS_PPW, as_scores, as_own_row, as_warp_rows, AsPart) are in
-// common.cuh: quant.cu's fused decode layer computes the same splits.
+// common.cuh.
 
 // A split's end, in every block of the split kernels: the arrival on the KV head's counter and, in
 // the last block to arrive, the combine of its S splits and the output row (see above). `red`:
@@ -747,7 +747,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
-    TRACE_MARK(25);
     if (!as_last) return;
 
     float* Ms = red;
@@ -770,7 +769,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         }
     }
     __syncthreads();
-    TRACE_MARK(26);
 
     const int R = max(1, (int)blockDim.x / ncol);
     const float4* pc = (const float4*)(pt.o + (size_t)kvh * G * hd);
@@ -797,7 +795,6 @@ __device__ __forceinline__ void as_finish(const AsPart& pt, unsigned* cnt, float
         acc4[t] = a;
     }
     __syncthreads();
-    TRACE_MARK(27);
 
     float4* out4 = (float4*)(out + (size_t)kvh * G * hd);
     for (int c0 = threadIdx.x & ~31; c0 < ncol; c0 += blockDim.x) {
@@ -863,16 +860,13 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
     const float4* q4 = (const float4*)(q + (size_t)kvh * G * hd);
     for (int i = threadIdx.x; i < ncol; i += blockDim.x) ((float4*)qs)[i] = q4[i];
     __syncthreads();
-    TRACE_MARK(21);
 
     as_scores<CW>(qs, kr, es, G, hd4, L, nw, w, lane, j0, n_ctx, scale);
     __syncthreads();
-    TRACE_MARK(22);
 
     // The chunk's max and Σ exp per head (a warp per head).
     as_softmax(es, pt, slot, G, L, nw, w, lane);
     __syncthreads();
-    TRACE_MARK(23);
 
     // The partial rows Σ e_j·v_j, hr heads at a time: each warp's positions, then the warps in order.
     float4* po = (float4*)(pt.o + slot * G * hd);
@@ -888,7 +882,6 @@ __device__ __forceinline__ void gqa_split(const float* __restrict__ q, const flo
         }
         __syncthreads();
     }
-    TRACE_MARK(24);
     as_finish(pt, cnt, red, out, xq, S, kvh, KV, G, hd, n_heads);
 }
 

@@ -93,42 +93,7 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Bulk copies (sm_90 TMA, no tensor map): one thread copies `bytes` (a multiple of 16, both
-// addresses 16-byte aligned) from global to shared memory, and the copy's bytes count against
-// the transaction count of an mbarrier in shared memory. The pattern: one thread inits the
-// barrier (count 1) and fences the init, the block syncs, that thread arrives with the bytes
-// expected and issues the copies, and every thread waits on the barrier's phase (parity 0,
-// then 1, 0, ... as the barrier is reused) before reading them.
-__device__ __forceinline__ void mbar_init(void* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(void* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, u32 bytes, void* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-}
-// A plain arrival (no bytes): a consumer's release of a ring stage (the fused FFN).
-__device__ __forceinline__ void mbar_arrive(void* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-// Barrier `id` (1..15; 0 is __syncthreads') over the first `n` threads to reach it (a multiple of
-// 32): a group of warps syncs without the rest of the block.
-__device__ __forceinline__ void named_bar(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
-}
-
-// The output rows of a one-token GEMV (quant.cu's warp-rows, gemv_tc.cu's tensor-core form): up
+// The output rows of a one-token GEMV (gemv_rows.cu's warp-rows): up
 // to three matrices of the same type and columns that share x (a layer's q/k/v, or gate/up) in
 // one launch, their rows numbered one after the other: matrix 0 has rows [0, end0), matrix 1
 // [end0, end1), matrix 2 [end1, rows). A single product is end0 = end1 = rows; the unused
@@ -140,7 +105,7 @@ __device__ __forceinline__ void mbar_wait(void* bar, u32 parity) {
 // the next kernel, if so launched, start before this one ends.
 //
 // Kernel trace (`llmdiff bench --trace`; compiled in only with -DLLMDIFF_TRACE, see
-// engine/src/cuda_trace.rs): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag)
+// engine/src/cuda/trace.rs): thread 0 of each block of a kernel that opens with TRACE_BLOCK(tag)
 // records the block's start, its griddep_wait's return (0: it never waited) and its end
 // (%globaltimer, ns), then tag | SM << 8 | block << 16 | grid << 40, as 4 u64 words at the slot
 // it took from llmdiff_trace_n at its start (past llmdiff_trace_cap nothing is written; the count still
@@ -156,11 +121,8 @@ __device__ __forceinline__ u64 trace_now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-// Spans of a persistent kernel's phases (the fused decode layer): thread 0 reserves n records at
-// its start (trace_reserve) and writes span i (start, a mid point in the wait slot, end) at its
-// end (trace_span), so no span waits for a round trip of its own. TraceBlock writes its one
-// record the same way.
-__device__ __forceinline__ u32 trace_reserve(u32 n) { return threadIdx.x == 0 ? atomicAdd(llmdiff_trace_n, n) : 0u; }
+// A traced block's record (start, the wait's return or a mark, end), written by thread 0 at the
+// block's end into the slot it took at its start, so no block waits for a round trip of its own.
 __device__ __forceinline__ void trace_span(u32 slot, u32 tag, u64 t0, u64 tm, u64 t1) {
     if (threadIdx.x == 0 && slot < llmdiff_trace_cap) {
         u32 sm;
@@ -188,56 +150,26 @@ struct TraceBlock {
 #define TRACE_BLOCK(tag) TraceBlock trace_block_(tag)
 #define TRACE_NOW() trace_now()
 #define TRACE_CLOCK() ((u64)clock64())
-// The time thread 0 last marked (TRACE_POINT): a point inside a phase for its span's mid slot.
-__shared__ u64 llmdiff_trace_point;
-#define TRACE_POINT()                                              \
-    do {                                                           \
-        if (threadIdx.x == 0) llmdiff_trace_point = trace_now();   \
-    } while (0)
-#define TRACE_POINT_GET() llmdiff_trace_point
-// With -DLLMDIFF_TRACE_MARK=n, the mark n (a point inside a kernel, numbered where it stands)
-// takes the place of the wait's return in the record: where a kernel's time goes, a point at a
-// time.
-#ifdef LLMDIFF_TRACE_MARK
-#define TRACE_MARK(n)                                                                    \
-    do {                                                                                 \
-        if ((n) == LLMDIFF_TRACE_MARK && threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
-    } while (0)
-#endif
 #define TRACE_WAIT()                                         \
     do {                                                     \
         if (threadIdx.x == 0) llmdiff_trace_wait = trace_now(); \
     } while (0)
 #else
 #define TRACE_BLOCK(tag)
-#define TRACE_MARK(n)
 #define TRACE_NOW() 0ull
 #define TRACE_CLOCK() 0ull
-#define TRACE_POINT() \
-    do {              \
-    } while (0)
-#define TRACE_POINT_GET() 0ull
-__device__ __forceinline__ u32 trace_reserve(u32) { return 0u; }
-__device__ __forceinline__ void trace_span(u32, u32, u64, u64, u64) {}
 #define TRACE_WAIT() \
     do {             \
     } while (0)
 #endif
-#ifndef TRACE_MARK
-#define TRACE_MARK(n)
-#endif
-// Trace tags (cuda.rs `TRACE_TAGS` names them).
+// Trace tags (engine/src/cuda/trace.rs `TRACE_TAGS` names them; 2, 3 and 10 on are retired).
 #define TRACE_GEMVW 1
-#define TRACE_GEMVT 2
-#define TRACE_GEMVB 3
 #define TRACE_ATTN_SPLIT 4
 #define TRACE_RMS_NORM 5
 #define TRACE_ADD_RMS_NORM 6
 #define TRACE_SWIGLU 7
 #define TRACE_X_LIMBS 8
 #define TRACE_GATHER 9
-#define TRACE_FFN 10
-#define TRACE_LAYER 11  // the fused decode layer: phases TRACE_LAYER + 0 .. 5, + 6 the launch (quant.cu)
 __device__ __forceinline__ void griddep_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     TRACE_WAIT();
@@ -246,7 +178,7 @@ __device__ __forceinline__ void griddep_launch() { asm volatile("griddepcontrol.
 
 // 16, 8, 4 or 2 bytes of weights (never written during a run) through the read-only path, not kept in
 // L1 (L1::no_allocate): a weight byte is read once per launch, and the lines it would take are
-// those of x's limbs, which every row of the block rereads (round 12: 8B decode −1.3 %).
+// those of x's limbs, which every row of the block rereads (8B decode −1.3 %).
 __device__ __forceinline__ uint4 ldg16(const u8* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
@@ -295,7 +227,7 @@ __device__ __forceinline__ float2 ldx8f(const void* p) {
     return make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
 }
 
-// SwiGLU's product silu(g)·u (ops.cu's swiglu kernels and quant.cu's fused FFN).
+// SwiGLU's product silu(g)·u (ops.cu's swiglu kernels).
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // RoPE's rotation of the pair (x0, x1) by the angle of cosine c and sine s, each operation rounded
@@ -353,7 +285,7 @@ struct GemvRows {
     }
 };
 
-// (Shared by quant.cu's GEMVs and gemv_tc.cu's.)
+// (Shared by the GEMVs of gemv.cu and gemv_rows.cu.)
 #define GEMV_MAGIC 0x4B000000u  // 2^23: an integer below 2^23 in the mantissa is exact
 
 // Byte b (0..3) of w as an exact float (w's bytes are unsigned), minus `bias`.
@@ -362,7 +294,7 @@ __device__ __forceinline__ float byte_f(u32 w, float bias) {
     return __int_as_float(__byte_perm(w, GEMV_MAGIC, 0x7440u + B)) - bias;
 }
 
-// (Shared by quant.cu's integer GEMV and gemv_tc.cu's.) The 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) from a Q4_K
+// (The integer GEMV's, gemv.cu.) The 6-bit scales and mins of sub-blocks 2j and 2j+1 (ggml's get_scale_min_k4) from a Q4_K
 // super-block header's words h1 .. h3 (its 12 scale bytes q[0..12)), as the bytes sc0, sc1, m0, m1
 // of one word: for j < 2 the low 6 bits of q[2j], q[2j+1] (in h1) and q[2j+4], q[2j+5] (h2); for
 // j ≥ 2 the low (scales) and high (mins) nibbles of q[2j+4], q[2j+5] (h3) under the top 2 bits of
@@ -375,7 +307,7 @@ __device__ __forceinline__ u32 q4k_sm(u32 h1, u32 h2, u32 h3, int j) {
     return (n & 0x0F0F0F0Fu) | ((t >> (hi ? 2 : 0)) & 0x30303030u);
 }
 
-// The integer GEMV's x limbs (see the integer form in quant.cu): for the float4 `v` = x values
+// The integer GEMV's x limbs (see the integer form in gemv.cu): for the float4 `v` = x values
 // 4·i4 .. 4·i4 + 4 of a row of `cols` (cols % 32 == 0), writes their three int8 limbs to the limb
 // planes of `xq`, and (one lane of each group) the 32-value block's scale and the 8-value sums.
 // Eight neighbouring lanes (8g .. 8g + 7) hold one 32-value block, so the whole warp must call it
@@ -399,7 +331,7 @@ __device__ __forceinline__ void x_limbs4(float4 v, int i4, u8* __restrict__ xq, 
         // normal floats and a product with them is ldexpf's correctly rounded result; each
         // rint is y + 1.5·2^23 (round to nearest even at ulp 1, |y| <= 128), whose low mantissa
         // byte is the limb's two's-complement byte. The same values as the general path below
-        // (round 30: 8B decode −2 %, logits bitwise equal).
+        // (8B decode −2 %, logits bitwise equal).
         const int e = (int)(mb >> 23) - 126;
         const float mant = __uint_as_float((mb & 0x007FFFFFu) | 0x3F000000u), k = 127.0f / mant;
         const float p = __uint_as_float((u32)(127 - e) << 23), rnd = 12582912.0f;
@@ -445,7 +377,7 @@ __device__ __forceinline__ void x_limbs4(float4 v, int i4, u8* __restrict__ xq, 
 
 // ---------------------------------------------------------------------------------------------
 // Pieces of the split (flash-decoding) GQA attention, shared by attention.cu's `gqa_split_*`
-// (whose comment describes the scheme) and quant.cu's fused decode layer (`layer_q4k`): a warp
+// (whose comment describes the scheme): a warp
 // holds AS_PPW positions' K and V rows (float4 columns lane + 32·c, c < CW) in registers.
 #define AS_PPW 4
 

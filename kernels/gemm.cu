@@ -1,5 +1,5 @@
 // Tensor-core GEMM for prefill (n > 1 tokens), out[n, rows] = x[n, cols] · Wᵀ, for Q4_K, Q8_0,
-// Q4_1, Q6_K and F16 weights in the device layouts of kernels/quant.cu (quants first, then the headers;
+// Q4_1, Q6_K and F16 weights in the device layouts of kernels/matmul.cu (quants first, then the headers;
 // F16 rows as stored), at f32-like precision.
 //
 // Precision argument. A weight is (block scale) × (small integer) [− (block offset)]; the
@@ -38,7 +38,7 @@
 //   Grid: x = token tiles (fastest, so the token tiles of one weight tile run together and the
 //   weight bytes come from L2 after the first), y = row tiles.
 //
-// Kernels (v2, Q4_K and Q6_K, the default; see `cuda_gemm.rs`):
+// Kernels (v2, Q4_K and Q6_K, the default; see `engine/src/cuda/gemm.rs`):
 // - gemm2_split_x: the pre-pass: x_hi, x_lo as above but each group of 4 values a, b, c, d stored
 //   as a, c, b, d; per super-block the Σx MMA's B fragments (the three f16 parts of Σx·s/32 for
 //   sub-block pairs); 1/s. A block per token, a warp per super-block, 16-byte loads and stores.
@@ -46,7 +46,7 @@
 //   32 × 32): BM = 128, 8 warps (4 along rows × 2 along tokens), K step 64. Each step's raw
 //   quant bytes (128 rows × 32) and x tiles go to shared memory by cp.async, five stages, each
 //   loaded three steps ahead, one __syncthreads every second step (one a step cost 5–7 % of the
-//   GEMM on the H200, round 17); the super-block headers become per-row constants
+//   GEMM on the H200); the super-block headers become per-row constants
 //   (G2Row) in shared memory two steps before use. A thread reads its quants with one 8-byte
 //   load per row and turns them into A fragments in registers (no f16 weight tile): of a 32-bit
 //   word (bytes β0..β3), (w & 0x000F000F) | 0x6400 6400 is the f16 pair 1024 + (β0 low, β2 low)
@@ -68,19 +68,6 @@
 //   each 32-value run, chunk k holds groups k and k + 4 of 4 values. A thread reads quant words
 //   t and t + 4 of a row (tiles w 0 and 1), makes q − 32 in f16 (mask, shift, one HFMA2), and each
 //   tile's two MMAs (x_hi, x_lo) start from zero and are folded into acc by the run's d·sc.
-// - gemm2_q4_k_wg (LLMDIFF_GEMM_KIND=wg): the same tile (BM = BN = 128, 4 stages), pre-pass,
-//   loaders, headers and super-block fold, on Hopper's wgmma (sm_90a only: the module must be
-//   compiled for sm_90a; elsewhere the entry traps and the host does not pick it). Two warpgroups
-//   of 64 rows; a warp holds 16 rows × all 128 tokens (m64n128k16, 64 f32 of tmp and 64 of acc).
-//   A fragments are built in registers from the quants as in v2 (same layout as mma.m16n8k16's
-//   A), but a k16 tile is 16 consecutive positions of the pre-pass's x order, so each register
-//   takes bytes (t & 1), (t & 1) + 2 of one quant word (word >> 8·(t & 1), one mask, one
-//   HFMA2). x stages are stored as 8-token × 8-value core matrices ([chunk][token / 8], 128 bytes
-//   each) and read by the tensor cores through descriptors (no swizzle). The x_hi and x_lo
-//   products are two wgmmas into the same f32 tmp, exactly as the two mma.syncs of v2, so the
-//   precision argument is unchanged. One batch of 8 wgmmas (a step) stays in flight across the
-//   next step's barrier and A construction (A double-buffered by step parity); cp.async runs
-//   S − 2 steps ahead (the slot of step ks − 1 may still be read by its wgmmas).
 //
 // mma.m16n8k16 fragments (groupID g = lane/4, t = lane%4): A (16 × 16, row-major) {a0,a1} =
 // (row g, k 2t, 2t+1), {a2,a3} = (row g+8, k 2t..), {a4,a5} = (row g, k 2t+8..), {a6,a7} =
@@ -255,7 +242,7 @@ __device__ __forceinline__ void gemm_load(const u8* __restrict__ wr, const u16* 
         }
     } else if constexpr (TY == TY_Q6_K) {
         // Step ks: values 64j .. 64j + 64 of super-block sb (j = ks % 4), in the repacked layout
-        // of kernels/quant.cu (deq8). Half h takes ql bytes 64n + 32h .. + 32 of the super-block
+        // of kernels/matmul.cu (deq8). Half h takes ql bytes 64n + 32h .. + 32 of the super-block
         // (n = j / 2: low nibbles for even j, high for odd), their qh bytes 32n .. 32n + 32 (bits
         // 2h + 4(j % 2), + 1), and the scales of its two runs of 16: ggml's sc[8n + 4(j % 2) +
         // 2h + e], bytes 8n + 4h + 2e + j % 2 of the repacked 16 (e = 0, 1).
@@ -534,7 +521,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
             // Block ends: fold the partial sums in with the block's scale (and offset).
             // F16 has no block scale but is still folded in once a step: left in the tensor cores'
             // f32 accumulator for a whole row, the sums drift (5.3e-5 at the 8B-shaped F16 model's
-            // logits after 8 layers, against 1e-6 folded; round 26).
+            // logits after 8 layers, against 1e-6 folded).
             if constexpr (TY != TY_Q6_K) {
                 bool flush = TY == TY_Q4_K ? (h == 1 && (ks & 3) == 3) : TY == TY_F16 ? h == 1 : true;
                 if (flush) fold(TY == TY_Q4_K ? 0 : h, h);
@@ -738,12 +725,12 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 magic) {
 // row; Σx fragments; G2Row constants. Q6_K (mma.sync only): per stage 128 rows × 32 ql bytes,
 // then 128 × 32 qh bytes; headers 32 bytes a row (16 scales, then the 4-byte word holding its
 // f16 d); no Σx; G6Row constants.
-template <int TY, int NI, bool WG>
+template <int TY, int NI>
 struct G2 {
-    static_assert(TY == TY_Q4_K || (TY == TY_Q6_K && !WG), "gemm2: Q4_K, or Q6_K on mma.sync");
+    static_assert(TY == TY_Q4_K || TY == TY_Q6_K, "gemm2: Q4_K or Q6_K");
     static constexpr bool Q6 = TY == TY_Q6_K;
     static constexpr int BN = 16 * NI;       // tokens per block (warps: 4 along rows × 2 along tokens)
-    static constexpr int STAGES = WG ? 4 : 5;
+    static constexpr int STAGES = 5;
     static constexpr int A_BYTES = G2_BM * (Q6 ? 64 : 32);  // one step's weight bytes
     static constexpr int X_BYTES = BN * 256;    // x_hi (128 bytes) then x_lo per token, swizzled
     static constexpr int STAGE = A_BYTES + X_BYTES;
@@ -779,57 +766,12 @@ __device__ __forceinline__ void g2_row_consts(const uint4 hv, G2Row* out) {
     out->dd = make_float4(f16_to_f32((u16)(hv.x & 0xFFFF)), 32.0f * f16_to_f32((u16)(hv.x >> 16)), 0.0f, 0.0f);
 }
 
-// wgmma (sm_90a only: compiled where __CUDA_ARCH_FEAT_SM90_ALL is defined, i.e. NVRTC's arch is
-// sm_90a; elsewhere the wgmma variant traps and the host never picks it). A in registers (the
-// same fragment layout as mma.m16n8k16's A, warp i of the warpgroup holding rows 16i..16i+15), B
-// from shared memory by descriptor, D (m64n128, f32) in 64 registers: d[ni][e] = (row g + 8·(e >> 1),
-// token 8·ni + 2t + (e & 1)) of the warp's 16 rows, as mma.m16n8's C tile ni.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G3_WGMMA 1
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// Makes this thread's completed shared-memory writes (cp.async: the generic proxy) visible to
-// wgmma's reads (the async proxy); before the barrier that publishes them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// Pins the accumulators at this point of the program (no reads or writes moved across it), as
-// around wgmma's asynchronous use of them.
-__device__ __forceinline__ void wgmma_pin(float (&d)[16][4]) {
-#pragma unroll
-    for (int i = 0; i < 16; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[i][e])::"memory");
-}
-#define G3_D4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-// d (+)= A·B for 64 rows × 128 tokens × k16: d = A·B when acc == 0. B: K-major, no swizzle.
-__device__ __forceinline__ void wgmma_128(float (&d)[16][4], const u32 (&a)[4], u64 desc, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
-        " {%64, %65, %66, %67}, %69, p, 1, 1, 0;\n}\n"
-        : G3_D4(0), G3_D4(1), G3_D4(2), G3_D4(3), G3_D4(4), G3_D4(5), G3_D4(6), G3_D4(7), G3_D4(8), G3_D4(9),
-          G3_D4(10), G3_D4(11), G3_D4(12), G3_D4(13), G3_D4(14), G3_D4(15)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc));
-}
-#undef G3_D4
-#else
-#define G3_WGMMA 0
-#endif
-
-// The tile shape of a gemm2 variant: WG false: mma.sync, 8 warps as 4 along rows × 2 along
-// tokens, each MI = 2 row tiles of 16 × NT = NI n8 tiles; WG true (BN = 128 only): two
-// warpgroups of 64 rows, each warp 16 rows (MI = 1) × all 128 tokens (NT = 16).
-template <int NI, bool WG>
+// The tile shape of a gemm2 variant: mma.sync, 8 warps as 4 along rows × 2 along tokens, each
+// MI = 2 row tiles of 16 × NT = NI n8 tiles.
+template <int NI>
 struct G2Warp {
-    static constexpr int MI = WG ? 1 : 2;
-    static constexpr int NT = WG ? 16 : NI;
+    static constexpr int MI = 2;
+    static constexpr int NT = NI;
 };
 
 // mma.sync B fragments of token tl of a stage's x tile (256-byte rows, 16-byte chunks swizzled
@@ -908,19 +850,16 @@ __device__ __forceinline__ void g6_step(const u8* abase, const u8* xbase, const 
     }
 }
 
-template <int TY, int NI, bool WG>
+template <int TY, int NI>
 __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __restrict__ xh,
                                            const u32* __restrict__ xsb, const float* __restrict__ inv, int cols,
                                            int n, int n_pad) {
-    using C = G2<TY, NI, WG>;
+    using C = G2<TY, NI>;
     constexpr bool Q6 = C::Q6;
     constexpr int BN = C::BN, S = C::STAGES;
-    constexpr int MI = G2Warp<NI, WG>::MI, NT = G2Warp<NI, WG>::NT;
-    static_assert(!WG || NI == 8, "the wgmma variant is BN = 128 only");
+    constexpr int MI = G2Warp<NI>::MI, NT = G2Warp<NI>::NT;
     extern __shared__ __align__(16) u8 smem[];
-    if constexpr (WG && !G3_WGMMA) {
-        __trap();
-    } else {
+    {
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -930,7 +869,7 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     const int g = lane >> 2, t = lane & 3;
     const int wm = warp & 3, wn = warp >> 2;
     // The warp's first row and token in the block tile.
-    const int wrow = WG ? 16 * warp : 32 * wm, wtok = WG ? 0 : wn * 8 * NI;
+    const int wrow = 32 * wm, wtok = wn * 8 * NI;
     // The block's matrix and row tile.
     const int ty = blockIdx.y;
     const int part = ty < P.tend0 ? 0 : ty < P.tend1 ? 1 : 2;
@@ -949,8 +888,7 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 
     // Loader roles. Quants: row tid/2, 16-byte half tid%2 (Q6_K: of ql, and of qh). Headers: row
     // tid (tid < 128). x: chunk c = tid % 16 of tokens tid/16 + 16·r (c < 8: x_hi, else x_lo).
-    // mma.sync: stored at chunk c ^ 4·(token & 1) of its 256-byte token row. wgmma: as 8 × 8 core
-    // matrices, [c][token / 8] 128 bytes each, token % 8 the 16-byte row in it. Σx fragments:
+    // Stored at chunk c ^ 4·(token & 1) of its 256-byte token row. Σx fragments:
     // chunk tid % 4 of tokens tid/4 + 64·r.
     const u8* wrow_q = W + (size_t)min(row0 + (tid >> 1), rows - 1) * row_bytes;
     const u8* wq = wrow_q + (size_t)sb0 * 128 + 16 * (tid & 1);
@@ -967,8 +905,8 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     auto x_step = [](int st) { return Q6 ? 256 * (st >> 2) + 128 * ((st >> 1) & 1) + 32 * (st & 1) : G2_BK * st; };
     const u16* xsrc =
         xh + (xc < 8 ? 0 : (size_t)n_pad * cols) + (size_t)(tok0 + xt) * cols + (size_t)sb0 * 256 + xcoff;
-    const int xdst = WG ? (xc * (BN / 8) + (xt >> 3)) * 128 + (xt & 7) * 16 : xt * 256 + 16 * (xc ^ ((xt & 1) << 2));
-    constexpr int XR = WG ? 2 * 128 : 16 * 256;  // bytes between the tokens xt + 16·r and xt + 16·(r + 1)
+    const int xdst = xt * 256 + 16 * (xc ^ ((xt & 1) << 2));
+    constexpr int XR = 16 * 256;  // bytes between the tokens xt + 16·r and xt + 16·(r + 1)
     const u32* ssrc = xsb + ((size_t)(tok0 + (tid >> 2)) * n_all + sb0) * 16 + 4 * (tid & 3);
 
     auto load_sb = [&](int sb) {  // the Σx fragments of super-block sb
@@ -1029,8 +967,7 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
     asm volatile("mov.b32 %0, 0x64006400;" : "=r"(magic));
 
     // Super-block end: acc += d·tmp − 32·dmin·Σ_sub m·(Σx/32), the last by three m16n8k8 MMAs
-    // (A: m pairs; B: Σx/32 as hi, mid, lo); mma.sync: tmp = 0 (wgmma: the super-block's first
-    // wgmma ignores tmp instead).
+    // (A: m pairs; B: Σx/32 as hi, mid, lo); then tmp = 0.
     auto fold = [&](int sb) {
         const G2Row* rt = (const G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM;
         const u8* xsbase = smem + C::XSB + (sb & 1) * BN * 64;
@@ -1053,13 +990,13 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
                     const float2 dd = e < 2 ? dd0 : dd1;
                     float v = fmaf(dd.x, tmp[mi][ni][e], acc[mi][ni][e]);
                     acc[mi][ni][e] = fmaf(-dd.y, tm[e], v);
-                    if constexpr (!WG) tmp[mi][ni][e] = 0.0f;
+                    tmp[mi][ni][e] = 0.0f;
                 }
             }
         }
     };
 
-    if constexpr (!WG) {
+    {
     // Five stages, each loaded three steps ahead, and a barrier every second step: at an even
     // step ks the wait leaves only stage ks + 2 in flight, so stages ks and ks + 1 have landed,
     // and the barrier publishes both. Step ks then refills the slot of step ks − 2, which every
@@ -1129,84 +1066,6 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
         if (j == 3) fold(sb);
         }
     }
-    } else {
-#if G3_WGMMA
-    // wgmma main loop, a super-block (4 steps, j known at compile time) per iteration. Step ks:
-    // wait for its stage, fence it to the async proxy, barrier, start loading stage ks + S − 2 (into the slot of step ks − 2,
-    // whose wgmmas every warp has waited for), build A fragments of step ks in registers (set
-    // j & 1; set (j & 1) last fed step ks − 2's wgmmas, done), then 8 wgmmas (4 k16 tiles × x_hi,
-    // x_lo) into tmp, and wait until only step ks's are in flight (at j = 3: none, then fold).
-    // The stages' cp.async run S − 2 steps ahead.
-    //
-    // A fragments, k16 tile kk of the step (x positions 16·kk .. 16·kk + 16 of the pre-pass's
-    // order, where each group of 4 positions holds values a, c, b, d): thread t's {a0,a1} (k 2t,
-    // 2t+1) are positions 4·(t >> 1) + 2·(t & 1) + 0, 1 of the tile = values 4·(t >> 1) + (t & 1)
-    // + 0, 2: bytes (t & 1), (t & 1) + 2 of quant word 4·(kk & 1) + (t >> 1) (values 32.. of the
-    // step: the high nibbles, kk ≥ 2); {a4,a5} (k 2t + 8, 2t + 9): the same of word + 2. So
-    // (word >> 8·(t & 1)) masked as in v2 gives each register. B core matrices: tile kk of x_hi
-    // (h 0) or x_lo (h 1) is chunks 8h + 2kk (k 0..8), 8h + 2kk + 1 (k 8..16): LBO = 16 token
-    // groups × 128 bytes, SBO = 128.
-    for (int st = 0; st < S - 2; st++) load_stage(st);
-    cp_async_wait<S - 3>();
-    fence_proxy_async();
-    __syncthreads();
-    build_rows(0);
-    const u32 sh = 8 * (t & 1);
-    // Descriptor of stage 0's x: start >> 4 (14 bits), LBO 2048 >> 4 at bit 16, SBO 128 >> 4 at
-    // bit 32, no swizzle.
-    const u64 desc0 = (u64)((smem_addr(smem + C::A_BYTES) >> 4) & 0x3FFF) | ((u64)(2048 >> 4) << 16) |
-                      ((u64)(128 >> 4) << 32);
-    u32 a2[2][4][4];  // [j & 1][kk][register]
-    auto& d = tmp[0];
-    for (int sb = 0; sb < n_sb; sb++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int ks = 4 * sb + j;
-            cp_async_wait<S - 3>();
-            fence_proxy_async();
-            __syncthreads();
-            load_stage(ks + S - 2);
-            if (j == 2 && sb + 1 < n_sb) build_rows(sb + 1);
-            const int slot = ks % S;
-            const u8* abase = smem + slot * C::STAGE;
-            const G2Row* rt = (const G2Row*)(smem + C::ROWS) + (sb & 1) * G2_BM;
-            u32 (&a)[4][4] = a2[j & 1];
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int r = wrow + g + 8 * e;
-                const u32* qw = (const u32*)(abase + r * 32) + (t >> 1);
-                const uint4 c = rt[r].mn[j];
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    const u32 w0 = qw[4 * (kk & 1)] >> sh, w1 = qw[4 * (kk & 1) + 2] >> sh;
-                    if (kk < 2) {
-                        a[kk][e] = hfma2(and_or<0x000F000Fu>(w0, magic), c.x, c.y);
-                        a[kk][2 + e] = hfma2(and_or<0x000F000Fu>(w1, magic), c.x, c.y);
-                    } else {
-                        a[kk][e] = hfma2(and_or<0x00F000F0u>(w0, magic), c.z, c.w);
-                        a[kk][2 + e] = hfma2(and_or<0x00F000F0u>(w1, magic), c.z, c.w);
-                    }
-                }
-            }
-            const u64 desc = desc0 + (u64)((slot * C::STAGE) >> 4);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    wgmma_128(d, a[kk], desc + (u64)((8 * h + 2 * kk) * 128), j + kk + h > 0);
-            wgmma_commit();
-            if (j < 3) {
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
-                wgmma_pin(d);
-                fold(sb);
-                wgmma_pin(d);
-            }
-        }
-    }
-#endif
     }
     cp_async_wait<0>();
 #pragma unroll
@@ -1228,21 +1087,19 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 }
 
 // gemm2_q4_k: 128 rows × 128 tokens per block (warp tiles 32 × 64), 5 stages; gemm2_q4_k_n64:
-// 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q4_k_wg (sm_90a only, else it traps): 128 ×
-// 128 by wgmma (two warpgroups of 64 rows; warp tiles 16 × 128), 4 stages; gemm2_q6_k,
+// 128 × 64 (warp tiles 32 × 32), 5 stages; gemm2_q6_k,
 // gemm2_q6_k_n64: the 128 × 128 and 128 × 64 tiles on Q6_K (rows of a multiple of 8 super-blocks).
 // Arguments: the parts (all of the kernel's type); xh, xsb, inv from gemm2_split_x (Q6_K:
 // gemm6_split_x); cols (% 256 == 0); n; n_pad (a multiple of the token tile). Grid (n_pad / BN,
 // row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at least two
-// super-blocks a row), 256 threads, dynamic shared memory G2<TY, NI, WG>::SMEM bytes (checked).
-#define GEMM2_ENTRY(NAME, TY, NI, WG)                                                                     \
+// super-blocks a row), 256 threads, dynamic shared memory G2<TY, NI>::SMEM bytes (checked).
+#define GEMM2_ENTRY(NAME, TY, NI)                                                                     \
     extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \
-        gemm2_body<TY, NI, WG>(P, xh, xsb, inv, cols, n, n_pad);                                      \
+        gemm2_body<TY, NI>(P, xh, xsb, inv, cols, n, n_pad);                                      \
     }
 
-GEMM2_ENTRY(gemm2_q4_k, TY_Q4_K, 8, false)
-GEMM2_ENTRY(gemm2_q4_k_n64, TY_Q4_K, 4, false)
-GEMM2_ENTRY(gemm2_q4_k_wg, TY_Q4_K, 8, true)
-GEMM2_ENTRY(gemm2_q6_k, TY_Q6_K, 8, false)
-GEMM2_ENTRY(gemm2_q6_k_n64, TY_Q6_K, 4, false)
+GEMM2_ENTRY(gemm2_q4_k, TY_Q4_K, 8)
+GEMM2_ENTRY(gemm2_q4_k_n64, TY_Q4_K, 4)
+GEMM2_ENTRY(gemm2_q6_k, TY_Q6_K, 8)
+GEMM2_ENTRY(gemm2_q6_k_n64, TY_Q6_K, 4)

@@ -29,7 +29,6 @@ __device__ __forceinline__ void rms_norm_one(float4 v, float4 w, float* __restri
         ticket = atomicInc(arrive, split - 1);
     }
     float scale = (float)(1.0 / sqrt(ss / (double)d + (double)eps));
-    TRACE_MARK(12);
     if (i >= lo && i < lo + share) {
         float4 y = v;
         y.x = y.x * scale * w.x;
@@ -37,7 +36,6 @@ __device__ __forceinline__ void rms_norm_one(float4 v, float4 w, float* __restri
         y.z = y.z * scale * w.z;
         y.w = y.w * scale * w.w;
         ((float4*)o)[i] = y;
-        TRACE_MARK(13);
         if (xq) x_limbs4(y, i, xq, d, true);
     }
     if (!xr) return;
@@ -163,7 +161,6 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
         v.z = resid_add(v.z, av.z, f16_round);
         v.w = resid_add(v.w, av.w, f16_round);
         if (live && split == 1) ((float4*)xr)[i] = v;
-        TRACE_MARK(11);
         rms_norm_one(v, w, orow, d, eps, xq, split, split > 1 ? xr : nullptr, arrive);
         return;
     }
@@ -354,7 +351,7 @@ extern "C" __global__ void kv_append_dpos(float* cache, const float* __restrict_
 }
 
 // *p = v (a decode step's position or token run op by op; a recorded step's first node copies
-// both from page-locked host memory, StepWords in engine/src/cuda.rs).
+// both from page-locked host memory, StepWords in engine/src/cuda/graph.rs).
 extern "C" __global__ void set_i32(int* p, int v) { *p = v; }
 
 // Does nothing: `kernels --bench` times launches of it (the per-launch cost of the host path).

@@ -1,5 +1,5 @@
 //! The backend seam: the primitive ops the model code is written over, once, for every backend.
-//! [`CpuBackend`] runs them on the host with the kernels in [`crate::kernels`]; `CudaBackend`
+//! [`CpuBackend`] runs them on the host with the kernels in [`crate::cpu_ops`]; `CudaBackend`
 //! (feature `cuda`, in `crate::cuda`) implements the same trait with NVRTC kernels from `kernels/`.
 //!
 //! Activations, KV caches and custom-op output buffers are [`Buf`]s: a tensor of f32 owned by the
@@ -15,8 +15,8 @@
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
-use crate::kernels::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
-use crate::rank::{route, Route};
+use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::moe_route::{route, Route};
 use half::f16;
 use references::config::MoeConfig;
 
@@ -47,7 +47,7 @@ pub struct Buf {
 pub(crate) enum BufRepr {
     Host(Vec<f32>),
     #[cfg(feature = "cuda")]
-    Dev(crate::cuda::DevBuf),
+    Dev(crate::device_buf::DevBuf),
 }
 
 impl Default for BufRepr {
@@ -179,7 +179,7 @@ pub trait Backend: Send + Sync {
         self.add_assign(x, a, f16_round);
         self.rms_norm(x, weight, eps, out);
     }
-    /// MoE routing of router logits `[n, n_exp]` ([`crate::rank::route`]): on the host here (the
+    /// MoE routing of router logits `[n, n_exp]` ([`crate::moe_route::route`]): on the host here (the
     /// logits come down), a kernel on CUDA (only the chosen experts and weights come down).
     fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
         route(&self.download(logits), n_exp, m, bias, scale)
@@ -225,21 +225,6 @@ pub trait Backend: Send + Sync {
     }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
-    /// A dense SwiGLU FFN, `out[n, down.rows] = (silu(h·gateᵀ) ⊙ h·upᵀ)·downᵀ`: `linear_many`
-    /// of gate and up, `swiglu`, then `linear` here; one launch on CUDA for a one-token Q4_K
-    /// step (the model code takes this op only when no tap wants gate's or up's output).
-    fn ffn_swiglu(&self, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
-        ffn_swiglu_ops(self, h, n, ws, out)
-    }
-    /// One llama-style layer of a one-token step as one op, where the backend has a fused form
-    /// (CUDA, opt-in: one launch for every product, the attention and both norms): `x += o ·
-    /// attention(…)`, then `x += ffn(…)`, appending the position's k and v to `caches` = [k
-    /// cache, v cache] as `linear_qkv_rope` does. False (nothing done) where it has none or the
-    /// layer's shape or types are not its own: the model code then goes op by op.
-    fn decode_layer(&self, x: &mut Buf, layer: &DecodeLayer<'_>, caches: [&mut Buf; 2]) -> bool {
-        let _ = (x, layer, caches);
-        false
-    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
@@ -332,27 +317,13 @@ pub trait StepGraph: Send {
     fn fits(&self, pos0: usize) -> bool;
 }
 
-/// A dense GQA layer's weights and hyper-parameters for [`Backend::decode_layer`]: RMSNorm (both
-/// norms share `eps`), q/k/v with `rope` and the KV append, attention of `shape`, o, then the
-/// SwiGLU FFN of `ffn` = [gate, up, down].
-pub struct DecodeLayer<'a> {
-    pub attn_norm: &'a [f32],
-    pub ffn_norm: &'a [f32],
-    pub eps: f32,
-    pub qkv: [WeightRef<'a>; 3],
-    pub o: WeightRef<'a>,
-    pub ffn: [WeightRef<'a>; 3],
-    pub rope: QkRope,
-    pub shape: GqaShape,
-}
-
 /// The host backend: ranks are threads, ops are the rayon kernels.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
-/// [`Backend::ffn_swiglu`] op by op (its default, and a device backend's fallback): `ws` = [gate,
-/// up, down].
-pub(crate) fn ffn_swiglu_ops<B: Backend + ?Sized>(be: &B, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
+/// A dense SwiGLU FFN, `out[n, down.rows] = (silu(h·gateᵀ) ⊙ h·upᵀ)·downᵀ`, from the trait's ops:
+/// `linear_many` of `ws` = [gate, up], `swiglu`, then `linear` of down.
+pub(crate) fn ffn_swiglu<B: Backend + ?Sized>(be: &B, h: &Buf, n: usize, ws: [WeightRef<'_>; 3], out: &mut Buf) {
     let [gate, up, down] = ws;
     let mut g = be.alloc(n * gate.rows());
     let mut u = be.alloc(n * up.rows());
@@ -456,26 +427,26 @@ impl Backend for CpuBackend {
         c[slot0 * width..slot0 * width + new.len()].copy_from_slice(new);
     }
     fn linear(&self, x: &Buf, n: usize, w: WeightRef<'_>, out: &mut Buf) {
-        kernels::matmul_any(h(x), n, w, hm(out))
+        cpu_ops::matmul_any(h(x), n, w, hm(out))
     }
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
-        kernels::rms_norm(h(x), weight, eps, hm(out))
+        cpu_ops::rms_norm(h(x), weight, eps, hm(out))
     }
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        kernels::rope(hm(x), layout, pos0, base, style)
+        cpu_ops::rope(hm(x), layout, pos0, base, style)
     }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
-        kernels::swiglu(hm(gate), h(up))
+        cpu_ops::swiglu(hm(gate), h(up))
     }
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
-        kernels::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))
+        cpu_ops::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))
     }
     fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
-        kernels::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
+        cpu_ops::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
     }
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let parts: Vec<&[f32]> = partials.iter().map(|p| h(p)).collect();
-        vec![Buf::host(crate::engine::all_reduce(&parts))]
+        vec![Buf::host(crate::collective::all_reduce(&parts))]
     }
     fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf) {
         embed_rows_host(w, rows, hm(out))

@@ -10,7 +10,9 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 /// One NVRTC module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
-    /// Quantized matvec/matmul and the embedding gather (`kernels/quant.cu`).
+    /// Quantized matvec/matmul and the embedding gather (`kernels/matmul.cu`), and the one-token
+    /// GEMV (`kernels/gemv.cu`: per-unit decode, the integer form, x-stationary; `kernels/gemv_rows.cu`:
+    /// warp-rows), one module over their shared decoders.
     Quant,
     /// RMSNorm, RoPE, SwiGLU, all-reduce sum, and the data movement of device-resident
     /// activations (`kernels/ops.cu`).
@@ -18,47 +20,45 @@ pub enum KernelId {
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
     Attention,
     /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
-    /// pre-pass (`kernels/gemm.cu`; host side in `cuda_gemm.rs`).
+    /// pre-pass (`kernels/gemm.cu`; host side in `cuda/gemm.rs`).
     Gemm,
-    /// The tensor-core one-token GEMV for Q4_K (`kernels/gemv_tc.cu`; host side in
-    /// `cuda_gemv_tc.rs`).
-    GemvTc,
 }
 
 impl KernelId {
-    pub const ALL: [KernelId; 5] = [
-        KernelId::Quant,
-        KernelId::Ops,
-        KernelId::Attention,
-        KernelId::Gemm,
-        KernelId::GemvTc,
-    ];
+    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
 
-    /// The source file's name under `kernels/`.
+    /// The module's name in messages: its source file under `kernels/`, or its files joined by `+`.
     pub fn file(self) -> &'static str {
         match self {
-            KernelId::Quant => "quant.cu",
+            KernelId::Quant => "matmul.cu+gemv.cu+gemv_rows.cu",
             KernelId::Ops => "ops.cu",
             KernelId::Attention => "attention.cu",
             KernelId::Gemm => "gemm.cu",
-            KernelId::GemvTc => "gemv_tc.cu",
         }
     }
 
-    /// The module's own source (without [`COMMON`]).
-    pub fn source(self) -> &'static str {
+    /// The module's source files under `kernels/`, in compile order, each (name, text).
+    pub fn files(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            KernelId::Quant => include_str!("../../kernels/quant.cu"),
-            KernelId::Ops => include_str!("../../kernels/ops.cu"),
-            KernelId::Attention => include_str!("../../kernels/attention.cu"),
-            KernelId::Gemm => include_str!("../../kernels/gemm.cu"),
-            KernelId::GemvTc => include_str!("../../kernels/gemv_tc.cu"),
+            KernelId::Quant => &[
+                ("matmul.cu", include_str!("../../kernels/matmul.cu")),
+                ("gemv.cu", include_str!("../../kernels/gemv.cu")),
+                ("gemv_rows.cu", include_str!("../../kernels/gemv_rows.cu")),
+            ],
+            KernelId::Ops => &[("ops.cu", include_str!("../../kernels/ops.cu"))],
+            KernelId::Attention => &[("attention.cu", include_str!("../../kernels/attention.cu"))],
+            KernelId::Gemm => &[("gemm.cu", include_str!("../../kernels/gemm.cu"))],
         }
     }
 
-    /// The source NVRTC compiles: [`COMMON`] then the module.
+    /// The source NVRTC compiles: [`COMMON`], then the module's files in order, each after a
+    /// `#line` naming it (so a compile error names the file and line).
     pub fn full_source(self) -> String {
-        format!("{COMMON}\n#line 1 \"{}\"\n{}", self.file(), self.source())
+        let mut s = format!("{COMMON}\n");
+        for (name, text) in self.files() {
+            s.push_str(&format!("#line 1 \"{name}\"\n{text}"));
+        }
+        s
     }
 
     /// The `extern "C"` entry points the module defines.
@@ -71,8 +71,7 @@ impl KernelId {
                     [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
                 })
                 .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
-                .chain(FFN_VARIANTS.iter().map(|&v| ffn_entry(v)))
-                .chain(["gemv_x_limbs", "gemv_read_probe", "layer_q4k"].map(String::from))
+                .chain(["gemv_x_limbs", "gemv_read_probe"].map(String::from))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
@@ -121,7 +120,6 @@ impl KernelId {
                 "gemm6_split_x",
                 "gemm2_q4_k",
                 "gemm2_q4_k_n64",
-                "gemm2_q4_k_wg",
                 "gemm2_q6_k",
                 "gemm2_q6_k_n64",
             ]
@@ -133,13 +131,11 @@ impl KernelId {
                     .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
             )
             .collect(),
-            KernelId::GemvTc => GEMVT_VARIANTS.iter().map(|v| v.entry()).collect(),
         }
     }
 }
 
-/// The forms of the one-token GEMV: the two work splits of `kernels/quant.cu`, the warp-rows split
-/// staged by bulk copies, and the tensor-core form of `kernels/gemv_tc.cu`.
+/// The forms of the one-token GEMV: the two work splits of `kernels/gemv.cu` and `kernels/gemv_rows.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvKind {
     /// x-stationary (`gemv_*`): a block holds its slice of x in registers and walks groups of R
@@ -148,22 +144,11 @@ pub enum GemvKind {
     /// warp-rows (`gemvw_*`): a block of NW warps computes R rows; each warp walks 32-unit
     /// chunks of the row, U chunks per step, reloading x per chunk.
     Wr,
-    /// tensor cores (`gemvt_*` in `kernels/gemv_tc.cu`, Q4_K only, opt-in): a block of NW warps
-    /// computes R = 16·T rows (T tiles of `mma.sync` m16n8k32), the warps splitting the
-    /// super-blocks, U (`upt`) of them in flight a warp; the quants as u8 meet x's int8 limbs (the
-    /// integer form, `mode` 2).
-    Tc,
-    /// warp-rows, bulk-staged (`gemvb_*`, Q4_K only, the integer form, modes 2 and 3): the
-    /// warp-rows split over a persistent grid, each block's groups of R weight rows copied into a
-    /// ring of S stages in shared memory by bulk copies (TMA, `upt` = S), so the bytes in flight
-    /// take no registers.
-    Wb,
 }
 
-/// One compiled variant of the one-token GEMV in `kernels/quant.cu`: R rows per block (step),
+/// One compiled variant of the one-token GEMV (`kernels/gemv.cu`, `kernels/gemv_rows.cu`): R rows per block (step),
 /// `upt` units per thread (x-stationary: UPT, the units each thread owns; warp-rows: U, the
-/// chunks per step; tensor cores: U, the super-blocks a warp keeps in flight; bulk-staged: S, the
-/// ring's stages), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized to
+/// chunks per step), NW warps per block (warp-rows only; 0 for x-stationary, whose block is sized to
 /// the row), MODE how quants meet x: 0 as exact floats, 1 (Q4_K) as floats 1 + q/128, 2
 /// (warp-rows Q4_K, Q4_1, Q8_0) as integers, through dp4a with x in int8 limbs, 3 (warp-rows
 /// Q4_K) the same with pair units: a thread takes 64 values (two sub-blocks) per row, so a chunk
@@ -179,15 +164,12 @@ pub struct GemvVariant {
 }
 
 impl GemvVariant {
-    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>`, `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`,
-    /// `gemvt_<type>_t<T>_w<NW>_u<U>` or `gemvb_<type>_r<R>_w<NW>_m<MODE>_s<S>`.
+    /// The entry point: `gemv_<type>_r<R>_u<UPT>_m<MODE>` or `gemvw_<type>_r<R>_w<NW>_u<U>_m<MODE>`.
     pub fn entry(self) -> String {
         let s = type_suffix(self.ty).expect("GEMV types have suffixes");
         match self.kind {
             GemvKind::Xs => format!("gemv_{s}_r{}_u{}_m{}", self.r, self.upt, self.mode),
             GemvKind::Wr => format!("gemvw_{s}_r{}_w{}_u{}_m{}", self.r, self.nw, self.upt, self.mode),
-            GemvKind::Tc => format!("gemvt_{s}_t{}_w{}_u{}", self.r / 16, self.nw, self.upt),
-            GemvKind::Wb => format!("gemvb_{s}_r{}_w{}_m{}_s{}", self.r, self.nw, self.mode, self.upt),
         }
     }
 
@@ -201,7 +183,7 @@ impl GemvVariant {
     }
 
     /// Whether the variant takes x as int8 limbs (the integer form: modes 2 and 3 of x-stationary
-    /// and warp-rows, and the tensor-core GEMV), from the `gemv_x_limbs` pre-pass or the op that
+    /// and warp-rows), from the `gemv_x_limbs` pre-pass or the op that
     /// wrote x.
     pub fn takes_limbs(self) -> bool {
         matches!(self.mode, 2 | 3)
@@ -235,77 +217,7 @@ const fn gw(ty: GgmlType, r: usize, nw: usize, u: usize, mode: usize) -> GemvVar
     }
 }
 
-const fn gb(r: usize, nw: usize, mode: usize, stages: usize) -> GemvVariant {
-    GemvVariant {
-        kind: GemvKind::Wb,
-        ty: GgmlType::Q4K,
-        r,
-        nw,
-        upt: stages,
-        mode,
-    }
-}
-
-/// The bulk-staged warp-rows variants (the `GEMVB_ENTRY` lines of `kernels/quant.cu`, in the same
-/// order): Q4_K, (R, NW, MODE, S). A warp takes one chunk of a row, so NW covers the row: mode 2
-/// NW 4 for 4096 values (128 units), 14 for 14336; mode 3 NW 2 and 7.
-const GEMVB_VARIANTS: [GemvVariant; 9] = [
-    gb(2, 4, 2, 3),
-    gb(4, 4, 2, 2),
-    gb(4, 4, 2, 3),
-    gb(8, 4, 2, 2),
-    gb(2, 14, 2, 2),
-    gb(4, 14, 2, 2),
-    gb(4, 2, 3, 2),
-    gb(8, 2, 3, 2),
-    gb(2, 7, 3, 2),
-];
-
-/// Dynamic shared memory of bulk-staged GEMV variant `v` on rows of `row_bytes`: its S stages of R
-/// rows, the S barriers (8 bytes each, padded to 16) and two sets of NW·R partial sums
-/// (`gemvb_body` in `kernels/quant.cu`).
-pub fn gemvb_smem(v: GemvVariant, row_bytes: usize) -> usize {
-    let s = v.upt;
-    s * v.r * row_bytes + 8 * s.next_multiple_of(2) + 2 * 4 * v.nw * v.r
-}
-
-const fn gt(t: usize, nw: usize, u: usize) -> GemvVariant {
-    GemvVariant {
-        kind: GemvKind::Tc,
-        ty: GgmlType::Q4K,
-        r: 16 * t,
-        nw,
-        upt: u,
-        mode: 2,
-    }
-}
-
-/// A fused FFN variant (engine/src/cuda_ffn.rs, `ffn_q4k_*` in kernels/quant.cu): P gate and P up
-/// rows a stage, RB down rows a stage (0: down left to the default GEMV), SA and SB warp groups a
-/// team in gate/up and in down.
-pub(crate) type FfnVariant = (usize, usize, usize, usize);
-/// The compiled fused FFN variants: one `FFN_ENTRY` line each in kernels/quant.cu.
-pub(crate) const FFN_VARIANTS: [FfnVariant; 4] = [(4, 2, 4, 1), (4, 2, 4, 2), (4, 2, 8, 1), (4, 0, 4, 1)];
-
-/// The entry point of fused FFN variant (P, RB, SA, SB).
-pub(crate) fn ffn_entry((p, rb, sa, sb): FfnVariant) -> String {
-    format!("ffn_q4k_p{p}_r{rb}_a{sa}_b{sb}")
-}
-
-/// The tensor-core GEMV variants (the `GEMVT_ENTRY` lines of `kernels/gemv_tc.cu`, in the same
-/// order): Q4_K, (T tiles of 16 rows, NW warps, U super-blocks in flight); x in int8 limbs (mode 2).
-pub const GEMVT_VARIANTS: [GemvVariant; 8] = [
-    gt(1, 4, 1),
-    gt(1, 4, 2),
-    gt(1, 8, 1),
-    gt(1, 8, 2),
-    gt(2, 4, 1),
-    gt(2, 4, 2),
-    gt(2, 8, 1),
-    gt(1, 16, 1),
-];
-
-/// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/quant.cu`, in
+/// The warp-rows variants (the `GEMVW_ENTRY` then `GEMVW_ENTRY_Q` lines of `kernels/gemv_rows.cu`, in
 /// the same order): a sweep set for Q4_K (mode 0, and three of mode 1) and Q4_1, two to four for
 /// Q8_0, F16, BF16, seven for Q6_K; then the integer form (mode 2, x in int8 limbs from the `gemv_x_limbs`
 /// pre-pass) for Q4_K, Q4_1, Q8_0 and Q6_K; then Q4_K's pair units (mode 3): R 2, 4, 8 × NW 1, 2, 4, 7
@@ -395,11 +307,11 @@ const GEMVW_VARIANTS: [GemvVariant; 79] = {
     ]
 };
 
-/// Every compiled GEMV variant of `kernels/quant.cu`. x-stationary (the `GEMV_RU` and
+/// Every compiled GEMV variant. x-stationary (`kernels/gemv.cu`: the `GEMV_RU` and
 /// `GEMV_ENTRY` lines): R 2 and 4 × UPT 1, 2, 4 for every type (and Q4_K mode 1), plus Q4_K R 6
 /// and 8 at UPT 1, then those of the integer form ([`GEMV_XS_INT`]). Then the warp-rows ones
-/// ([`GEMVW_VARIANTS`]), then the bulk-staged ones ([`GEMVB_VARIANTS`]).
-pub const GEMV_VARIANTS: [GemvVariant; 135] = {
+/// ([`GEMVW_VARIANTS`]).
+pub const GEMV_VARIANTS: [GemvVariant; 126] = {
     let tys = [
         (GgmlType::F16, 0),
         (GgmlType::BF16, 0),
@@ -409,7 +321,7 @@ pub const GEMV_VARIANTS: [GemvVariant; 135] = {
         (GgmlType::Q4K, 1),
     ];
     let ru = [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4)];
-    let mut out = [gv(GgmlType::F16, 2, 1, 0); 135];
+    let mut out = [gv(GgmlType::F16, 2, 1, 0); 126];
     let mut i = 0;
     while i < 36 {
         let (ty, m) = tys[i / 6];
@@ -429,11 +341,6 @@ pub const GEMV_VARIANTS: [GemvVariant; 135] = {
         out[38 + GEMV_XS_INT.len() + j] = GEMVW_VARIANTS[j];
         j += 1;
     }
-    let mut j = 0;
-    while j < GEMVB_VARIANTS.len() {
-        out[38 + GEMV_XS_INT.len() + GEMVW_VARIANTS.len() + j] = GEMVB_VARIANTS[j];
-        j += 1;
-    }
     out
 };
 
@@ -451,7 +358,7 @@ pub fn pair_nw(cols: usize) -> usize {
 }
 
 /// The x-stationary variants of the integer form (mode 2; the `GEMV_ENTRY_Q` lines of
-/// `kernels/quant.cu`, in the same order): each thread holds its x slice as int8 limbs.
+/// `kernels/gemv.cu`, in the same order): each thread holds its x slice as int8 limbs.
 const GEMV_XS_INT: [GemvVariant; 9] = {
     use GgmlType::{Q4K, Q4_1, Q8_0};
     [
@@ -467,7 +374,7 @@ const GEMV_XS_INT: [GemvVariant; 9] = {
     ]
 };
 
-/// The weight types decoded in registers by `kernels/quant.cu`. Others (Q2_K, Q3_K) are
+/// The weight types decoded in registers by `kernels/matmul.cu`. Others (Q2_K, Q3_K) are
 /// dequantized to f32 on the host when uploaded.
 pub const GPU_TYPES: [GgmlType; 11] = [
     GgmlType::F32,
@@ -547,31 +454,7 @@ mod tests {
                         })
                     }
                     || {
-                        // gemvb_q4_k_r<R>_w<NW>_m<M>_s<S> come from GEMVB_ENTRY(<R>, <NW>, <M>, <S>).
-                        f.strip_prefix("gemvb_q4_k_r").is_some_and(|rest| {
-                            let (r, tail) = rest.split_once("_w").unwrap();
-                            let (nw, tail) = tail.split_once("_m").unwrap();
-                            let (m, st) = tail.split_once("_s").unwrap();
-                            src.contains(&format!("GEMVB_ENTRY({r}, {nw}, {m}, {st})\n"))
-                        })
-                    }
-                    || {
-                        // gemvt_q4_k_t<T>_w<NW>_u<U> come from GEMVT_ENTRY(<T>, <NW>, <U>).
-                        f.strip_prefix("gemvt_q4_k_t").is_some_and(|rest| {
-                            let (t, tail) = rest.split_once("_w").unwrap();
-                            let (nw, u) = tail.split_once("_u").unwrap();
-                            src.contains(&format!("GEMVT_ENTRY({t}, {nw}, {u})\n"))
-                        })
-                    }
-                    || {
-                        // ffn_q4k_p<P>_r<RB>_a<SA>_b<SB> come from FFN_ENTRY(<P>, <RB>, <SA>, <SB>).
-                        FFN_VARIANTS.iter().any(|&(p, rb, sa, sb)| {
-                            f == ffn_entry((p, rb, sa, sb))
-                                && src.contains(&format!("FFN_ENTRY({p}, {rb}, {sa}, {sb})\n"))
-                        })
-                    }
-                    || {
-                        // gemm2_q4_k[_n64|_wg], gemm2_q6_k[_n64] come from GEMM2_ENTRY(<name>, <TY>, <NI>, <WG>).
+                        // gemm2_q4_k[_n64], gemm2_q6_k[_n64] come from GEMM2_ENTRY(<name>, <TY>, <NI>).
                         src.contains(&format!("GEMM2_ENTRY({f}, "))
                     }
                     || {
@@ -629,22 +512,12 @@ mod tests {
             if a.kind != GemvKind::Xs {
                 assert!([1, 2, 4, 8].contains(&a.r) && [1, 2, 4, 7, 8, 14].contains(&a.nw) && (1..=4).contains(&a.upt));
             }
-            // Pair units (mode 3) are warp-rows Q4_K only; the bulk-staged form is Q4_K in the
-            // integer form.
+            // Pair units (mode 3) are warp-rows Q4_K only.
             assert!(
-                a.mode != 3 || (matches!(a.kind, GemvKind::Wr | GemvKind::Wb) && a.ty == GgmlType::Q4K),
+                a.mode != 3 || (a.kind == GemvKind::Wr && a.ty == GgmlType::Q4K),
                 "{}",
                 a.entry()
             );
-            assert!(
-                a.kind != GemvKind::Wb || (a.ty == GgmlType::Q4K && a.takes_limbs() && (2..=4).contains(&a.upt)),
-                "{}",
-                a.entry()
-            );
-        }
-        for (i, a) in GEMVT_VARIANTS.iter().enumerate() {
-            assert!(a.kind == GemvKind::Tc && a.ty == GgmlType::Q4K && a.r % 16 == 0 && a.takes_limbs());
-            assert!(GEMVT_VARIANTS[i + 1..].iter().all(|b| b.entry() != a.entry()));
         }
     }
 }

@@ -18,6 +18,7 @@
 
 use crate::backend::{as_rank, Backend, BackendKind, BlockTrace, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
+use crate::options::CudaOptions;
 use crate::rank::{NormAt, PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
 use crate::weights::{Loader, WeightStorage};
@@ -36,9 +37,8 @@ pub struct EngineOptions {
     pub backend: BackendKind,
     /// Quantized shards decoded in the matmul, or f32 shards.
     pub storage: WeightStorage,
-    /// Compile the device kernels with the kernel trace (`bench --trace`; see
-    /// [`Engine::kernel_trace_take`]). Ignored on the CPU.
-    pub kernel_trace: bool,
+    /// The CUDA backend's settings (ignored on the CPU).
+    pub cuda: CudaOptions,
 }
 
 impl Default for EngineOptions {
@@ -48,7 +48,7 @@ impl Default for EngineOptions {
             faults: Vec::new(),
             backend: BackendKind::Cpu,
             storage: WeightStorage::default(),
-            kernel_trace: false,
+            cuda: CudaOptions::default(),
         }
     }
 }
@@ -61,7 +61,7 @@ pub struct Engine {
     backend: Box<dyn Backend>,
     ranks: Vec<Rank>,
     n_past: usize,
-    /// Record and replay plain decode steps as graphs where the backend can (`LLMDIFF_CUDA_GRAPH=0`
+    /// Record and replay plain decode steps as graphs where the backend can ([`CudaOptions::graphs`]
     /// or [`Engine::set_decode_graphs`] turns it off).
     decode_graphs: bool,
     /// The last step was a plain decode step (its buffers are in the backend's pool, so the next
@@ -213,7 +213,7 @@ impl Engine {
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => crate::cuda_nccl::cuda_backend(opts.tp, opts.kernel_trace)?,
+            BackendKind::Cuda => crate::cuda::backend_for(opts.tp, &opts.cuda)?,
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
                 return Err(EngineError::Cuda(
@@ -240,7 +240,7 @@ impl Engine {
             backend,
             ranks,
             n_past: 0,
-            decode_graphs: std::env::var("LLMDIFF_CUDA_GRAPH").map_or(true, |v| v != "0"),
+            decode_graphs: opts.cuda.graphs_on(),
             graph_warm: false,
             graph: None,
             config,
@@ -482,14 +482,8 @@ impl Engine {
             });
         }
 
-        // A one-token step on one rank with nothing tapped and no fault may take each layer as
-        // one backend op (`Rank::fused_layer`; the backend says whether it has one).
-        let fusable = is_decode && n == 1 && self.tp == 1 && plan.is_empty() && self.faults.specs().is_empty();
         for layer_idx in 0..c.n_layers {
             self.weight_taps(tap, &plan, layer_idx);
-            if fusable && self.ranks[0].fused_layer(&ctx, layer_idx) {
-                continue;
-            }
             for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
                 let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| match phase_site {
                     Site::AttnProj => r.attn_block(&ctx, layer_idx),
@@ -565,17 +559,6 @@ fn download_logits(be: &dyn Backend, slices: &[Buf], n: usize, out: &mut Vec<f32
         .collect();
     let refs: Vec<&[f32]> = slices.iter().map(|s| s.as_slice()).collect();
     *out = gather_columns(&refs, n).0;
-}
-
-/// Sum all-reduce in a fixed order: rank 0 + rank 1 + ....
-pub fn all_reduce(partials: &[&[f32]]) -> Vec<f32> {
-    let mut sum = partials[0].to_vec();
-    for p in &partials[1..] {
-        for (s, &v) in sum.iter_mut().zip(p.iter()) {
-            *s += v;
-        }
-    }
-    sum
 }
 
 /// Runs `f` for every rank (as that rank, see [`as_rank`]): one rayon task per rank when

@@ -29,6 +29,8 @@ pub enum EngineError {
     Cuda(String),
     #[error("kernel {kernel} does not compile: {msg}")]
     KernelCompile { kernel: &'static str, msg: String },
+    #[error("options: {0}")]
+    Options(String),
     #[error("unsupported: {0}")]
     Unsupported(String),
 }

@@ -24,9 +24,9 @@
 //! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`) live here as the alternative
 //! paths they are in a real loader.
 
+use crate::cpu_ops::{Mat, QMat, WeightRef};
 use crate::fault::{Fault, FaultSet};
 use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
-use crate::kernels::{Mat, QMat, WeightRef};
 use crate::EngineError;
 use rayon::prelude::*;
 use references::config::MoeConfig;

@@ -155,7 +155,10 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
                 EngineOptions {
                     tp: a.tp,
                     backend: a.backend.engine_kind().unwrap_or_default(),
-                    kernel_trace: a.trace.is_some(),
+                    cuda: engine::CudaOptions {
+                        kernel_trace: a.trace.is_some(),
+                        ..engine::CudaOptions::default()
+                    },
                     ..EngineOptions::default()
                 },
             )?;

@@ -2,9 +2,8 @@
 //! error names the kernel file) and runs each kernel against the CPU engine's on odd shapes;
 //! `--bench` times the quantized GEMV against the device-to-device copy bandwidth of the same run
 //! (the default path, then every compiled one-token GEMV variant of the type on the same weights,
-//! the default marked; for Q4_K also the tensor-core GEMV variants, and the attention and
-//! output-head shapes 4096×4096, 1024×4096 and 32000×4096 with the default, its warp-rows
-//! variant, the pair-unit ones (mode 3) and the tensor-core ones), the default Q4_K GEMV's loads
+//! the default marked; for Q4_K also the attention and output-head shapes 4096×4096, 1024×4096
+//! and 32000×4096 with the default, its warp-rows variant and the pair-unit ones (mode 3)), the default Q4_K GEMV's loads
 //! alone, with x's, and the same bytes as one stream (the bound the access pattern sets), the
 //! prefill GEMM (tensor cores, 512 tokens, Q4_K) beside the SIMT matmul in TFLOP/s, the prefill
 //! GQA attention (512 tokens, 32/8 heads of 128 and 9/3 of 64) per-(token, head) beside tiled
@@ -24,7 +23,7 @@ pub fn run(_a: &KernelsArgs) -> anyhow::Result<ExitCode> {
 #[cfg(feature = "cuda")]
 pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     use engine::cuda::CudaBackend;
-    use engine::cuda_kernels::{KernelId, GEMVT_VARIANTS, GEMV_VARIANTS};
+    use engine::cuda_kernels::{KernelId, GEMV_VARIANTS};
     use references::GgmlType;
     use serde_json::json;
 
@@ -91,7 +90,7 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
             GgmlType::Q6K,
         ] {
             // Q4_1 also on smollm2-135m's FFN shapes (its layers' type).
-            // Q4_K also on the 8B's attention and output shapes (tensor-core GEMV beside the default).
+            // Q4_K also on the 8B's attention and output shapes.
             let shapes: &[(usize, usize)] = match ty {
                 GgmlType::Q4_1 => &[(4096, 14336), (14336, 4096), (1536, 576), (576, 1536)],
                 GgmlType::Q4K => &[(4096, 14336), (14336, 4096), (4096, 4096), (1024, 4096), (32000, 4096)],
@@ -107,8 +106,8 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                     let mut vs = vec![None];
                     let extra = ty == GgmlType::Q4K && cols == 4096 && rows != 14336;
                     if n == 1 && extra {
-                        // The extra Q4_K shapes: the default variant, the integer-form ones (modes 2
-                        // and 3) and the tensor-core ones.
+                        // The extra Q4_K shapes: the default variant and the integer-form ones (modes 2
+                        // and 3).
                         vs.extend(
                             GEMV_VARIANTS
                                 .iter()
@@ -117,9 +116,6 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
                         );
                     } else if n == 1 {
                         vs.extend(GEMV_VARIANTS.iter().filter(|v| v.ty == ty).map(|v| Some(*v)));
-                    }
-                    if n == 1 && ty == GgmlType::Q4K {
-                        vs.extend(GEMVT_VARIANTS.iter().map(|v| Some(*v)));
                     }
                     for r in be.bench_linear_variants(ty, rows, cols, n, 200, &vs)? {
                         let frac = r.gb_per_s * 1e9 / copy;

@@ -17,42 +17,18 @@ use std::sync::Arc;
 /// Records the trace buffer holds (32 bytes each): an 8B decode step is ~200 000 blocks.
 pub(super) const TRACE_CAP: u32 = 1 << 21;
 
-/// The names of common.cuh's trace tags, by tag.
-const TRACE_TAGS: [&str; 34] = [
+/// The names of common.cuh's trace tags, by tag (2 and 3 are retired).
+const TRACE_TAGS: [&str; 10] = [
     "?",
     "gemv",
-    "gemv_tc",
-    "gemv_bulk",
+    "?",
+    "?",
     "attention",
     "rms_norm",
     "add_rms_norm",
     "swiglu",
     "x_limbs",
     "gather",
-    "ffn",
-    "layer_qkv",
-    "layer_attn",
-    "layer_combine",
-    "layer_o",
-    "layer_gate_up",
-    "layer_down",
-    "layer",
-    "layer_qkv_pass",
-    "layer_o_pass",
-    "layer_gate_up_pass",
-    "layer_down_pass",
-    "limbs_qkv_a",
-    "limbs_qkv_b",
-    "limbs_qkv_clk",
-    "limbs_o_a",
-    "limbs_o_b",
-    "limbs_o_clk",
-    "limbs_gate_up_a",
-    "limbs_gate_up_b",
-    "limbs_gate_up_clk",
-    "limbs_down_a",
-    "limbs_down_b",
-    "limbs_down_clk",
 ];
 
 /// The device side of the trace: the records and their count.

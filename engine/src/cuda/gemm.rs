@@ -4,31 +4,28 @@
 //!
 //! Selection: a product of n > 1 tokens with a Q4_K (cols % 256 == 0), Q6_K (cols % 2048 == 0:
 //! rows of 16-byte multiples), Q8_0, Q4_1 or F16 (cols % 64 == 0) weight in its device layout,
-//! unless `LLMDIFF_GEMM=0`; everything else (F32, BF16, the other quant types) keeps the f32 SIMT
-//! `matmul_*` of `kernels/quant.cu`. Kernels, `LLMDIFF_GEMM_KIND=v1|v2|wg`:
+//! unless `LLMDIFF_CUDA_DISABLE=gemm`; everything else (F32, BF16, the other quant types) keeps the
+//! f32 SIMT `matmul_*` of `kernels/gemv.cu`. Kernels:
 //! - v2 (the default; Q4_K and Q6_K, other types take v1): `gemm2_q4_k` / `gemm2_q6_k`, 128 rows
 //!   × 128 tokens per block, `cp.async` stages, quants dequantized from shared memory straight
 //!   into the MMA fragments, or `gemm2_q*_k_n64` (64 tokens), and K split in two (the output
 //!   zeroed, then added into), when the grid would leave SMs idle (picked per launch by
-//!   [`gemm2_tile`]; `LLMDIFF_GEMM_BN=128|64` and `LLMDIFF_GEMM_SPLIT=1|2` force them). Up to
+//!   [`gemm2_tile`]; the checks and benches force each). Up to
 //!   three weights of one type that share x (`linear_many`: q/k/v, gate/up) go in one launch; a
 //!   Q4_K_M layer's q, k (Q4_K) and v (Q6_K) take a pre-pass and launch per type, each with the
 //!   tile and split for its own row tiles (Q6_K's pre-pass orders x so that each k16 tile is one
 //!   run of 16, one Q6_K scale).
-//! - wg (Q4_K only, and only where the kernels were compiled for `sm_90a`; elsewhere it falls back
-//!   to v2): `gemm2_q4_k_wg`, v2's 128 × 128 tile, pre-pass and launch on Hopper's `wgmma`
-//!   (A fragments in registers, x by descriptor from shared memory, asynchronous).
-//! - v1: `gemm_<type>`, 128 rows × 64 tokens, or 32 (`gemm_<type>_n32`, fewer registers, two
-//!   blocks per SM) with `LLMDIFF_GEMM_BN=32`.
+//! - v1 (Q8_0, Q4_1, F16): `gemm_<type>`, 128 rows × 64 tokens, or 32 (`gemm_<type>_n32`, fewer
+//!   registers, two blocks per SM; the checks and benches only).
 //!
 //! Either way the x pre-pass runs once per x, however many weights share it. Precision: the
 //! weights' integers are exact in f16, each token's x is scaled by a power of two and split into
 //! two f16s (x_hi + x_lo, 22 bits), the tensor cores accumulate in f32, block scales and offsets
 //! are applied in f32 (see `kernels/gemm.cu`).
 
-use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, CudaBackend, DevWeight, KernelCheck};
+use super::{compare, dev, dev_mut, noise, ok, test_bytes, test_weight, Case, CudaBackend, DevWeight, KernelCheck};
 use crate::backend::{Backend, Buf, CpuBackend};
-use crate::kernels::WeightRef;
+use crate::cpu_ops::WeightRef;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use references::GgmlType;
@@ -38,15 +35,14 @@ use std::sync::Arc;
 /// Weight-row tile (both kernels).
 const GEMM_BM: usize = 128;
 
-/// `GemmState::kind`, `GemmPlan::kind`: v1, v2, v2 on wgmma.
+/// `GemmState::kind`, `GemmPlan::kind`: v1, v2.
 const KIND_V1: usize = 1;
 const KIND_V2: usize = 2;
-const KIND_WG: usize = 3;
 
-/// The GEMM's settings: on (`LLMDIFF_GEMM=0` turns it off, back to the SIMT matmul), the kernel
-/// (`LLMDIFF_GEMM_KIND=v1` or `wg`, else v2), the token tile asked for (`LLMDIFF_GEMM_BN`; 0:
-/// the kernel's default) and v2's K split (`LLMDIFF_GEMM_SPLIT=1|2`; 0: by the grid, see
-/// [`gemm2_tile`]). Atomics so the checks and benches can switch them.
+/// The GEMM's settings: on (`LLMDIFF_CUDA_DISABLE=gemm` turns it off, back to the SIMT matmul),
+/// the kernel (v2, or v1 forced), the token tile asked for (0: the kernel's default) and v2's K
+/// split (0: by the grid, see [`gemm2_tile`]). By default v2, chosen tile and split; atomics so
+/// the checks and benches can switch them.
 pub(super) struct GemmState {
     on: AtomicBool,
     kind: AtomicUsize,
@@ -57,18 +53,12 @@ pub(super) struct GemmState {
 }
 
 impl GemmState {
-    pub(super) fn from_env(smem_max: usize) -> GemmState {
-        let get = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_string());
-        let num = |k: &str| get(k).and_then(|v| v.parse::<usize>().ok());
+    pub(super) fn new(on: bool, smem_max: usize) -> GemmState {
         GemmState {
-            on: AtomicBool::new(num("LLMDIFF_GEMM") != Some(0)),
-            kind: AtomicUsize::new(match get("LLMDIFF_GEMM_KIND").as_deref() {
-                Some("v1") => KIND_V1,
-                Some("wg") => KIND_WG,
-                _ => KIND_V2,
-            }),
-            bn: AtomicUsize::new(num("LLMDIFF_GEMM_BN").unwrap_or(0)),
-            split: AtomicUsize::new(num("LLMDIFF_GEMM_SPLIT").filter(|s| *s <= 2).unwrap_or(0)),
+            on: AtomicBool::new(on),
+            kind: AtomicUsize::new(KIND_V2),
+            bn: AtomicUsize::new(0),
+            split: AtomicUsize::new(0),
             smem_max,
         }
     }
@@ -102,8 +92,7 @@ pub(super) fn gemm_entry_for(w: &DevWeight, cols: usize) -> Option<&'static str>
     }
 }
 
-/// How products of n > 1 tokens that share x run: `kind` v2 with token tile `bn` (128 or 64), wg
-/// (bn 128), or v1 with `bn` (64 or 32); v2 splits K in `splits` (1 or 2; the others 1).
+/// How products of n > 1 tokens that share x run: `kind` v2 with token tile `bn` (128 or 64), or v1 with `bn` (64 or 32); v2 splits K in `splits` (1 or 2; the others 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct GemmPlan {
     kind: usize,
@@ -111,18 +100,16 @@ pub(super) struct GemmPlan {
     bn: usize,
 }
 
-/// Dynamic shared memory of `gemm2_q4_k` (bn 128), `gemm2_q4_k_n64` or `gemm2_q4_k_wg` (`wg`),
-/// or of `gemm2_q6_k[_n64]` (`q6`): `G2<TY, NI, WG>::SMEM` in kernels/gemm.cu. Q4_K: stages (five,
-/// or the wgmma form's four) of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
+/// Dynamic shared memory of `gemm2_q4_k` (bn 128) or `gemm2_q4_k_n64`, or of `gemm2_q6_k[_n64]`
+/// (`q6`): `G2<TY, NI>::SMEM` in kernels/gemm.cu. Q4_K: five stages of 128 rows × 32 quant bytes and bn tokens × 256 bytes of x, two
 /// buffers of 128 16-byte headers, of bn × 64 bytes of Σx fragments and of 128 96-byte row
 /// constants. Q6_K: five stages of 128 rows × 64 bytes (ql, qh) and the x tile, two buffers of
 /// 128 32-byte headers and of 128 64-byte row constants. The kernel traps if it gets less.
-fn gemm2_smem(bn: usize, wg: bool, q6: bool) -> usize {
+fn gemm2_smem(bn: usize, q6: bool) -> usize {
     if q6 {
         return 5 * (GEMM_BM * 64 + bn * 256) + 2 * GEMM_BM * 32 + 2 * GEMM_BM * 64;
     }
-    let stages = if wg { 4 } else { 5 };
-    stages * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
+    5 * (GEMM_BM * 32 + bn * 256) + 2 * GEMM_BM * 16 + 2 * bn * 64 + 2 * GEMM_BM * 96
 }
 
 /// Whether v2 has a kernel for weights of `ty` (Q4_K: `gemm2_q4_k*`; Q6_K: `gemm2_q6_k*`).
@@ -136,7 +123,7 @@ fn v2_type(ty: GgmlType) -> bool {
 /// × (tokens per block) / split. 64-token blocks count 15 % less efficient per token (more
 /// dequantization and fragment loads per MMA), a split of two 3 % (the output zeroed first, its
 /// stores atomic). The split helps where the row tiles fill a wave and a half: the 8B's q/k/v
-/// at 512 tokens (192 blocks on 132 SMs) was 212 µs at 64-token tiles on an H200 (round 17).
+/// at 512 tokens (192 blocks on 132 SMs) was 212 µs at 64-token tiles on an H200.
 pub(super) fn gemm2_tile(tiles: usize, n: usize, n_sb: usize, sms: usize, bn: usize, split: usize) -> (usize, usize) {
     let cost = |(bn, s): (usize, usize)| {
         let eff = if bn == 64 { 1.15 } else { 1.0 } * if s == 2 { 1.03 } else { 1.0 };
@@ -173,8 +160,7 @@ unsafe impl cudarc::driver::DeviceRepr for Gemm2Parts {}
 pub struct GemmBench {
     pub case: String,
     /// (path, seconds per product, TFLOP/s = 2·rows·cols·n / seconds / 1e12), path `gemm2`
-    /// (v2, tile chosen per launch), `gemm2_128`, `gemm2_64`, `gemm2_wg` (on sm_90a only),
-    /// `gemm64`, `gemm32` (v1) or `simt`.
+    /// (v2, tile chosen per launch), `gemm2_128`, `gemm2_64`, `gemm64`, `gemm32` (v1) or `simt`.
     pub paths: Vec<(String, f64, f64)>,
 }
 
@@ -185,34 +171,21 @@ pub(super) type GemmPart<'a> = (&'a DevWeight, &'a mut CudaSlice<f32>, usize);
 type GemmSetting = (bool, usize, usize, usize);
 /// The settings of the paths the checks and benches name: (label, setting).
 type GemmPath = (&'static str, GemmSetting);
-const PATHS: [GemmPath; 9] = [
+const PATHS: [GemmPath; 8] = [
     ("gemm2", (true, KIND_V2, 0, 0)),
     ("gemm2_128", (true, KIND_V2, 128, 1)),
     ("gemm2_64", (true, KIND_V2, 64, 1)),
     ("gemm2_128_k2", (true, KIND_V2, 128, 2)),
     ("gemm2_64_k2", (true, KIND_V2, 64, 2)),
-    ("gemm2_wg", (true, KIND_WG, 128, 1)),
     ("gemm64", (true, KIND_V1, 64, 0)),
     ("gemm32", (true, KIND_V1, 32, 0)),
     ("simt", (false, KIND_V1, 0, 0)),
 ];
 
 impl CudaBackend {
-    /// Whether `gemm2_q4_k_wg` has its wgmma body: the kernels were compiled for sm_90a.
-    fn gemm_wg_ok(&self) -> bool {
-        self.arch == "sm_90a" && gemm2_smem(128, true, false) <= self.gemm.smem_max
-    }
-
-    /// `PATHS` less `gemm2_wg` where it would not run (it would fall back to v2).
-    fn gemm_paths(&self, paths: &[GemmPath]) -> Vec<GemmPath> {
-        let wg = self.gemm_wg_ok();
-        paths.iter().filter(|p| wg || p.1 .1 != KIND_WG).copied().collect()
-    }
-
     /// How products of n > 1 tokens with `ws` (weight, rows) that share x of `cols` run on the
     /// GEMM, if all of them can (`None` when off). v2 takes them when all are Q4_K or Q6_K (a
-    /// launch per type) and its tile fits the device's shared memory, wg (asked for and available)
-    /// when all are Q4_K; otherwise v1.
+    /// launch per type) and its tile fits the device's shared memory; otherwise v1.
     pub(super) fn gemm_plan(&self, ws: &[(&DevWeight, usize)], cols: usize, n: usize) -> Option<GemmPlan> {
         let st = &self.gemm;
         if !st.on.load(Ordering::Relaxed) || n < 2 || ws.is_empty() {
@@ -225,13 +198,6 @@ impl CudaBackend {
         let kind = st.kind.load(Ordering::Relaxed);
         if kind >= KIND_V2 && ws.iter().all(|(w, _)| v2_type(w.ty)) {
             let q6 = ws.iter().any(|(w, _)| w.ty == GgmlType::Q6K);
-            if kind == KIND_WG && !q6 && self.gemm_wg_ok() {
-                return Some(GemmPlan {
-                    kind,
-                    bn: 128,
-                    splits: 1,
-                });
-            }
             let tiles = ws.iter().map(|(_, r)| r.div_ceil(GEMM_BM)).sum();
             if let Some((bn, splits)) = self.v2_tile(tiles, n, cols, q6) {
                 return Some(GemmPlan {
@@ -259,7 +225,7 @@ impl CudaBackend {
         let (bn, splits) = gemm2_tile(tiles, n, cols / 256, self.sms as usize, ask, split);
         [bn, 64]
             .into_iter()
-            .find(|&b| gemm2_smem(b, false, q6) <= st.smem_max)
+            .find(|&b| gemm2_smem(b, q6) <= st.smem_max)
             .map(|b| (b, splits))
     }
 
@@ -366,7 +332,6 @@ impl CudaBackend {
             let name = match (q6, plan.kind, bn) {
                 (true, _, 128) => "gemm2_q6_k",
                 (true, _, _) => "gemm2_q6_k_n64",
-                (_, KIND_WG, _) => "gemm2_q4_k_wg",
                 (_, _, 128) => "gemm2_q4_k",
                 _ => "gemm2_q4_k_n64",
             };
@@ -409,16 +374,16 @@ impl CudaBackend {
                 let cfg = LaunchConfig {
                     grid_dim: ((n_pad / bn) as u32, tiles as u32, splits as u32),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: gemm2_smem(bn, plan.kind == KIND_WG, q6) as u32,
+                    shared_mem_bytes: gemm2_smem(bn, q6) as u32,
                 };
-                // SAFETY: matches gemm2_q4_k[_n64|_wg] / gemm2_q6_k[_n64] in kernels/gemm.cu
-                // (gemm2_q4_k_wg only on sm_90a, gemm_wg_ok; grid z the K splits, at most the
+                // SAFETY: matches gemm2_q4_k[_n64] / gemm2_q6_k[_n64] in kernels/gemm.cu
+                // (grid z the K splits, at most the
                 // row's super-blocks, with the outputs zeroed above where there are two): each
                 // part's W is rows·row_bytes of this group's type in the device layout (type by
                 // the filter, row length checked above; Q6_K rows a multiple of 16 bytes,
                 // gemm_entry_for) and its out n·rows floats, the grid's row tiles are the parts'
                 // in order (tend), the pre-pass buffers (this type's order) are sized for at least
-                // n_pad tokens, and the dynamic shared memory is G2<TY, NI, WG>::SMEM
+                // n_pad tokens, and the dynamic shared memory is G2<TY, NI>::SMEM
                 // (gemm2_smem; the function's limit was raised at load). The pointers stay valid
                 // (and ordered on this stream) while `guards` lives, past the launch.
                 ok(unsafe { b.launch(cfg) });
@@ -456,8 +421,8 @@ impl CudaBackend {
     /// very different magnitudes (×3e4, ×1e-6, an all-zero token, one outlier value ×100) so the
     /// per-token scaling and hi/lo split are exercised; on v2 at both token tiles (Q4_K; the
     /// others take v1 there) and v1 at both. rel_l2 is taken per token (a large token would
-    /// hide a small one's error) and the worst is reported. Also the wgmma variant (Q4_K; only
-    /// where it runs, sm_90a), the SIMT matmul on the same types (the `LLMDIFF_GEMM=0` path),
+    /// hide a small one's error) and the worst is reported. Also the SIMT matmul on the same types
+    /// (the `LLMDIFF_CUDA_DISABLE=gemm` path),
     /// three Q4_K weights sharing x (`linear_many`, one pre-pass; on v2 one launch), and two Q4_K
     /// and a Q6_K weight sharing x (on v2 a pre-pass and launch per type).
     pub(super) fn gemm_checks(&self) -> Vec<KernelCheck> {
@@ -476,8 +441,8 @@ impl CudaBackend {
                 let bytes = test_bytes(ty, rows, cols, 60 + ty as u64 + cols as u64);
                 let w = test_weight(ty, &bytes, rows, cols);
                 for n in [2usize, 9, 17, 65, 130] {
-                    let paths = self.gemm_paths(if n == 9 { &PATHS[1..] } else { &PATHS[1..8] });
-                    out.extend(self.gemm_case(name, &[w], cols, n, &paths));
+                    let paths: &[GemmPath] = if n == 9 { &PATHS[1..] } else { &PATHS[1..7] };
+                    out.extend(self.gemm_case(name, &[w], cols, n, paths));
                 }
                 self.weights.lock().expect("weight map").clear();
             }
@@ -493,7 +458,7 @@ impl CudaBackend {
             .map(|(r, b)| test_weight(GgmlType::Q4K, b, *r, cols))
             .collect();
         for n in [9usize, 130] {
-            out.extend(self.gemm_case("q4_K", &ws, cols, n, &self.gemm_paths(&PATHS[1..8])));
+            out.extend(self.gemm_case("q4_K", &ws, cols, n, &PATHS[1..7]));
         }
         self.weights.lock().expect("weight map").clear();
         // A Q4_K_M layer's q, k (Q4_K) and v (Q6_K) sharing x: on v2 a launch (and pre-pass) per type.
@@ -509,7 +474,7 @@ impl CudaBackend {
             .map(|(&(ty, r), b)| test_weight(ty, b, r, cols))
             .collect();
         for n in [9usize, 130] {
-            out.extend(self.gemm_case("q4_K+q6_K", &ws, cols, n, &self.gemm_paths(&PATHS[..8])));
+            out.extend(self.gemm_case("q4_K+q6_K", &ws, cols, n, &PATHS[..7]));
         }
         self.weights.lock().expect("weight map").clear();
         out
@@ -517,8 +482,7 @@ impl CudaBackend {
 
     /// One check per path in `paths` of the product(s) of `ws` (sharing x of n tokens) against
     /// the CPU engine: per-token rel_l2 ≤ 1e-5 over every output, and the case must have taken
-    /// the path it names (v2 paths: that for Q4_K and Q6_K; wg: that for Q4_K, v2 where a Q6_K
-    /// part is among them; v1 for the other types).
+    /// the path it names (v2 paths: that for Q4_K and Q6_K; v1 for the other types).
     fn gemm_case(
         &self,
         name: &str,
@@ -545,7 +509,12 @@ impl CudaBackend {
             let plan = self.linear_path(&xd, n, ws, &mut refs, path);
             let shape = rows.iter().map(|r| format!("{cols},{r}")).collect::<Vec<_>>().join(";");
             let mut check = compare(
-                format!("MUL_MAT(type={name},ne=[{shape}],n={n},path={label})"),
+                Case::new("MUL_MAT")
+                    .p("type", name)
+                    .p("ne", format!("[{shape}]"))
+                    .p("n", n)
+                    .p("path", label)
+                    .to_string(),
                 &[],
                 &[],
                 1e-5,
@@ -562,9 +531,7 @@ impl CudaBackend {
                 _ => None,
             };
             let v2 = ws.iter().all(|w| ty_of(w).is_some_and(v2_type));
-            let q6 = ws.iter().any(|w| ty_of(w) == Some(GgmlType::Q6K));
             let want_kind = match path.1 {
-                KIND_WG if v2 && q6 => KIND_V2,
                 k if v2 && k >= KIND_V2 => k,
                 _ => KIND_V1,
             };
@@ -588,17 +555,16 @@ impl CudaBackend {
     }
 
     /// Times a prefill-shaped product on each of `PATHS` (`bench_linear` with the GEMM switched);
-    /// the v2 paths for Q4_K and Q6_K only (wg for Q4_K), v1's paths and the SIMT matmul for all
+    /// the v2 paths for Q4_K and Q6_K only, v1's paths and the SIMT matmul for all
     /// (elsewhere v2 would fall back to v1).
     pub fn bench_gemm(&self, ty: GgmlType, rows: usize, cols: usize, n: usize) -> Result<GemmBench, EngineError> {
         let flop = 2.0 * rows as f64 * cols as f64 * n as f64;
         let mut paths = Vec::new();
         let runs = |p: &GemmPath| match p.1 .1 {
             KIND_V1 => true,
-            KIND_WG => ty == GgmlType::Q4K,
             _ => v2_type(ty),
         };
-        for (label, path) in self.gemm_paths(&PATHS).into_iter().filter(runs) {
+        for (label, path) in PATHS.into_iter().filter(runs) {
             let iters = if path.0 { 50 } else { 10 };
             let prev = self.gemm.set(path);
             let r = self.bench_linear(ty, rows, cols, n, iters);
@@ -608,7 +574,12 @@ impl CudaBackend {
         }
         let name = crate::cuda_kernels::type_suffix(ty).unwrap_or("?");
         Ok(GemmBench {
-            case: format!("GEMM(type={name},rows={rows},cols={cols},n={n})"),
+            case: Case::new("GEMM")
+                .p("type", name)
+                .p("rows", rows)
+                .p("cols", cols)
+                .p("n", n)
+                .to_string(),
             paths,
         })
     }

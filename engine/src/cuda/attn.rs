@@ -4,37 +4,37 @@
 //! the CPU engine, and their benchmarks beside the per-(token, head) kernel.
 //!
 //! Tiled prefill. Selection: [`Backend::gqa_attention`] with n > 1 new tokens making at least 32
-//! rows (n · H/KV; any n > 1 with `LLMDIFF_ATTN_TILED=1`), not being recorded into a decode graph,
+//! rows (n · H/KV), not being recorded into a decode graph,
 //! head_dim ≤ 256, n_heads a multiple of n_kv_heads and the block's shared memory within the
-//! device's opt-in limit, unless `LLMDIFF_ATTN_TILED=0`; short chunks and MLA keep the
+//! device's opt-in limit, unless `LLMDIFF_CUDA_DISABLE=attn-tiled`; short chunks and MLA keep the
 //! per-(token, head) kernels. A block owns 64 (token, query
 //! head) rows of one KV head, so the G = H/KV query heads that share a KV head read each K/V tile
 //! once, and walks the causal prefix in 32-position tiles with an online softmax (running max;
 //! the denominator summed in f64, the rest f32; see the kernel's comment). Two forms: on the CUDA
 //! cores (`gqa_attn_tiled_<HD>`, any head_dim up to 256) and, where head_dim is a multiple of 8 up
 //! to 128, on the tensor cores in 3xTF32 (`gqa_attn_tc_<HD>`, the default there; 2.5x the
-//! CUDA-core form at the 8B shape on an H200; `LLMDIFF_ATTN_TC=0` turns it off).
+//! CUDA-core form at the 8B shape on an H200; `LLMDIFF_CUDA_DISABLE=attn-tc` turns it off).
 //!
 //! Split decode. Selection: n = 1 (a decode step, op by op or recorded: `_dpos`), head_dim a
 //! multiple of 4 up to 256, G = H/KV ≤ 16, KV ≤ 1024 and its shared memory within the default 48
-//! KB, unless `LLMDIFF_ATTN_SPLIT=0`. A block per (chunk of L positions, KV head) computes the G
+//! KB, unless `LLMDIFF_CUDA_DISABLE=attn-split`. A block per (chunk of L positions, KV head) computes the G
 //! heads' partial softmax (max, Σexp in f64, Σexp·v) over its chunk, and the last block of each
 //! KV head to finish combines the chunks in a fixed order and writes the output row, with its
 //! int8 limbs for the o-projection's integer GEMV when the row takes them. Where the caches'
 //! capacity holds more than `s_max` chunks (the grid at [`SPLIT_THREADS_PER_SM`] threads a SM)
 //! the `_runs_` entries take over: a block walks a run of chunks, loading the next one's rows
 //! while it computes one, and merges them into its partials in order (8B shape at a 4000-token
-//! context: decode 2.60 ms against 2.78 with a block per chunk, H200, round 18). L
-//! (`LLMDIFF_ATTN_SPLIT=16|32|64`, default 32) and `s_max` depend on nothing but that setting,
+//! context: decode 2.60 ms against 2.78 with a block per chunk, H200). L (32; the checks and
+//! benches also run 16 and 64) and `s_max` depend on nothing but that setting,
 //! the shape and the device, and the entry on the capacity, so a recorded step and an op-by-op
 //! one at the same capacity combine the same chunks in the same order (bit for bit).
 //! Each rank (`backend::current_rank`) has its own partials and counters ([`SplitScratch`]),
 //! grown only outside a recording and never freed while the backend lives (a recorded graph
 //! keeps their addresses).
 
-use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, CudaBackend, KernelCheck, RawArgs};
+use super::{compare, compare_nonfinite, dev, dev_mut, drv, noise, ok, Case, CudaBackend, KernelCheck, RawArgs};
 use crate::backend::{Backend, Buf, CpuBackend};
-use crate::kernels::GqaShape;
+use crate::cpu_ops::GqaShape;
 use crate::EngineError;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
@@ -81,15 +81,14 @@ const SPLIT_SMEM_FLOATS: usize = 12 * 1024 - 64;
 /// queue in waves, each waiting for its loads, and leave the combine more splits to walk.
 const SPLIT_THREADS_PER_SM: usize = 512;
 
-/// The tiled attention's settings: on unless `LLMDIFF_ATTN_TILED=0` (an atomic so the bench can
-/// switch it), `LLMDIFF_ATTN_TILED=1` takes it for every n > 1 (not only from [`AT_MIN_ROWS`]
-/// rows), the tensor-core entries where they fit unless `LLMDIFF_ATTN_TC=0` (an atomic too), and
-/// the dynamic shared memory its entries were allowed at load. The split decode
-/// kernel's chunk length (`LLMDIFF_ATTN_SPLIT`: 0 off, 16, 32 or 64; anything else the default
-/// 32; an atomic so the bench can switch it) and each rank's scratch for it.
+/// The attention kernels' settings: the tiled prefill kernel on (`LLMDIFF_CUDA_DISABLE=attn-tiled`
+/// turns it off; an atomic so the bench can switch it), its tensor-core entries where they fit
+/// (`attn-tc` turns them off; an atomic too), and the dynamic shared memory its entries were
+/// allowed at load; the split decode kernel's chunk length (0 off with `attn-split`, else
+/// [`SPLIT_CHUNK_DEFAULT`]; an atomic so the checks and bench can switch it) and each rank's
+/// scratch for it.
 pub(super) struct AttnState {
     on: AtomicBool,
-    force: bool,
     tc: AtomicBool,
     pub(super) smem_max: usize,
     split: AtomicUsize,
@@ -108,21 +107,12 @@ struct SplitScratch {
 }
 
 impl AttnState {
-    pub(super) fn new(smem_max: usize) -> AttnState {
-        let v = std::env::var("LLMDIFF_ATTN_TILED").ok();
-        let v = v.as_deref().map(str::trim);
-        let split = std::env::var("LLMDIFF_ATTN_SPLIT").ok();
-        let split = match split.as_deref().map(str::trim).map(str::parse::<usize>) {
-            Some(Ok(0)) => 0,
-            Some(Ok(c)) if SPLIT_CHUNKS.contains(&c) => c,
-            _ => SPLIT_CHUNK_DEFAULT,
-        };
+    pub(super) fn new(disable: &crate::options::CudaDisable, smem_max: usize) -> AttnState {
         AttnState {
-            on: AtomicBool::new(v != Some("0")),
-            force: v == Some("1"),
-            tc: AtomicBool::new(std::env::var("LLMDIFF_ATTN_TC").map_or(true, |v| v.trim() != "0")),
+            on: AtomicBool::new(!disable.attn_tiled),
+            tc: AtomicBool::new(!disable.attn_tc),
             smem_max,
-            split: AtomicUsize::new(split),
+            split: AtomicUsize::new(if disable.attn_split { 0 } else { SPLIT_CHUNK_DEFAULT }),
             scratch: Mutex::new(HashMap::new()),
         }
     }
@@ -306,14 +296,14 @@ impl CudaBackend {
             return None;
         }
         let group = shape.n_heads / shape.n_kv_heads.max(1);
-        if !self.attn.force && n * group < AT_MIN_ROWS {
+        if n * group < AT_MIN_ROWS {
             return None;
         }
         self.attn_tiled_fits(shape)
     }
 
     /// The tiled entry for a shape, if a tiled kernel takes it, whatever n and the on/off
-    /// setting: the tensor-core one where it fits, unless `LLMDIFF_ATTN_TC=0`, else the CUDA-core
+    /// setting: the tensor-core one where it fits, unless `attn-tc` is disabled, else the CUDA-core
     /// one.
     pub(super) fn attn_tiled_fits(&self, shape: GqaShape) -> Option<&'static str> {
         let tc = self.attn.tc.load(Ordering::Relaxed);
@@ -510,7 +500,7 @@ impl CudaBackend {
     }
 
     /// The split decode kernel against the CPU engine (tolerance 1e-5 as the other attention
-    /// checks) at its chunk length (the default 32 where `LLMDIFF_ATTN_SPLIT=0`): heads/KV 4/4
+    /// checks) at its chunk length (the default 32 where `attn-split` is disabled): heads/KV 4/4
     /// (G = 1), 6/2, 32/8 and 16/2 (G = 8) at hd 64, 128 and 68 over contexts 1, 2, 63, 64, 65,
     /// 1000 and 4097; hd 256 and 200 (two float4 columns a lane, the second partial), G = 16;
     /// chunk lengths 16 and 64; `sharp` cases (q ×8, keys scaled up along the positions, so the
@@ -601,8 +591,16 @@ impl CudaBackend {
             if let Some(m) = s_max {
                 extra += &format!(",s_max={m}");
             }
-            let name =
-                |form: &str| format!("ATTN_GQA_SPLIT(H={h},KV={kv},hd={hd},ctx={ctx},L={chunk}{extra},form={form})");
+            let name = |form: &str| {
+                Case::new("ATTN_GQA_SPLIT")
+                    .p("H", h)
+                    .p("KV", kv)
+                    .p("hd", hd)
+                    .p("ctx", ctx)
+                    .p("L", format!("{chunk}{extra}"))
+                    .p("form", form)
+                    .to_string()
+            };
             let Some(plan) = split_plan(s, chunk, self.sms as usize) else {
                 for form in ["op", "dpos"] {
                     out.push(KernelCheck {
@@ -746,7 +744,7 @@ impl CudaBackend {
                 be.download(&o)
             };
             let (qd, kd, vd) = (self.upload(&q), self.upload(&k), self.upload(&v));
-            // Both kernels, whatever LLMDIFF_ATTN_TILED and LLMDIFF_ATTN_TC say and at any n: the
+            // Both kernels, whatever the attn-tiled and attn-tc settings say and at any n: the
             // CUDA-core one must take every case, the tensor-core one those of its widths.
             for (tc, kind) in [(false, "TILED"), (true, "TC")] {
                 let case = format!(
@@ -825,7 +823,12 @@ impl CudaBackend {
             split_s.push((chunk, t));
         }
         Ok(AttnDecodeBench {
-            case: format!("ATTN_GQA_DECODE(H={h},KV={kv},hd={hd},ctx={ctx})"),
+            case: Case::new("ATTN_GQA_DECODE")
+                .p("H", h)
+                .p("KV", kv)
+                .p("hd", hd)
+                .p("ctx", ctx)
+                .to_string(),
             old_s,
             split_s,
         })
@@ -880,7 +883,13 @@ impl CudaBackend {
             t
         };
         Ok(AttnBench {
-            case: format!("ATTN_GQA(H={h},KV={kv},hd={hd},pos0=0,n={n})"),
+            case: Case::new("ATTN_GQA")
+                .p("H", h)
+                .p("KV", kv)
+                .p("hd", hd)
+                .p("pos0", "0")
+                .p("n", n)
+                .to_string(),
             old_s: time(false, false)?,
             tiled_s: time(true, false)?,
             tc_s: time(true, true)?,

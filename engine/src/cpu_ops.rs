@@ -1,7 +1,7 @@
-//! The CPU backend's kernels: matmul (`x·Wᵀ`), RMSNorm, RoPE (NORM and NEOX), softmax, causal
+//! The CPU backend's ops: matmul (`x·Wᵀ`), RMSNorm, RoPE (NORM and NEOX), softmax, causal
 //! GQA and MLA attention, and SwiGLU. They are the engine's own fast code: row-parallel with
 //! rayon, with inner loops over `chunks_exact` and fixed-width accumulators that LLVM
-//! auto-vectorizes. Every kernel here has a slow scalar twin in the test module and is tested
+//! auto-vectorizes. Every op here has a slow scalar twin in the test module and is tested
 //! against it (candle's fast/slow pairs).
 //!
 //! Each output element is computed by exactly one task in a fixed order, so results do not depend

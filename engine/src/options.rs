@@ -1,0 +1,203 @@
+//! The CUDA backend's settings, in one typed place: [`CudaOptions`], passed in through
+//! [`crate::EngineOptions::cuda`]. Built without the `cuda` feature too, so a caller sets them the
+//! same way in every build (the CPU backend ignores them).
+//!
+//! The environment is read here and nowhere else in the engine, once, by
+//! [`CudaOptions::from_env`]: `LLMDIFF_CUDA_DISABLE=item,item,...` turns off default fast paths
+//! one by one (an escape hatch for bisecting a wrong result to one kernel family, like llama.cpp's
+//! `GGML_CUDA_DISABLE_*`); each item falls back to a simpler path that computes the same op. An
+//! unknown item is an error that names it.
+
+use crate::EngineError;
+
+/// How `--backend cuda` runs the ranks of a TP > 1 engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RankMode {
+    /// Real ranks (one per GPU, the all-reduce over NCCL) when 1 < TP ≤ the device count, else
+    /// simulated ones.
+    #[default]
+    Auto,
+    /// Every rank on GPU 0, one stream, the fixed-order device-side sum.
+    Simulated,
+    /// One GPU per rank, the all-reduce over NCCL (also at TP 1); too few GPUs is an error.
+    Nccl,
+}
+
+impl RankMode {
+    /// The mode's name as `--ranks` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RankMode::Auto => "auto",
+            RankMode::Simulated => "simulated",
+            RankMode::Nccl => "nccl",
+        }
+    }
+}
+
+impl std::str::FromStr for RankMode {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<RankMode, EngineError> {
+        match s.trim() {
+            "auto" | "" => Ok(RankMode::Auto),
+            "simulated" => Ok(RankMode::Simulated),
+            "nccl" => Ok(RankMode::Nccl),
+            other => Err(EngineError::Options(format!(
+                "ranks: unknown mode {other:?} (expected auto, simulated or nccl)"
+            ))),
+        }
+    }
+}
+
+/// Default fast paths turned off (`LLMDIFF_CUDA_DISABLE`); all false by default. Each names the
+/// path it turns off and the fallback taken instead.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaDisable {
+    /// `gemm`: the tensor-core GEMM of n > 1 tokens (`kernels/gemm.cu`); the SIMT `matmul_*` instead.
+    pub gemm: bool,
+    /// `gemv`: the one-token GEMV variants; the warp-per-row `matvec_*` instead.
+    pub gemv: bool,
+    /// `pdl`: programmatic dependent launch of the warp-rows GEMVs and of the one-token norms,
+    /// SwiGLU and split attention; plain launches instead.
+    pub pdl: bool,
+    /// `pdl-chain`: programmatic dependent launch of the norms, SwiGLU and split attention only
+    /// (the GEMVs keep it).
+    pub pdl_chain: bool,
+    /// `graphs`: decode CUDA graphs; every decode step launched op by op.
+    pub graphs: bool,
+    /// `attn-tiled`: the tiled prefill GQA attention; a block per (token, head) instead.
+    pub attn_tiled: bool,
+    /// `attn-tc`: the tiled prefill attention's tensor-core form; its CUDA-core form instead.
+    pub attn_tc: bool,
+    /// `attn-split`: the split decode GQA attention; a block per (token, head) instead.
+    pub attn_split: bool,
+    /// `qkv-store`: RoPE and the KV append in the q/k/v GEMV's store; their own launch instead.
+    pub qkv_store: bool,
+    /// `norm-split`: a one-row norm split over several blocks; one block instead.
+    pub norm_split: bool,
+}
+
+/// A [`CudaDisable`] flag, by reference.
+type Flag = fn(&mut CudaDisable) -> &mut bool;
+
+/// The items of `LLMDIFF_CUDA_DISABLE`, each with its flag.
+const DISABLE_ITEMS: [(&str, Flag); 10] = [
+    ("gemm", |d| &mut d.gemm),
+    ("gemv", |d| &mut d.gemv),
+    ("pdl", |d| &mut d.pdl),
+    ("pdl-chain", |d| &mut d.pdl_chain),
+    ("graphs", |d| &mut d.graphs),
+    ("attn-tiled", |d| &mut d.attn_tiled),
+    ("attn-tc", |d| &mut d.attn_tc),
+    ("attn-split", |d| &mut d.attn_split),
+    ("qkv-store", |d| &mut d.qkv_store),
+    ("norm-split", |d| &mut d.norm_split),
+];
+
+impl CudaDisable {
+    /// The item names `parse` takes.
+    pub fn items() -> impl Iterator<Item = &'static str> {
+        DISABLE_ITEMS.iter().map(|(n, _)| *n)
+    }
+
+    /// Parses a comma-separated list of items (spaces allowed, empty items ignored).
+    pub fn parse(list: &str) -> Result<CudaDisable, EngineError> {
+        let mut d = CudaDisable::default();
+        for item in list.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let Some((_, flag)) = DISABLE_ITEMS.iter().find(|(n, _)| *n == item) else {
+                let known: Vec<&str> = CudaDisable::items().collect();
+                return Err(EngineError::Options(format!(
+                    "LLMDIFF_CUDA_DISABLE: unknown item {item:?} (known: {})",
+                    known.join(", ")
+                )));
+            };
+            *flag(&mut d) = true;
+        }
+        Ok(d)
+    }
+}
+
+/// The CUDA backend's settings (ignored by the CPU backend).
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// Record and replay plain decode steps as CUDA graphs (default true).
+    pub graphs: bool,
+    /// How the ranks of a TP > 1 engine run.
+    pub ranks: RankMode,
+    /// Compile the kernels with the kernel trace (`bench --trace`; see
+    /// [`crate::Engine::kernel_trace_take`]); one GPU only.
+    pub kernel_trace: bool,
+    /// Default fast paths turned off.
+    pub disable: CudaDisable,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            graphs: true,
+            ranks: RankMode::Auto,
+            kernel_trace: false,
+            disable: CudaDisable::default(),
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The defaults with `LLMDIFF_CUDA_DISABLE` applied (unset or empty: nothing disabled).
+    pub fn from_env() -> Result<CudaOptions, EngineError> {
+        let disable = match std::env::var("LLMDIFF_CUDA_DISABLE") {
+            Ok(v) => CudaDisable::parse(&v)?,
+            Err(std::env::VarError::NotPresent) => CudaDisable::default(),
+            Err(e) => return Err(EngineError::Options(format!("LLMDIFF_CUDA_DISABLE: {e}"))),
+        };
+        Ok(CudaOptions {
+            disable,
+            ..CudaOptions::default()
+        })
+    }
+
+    /// Decode graphs are on: asked for and not disabled.
+    pub fn graphs_on(&self) -> bool {
+        self.graphs && !self.disable.graphs
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disable_items_parse_and_an_unknown_one_is_named() {
+        let d = CudaDisable::parse(" gemm, pdl-chain ,,graphs").unwrap();
+        assert!(d.gemm && d.pdl_chain && d.graphs);
+        assert!(!d.gemv && !d.pdl && !d.attn_tiled && !d.norm_split);
+        assert_eq!(CudaDisable::parse("").unwrap(), CudaDisable::default());
+        let e = CudaDisable::parse("gemm,bogus").unwrap_err().to_string();
+        assert!(e.contains("\"bogus\""), "{e}");
+        // Every listed item sets exactly one flag.
+        for item in CudaDisable::items() {
+            let d = CudaDisable::parse(item).unwrap();
+            assert_ne!(d, CudaDisable::default(), "{item}");
+        }
+    }
+
+    #[test]
+    fn rank_modes_parse_by_name() {
+        for m in [RankMode::Auto, RankMode::Simulated, RankMode::Nccl] {
+            assert_eq!(m.name().parse::<RankMode>().unwrap(), m);
+        }
+        assert!("both".parse::<RankMode>().is_err());
+    }
+
+    #[test]
+    fn graphs_need_both_the_option_and_no_disable() {
+        let mut o = CudaOptions::default();
+        assert!(o.graphs_on());
+        o.disable.graphs = true;
+        assert!(!o.graphs_on());
+        o = CudaOptions {
+            graphs: false,
+            ..CudaOptions::default()
+        };
+        assert!(!o.graphs_on());
+    }
+}
