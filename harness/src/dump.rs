@@ -273,7 +273,11 @@ impl Dump {
                     _ => None,
                 };
                 if let Some(w) = want.filter(|&w| w != e.shape[1]) {
-                    bail!("{}: tensor {key} is {} wide; the model's is {w}", at(), e.shape[1]);
+                    bail!(
+                        "{}: tensor {key} is {} wide, the model's {w} (wrong shape for this model)",
+                        at(),
+                        e.shape[1]
+                    );
                 }
             }
         }

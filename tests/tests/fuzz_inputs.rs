@@ -9,46 +9,54 @@
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-/// The system allocator, counting live bytes and the peak since the last reset.
+/// The system allocator, counting each thread's live bytes and their peak since the last reset
+/// (per thread, so that other tests' threads do not count; the code under test here runs on the
+/// calling thread).
 struct Counting;
 
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static LIVE: Cell<isize> = const { Cell::new(0) };
+    static PEAK: Cell<isize> = const { Cell::new(0) };
+}
 
-// SAFETY: forwards to the system allocator; the counters are plain atomics.
+// SAFETY: forwards to the system allocator; the counters are const-initialized thread-locals
+// without destructors, so touching them never allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         // SAFETY: the caller's contract is the system allocator's.
         let p = unsafe { System.alloc(l) };
         if !p.is_null() {
-            let now = LIVE.fetch_add(l.size(), Ordering::Relaxed) + l.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            let _ = LIVE.try_with(|live| {
+                let now = live.get() + l.size() as isize;
+                live.set(now);
+                let _ = PEAK.try_with(|peak| peak.set(peak.get().max(now)));
+            });
         }
         p
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         // SAFETY: as above.
         unsafe { System.dealloc(p, l) };
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        let _ = LIVE.try_with(|live| live.set(live.get() - l.size() as isize));
     }
 }
 
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-/// The targets run one at a time, so the peak is theirs.
+/// The targets run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Runs `f` and returns its result with the peak heap growth it caused, in bytes.
+/// Runs `f` and returns its result with the peak heap growth it caused on this thread, in bytes.
 fn peak_growth<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let base = LIVE.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
+    let base = LIVE.with(Cell::get);
+    PEAK.with(|p| p.set(base));
     let r = f();
-    (r, PEAK.load(Ordering::Relaxed).saturating_sub(base))
+    (r, (PEAK.with(Cell::get) - base).max(0) as usize)
 }
 
 /// Heap a check of an input of `n` bytes may take: the input parsed a few times over, plus a
@@ -145,7 +153,8 @@ fn golden_edit() -> impl Strategy<Value = GoldenEdit> {
     ]
 }
 
-/// Applies `e`; true when the result is certainly invalid.
+/// Applies `e`; returns whether this edit alone breaks an invariant (a later edit may undo it,
+/// so the test judges the final file with [`golden_invalid`]).
 fn apply_golden(g: &mut Value, e: &GoldenEdit) -> bool {
     let n_pos = g["prompts"][0]["positions"].as_array().map_or(0, |a| a.len());
     let n_taps = g["prompts"][0]["taps"].as_array().map_or(0, |a| a.len());
@@ -206,7 +215,7 @@ fn golden_invalid(g: &Value) -> bool {
         .as_str()
         .is_some_and(|s| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()));
     let backend_ok = matches!(g["backend"].as_str(), Some("reference" | "cpu"));
-    if !sha_ok || !backend_ok || g["tp"].as_u64() == Some(0) {
+    if !sha_ok || !backend_ok || !g["tp"].is_u64() || g["tp"].as_u64() == Some(0) {
         return true;
     }
     let Some(prompts) = g["prompts"].as_array() else {
@@ -235,10 +244,13 @@ proptest! {
     fn golden_files_never_pass_invalid_never_panic(edits in prop::collection::vec(golden_edit(), 1..4)) {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut g = base_golden().clone();
+        let mut last_breaks = false;
         for e in &edits {
-            apply_golden(&mut g, e);
+            last_breaks = apply_golden(&mut g, e);
         }
         let invalid = golden_invalid(&g);
+        // The oracle agrees with the edit that nothing came after.
+        prop_assert!(!last_breaks || invalid, "the last edit broke the file but the oracle missed it: {edits:?}");
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("gate-x.json");
         let text = serde_json::to_string(&g).unwrap();
@@ -305,7 +317,8 @@ fn run_edit() -> impl Strategy<Value = RunEdit> {
     ]
 }
 
-/// Applies `e`; true when the result is certainly invalid.
+/// Applies `e`; returns whether this edit alone breaks an invariant (a later edit may undo it,
+/// so the test judges the final document with [`run_invalid`]).
 fn apply_run(d: &mut Value, e: &RunEdit) -> bool {
     let n = d["taps"].as_array().map_or(0, |t| t.len());
     let tp = d["tp"].as_u64().unwrap_or(1);
@@ -347,7 +360,7 @@ fn run_invalid(d: &Value) -> bool {
     let taps = d["taps"].as_array().cloned().unwrap_or_default();
     let n = taps.len() as u64;
     let tp = d["tp"].as_u64();
-    if n == 0 || tp == Some(0) || tp.is_some_and(|t| t > 4096) {
+    if n == 0 || !d["tp"].is_u64() || tp == Some(0) || tp.is_some_and(|t| t > 4096) {
         return true;
     }
     if !matches!(d["verdict"].as_str(), Some("agree" | "diverged")) {
@@ -384,10 +397,12 @@ proptest! {
     fn run_documents_never_pass_invalid_never_panic(edits in prop::collection::vec(run_edit(), 1..4)) {
         let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut d = base_run().clone();
+        let mut last_breaks = false;
         for e in &edits {
-            apply_run(&mut d, e);
+            last_breaks = apply_run(&mut d, e);
         }
         let invalid = run_invalid(&d);
+        prop_assert!(!last_breaks || invalid, "the last edit broke the document but the oracle missed it: {edits:?}");
         let text = serde_json::to_string(&d).unwrap();
         let (r, grew) = peak_growth(|| {
             let run: reports::DiffRun = serde_json::from_str(&text).map_err(|e| e.to_string())?;
@@ -575,4 +590,15 @@ proptest! {
             prop_assert!(r.is_err(), "accepted a positive logprob");
         }
     }
+}
+
+#[test]
+fn the_heap_bound_catches_a_size_taken_on_trust() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // What an unvalidated 200000-head matrix would ask for, scaled down: 8 × 8192² bytes.
+    let (v, grew) = peak_growth(|| vec![0u8; 8 * 8192 * 8192].len());
+    assert_eq!(v, 8 * 8192 * 8192);
+    assert!(grew > bound(1 << 16), "the counter missed {grew} bytes");
+    let (_, small) = peak_growth(|| serde_json::to_string(&json!({"a": 1})).unwrap().len());
+    assert!(small < 1 << 16, "{small}");
 }

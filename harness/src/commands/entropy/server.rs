@@ -291,7 +291,7 @@ fn print_server_summary(run: &EntropyRun) {
             p.mean_entropy,
             p.entropy_upper.unwrap_or(f64::NAN),
             p.topk_residual.unwrap_or(f64::NAN),
-            p.label
+            crate::output::term(&p.label)
         );
     }
     if let Some(o) = &run.overlap {

@@ -149,8 +149,10 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
         }
     }
     println!(
-        "\nverdict: {}{}  ({:.1}s)",
+        "\nverdict: {} over {} prompts, {} positions{}  ({:.1}s)",
         run.verdict,
+        run.prompts.len(),
+        run.prompts.iter().map(|p| p.n_tokens).sum::<usize>(),
         run.agreement
             .as_ref()
             .map_or(String::new(), |a| format!(", against the reference: {a}")),

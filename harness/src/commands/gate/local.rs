@@ -81,7 +81,12 @@ pub fn gate_one(path: &Path, g: &Golden, engine_args: &EngineArgs) -> anyhow::Re
     let file = model.open()?;
     let vocab = ModelConfig::from_header(&file.header)?.vocab;
     let mut args = engine_args.clone();
-    args.tp = Some(if engine { engine_args.tp.unwrap_or(g.tp) } else { 1 });
+    // The golden's TP on the engine unless --tp; the reference refuses a --tp other than 1.
+    args.tp = Some(if engine {
+        engine_args.tp.unwrap_or(g.tp)
+    } else {
+        engine_args.tp.unwrap_or(1)
+    });
     let (kind, opts) = args.engine_options(backend)?;
     let tp = opts.tp;
     let mut runner = Runner::new(&file, kind, opts)?;
