@@ -102,13 +102,21 @@ pub fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {
 /// (`.llmdiff-tmp-PID-XXXXXX`), so a later run can tell a crashed writer's leftover from a live one's.
 pub const TEMP_PREFIX: &str = ".llmdiff-tmp-";
 
-/// Whether process `pid` is alive (unknown counts as alive).
+/// Whether process `pid` is alive (unknown counts as alive). A zombie (killed, not yet reaped:
+/// in a container whose init does not reap) is dead.
 fn alive(pid: i32) -> bool {
     #[cfg(unix)]
     {
         // SAFETY: signal 0 checks for the process's existence and sends nothing.
         let r = unsafe { libc::kill(pid, 0) };
-        r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+        if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+            return false;
+        }
+        // /proc/PID/stat: "PID (COMM) STATE ..."; COMM may hold spaces and parentheses.
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')));
+        zombie != Some(true)
     }
     #[cfg(not(unix))]
     {
