@@ -686,3 +686,16 @@ fn row16_a_killed_writer_leaves_nothing_a_later_run_keeps() {
     // End to end (a real `llmdiff synth` killed with SIGKILL mid-write):
     // harness/tests/row16_synth_killed.rs.
 }
+
+#[test]
+fn every_committed_golden_file_passes_the_reader_s_checks() {
+    let mut n = 0;
+    for e in std::fs::read_dir(golden("")).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("gate-") && name.ends_with(".json") {
+            harness::golden::read_golden(&e.path()).unwrap_or_else(|err| panic!("{name}: {err:#}"));
+            n += 1;
+        }
+    }
+    assert!(n >= 6, "found {n} golden files");
+}
