@@ -290,9 +290,15 @@ impl EngineArgs {
         //   if let Some(r) = self.ranks { opts.cuda.ranks = match r { RanksArg::Auto => engine::RankMode::Auto,
         //       RanksArg::Simulated => engine::RankMode::Simulated, RanksArg::Nccl => engine::RankMode::Nccl }; }
         // (and `opts` becomes `let mut opts`). Until then the engine reads these choices from its
-        // environment, once, when a CUDA backend loads; no thread has started when this runs.
+        // environment when a CUDA backend loads; they are written once (the first call, before
+        // any engine loads), and only when the flag is given.
+        let set = |k: &str, v: &str| {
+            if std::env::var(k).ok().as_deref() != Some(v) {
+                std::env::set_var(k, v);
+            }
+        };
         if let Some(g) = self.cuda_graphs {
-            std::env::set_var("LLMDIFF_CUDA_GRAPH", if g == OnOff::On { "1" } else { "0" });
+            set("LLMDIFF_CUDA_GRAPH", if g == OnOff::On { "1" } else { "0" });
         }
         if let Some(r) = self.ranks {
             let v = match r {
@@ -300,7 +306,7 @@ impl EngineArgs {
                 RanksArg::Simulated => "simulated",
                 RanksArg::Nccl => "nccl",
             };
-            std::env::set_var("LLMDIFF_CUDA_RANKS", v);
+            set("LLMDIFF_CUDA_RANKS", v);
         }
         Ok((kind, opts))
     }
@@ -717,4 +723,43 @@ pub struct ReportArgs {
     /// Print {"report", "bytes", "verdict"} as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine_args(argv: &[&str]) -> Result<EngineArgs, clap::Error> {
+        let full = ["llmdiff", "generate", "m.gguf", "--prompt", "x"].iter().chain(argv);
+        match Cli::try_parse_from(full)?.command {
+            Command::Generate(a) => Ok(a.engine),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_set_of_engine_arguments_checked_in_one_place() {
+        // --inject is parsed by clap into FaultSpec: a bad name never reaches a command.
+        assert!(engine_args(&["--inject", "no-such-fault"]).is_err());
+        let a = engine_args(&["--backend", "cpu", "--tp", "2", "--inject", "f16-residual@1:0"]).unwrap();
+        let (kind, opts) = a.engine_options(a.backend_or(BackendArg::Reference)).unwrap();
+        assert_eq!(kind, Some(engine::BackendKind::Cpu));
+        assert_eq!((opts.tp, opts.faults.len()), (2, 1));
+        assert_eq!(a.injected(), vec!["f16-residual@1:0".to_string()]);
+        // The reference takes no --tp, --inject or CUDA flags; the CUDA flags need --backend cuda.
+        for bad in [
+            &["--backend", "reference", "--tp", "2"][..],
+            &["--backend", "reference", "--inject", "f16-residual"],
+            &["--backend", "cpu", "--cuda-graphs", "off"],
+            &["--backend", "cpu", "--ranks", "nccl"],
+            &["--backend", "cpu", "--tp", "0"],
+        ] {
+            let a = engine_args(bad).unwrap();
+            assert!(a.engine_options(a.backend_or(BackendArg::Cpu)).is_err(), "{bad:?}");
+        }
+        // Defaults are the command's: generate runs the cpu engine at TP 1.
+        let a = engine_args(&[]).unwrap();
+        assert_eq!(a.backend_or(BackendArg::Cpu), BackendArg::Cpu);
+        assert_eq!(a.tp(), 1);
+    }
 }
