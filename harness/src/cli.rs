@@ -58,6 +58,37 @@ pub enum Command {
     Demo(DemoArgs),
 }
 
+/// A threshold or tolerance option: a finite number ≥ 0 (NaN, infinities and negatives are
+/// refused by clap: exit 2).
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    let x: f64 = s.trim().parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if x.is_finite() && x >= 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("{s}: expected a finite number >= 0"))
+    }
+}
+
+/// A duration in seconds: finite and > 0.
+pub fn positive_seconds(s: &str) -> Result<f64, String> {
+    let x = non_negative(s)?;
+    if x > 0.0 && x <= 86_400.0 * 365.0 {
+        Ok(x)
+    } else {
+        Err(format!("{s}: expected a number of seconds > 0"))
+    }
+}
+
+/// A percentage: finite, within 0..=100.
+pub fn percent(s: &str) -> Result<f64, String> {
+    let x = non_negative(s)?;
+    if x <= 100.0 {
+        Ok(x)
+    } else {
+        Err(format!("{s}: expected a percentage within 0..=100"))
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct InspectArgs {
     /// The GGUF file.
@@ -153,6 +184,122 @@ impl BackendArg {
             BackendArg::Cuda => Some(engine::BackendKind::Cuda),
         }
     }
+
+    /// The name printed and stored (`reference`, `cpu`, `cuda`).
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendArg::Reference => "reference",
+            BackendArg::Cpu => "cpu",
+            BackendArg::Cuda => "cuda",
+        }
+    }
+}
+
+/// `--cuda-graphs on|off`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+/// `--ranks auto|simulated|nccl`: how `--backend cuda` runs TP ranks.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RanksArg {
+    /// One GPU per rank over NCCL when there are enough GPUs and TP > 1, else simulated.
+    Auto,
+    /// Every rank on one GPU, the all-reduce a device-side sum.
+    Simulated,
+    /// One GPU per rank, the all-reduce through NCCL (needs TP GPUs).
+    Nccl,
+}
+
+/// Where and how the engine runs: one set of arguments, flattened into every command that runs a
+/// forward pass (logits, generate, bench, diff-layers, entropy, gate, golden bless). `--inject` is
+/// parsed here, by clap, and nowhere else.
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Where the forward pass runs: reference (the slow, obviously-correct CPU reference), cpu
+    /// (the tensor-parallel engine, ranks as CPU threads) or cuda (build with --features cuda).
+    /// Default: the command's own (cpu for diff-layers and generate, the golden file's for gate,
+    /// reference otherwise).
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// Tensor-parallel degree of the engine (default 1; gate: the golden file's).
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (see the catalog below).
+    #[arg(long = "inject", value_name = "FAULT")]
+    pub inject: Vec<engine::FaultSpec>,
+    /// --backend cuda: replay each decode step as a CUDA graph (on, the default) or launch op by op.
+    #[arg(long, value_enum, value_name = "on|off")]
+    pub cuda_graphs: Option<OnOff>,
+    /// --backend cuda: real ranks (one GPU each, NCCL), simulated ranks on one GPU, or auto (real
+    /// when TP > 1 and there are TP GPUs).
+    #[arg(long, value_enum)]
+    pub ranks: Option<RanksArg>,
+}
+
+impl EngineArgs {
+    /// `--backend`, or the command's default.
+    pub fn backend_or(&self, default: BackendArg) -> BackendArg {
+        self.backend.unwrap_or(default)
+    }
+
+    /// `--tp`, or 1.
+    pub fn tp(&self) -> usize {
+        self.tp.unwrap_or(1)
+    }
+
+    /// The faults as stored and printed (`NAME@L:R`).
+    pub fn injected(&self) -> Vec<String> {
+        self.inject.iter().map(|f| f.to_string()).collect()
+    }
+
+    /// The engine backend `backend` selects (`None`: the reference) and the engine's options, with
+    /// every combination checked: the reference takes no --tp, --inject or CUDA flags; TP ≥ 1; the
+    /// CUDA flags need --backend cuda. The one place the arguments become `EngineOptions`.
+    pub fn engine_options(
+        &self,
+        backend: BackendArg,
+    ) -> anyhow::Result<(Option<engine::BackendKind>, engine::EngineOptions)> {
+        let tp = self.tp();
+        if tp == 0 {
+            anyhow::bail!("--tp must be at least 1");
+        }
+        let kind = backend.engine_kind();
+        if kind.is_none() {
+            if tp != 1 {
+                anyhow::bail!("--tp applies to the engine backends (cpu, cuda), not the reference");
+            }
+            if !self.inject.is_empty() {
+                anyhow::bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
+            }
+        }
+        if backend != BackendArg::Cuda && (self.cuda_graphs.is_some() || self.ranks.is_some()) {
+            anyhow::bail!("--cuda-graphs and --ranks apply to --backend cuda");
+        }
+        let mut opts = engine::EngineOptions {
+            tp,
+            faults: self.inject.clone(),
+            backend: kind.unwrap_or_default(),
+            ..engine::EngineOptions::default()
+        };
+        if backend == BackendArg::Cuda {
+            // LLMDIFF_CUDA_DISABLE (the one escape hatch), then the flags, which win.
+            opts.cuda = engine::CudaOptions::from_env()?;
+            if let Some(g) = self.cuda_graphs {
+                opts.cuda.graphs = g == OnOff::On;
+            }
+            if let Some(r) = self.ranks {
+                opts.cuda.ranks = match r {
+                    RanksArg::Auto => engine::RankMode::Auto,
+                    RanksArg::Simulated => engine::RankMode::Simulated,
+                    RanksArg::Nccl => engine::RankMode::Nccl,
+                };
+            }
+        }
+        Ok((kind, opts))
+    }
 }
 
 #[derive(Args, Debug)]
@@ -164,7 +311,7 @@ pub struct KernelsArgs {
     /// 576×1536; Q4_K also the 8B's attention and output shapes; Q6_K the 8B Q4_K_M's ffn_down,
     /// attn_v and output), the default path and every compiled variant, against device-to-device
     /// copy bandwidth. Launches run back to back as a decode step's do (PDL unless
-    /// LLMDIFF_PDL=0), the integer forms given x's limbs made once; their time with a limbs
+    /// LLMDIFF_CUDA_DISABLE=pdl), the integer forms given x's limbs made once; their time with a limbs
     /// pre-pass before every launch is shown beside. Then the prefill GEMM at 512 tokens (Q4_K,
     /// F16, Q6_K; every GEMM path beside the SIMT matmul, in TFLOP/s) and prefill attention.
     #[arg(long)]
@@ -222,11 +369,8 @@ pub struct LogitsArgs {
     pub model: PathBuf,
     #[command(flatten)]
     pub input: InputArgs,
-    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
-    pub backend: BackendArg,
-    /// Tensor-parallel degree (engine backends).
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// How many top tokens to show per position.
     #[arg(long, default_value_t = 5)]
     pub top_k: usize,
@@ -297,17 +441,10 @@ pub struct DiffLayersArgs {
     /// Diff a foreign engine's tensor dump (safetensors, tap keys as names; one file per rank is
     /// fine) instead of running our engine: the tokens come from the dump. Write one from
     /// PyTorch with harness/adapters/llmdiff_dump.py (README: Foreign engines).
-    #[arg(long, value_name = "DUMP", num_args = 1.., conflicts_with_all = ["inject", "decode_steps", "tp", "backend"])]
+    #[arg(long, value_name = "DUMP", num_args = 1.., conflicts_with_all = ["inject", "decode_steps", "tp", "backend", "cuda_graphs", "ranks"])]
     pub candidate: Vec<PathBuf>,
-    /// Where the engine runs.
-    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
-    pub backend: BackendArg,
-    /// Tensor-parallel degree of the engine.
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (see below).
-    #[arg(long = "inject", value_name = "FAULT")]
-    pub inject: Vec<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Override a threshold: SITE=VALUE or TAPKEY=VALUE (rel_l2), e.g. attn_out=1e-2; may be repeated.
     #[arg(long = "tolerance", value_name = "SITE=VALUE")]
     pub tolerance: Vec<String>,
@@ -338,14 +475,8 @@ pub struct GenerateArgs {
     pub model: PathBuf,
     #[command(flatten)]
     pub input: InputArgs,
-    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
-    pub backend: BackendArg,
-    /// Tensor-parallel degree (engine backends).
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated.
-    #[arg(long = "inject", value_name = "FAULT")]
-    pub inject: Vec<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// At most this many new tokens.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
@@ -361,10 +492,8 @@ pub struct GenerateArgs {
 pub struct BenchArgs {
     /// The GGUF model.
     pub model: PathBuf,
-    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
-    pub backend: BackendArg,
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Prompt length for the prefill (token ids cycle through the vocabulary deterministically).
     #[arg(long, default_value_t = 64)]
     pub n_prompt: usize,
@@ -408,7 +537,7 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 20)]
     pub top_logprobs: usize,
     /// Per-request timeout for --server, seconds.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 120.0, value_parser = positive_seconds)]
     pub timeout: f64,
     /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
     #[arg(long, default_value_t = 3)]
@@ -418,8 +547,10 @@ pub struct ServerArgs {
 impl ServerArgs {
     /// The client options, asking for `max_tokens` greedy tokens per prompt.
     pub fn options(&self, max_tokens: usize) -> crate::server::ServerOptions {
+        let (url, basic) = crate::server::split_credentials(&self.server.clone().unwrap_or_default());
         crate::server::ServerOptions {
-            url: self.server.clone().unwrap_or_default(),
+            url,
+            basic,
             model: self.served_model.clone(),
             api_key: self
                 .api_key
@@ -428,7 +559,8 @@ impl ServerArgs {
                 .filter(|k| !k.is_empty()),
             top_k: self.top_logprobs,
             max_tokens,
-            timeout: std::time::Duration::from_secs_f64(self.timeout.clamp(0.1, 86_400.0)),
+            timeout: std::time::Duration::try_from_secs_f64(self.timeout.clamp(0.1, 86_400.0))
+                .unwrap_or(std::time::Duration::from_secs(120)),
             retries: self.retries,
             backoff: std::time::Duration::from_millis(500),
             concurrency: self.concurrency.max(1),
@@ -450,14 +582,8 @@ pub struct EntropyArgs {
     /// One prompt per line, or JSONL of {"prompt": TEXT} / {"tokens": [ids]}.
     #[arg(long)]
     pub prompts: PathBuf,
-    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
-    pub backend: BackendArg,
-    /// Tensor-parallel degree (engine backends).
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated.
-    #[arg(long = "inject", value_name = "FAULT")]
-    pub inject: Vec<String>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Length of the greedy continuation scored for repetition (0 skips it).
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
@@ -468,7 +594,7 @@ pub struct EntropyArgs {
     #[arg(long)]
     pub thresholds: Option<PathBuf>,
     /// Override the per-position KLD threshold (nats) of --against-reference.
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     pub kld_threshold: Option<f64>,
     /// Write an HTML report (entropy per position, KLD histogram).
     #[arg(long)]
@@ -486,19 +612,16 @@ pub struct GateArgs {
     /// Golden file(s) to check (golden/gate-*.json); may be repeated.
     #[arg(long, required = true)]
     pub golden: Vec<PathBuf>,
-    /// Run on this backend instead of the one the golden file was blessed on (taps the two do not
-    /// share are skipped).
-    #[arg(long, value_enum)]
-    pub backend: Option<BackendArg>,
-    /// Inject a fault into the engine: NAME[@LAYER][:RANK]; may be repeated (to see the gate fail).
-    #[arg(long = "inject", value_name = "FAULT")]
-    pub inject: Vec<String>,
+    /// A local run's engine: --backend runs on this backend instead of the one the golden file
+    /// was blessed on (taps the two do not share are skipped); --inject makes the gate fail.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Gate a live server instead of a local run (with the --server options below).
     #[command(flatten)]
     pub live: ServerArgs,
     /// With --server: the per-position top-k KLD tolerance (nats; default: the golden file's,
     /// 0.25).
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     pub kld_threshold: Option<f64>,
     /// With --server: send the golden prompts as token ids (exact; vLLM, SGLang and llama.cpp's
     /// own server take them, llama-cpp-python's does not) instead of their text.
@@ -506,7 +629,7 @@ pub struct GateArgs {
     pub send_tokens: bool,
     /// With --server: the least share of positions whose top-1 is the golden's, in percent
     /// (default: the golden file's, 90).
-    #[arg(long)]
+    #[arg(long, value_parser = percent)]
     pub min_top1: Option<f64>,
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
@@ -564,15 +687,13 @@ pub struct BlessArgs {
     /// gating a server or a long prompt list.
     #[arg(long)]
     pub no_taps: bool,
-    #[arg(long, value_enum, default_value_t = BackendArg::Reference)]
-    pub backend: BackendArg,
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Per-tap relative tolerance.
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     pub tap_rel: Option<f64>,
     /// Per-position |Δ logprob| tolerance.
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     pub logprob_abs: Option<f64>,
     /// Output file, golden/gate-NAME.json.
     #[arg(short, long)]
@@ -592,4 +713,43 @@ pub struct ReportArgs {
     /// Print {"report", "bytes", "verdict"} as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine_args(argv: &[&str]) -> Result<EngineArgs, clap::Error> {
+        let full = ["llmdiff", "generate", "m.gguf", "--prompt", "x"].iter().chain(argv);
+        match Cli::try_parse_from(full)?.command {
+            Command::Generate(a) => Ok(a.engine),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_set_of_engine_arguments_checked_in_one_place() {
+        // --inject is parsed by clap into FaultSpec: a bad name never reaches a command.
+        assert!(engine_args(&["--inject", "no-such-fault"]).is_err());
+        let a = engine_args(&["--backend", "cpu", "--tp", "2", "--inject", "f16-residual@1:0"]).unwrap();
+        let (kind, opts) = a.engine_options(a.backend_or(BackendArg::Reference)).unwrap();
+        assert_eq!(kind, Some(engine::BackendKind::Cpu));
+        assert_eq!((opts.tp, opts.faults.len()), (2, 1));
+        assert_eq!(a.injected(), vec!["f16-residual@1:0".to_string()]);
+        // The reference takes no --tp, --inject or CUDA flags; the CUDA flags need --backend cuda.
+        for bad in [
+            &["--backend", "reference", "--tp", "2"][..],
+            &["--backend", "reference", "--inject", "f16-residual"],
+            &["--backend", "cpu", "--cuda-graphs", "off"],
+            &["--backend", "cpu", "--ranks", "nccl"],
+            &["--backend", "cpu", "--tp", "0"],
+        ] {
+            let a = engine_args(bad).unwrap();
+            assert!(a.engine_options(a.backend_or(BackendArg::Cpu)).is_err(), "{bad:?}");
+        }
+        // Defaults are the command's: generate runs the cpu engine at TP 1.
+        let a = engine_args(&[]).unwrap();
+        assert_eq!(a.backend_or(BackendArg::Cpu), BackendArg::Cpu);
+        assert_eq!(a.tp(), 1);
+    }
 }

@@ -1,4 +1,7 @@
-//! Tap comparison: the metrics of DESIGN.md, per-head cosines, and the tolerance table.
+//! Tap comparison: the error metrics of one tap, engine a against reference b (cosine;
+//! rel_l2 = |a−b|/|b|; max_abs; nmse = Σ(a−b)²/Σb²; sqnr_db = 20·log10(|b|/|a−b|); the count of
+//! non-finite values in a; the fraction of a still holding the canary), per-head cosines, and the
+//! tolerance table (a tap is over when its rel_l2 is NaN or above its tolerance, or a canary is left).
 
 use rayon::prelude::*;
 use references::tap::{is_canary, Site, TapKey};
@@ -111,7 +114,9 @@ pub fn metrics(a: &[f32], b: &[f32]) -> Metrics {
         canary_left: canary as f64 / n,
     };
     if nonfinite > 0 {
-        // A non-finite value is an infinite error, whatever the finite part says.
+        // A non-finite value is an infinite error, whatever the finite part says; the cosine of
+        // a tensor holding NaN is NaN (shown as NaN, never as the finite part's cosine).
+        m.cosine = f64::NAN;
         m.rel_l2 = f64::INFINITY;
         m.nmse = f64::INFINITY;
         m.sqnr_db = f64::NEG_INFINITY;

@@ -1,9 +1,16 @@
-//! Classification of the first divergence into DESIGN.md's fault classes, each with a sentence
-//! of evidence an engineer can act on. Checks run from the most specific evidence to the least;
+//! Classification of the first divergence into a fault class, each with a sentence of evidence
+//! an engineer can act on. The classes: `config-drift` (the engine's model config differs from
+//! the reference's), `unwritten-output` (the tap still holds the canary its buffer was filled
+//! with), `nonfinite` (NaN/Inf), `missing-reduction` (a rank's partial sum where the all-reduced
+//! value belongs), `stale-output` (a buffer from an earlier op or step), `routing-flip` (MoE
+//! experts chosen differently), `head-permutation` (heads in the wrong order), `transposed-weight`,
+//! `scale-mismatch` (a constant factor off), `rope` (positions rotated wrongly), `precision`
+//! (small relative error, cosine near 1), `dequantization` (a quantized weight decoded wrongly)
+//! and `unknown`. Checks run from the most specific evidence to the least;
 //! the first that holds decides, and `unknown` is said rather than a confident guess.
 
 use crate::compare::{cosine, metrics};
-use crate::diff::{engine_full, reference_slice, Store};
+use crate::slice::{engine_full, reference_slice, Store};
 use references::config::ModelConfig;
 use references::tap::{rank_columns, Site, TapKey, WeightKind};
 use reports::{Diagnosis, TapRow};

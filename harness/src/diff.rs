@@ -2,13 +2,14 @@
 //! find the first divergence in execution order, isolate the op there, and classify the fault.
 
 use crate::capture::{lockstep, progress, Captured, Side};
-use crate::compare::{columns, head_cosines, metrics, ActDtype, Tolerances};
+use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
+use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
-use engine::{Engine, EngineOptions, FaultSpec};
+use engine::{Engine, EngineOptions};
 use references::config::ModelConfig;
 use references::forward::Reference;
-use references::tap::{rank_columns, weight_in_columns, Site, TapKey, WeightKind};
+use references::tap::{Site, TapKey, WeightKind};
 use references::GgufFile;
 use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, RoutingAgreement, TapRow, Timings, DIFF_FORMAT};
 use std::collections::BTreeMap;
@@ -19,10 +20,8 @@ pub struct DiffPlan<'a> {
     pub file: &'a GgufFile,
     pub model_name: String,
     pub tokens: Vec<u32>,
-    pub tp: usize,
-    /// The engine backend (cpu or cuda).
-    pub backend: engine::BackendKind,
-    pub faults: Vec<FaultSpec>,
+    /// The engine's options: TP degree, backend (cpu or cuda), faults.
+    pub engine: EngineOptions,
     pub tolerances: Tolerances,
     pub dtype: ActDtype,
     pub stop_at_first: bool,
@@ -30,83 +29,6 @@ pub struct DiffPlan<'a> {
     /// time, instead of the prefill. The engine's taps are then stitched row by row.
     pub decode_steps: usize,
     pub repro: String,
-}
-
-/// Taps of one side, by key.
-pub type Store = BTreeMap<TapKey, Captured>;
-
-/// Sites whose rank-local form is a partial sum before the all-reduce, not a slice (the
-/// vocab-parallel embedding's too: each rank contributes the rows it owns).
-pub fn is_partial_sum(key: &TapKey) -> bool {
-    key.rank.is_some() && matches!(key.site, Site::AttnProj | Site::FfnOut | Site::Embed)
-}
-
-/// The part of the reference's full tensor that an engine tap corresponds to.
-pub fn reference_slice(c: &ModelConfig, tp: usize, key: &TapKey, full: &Captured) -> Vec<f32> {
-    let Some(rank) = key.rank.map(|r| r as usize) else {
-        return full.data.clone();
-    };
-    let [rows, width] = full.shape;
-    match key.site {
-        Site::Weight(kind) => {
-            if let Some(r) = rank_columns(key.site, c, tp, rank) {
-                full.data[r.start * width..r.end * width].to_vec()
-            } else if let Some(cols) = weight_in_columns(kind, c, tp, rank) {
-                columns(&full.data, width, cols)
-            } else {
-                full.data.clone()
-            }
-        }
-        site => match rank_columns(site, c, tp, rank) {
-            Some(cols) if cols.end <= width => columns(&full.data, width, cols),
-            _ => {
-                let _ = rows;
-                full.data.clone()
-            }
-        },
-    }
-}
-
-/// The engine's full tensor at an unranked key: its own unranked tap, or its rank slices put
-/// back together (rows for column-parallel weights, columns for activations).
-pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Option<Vec<f32>> {
-    if let Some(t) = eng.get(key) {
-        return Some(t.data.clone());
-    }
-    let parts: Vec<&Captured> = (0..tp)
-        .map(|r| {
-            eng.get(&TapKey {
-                rank: Some(r as u32),
-                ..*key
-            })
-        })
-        .collect::<Option<_>>()?;
-    if is_partial_sum(&TapKey { rank: Some(0), ..*key }) {
-        return None;
-    }
-    if let Site::Weight(kind) = key.site {
-        if rank_columns(key.site, c, tp, 0).is_some() {
-            // Column-parallel: each rank holds whole rows.
-            return Some(parts.iter().flat_map(|p| p.data.iter().copied()).collect());
-        }
-        if weight_in_columns(kind, c, tp, 0).is_none() {
-            // Replicated on every rank.
-            return Some(parts[0].data.clone());
-        }
-        // Row-parallel: each rank holds input columns; fall through to the column join.
-    } else if rank_columns(key.site, c, tp, 0).is_none() {
-        // Replicated on every rank.
-        return Some(parts[0].data.clone());
-    }
-    let n = parts[0].shape[0];
-    let mut out = Vec::new();
-    for t in 0..n {
-        for p in &parts {
-            let w = p.shape[1];
-            out.extend_from_slice(&p.data[t * w..(t + 1) * w]);
-        }
-    }
-    Some(out)
 }
 
 struct Comparator<'a> {
@@ -188,7 +110,7 @@ impl<'a> Comparator<'a> {
     fn compare(&mut self, key: &TapKey) {
         let e = &self.eng[key];
         let r = &self.refs[&key.unranked()];
-        let want = reference_slice(self.config, self.plan.tp, key, r);
+        let want = reference_slice(self.config, self.plan.engine.tp, key, r);
         let m = if want.len() == e.data.len() {
             metrics(&e.data, &want)
         } else {
@@ -305,13 +227,7 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
 pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
     let reference = Reference::new(plan.file)?;
-    let opts = EngineOptions {
-        tp: plan.tp,
-        faults: plan.faults.clone(),
-        backend: plan.backend,
-        ..EngineOptions::default()
-    };
-    let mut engine = Engine::load(engine_file, opts)?;
+    let mut engine = Engine::load(engine_file, plan.engine.clone())?;
     if engine.backend_name() != "cpu" {
         // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
         // that --json output stays one document.
@@ -364,7 +280,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
 }
 
 /// Diffs a foreign engine's tensor dump (see [`crate::dump`]) against the reference on the dump's
-/// tokens (`plan.tokens`, `plan.tp` must be the dump's). The dump's tensors are fed, in execution
+/// tokens (`plan.tokens`, `plan.engine.tp` must be the dump's). The dump's tensors are fed, in execution
 /// order, into the same comparator as the engine's taps; the run's backend is "candidate".
 /// Reference activation taps the dump lacks are listed in `missing`; a tap whose width differs
 /// from the reference's is a format error. There is no engine config, so config drift is not checked.
@@ -372,6 +288,8 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let t0 = Instant::now();
     let reference = Reference::new(plan.file)?;
     let config = reference.config.clone();
+    // Keys, tokens and widths against the model before the reference runs.
+    dump.check_model(&config)?;
     let tokens = &plan.tokens;
     let mut cmp = Comparator::new(plan, &config);
     let (e, r) = lockstep(
@@ -438,6 +356,10 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
     let tokens = &plan.tokens;
     cmp.evict();
     let mut rows = std::mem::take(&mut cmp.rows);
+    if rows.is_empty() {
+        // A verdict of agreement needs at least one compared value.
+        bail!("0 taps compared: the two sides share no tap, so there is nothing to agree on");
+    }
     rows.sort_by_key(|r| r.tap.parse::<TapKey>().expect("printed keys parse"));
     let unmatched: Vec<String> = cmp.waiting.iter().map(|k| k.to_string()).collect();
     let n = tokens.len();
@@ -446,7 +368,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             let ctx = DiagContext {
                 config,
                 engine_config,
-                tp: plan.tp,
+                tp: plan.engine.tp,
                 eng: &cmp.frozen_eng,
                 refs: &cmp.frozen_ref,
                 rows: &rows,
@@ -475,9 +397,9 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
         llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
         model: plan.model_name.clone(),
         backend: sides.backend,
-        tp: plan.tp,
+        tp: plan.engine.tp,
         tokens: tokens.clone(),
-        injected: plan.faults.iter().map(|f| f.to_string()).collect(),
+        injected: plan.engine.faults.iter().map(|f| f.to_string()).collect(),
         verdict: if first.is_some() { "diverged" } else { "agree" }.to_string(),
         first_divergence: first,
         diagnosis,

@@ -90,6 +90,7 @@ impl Dump {
             entries: BTreeMap::new(),
         };
         for (i, p) in paths.iter().enumerate() {
+            crate::output::check_regular(p)?;
             let f = std::fs::File::open(p).with_context(|| format!("cannot open dump {}", p.display()))?;
             // SAFETY: the file is only read; a dump modified while we run is the user's race, as
             // with the GGUF model, and at worst gives wrong numbers, never unsoundness in our code
@@ -198,7 +199,11 @@ impl Dump {
                 );
             }
             let (a, b) = info.data_offsets;
-            if b - a != rows * width * esize || data_start + b > buf.len() {
+            let want = rows.checked_mul(width).and_then(|x| x.checked_mul(esize));
+            if b.checked_sub(a).is_none()
+                || b.checked_sub(a) != want
+                || data_start.checked_add(b).is_none_or(|e| e > buf.len())
+            {
                 bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
             }
             if self.entries.contains_key(&key) {
@@ -213,6 +218,68 @@ impl Dump {
                     bytes: data_start + a..data_start + b,
                 },
             );
+        }
+        Ok(())
+    }
+
+    /// Checks the dump against the model before any forward pass: every tap key one the model
+    /// can have (a layer below its layer count, a rank below the dump's TP, a site its
+    /// architecture has), token ids within its vocabulary, and the width of every unranked tap
+    /// whose width the model fixes (d_model for the residual stream, the vocabulary for logits).
+    pub fn check_model(&self, c: &ModelConfig) -> anyhow::Result<()> {
+        let at = || self.paths[0].display().to_string();
+        if let Some(bad) = self.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            bail!(
+                "{}: token id {bad} is outside the model's vocabulary ({})",
+                at(),
+                c.vocab
+            );
+        }
+        for (key, e) in &self.entries {
+            if key.layer.is_some_and(|l| l as usize >= c.n_layers) {
+                bail!(
+                    "{}: tensor {key}: the model has {} layers, so no such tap",
+                    at(),
+                    c.n_layers
+                );
+            }
+            if key.rank.is_some_and(|r| r as usize >= self.tp) {
+                bail!("{}: tensor {key}: rank beyond the dump's tp {}", at(), self.tp);
+            }
+            let mla = c.mla.is_some();
+            let moe_layer = key
+                .layer
+                .is_some_and(|l| c.moe.as_ref().is_some_and(|m| l as usize >= m.n_dense_lead));
+            let has = match key.site {
+                Site::QA | Site::KvLatent | Site::KPe => mla,
+                Site::MoeLogits | Site::MoeTopk => moe_layer,
+                Site::FfnGate | Site::FfnUp => !moe_layer,
+                _ => true,
+            };
+            if !has {
+                bail!("{}: tensor {key}: this model has no such tap", at());
+            }
+            if key.rank.is_none() {
+                let want = match key.site {
+                    Site::Embed
+                    | Site::AttnNorm
+                    | Site::AttnProj
+                    | Site::ResidAttn
+                    | Site::FfnNorm
+                    | Site::FfnOut
+                    | Site::ResidOut
+                    | Site::OutputNorm => Some(c.d_model),
+                    Site::Logits => Some(c.vocab),
+                    _ => None,
+                };
+                if let Some(w) = want.filter(|&w| w != e.shape[1]) {
+                    bail!(
+                        "{}: tensor {key} is {} wide, the model's {w} (wrong shape for this model)",
+                        at(),
+                        e.shape[1]
+                    );
+                }
+            }
         }
         Ok(())
     }

@@ -1,14 +1,10 @@
 //! Next-token distribution health: per-prompt entropy statistics, top-5 recurrence, repetition
 //! of a greedy continuation, the verdict (`healthy`, `flat`, `degenerate`), and KL-divergence
 //! statistics against the reference (llama-perplexity's definitions). Also the prompts-file reader
-//! and the forward-pass runner shared by `entropy` and `gate`.
+//! shared by `entropy`, `gate` and `golden`.
 
-use crate::cli::BackendArg;
 use crate::logprobs::{entropy, log_softmax, top_k};
 use anyhow::{bail, Context};
-use engine::{Engine, EngineOptions, FaultSpec};
-use references::forward::Reference;
-use references::tap::{NoTap, Tap};
 use references::tokenizer::Tokenizer;
 use references::GgufFile;
 use reports::{EntropyThresholds, KldStats, PromptEntropy};
@@ -39,7 +35,7 @@ pub struct PromptInput {
 /// Reads a prompts file: one prompt per line, or JSONL of `{"prompt": TEXT}` / `{"tokens": [ids]}`
 /// (JSONL when the first non-blank line starts with `{`). Blank lines are skipped. Errors name the line.
 pub fn read_prompts(path: &Path) -> anyhow::Result<Vec<PromptInput>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::output::read_text(path)?;
     parse_prompts(&text).with_context(|| path.display().to_string())
 }
 
@@ -141,92 +137,6 @@ pub fn tokenize_prompts(file: &GgufFile, prompts: &[PromptInput], vocab: usize) 
         out.push(ids);
     }
     Ok(out)
-}
-
-/// A forward pass: the reference or the engine.
-pub enum Runner<'a> {
-    Reference(Box<Reference<'a>>),
-    Engine(Box<Engine>),
-}
-
-impl<'a> Runner<'a> {
-    /// The reference (`tp` must be 1 and no faults) or the engine on `backend` (cpu or cuda).
-    pub fn new(
-        file: &'a GgufFile,
-        backend: BackendArg,
-        tp: usize,
-        faults: Vec<FaultSpec>,
-    ) -> anyhow::Result<Runner<'a>> {
-        let Some(kind) = backend.engine_kind() else {
-            if tp != 1 {
-                bail!("--tp applies to the engine backends (cpu, cuda), not the reference");
-            }
-            if !faults.is_empty() {
-                bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
-            }
-            return Ok(Runner::Reference(Box::new(Reference::new(file)?)));
-        };
-        let opts = EngineOptions {
-            tp,
-            faults,
-            backend: kind,
-            ..EngineOptions::default()
-        };
-        Ok(Runner::Engine(Box::new(Engine::load(file, opts)?)))
-    }
-
-    pub fn backend_name(&self) -> &'static str {
-        match self {
-            Runner::Reference(_) => "reference",
-            Runner::Engine(e) => e.backend_name(),
-        }
-    }
-
-    /// Logits `[n, vocab]` for `tokens`, with taps.
-    pub fn logits(&mut self, tokens: &[u32], tap: &mut dyn Tap) -> anyhow::Result<Vec<f32>> {
-        Ok(match self {
-            Runner::Reference(r) => r.forward(tokens, tap)?,
-            Runner::Engine(e) => e.prefill(tokens, tap)?,
-        })
-    }
-
-    /// Greedy continuation of up to `max_new` tokens, stopping after `stop`, and the logits rows
-    /// of the decode steps (`[len − 1, vocab]`: one row after feeding each generated token but the
-    /// last), so decode-only faults show in the KL statistics too. The engine decodes through its
-    /// KV cache; the reference has none and re-runs the growing sequence each step.
-    pub fn greedy(
-        &mut self,
-        prompt: &[u32],
-        max_new: usize,
-        stop: Option<u32>,
-    ) -> anyhow::Result<(Vec<u32>, Vec<f32>)> {
-        let mut out = Vec::new();
-        let mut rows = Vec::new();
-        if max_new == 0 {
-            return Ok((out, rows));
-        }
-        let mut seq = prompt.to_vec();
-        let mut logits = self.logits(prompt, &mut NoTap)?;
-        loop {
-            let v = logits.len() / if out.is_empty() { prompt.len() } else { 1 };
-            let last = &logits[logits.len() - v..];
-            let next = crate::logprobs::top_k(&log_softmax(last), 1)[0].0;
-            out.push(next);
-            seq.push(next);
-            if out.len() == max_new || Some(next) == stop {
-                break;
-            }
-            logits = match self {
-                Runner::Engine(e) => e.decode(next, &mut NoTap)?,
-                Runner::Reference(r) => {
-                    let all = r.forward(&seq, &mut NoTap)?;
-                    all[all.len() - r.config.vocab..].to_vec()
-                }
-            };
-            rows.extend_from_slice(&logits);
-        }
-        Ok((out, rows))
-    }
 }
 
 /// Per-position distribution figures of one prompt's logits.

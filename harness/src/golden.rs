@@ -9,8 +9,8 @@
 //! text of every token id the file uses (a server's logprobs are keyed by token text), and the
 //! server-gate thresholds. A file may also hold no taps (`bless --no-taps`: positions only).
 
-use crate::entropy::Runner;
 use crate::logprobs::{entropy, log_softmax, top_k};
+use crate::runner::Runner;
 use anyhow::{bail, Context};
 use references::tap::{Site, Tap, TapKey};
 use references::GgufFile;
@@ -30,6 +30,8 @@ pub const FINGERPRINT_LEN: usize = 64;
 pub const GOLDEN_TOP_K: usize = 20;
 /// Greedy continuation length blessed by default.
 pub const GOLDEN_CONTINUATION: usize = 8;
+/// The longest continuation a golden file may ask a server for.
+pub const MAX_CONTINUATION: usize = 4096;
 
 /// Where the model comes from, portably: a path relative to the repository root, or a synth recipe.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -184,7 +186,7 @@ pub fn bless_hint(path: &Path) -> String {
 
 /// Reads and checks the magic and format of a golden file; errors carry the bless hint.
 pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::output::read_text(path)?;
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
     if v.get("magic").and_then(|m| m.as_str()) != Some(GOLDEN_MAGIC) {
         bail!(
@@ -200,13 +202,172 @@ pub fn read_golden(path: &Path) -> anyhow::Result<Golden> {
             bless_hint(path)
         );
     }
-    serde_json::from_value(v).with_context(|| {
+    let g: Golden = serde_json::from_value(v).with_context(|| {
         format!(
             "{}: malformed golden file; re-bless it: {}",
             path.display(),
             bless_hint(path)
         )
-    })
+    })?;
+    g.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "{}: invalid golden file: {e}; re-bless it: {}",
+            path.display(),
+            bless_hint(path)
+        )
+    })?;
+    Ok(g)
+}
+
+/// A threshold as a golden file or an option gives it: a finite number ≥ 0.
+pub fn check_threshold(name: &str, x: f64) -> Result<(), String> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(())
+    } else {
+        Err(format!("{name} is {x}: a threshold must be a finite number >= 0"))
+    }
+}
+
+/// `value` against tolerance `tol` as a ratio (over 1: over the tolerance). At equality it passes,
+/// also at a tolerance of 0 (0 / 0 is 0 here, not NaN); NaN is over.
+pub fn ratio(value: f64, tol: f64) -> f64 {
+    if value.is_nan() || tol.is_nan() {
+        f64::INFINITY
+    } else if value <= tol {
+        if tol > 0.0 {
+            value / tol
+        } else {
+            0.0
+        }
+    } else if tol > 0.0 {
+        value / tol
+    } else {
+        f64::INFINITY
+    }
+}
+
+impl GateThresholds {
+    /// Every threshold finite and ≥ 0; `min_top1_pct` within 0..=100.
+    pub fn validate(&self) -> Result<(), String> {
+        check_threshold("thresholds.tap_rel", self.tap_rel)?;
+        check_threshold("thresholds.logprob_abs", self.logprob_abs)?;
+        check_threshold("thresholds.entropy_abs", self.entropy_abs)?;
+        let s = &self.server;
+        check_threshold("thresholds.server.kld_position", s.kld_position)?;
+        check_threshold("thresholds.server.kld_mean", s.kld_mean)?;
+        check_threshold("thresholds.server.tie_margin", s.tie_margin)?;
+        if !(s.min_top1_pct.is_finite() && (0.0..=100.0).contains(&s.min_top1_pct)) {
+            return Err(format!(
+                "thresholds.server.min_top1_pct is {}: a percentage within 0..=100",
+                s.min_top1_pct
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Golden {
+    /// The invariants a golden file must hold before any work starts (every one is a way a
+    /// hand-edited or truncated file would otherwise pass, panic or run for ever): thresholds
+    /// finite and ≥ 0 (`min_top1_pct` within 0..=100); at least one prompt, each with tokens and
+    /// one position per token, every position with a finite entropy ≥ 0 and a non-empty top list
+    /// of finite logprobs ≤ 0; at most as many continuation positions as continuation tokens;
+    /// token ids within the vocabulary when it is known; tap names that are tap keys with a
+    /// fingerprint of at most [`FINGERPRINT_LEN`] values; a model sha256 of 64 hex digits; TP ≥ 1
+    /// and a backend of `reference` or `cpu`.
+    pub fn validate(&self) -> Result<(), String> {
+        self.thresholds.validate()?;
+        if !(self.model_sha256.len() == 64 && self.model_sha256.bytes().all(|b| b.is_ascii_hexdigit())) {
+            return Err("model_sha256 is not 64 hex digits".into());
+        }
+        if self.tp == 0 {
+            return Err("tp is 0".into());
+        }
+        if self.n_continuation > MAX_CONTINUATION {
+            return Err(format!(
+                "n_continuation {} (at most {MAX_CONTINUATION})",
+                self.n_continuation
+            ));
+        }
+        if self.backend != "reference" && self.backend != "cpu" {
+            return Err(format!("backend {:?}: expected \"reference\" or \"cpu\"", self.backend));
+        }
+        if self.prompts.is_empty() {
+            return Err("no prompts: nothing to gate is not a pass".into());
+        }
+        let in_vocab = |id: u32| self.vocab == 0 || (id as usize) < self.vocab;
+        let check_pos = |where_: &str, p: &PositionGolden| -> Result<(), String> {
+            if !(p.entropy.is_finite() && p.entropy >= 0.0) {
+                return Err(format!("{where_}: entropy {} is not a finite number >= 0", p.entropy));
+            }
+            if p.top.is_empty() {
+                return Err(format!("{where_}: an empty top list"));
+            }
+            if p.top.len() > 4 * GOLDEN_TOP_K {
+                return Err(format!(
+                    "{where_}: {} top entries (at most {})",
+                    p.top.len(),
+                    4 * GOLDEN_TOP_K
+                ));
+            }
+            for &(id, lp) in &p.top {
+                if !(lp.is_finite() && lp <= 1e-6) {
+                    return Err(format!(
+                        "{where_}: logprob {lp} of token {id} is not a finite number <= 0"
+                    ));
+                }
+                if !in_vocab(id) {
+                    return Err(format!(
+                        "{where_}: token {id} is outside the vocabulary ({})",
+                        self.vocab
+                    ));
+                }
+            }
+            Ok(())
+        };
+        for (pi, p) in self.prompts.iter().enumerate() {
+            let at = format!("prompt {}", pi + 1);
+            if p.tokens.is_empty() {
+                return Err(format!("{at}: no tokens"));
+            }
+            if p.positions.len() != p.tokens.len() {
+                return Err(format!(
+                    "{at}: {} positions for {} tokens (one per token)",
+                    p.positions.len(),
+                    p.tokens.len()
+                ));
+            }
+            if p.continuation_positions.len() > p.continuation.len() {
+                return Err(format!(
+                    "{at}: {} continuation positions for {} continuation tokens",
+                    p.continuation_positions.len(),
+                    p.continuation.len()
+                ));
+            }
+            if let Some(id) = p.tokens.iter().chain(&p.continuation).find(|&&id| !in_vocab(id)) {
+                return Err(format!("{at}: token {id} is outside the vocabulary ({})", self.vocab));
+            }
+            for (i, pos) in p.positions.iter().enumerate() {
+                check_pos(&format!("{at} position {i}"), pos)?;
+            }
+            for (i, pos) in p.continuation_positions.iter().enumerate() {
+                check_pos(&format!("{at} continuation step {i}"), pos)?;
+            }
+            for tap in &p.taps {
+                if tap.tap.parse::<TapKey>().is_err() {
+                    return Err(format!("{at}: {:?} is not a tap key", tap.tap));
+                }
+                if tap.fingerprint.len() > FINGERPRINT_LEN {
+                    return Err(format!(
+                        "{at} {}: fingerprint of {} values",
+                        tap.tap,
+                        tap.fingerprint.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes a golden file: the header pretty-printed, one tap or position per line (diff-friendly).
@@ -345,6 +506,7 @@ pub fn token_texts(
 /// sha256 of a file, hex.
 pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
     use std::io::Read;
+    crate::output::check_regular(path)?;
     let mut f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -394,7 +556,7 @@ pub fn synthesize(r: &SynthRecipe) -> anyhow::Result<MaterializedModel> {
     }
     let dir = tempfile::tempdir()?;
     let path = dir.path().join(format!("{}.gguf", r.preset));
-    crate::commands::synth::write_spec(&spec, r.seed, &path, false)?;
+    crate::output::write_spec(&spec, r.seed, &path, false)?;
     Ok(MaterializedModel { path, _dir: Some(dir) })
 }
 
@@ -505,11 +667,7 @@ pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Ch
         .fold(("", 0.0f64), |acc, m| if m.1.is_nan() || m.1 > acc.1 { m } else { acc });
     Check {
         item: old.tap.clone(),
-        ratio: if worst.is_nan() {
-            f64::INFINITY
-        } else {
-            worst / t.tap_rel
-        },
+        ratio: ratio(worst, t.tap_rel),
         detail: format!(
             "{name} {worst:.3e} > {:.0e} (norm {:.6e}, golden {:.6e})",
             t.tap_rel, new.norm, old.norm
@@ -521,17 +679,14 @@ pub fn compare_tap(new: &TapSummary, old: &TapSummary, t: &GateThresholds) -> Ch
 pub fn compare_position(pos_idx: usize, logp: &[f64], old: &PositionGolden, t: &GateThresholds) -> Check {
     let h = entropy(logp);
     let mut worst = (
-        rel(h, old.entropy, 1.0) / t.entropy_abs,
+        ratio(rel(h, old.entropy, 1.0), t.entropy_abs),
         format!("entropy {h:.6}, golden {:.6}", old.entropy),
     );
     for &(id, lp) in &old.top {
         let now = logp.get(id as usize).copied().unwrap_or(f64::NEG_INFINITY);
-        let r = (now - lp).abs() / t.logprob_abs;
-        if r.is_nan() || r > worst.0 {
-            worst = (
-                if r.is_nan() { f64::INFINITY } else { r },
-                format!("logprob of token {id} {now:.6}, golden {lp:.6}"),
-            );
+        let r = ratio((now - lp).abs(), t.logprob_abs);
+        if r > worst.0 {
+            worst = (r, format!("logprob of token {id} {now:.6}, golden {lp:.6}"));
         }
     }
     let top1 = top_k(logp, 1).first().map(|x| x.0);

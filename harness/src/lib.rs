@@ -14,6 +14,8 @@ pub mod junit;
 pub mod kernel_trace;
 pub mod logprobs;
 pub mod output;
+pub mod runner;
 pub mod server;
 pub mod server_view;
+pub mod slice;
 pub mod topk;

@@ -1,5 +1,6 @@
-//! Shared helpers for commands: opening models with one-line errors, and JSON forms of the
-//! references crate's types (which stays free of serde).
+//! Shared helpers for commands: opening models with one-line errors, JSON forms of the
+//! references crate's types (which stays free of serde), atomic writes (results and synthesized
+//! models) and shell quoting of printed commands.
 
 use anyhow::Context;
 use references::config::{Gating, ModelConfig};
@@ -7,11 +8,27 @@ use references::{GgufFile, MetaValue};
 use serde_json::{json, Value};
 use std::path::Path;
 
+/// Checks that `path` is a regular file (after symlinks) before it is opened: a device
+/// (`/dev/zero`), a FIFO or a directory named as a model, dump, golden file or run document would
+/// hang a read or hash for ever, or fail obscurely.
+pub fn check_regular(path: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => anyhow::bail!("{}: no such file", path.display()),
+        Err(e) => anyhow::bail!("cannot read {}: {e}", path.display()),
+        Ok(m) if !m.is_file() => anyhow::bail!("{}: not a regular file", path.display()),
+        Ok(_) => Ok(()),
+    }
+}
+
+/// Reads a regular file as text ([`check_regular`] first).
+pub fn read_text(path: &Path) -> anyhow::Result<String> {
+    check_regular(path)?;
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
 /// Opens a GGUF file; the error names the file and byte offset.
 pub fn open_model(path: &Path) -> anyhow::Result<GgufFile> {
-    if !path.exists() {
-        anyhow::bail!("{}: no such file", path.display());
-    }
+    check_regular(path)?;
     GgufFile::open(path).with_context(|| "cannot read the model".to_string())
 }
 
@@ -81,15 +98,69 @@ pub fn progress_bar(show: bool, what: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// The name every temp file of an atomic write starts with; the writer's pid follows
+/// (`.llmdiff-tmp-PID-XXXXXX`), so a later run can tell a crashed writer's leftover from a live one's.
+pub const TEMP_PREFIX: &str = ".llmdiff-tmp-";
+
+/// Whether process `pid` is alive (unknown counts as alive). A zombie (killed, not yet reaped:
+/// in a container whose init does not reap) is dead.
+fn alive(pid: i32) -> bool {
+    #[cfg(unix)]
+    {
+        // SAFETY: signal 0 checks for the process's existence and sends nothing.
+        let r = unsafe { libc::kill(pid, 0) };
+        if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+            return false;
+        }
+        // /proc/PID/stat: "PID (COMM) STATE ..."; COMM may hold spaces and parentheses.
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')));
+        zombie != Some(true)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        true
+    }
+}
+
+/// Removes the temp files in `dir` that a writer killed mid-write left (its pid is gone).
+pub fn clean_stale_temps(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TEMP_PREFIX)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid > 0 && pid != std::process::id() as i32 && !alive(pid) && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// A temp file in `dir` for an atomic write, named [`TEMP_PREFIX`]`PID-…`, after removing any a
+/// crashed writer left there.
+pub fn temp_in(dir: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
+    clean_stale_temps(dir);
+    tempfile::Builder::new()
+        .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
+        .tempfile_in(dir)
+        .with_context(|| format!("cannot write in {}", dir.display()))
+}
+
 /// Writes `bytes` to a temp file beside `path`, then renames it over `path`, so a crash never
-/// leaves a half-written file over a good one.
+/// leaves a half-written file over a good one (and the next write removes the crashed one's temp).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use std::io::Write;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot write in {}", dir.display()))?;
+    let mut tmp = temp_in(dir)?;
     tmp.write_all(bytes)?;
     persist(tmp, path)
 }
@@ -105,4 +176,66 @@ pub fn persist(tmp: tempfile::NamedTempFile, path: &Path) -> anyhow::Result<()> 
     tmp.persist(path)
         .with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
+}
+
+/// Writes `spec` to `out` through a temp file in the same directory, renamed at the end, so a
+/// failure never leaves a half-written model behind.
+pub fn write_spec(
+    spec: &references::synth::SynthSpec,
+    seed: u64,
+    out: &Path,
+    show_progress: bool,
+) -> anyhow::Result<u64> {
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = temp_in(dir)?;
+    let bar = progress_bar(show_progress, "synth");
+    let bytes = references::synth::write_model(
+        spec,
+        seed,
+        std::io::BufWriter::with_capacity(1 << 20, tmp.as_file()),
+        |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+    )
+    .with_context(|| format!("writing {}", out.display()))?;
+    bar.finish_and_clear();
+    persist(tmp, out)?;
+    Ok(bytes)
+}
+
+/// `s` as one shell word: unchanged when it is made of characters no POSIX shell treats
+/// specially, else in single quotes (a `'` inside written `'\''`). Every path and argument of
+/// a printed reproduction command goes through this, so pasting the command runs only llmdiff.
+pub fn shell_quote(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.chars().all(|c| {
+            c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/' | ',' | ':' | '=' | '@' | '+' | '%')
+        });
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// `s` for a terminal or a CI log: every control character (ESC, CR, LF, BEL, ...) written as an
+/// escape (`\u{1b}`), so text from a file or a server can neither move the cursor, clear the
+/// screen nor forge lines of its own.
+pub fn term(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_string();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }

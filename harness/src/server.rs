@@ -17,8 +17,11 @@ use std::time::Duration;
 /// How to reach the server.
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
-    /// Base URL, e.g. `http://127.0.0.1:8000` (a trailing `/v1` is accepted).
+    /// Base URL, e.g. `http://127.0.0.1:8000` (a trailing `/v1` is accepted), without
+    /// credentials: the only form shown or stored ([`split_credentials`]).
     pub url: String,
+    /// `user:password` from the URL the user gave, sent as HTTP basic auth (when no API key).
+    pub basic: Option<String>,
     pub model: String,
     pub api_key: Option<String>,
     pub top_k: usize,
@@ -58,6 +61,89 @@ pub struct Completion {
     pub entries: Vec<Entry>,
     pub prompt_tokens: Option<usize>,
 }
+
+/// `url` without its `user:password@` part, and that part. The URL is the one form shown or
+/// stored; the credentials only ever go in an `Authorization` header to the URL's own origin.
+pub fn split_credentials(url: &str) -> (String, Option<String>) {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return (url.to_string(), None);
+    };
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..auth_end].rfind('@') {
+        Some(at) => (
+            format!("{scheme}://{}", &rest[at + 1..]),
+            Some(rest[..at].to_string()).filter(|c| !c.is_empty()),
+        ),
+        None => (url.to_string(), None),
+    }
+}
+
+/// `url` with any credentials replaced by `***`, for messages and documents.
+pub fn redact_url(url: &str) -> String {
+    match split_credentials(url) {
+        (clean, Some(_)) => {
+            let (scheme, rest) = clean.split_once("://").unwrap_or(("", &clean));
+            format!("{scheme}://***@{rest}")
+        }
+        (clean, None) => clean,
+    }
+}
+
+/// The origin (scheme, host and port) of an absolute http(s) URL, lower-cased, default ports made
+/// explicit.
+pub fn origin(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://")?;
+    let scheme = scheme.to_ascii_lowercase();
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let host = rest[..end].rsplit('@').next()?.to_ascii_lowercase();
+    let default = match scheme.as_str() {
+        "http" => "80",
+        "https" => "443",
+        _ => return None,
+    };
+    let has_port = host
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.chars().all(|c| c.is_ascii_digit()) && !host.ends_with(']'));
+    Some(if has_port {
+        format!("{scheme}://{host}")
+    } else {
+        format!("{scheme}://{host}:{default}")
+    })
+}
+
+/// Where a redirect from `from` to `location` leads, absolute.
+fn resolve(from: &str, location: &str) -> String {
+    if location.contains("://") {
+        return location.to_string();
+    }
+    let (scheme, rest) = from.split_once("://").unwrap_or(("http", from));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    if location.starts_with('/') {
+        format!("{scheme}://{}{location}", &rest[..end])
+    } else {
+        let base = from.rsplit_once('/').map_or(from, |(b, _)| b);
+        format!("{base}/{location}")
+    }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut s = String::new();
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                s.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                s.push('=');
+            }
+        }
+    }
+    s
+}
+
+/// Redirects followed per request (same origin only).
+const MAX_REDIRECTS: usize = 5;
 
 /// The completions endpoint for a base URL.
 pub fn endpoint(url: &str) -> String {
@@ -165,6 +251,52 @@ pub fn parse_completion(body: &str) -> anyhow::Result<Completion> {
     })
 }
 
+/// How far above 0 a logprob, and above 1 a listed probability mass, may sit before the response
+/// is malformed (servers round in f32; the real mass of a top-k list is at most 1).
+pub const LOGPROB_SLACK: f64 = 1e-3;
+
+/// The fewest entries a top list may hold when `asked` were asked: all of them, less a tenth
+/// (rounded down). `top_logprobs` is a JSON object keyed by token text, so two tokens of the same
+/// text collapse into one key; a server that lists far fewer than asked (1 of 20) caps
+/// `logprobs` below what the check needs and cannot be compared at top-`asked`.
+pub fn min_listed(asked: usize) -> usize {
+    asked - asked / 10
+}
+
+/// Checks a parsed completion against what a distribution can be, before anything is computed
+/// from it: every listed logprob finite and ≤ [`LOGPROB_SLACK`], every top list's mass
+/// Σ exp(logprob) ≤ 1 + [`LOGPROB_SLACK`], and at least [`min_listed`]`(asked)` entries in
+/// every top list given. Errors name the entry.
+pub fn check_completion(c: &Completion, asked: usize) -> anyhow::Result<()> {
+    for (i, e) in c.entries.iter().enumerate() {
+        let at = || format!("malformed logprobs at entry {i} (token {:?})", e.token);
+        if let Some(lp) = e.logprob {
+            if !lp.is_finite() || lp > LOGPROB_SLACK {
+                bail!("{}: token_logprobs {lp} is not a finite logprob <= 0", at());
+            }
+        }
+        let Some(top) = &e.top else { continue };
+        if top.len() < min_listed(asked) {
+            bail!(
+                "{}: {} top logprobs where {asked} were asked (does the server cap logprobs below --top-logprobs?)",
+                at(),
+                top.len()
+            );
+        }
+        let mut mass = 0.0;
+        for (t, lp) in top {
+            if !lp.is_finite() || *lp > LOGPROB_SLACK {
+                bail!("{}: top logprob {lp} of {t:?} is not a finite logprob <= 0", at());
+            }
+            mass += lp.exp();
+        }
+        if mass > 1.0 + LOGPROB_SLACK {
+            bail!("{}: the listed probabilities sum to {mass:.4} > 1", at());
+        }
+    }
+    Ok(())
+}
+
 /// A failed attempt: retry or give up.
 enum Attempt {
     Retry(String),
@@ -181,16 +313,53 @@ fn one_line(s: &str, max: usize) -> String {
 }
 
 fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> Result<Completion, Attempt> {
-    let mut req = agent.post(url).set("Content-Type", "application/json");
-    if let Some(k) = &o.api_key {
-        req = req.set("Authorization", &format!("Bearer {k}"));
-    }
-    match req.send_string(&body.to_string()) {
+    let mut url = url.to_string();
+    let mut hops = 0;
+    let sent = loop {
+        let mut req = agent.post(&url).set("Content-Type", "application/json");
+        if let Some(k) = &o.api_key {
+            req = req.set("Authorization", &format!("Bearer {k}"));
+        } else if let Some(b) = &o.basic {
+            req = req.set("Authorization", &format!("Basic {}", base64(b.as_bytes())));
+        }
+        let r = req.send_string(&body.to_string());
+        // Redirects are followed here, not by ureq: only within the origin the credentials and
+        // the API key were given for (a 307/308 keeps the POST and its body).
+        match &r {
+            Ok(resp) if (300..400).contains(&resp.status()) => {
+                let code = resp.status();
+                let Some(loc) = resp.header("Location").map(|l| resolve(&url, l)) else {
+                    return Err(Attempt::Fatal(format!("HTTP {code} without a Location header")));
+                };
+                if !matches!(code, 307 | 308) {
+                    return Err(Attempt::Fatal(format!(
+                        "HTTP {code}: redirected to {} (a POST redirected with {code} becomes a GET): use that URL as --server",
+                        redact_url(&loc)
+                    )));
+                }
+                if origin(&loc).is_none() || origin(&loc) != origin(&url) {
+                    return Err(Attempt::Fatal(format!(
+                        "HTTP {code}: redirected to {}, another origin: not followed, so neither the API key nor credentials go there; use that URL as --server if you trust it",
+                        redact_url(&loc)
+                    )));
+                }
+                hops += 1;
+                if hops > MAX_REDIRECTS {
+                    return Err(Attempt::Fatal(format!("more than {MAX_REDIRECTS} redirects")));
+                }
+                url = loc;
+            }
+            _ => break r,
+        }
+    };
+    match sent {
         Ok(resp) => {
             let text = resp
                 .into_string()
                 .map_err(|e| Attempt::Retry(format!("reading the response: {e}")))?;
-            parse_completion(&text).map_err(|e| Attempt::Fatal(format!("{e:#}")))
+            parse_completion(&text)
+                .and_then(|c| check_completion(&c, o.top_k).map(|_| c))
+                .map_err(|e| Attempt::Fatal(format!("{e:#}")))
         }
         Err(ureq::Error::Status(code, resp)) => {
             let text = resp.into_string().unwrap_or_default();
@@ -245,6 +414,7 @@ pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result
         bail!("--server {}: expected an http:// or https:// URL", o.url);
     }
     let agent = ureq::AgentBuilder::new()
+        .redirects(0)
         .timeout_connect(o.timeout.min(Duration::from_secs(10)))
         .timeout(o.timeout)
         .build();

@@ -19,7 +19,12 @@ pub fn render_diff(run: &DiffRun) -> String {
     let mut body = String::new();
     header(run, &mut body);
     diagnosis(run, &mut body);
-    let n_layers = run.taps.iter().filter_map(|t| t.layer).max().map_or(0, |l| l + 1);
+    let n_layers = run
+        .taps
+        .iter()
+        .filter_map(|t| t.layer)
+        .max()
+        .map_or(0, |l| l.saturating_add(1));
     layer_charts(run, n_layers, &mut body);
     heads(run, &mut body);
     ranks(run, &mut body);
@@ -261,7 +266,7 @@ fn layer_charts(run: &DiffRun, n_layers: u32, out: &mut String) {
 pub fn read_heads(n: usize, cosine: &[f64], tp: usize) -> String {
     let mut best: Vec<Option<usize>> = Vec::with_capacity(n);
     for e in 0..n {
-        let row = &cosine[e * n..((e + 1) * n).min(cosine.len())];
+        let row = cosine.get(e * n..((e + 1) * n).min(cosine.len())).unwrap_or(&[]);
         let b = row
             .iter()
             .enumerate()

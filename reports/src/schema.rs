@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 /// Version of [`DiffRun`]; bump on any incompatible change.
 pub const DIFF_FORMAT: u32 = 1;
 
-/// Error metrics of one tap, engine (a) against reference (b). Definitions (DESIGN.md):
+/// Error metrics of one tap, engine (a) against reference (b). Definitions:
 /// cosine; rel_l2 = |a−b|/|b|; max_abs; nmse = Σ(a−b)²/Σb²; sqnr_db = 20·log10(|b|/|a−b|);
 /// nonfinite = count of non-finite values in a; canary_left = fraction of a still holding the canary.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -118,6 +118,66 @@ pub struct DiffRun {
     /// for runs written before this field existed).
     #[serde(default)]
     pub routing: Vec<RoutingAgreement>,
+}
+
+/// The most tensor-parallel ranks a run document may name.
+pub const MAX_TP: usize = 4096;
+
+impl DiffRun {
+    /// The invariants a run document read from a file must hold before it is rendered, so that
+    /// no size taken from the file exceeds the data it describes: a verdict of `agree` or
+    /// `diverged` over at least one tap; `1 <= tp <= MAX_TP` and every rank below `tp`; every
+    /// layer (of a tap, the first divergence or a routing row) below the number of taps (each
+    /// layer up to the last compared one has a tap); a head matrix of `n_heads`² cosines with
+    /// `n_heads` at most the number of cosines; a first divergence that is one of the taps.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.verdict != "agree" && self.verdict != "diverged" {
+            return Err(format!(
+                "verdict {:?}: expected \"agree\" or \"diverged\"",
+                self.verdict
+            ));
+        }
+        if self.taps.is_empty() {
+            return Err("no taps: a verdict needs at least one compared tap".into());
+        }
+        if self.tp == 0 || self.tp > MAX_TP {
+            return Err(format!("tp {} (expected 1..={MAX_TP})", self.tp));
+        }
+        let n = self.taps.len();
+        let layer_ok = |l: Option<u32>| l.is_none_or(|l| (l as usize) < n);
+        let rank_ok = |r: Option<u32>| r.is_none_or(|r| (r as usize) < self.tp);
+        for t in &self.taps {
+            if !layer_ok(t.layer) {
+                return Err(format!("tap {:?}: layer {:?} beyond the {n} taps", t.tap, t.layer));
+            }
+            if !rank_ok(t.rank) {
+                return Err(format!("tap {:?}: rank {:?} beyond tp {}", t.tap, t.rank, self.tp));
+            }
+        }
+        if let Some(f) = &self.first_divergence {
+            if !layer_ok(f.layer) || !rank_ok(f.rank) || !self.taps.iter().any(|t| t.tap == f.tap) {
+                return Err(format!("first_divergence {:?} is not one of the taps", f.tap));
+            }
+        }
+        if (self.verdict == "diverged") != self.first_divergence.is_some() {
+            return Err("the verdict and first_divergence disagree".into());
+        }
+        for r in &self.routing {
+            if !layer_ok(Some(r.layer)) {
+                return Err(format!("routing layer {} beyond the {n} taps", r.layer));
+            }
+        }
+        if let Some(h) = &self.heads {
+            if h.n_heads == 0 || h.n_heads.checked_mul(h.n_heads) != Some(h.cosine.len()) {
+                return Err(format!(
+                    "heads: {} cosines for n_heads {} (expected n_heads²)",
+                    h.cosine.len(),
+                    h.n_heads
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How many tokens pick the same experts on both sides at one MoE layer.

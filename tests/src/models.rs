@@ -47,13 +47,16 @@ pub fn plan<'a>(
         file,
         model_name: file.path.display().to_string(),
         tokens,
-        tp,
-        faults,
+        engine: engine::EngineOptions {
+            tp,
+            faults,
+            backend: engine::BackendKind::Cpu,
+            ..engine::EngineOptions::default()
+        },
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps,
-        backend: engine::BackendKind::Cpu,
         repro: String::new(),
     }
 }

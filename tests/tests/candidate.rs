@@ -23,9 +23,10 @@ fn diff(paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
         file: &file,
         model_name: "smollm2".into(),
         tokens: dump.tokens.clone(),
-        tp: dump.tp,
-        backend: engine::BackendKind::default(),
-        faults: Vec::new(),
+        engine: engine::EngineOptions {
+            tp: dump.tp,
+            ..engine::EngineOptions::default()
+        },
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,

@@ -43,9 +43,17 @@ fn smollm2_generates_as_the_reference_and_a_fault_breaks_it() {
 
 #[test]
 fn generate_bad_input_is_an_error() {
-    let mut a = args(&["--backend", "cpu"]);
-    a.inject = vec!["no-such-fault".into()];
-    assert!(generate(&a).is_err());
+    // An unknown fault is refused where the arguments are parsed (clap: exit 2).
+    let parsed = <Cli as clap::Parser>::try_parse_from([
+        "llmdiff",
+        "generate",
+        "m.gguf",
+        "--prompt",
+        "x",
+        "--inject",
+        "no-such-fault",
+    ]);
+    assert!(parsed.is_err());
     let mut a = args(&["--backend", "reference", "--tp", "2"]);
     assert!(generate(&a).is_err(), "--tp with the reference");
     a.model = "/nonexistent.gguf".into();

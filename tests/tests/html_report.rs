@@ -6,10 +6,10 @@
 //! installed (CI installs it).
 
 use engine::FaultSpec;
-use harness::commands::synth::write_spec;
 use harness::compare::{ActDtype, Tolerances};
 use harness::diff::{run_diff, DiffPlan};
 use harness::output::open_model;
+use harness::output::write_spec;
 use references::synth::preset;
 use reports::DiffRun;
 use std::path::{Path, PathBuf};
@@ -173,13 +173,16 @@ fn diff_run(model: &Path, tp: usize, fault: &str) -> DiffRun {
         file: &file,
         model_name: model.file_name().unwrap().to_string_lossy().into_owned(),
         tokens: tokens.clone(),
-        tp,
-        faults: vec![fault.parse::<FaultSpec>().unwrap()],
+        engine: engine::EngineOptions {
+            tp,
+            faults: vec![fault.parse::<FaultSpec>().unwrap()],
+            backend: engine::BackendKind::Cpu,
+            ..engine::EngineOptions::default()
+        },
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
-        backend: engine::BackendKind::Cpu,
         repro: format!("llmdiff diff-layers {} --tp {tp} --inject {fault}", model.display()),
     };
     run_diff(&plan).unwrap()

@@ -12,7 +12,7 @@
 use crate::cli::{BackendArg, BenchArgs};
 use crate::output::open_model;
 use anyhow::bail;
-use engine::{Engine, EngineOptions};
+use engine::Engine;
 use references::forward::Reference;
 use references::tap::NoTap;
 use serde_json::json;
@@ -108,13 +108,16 @@ fn print_trace(t: &serde_json::Value) {
 }
 
 pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let file = open_model(&a.model)?;
+    let backend = a.engine.backend_or(BackendArg::Reference);
+    let (kind, mut opts) = a.engine.engine_options(backend)?;
+    opts.cuda.kernel_trace = a.trace.is_some();
     if a.n_prompt == 0 || a.reps == 0 {
         bail!("--n-prompt and --reps must be at least 1");
     }
-    if a.trace.is_some() && (!matches!(a.backend, BackendArg::Cuda) || a.n_decode <= WARM_STEPS) {
+    if a.trace.is_some() && (backend != BackendArg::Cuda || a.n_decode <= WARM_STEPS) {
         bail!("--trace needs --backend cuda and --n-decode over {WARM_STEPS} (it traces a replayed decode step)");
     }
+    let file = open_model(&a.model)?;
     let vocab = references::ModelConfig::from_header(&file.header)?.vocab as u32;
     let tokens: Vec<u32> = (0..a.n_prompt as u32)
         .map(|i| (i.wrapping_mul(7919) + 100) % vocab)
@@ -141,27 +144,16 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     // Every decode step of a rep, warm-up included (the steady figure leaves out WARM_STEPS).
     let mut decode_with_warmup = f64::INFINITY;
     let warm_steps = if a.n_decode > WARM_STEPS { WARM_STEPS } else { 0 };
-    let (prefill_s, decode_s) = match a.backend {
-        BackendArg::Reference => {
+    let (prefill_s, decode_s) = match kind {
+        None => {
             let r = Reference::new(&file)?;
             (
                 best(&mut || r.forward(&tokens, &mut NoTap).map(|_| ()).map_err(Into::into))?,
                 None,
             )
         }
-        BackendArg::Cpu | BackendArg::Cuda => {
-            let mut e = Engine::load(
-                &file,
-                EngineOptions {
-                    tp: a.tp,
-                    backend: a.backend.engine_kind().unwrap_or_default(),
-                    cuda: engine::CudaOptions {
-                        kernel_trace: a.trace.is_some(),
-                        ..engine::CudaOptions::default()
-                    },
-                    ..EngineOptions::default()
-                },
-            )?;
+        Some(_) => {
+            let mut e = Engine::load(&file, opts)?;
             engine_backend = Some(e.backend_name());
             if e.backend_name() != "cpu" {
                 eprintln!("backend: {}", e.backend_description());
@@ -273,7 +265,8 @@ pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     };
     let rss = peak_rss_kib();
     let doc = json!({
-        "model": a.model.display().to_string(), "backend": format!("{:?}", a.backend).to_lowercase(), "tp": a.tp,
+        "model": a.model.display().to_string(), "backend": backend.name(), "tp": a.engine.tp(),
+        "injected": a.engine.injected(),
         "threads": rayon::current_num_threads(), "n_prompt": a.n_prompt, "prefill_s": prefill_s,
         "prefill_tok_s": a.n_prompt as f64 / prefill_s, "prefill_last_s": prefill_last_s,
         "prefill_last_tok_s": prefill_last_s.map(|s| a.n_prompt as f64 / s), "n_decode": a.n_decode,

@@ -5,10 +5,9 @@
 
 use crate::cli::DemoArgs;
 use crate::commands::diff_layers::print_summary;
-use crate::commands::synth::write_spec;
 use crate::compare::{ActDtype, Tolerances};
 use crate::diff::{run_diff, DiffPlan};
-use crate::output::{open_model, write_atomic};
+use crate::output::{open_model, shell_quote, write_atomic, write_spec};
 use references::synth::preset;
 use references::tokenizer::Tokenizer;
 use serde_json::json;
@@ -26,12 +25,15 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&path)?;
     let tokens = Tokenizer::from_gguf(&file.header)?.encode(PROMPT, true)?;
     let plan = |faults: Vec<engine::FaultSpec>, repro: String| DiffPlan {
-        backend: engine::BackendKind::Cpu,
         file: &file,
         model_name: "deepseek-v3-mini (synthetic)".to_string(),
         tokens: tokens.clone(),
-        tp: 2,
-        faults,
+        engine: engine::EngineOptions {
+            tp: 2,
+            faults,
+            backend: engine::BackendKind::Cpu,
+            ..engine::EngineOptions::default()
+        },
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
@@ -39,10 +41,11 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         repro,
     };
     let base = "llmdiff synth --preset deepseek-v3-mini -o m.gguf && llmdiff diff-layers m.gguf --tp 2";
-    let healthy = run_diff(&plan(Vec::new(), format!("{base} --prompt {PROMPT:?}")))?;
+    let prompt = shell_quote(PROMPT);
+    let healthy = run_diff(&plan(Vec::new(), format!("{base} --prompt {prompt}")))?;
     let faulty = run_diff(&plan(
         vec![FAULT.parse()?],
-        format!("{base} --prompt {PROMPT:?} --inject {FAULT}"),
+        format!("{base} --prompt {prompt} --inject {FAULT}"),
     ))?;
     let html = Path::new("llmdiff-demo.html");
     write_atomic(html, reports::render_diff(&faulty).as_bytes())?;

@@ -6,9 +6,8 @@ use crate::commands::logits::input_tokens;
 use crate::compare::{ActDtype, Tolerances};
 use crate::diff::{run_diff, run_diff_candidate, DiffPlan};
 use crate::dump::Dump;
-use crate::output::{open_model, write_atomic};
+use crate::output::{open_model, shell_quote, term, write_atomic};
 use anyhow::{bail, Context};
-use engine::FaultSpec;
 use reports::DiffRun;
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -18,23 +17,18 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     if !a.candidate.is_empty() {
         return run_candidate(a, &file);
     }
-    let tokens = input_tokens(&file, &a.input.as_input())?;
-    if a.backend == BackendArg::Reference {
+    let backend = a.engine.backend_or(BackendArg::Cpu);
+    if backend == BackendArg::Reference {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
-    let faults: Vec<FaultSpec> = a
-        .inject
-        .iter()
-        .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
-        .collect::<Result<_, _>>()?;
+    let (_, engine) = a.engine.engine_options(backend)?;
     let tolerances = tolerances(a)?;
+    let tokens = input_tokens(&file, &a.input.as_input())?;
     let plan = DiffPlan {
         file: &file,
         model_name: a.model.display().to_string(),
         tokens: tokens.clone(),
-        tp: a.tp,
-        backend: a.backend.engine_kind().unwrap_or_default(),
-        faults,
+        engine,
         tolerances,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
@@ -48,7 +42,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
 fn tolerances(a: &DiffLayersArgs) -> anyhow::Result<Tolerances> {
     let mut tolerances = Tolerances::default();
     if let Some(p) = &a.tolerance_file {
-        let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+        let text = crate::output::read_text(p)?;
         tolerances.load_json(&text).with_context(|| p.display().to_string())?;
     }
     for t in &a.tolerance {
@@ -72,20 +66,21 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
             );
         }
     }
-    let mut repro = format!("llmdiff diff-layers {}", a.model.display());
+    let mut repro = format!("llmdiff diff-layers {}", shell_quote(&a.model.display().to_string()));
     for p in &a.candidate {
-        repro.push_str(&format!(" --candidate {}", p.display()));
+        repro.push_str(&format!(" --candidate {}", shell_quote(&p.display().to_string())));
     }
     for t in &a.tolerance {
-        repro.push_str(&format!(" --tolerance {t}"));
+        repro.push_str(&format!(" --tolerance {}", shell_quote(t)));
     }
     let plan = DiffPlan {
         file,
         model_name: a.model.display().to_string(),
         tokens: dump.tokens.clone(),
-        tp: dump.tp,
-        backend: engine::BackendKind::default(),
-        faults: Vec::new(),
+        engine: engine::EngineOptions {
+            tp: dump.tp,
+            ..engine::EngineOptions::default()
+        },
         tolerances: tolerances(a)?,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
@@ -119,16 +114,29 @@ fn emit(a: &DiffLayersArgs, run: &DiffRun) -> anyhow::Result<ExitCode> {
 fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
     let mut s = format!(
         "llmdiff diff-layers {} --tokens {}",
-        a.model.display(),
+        shell_quote(&a.model.display().to_string()),
         tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",")
     );
     s.push_str(&format!(
         " --backend {} --tp {}",
-        format!("{:?}", a.backend).to_lowercase(),
-        a.tp
+        a.engine.backend_or(BackendArg::Cpu).name(),
+        a.engine.tp()
     ));
-    for f in &a.inject {
+    for f in &a.engine.inject {
         s.push_str(&format!(" --inject {f}"));
+    }
+    if let Some(g) = a.engine.cuda_graphs {
+        s.push_str(if g == crate::cli::OnOff::On {
+            " --cuda-graphs on"
+        } else {
+            " --cuda-graphs off"
+        });
+    }
+    if let Some(r) = a.engine.ranks {
+        s.push_str(&format!(" --ranks {}", format!("{r:?}").to_lowercase()));
+    }
+    for t in &a.tolerance {
+        s.push_str(&format!(" --tolerance {}", shell_quote(t)));
     }
     if a.decode_steps > 0 {
         s.push_str(&format!(" --decode-steps {}", a.decode_steps));
@@ -148,7 +156,7 @@ pub fn print_summary(run: &DiffRun) {
     };
     println!(
         "{}: {} taps compared, {} {} TP {}, {} tokens{}",
-        run.model,
+        term(&run.model),
         run.taps.len(),
         if run.backend == "candidate" { "dump" } else { "engine" },
         run.backend,
@@ -157,7 +165,7 @@ pub fn print_summary(run: &DiffRun) {
         if run.injected.is_empty() {
             String::new()
         } else {
-            format!(", injected {}", run.injected.join(" "))
+            term(&format!(", injected {}", run.injected.join(" ")))
         }
     );
     let first_idx = run
@@ -176,7 +184,7 @@ pub fn print_summary(run: &DiffRun) {
         let t = &run.taps[i];
         let line = format!(
             "  {:<26} {:>10.3e} {:>10.6} {:>10.3e} {:>7.0}% {:>7.0e}",
-            t.tap,
+            term(&t.tap),
             t.metrics.rel_l2,
             t.metrics.cosine,
             t.metrics.max_abs,
@@ -191,30 +199,41 @@ pub fn print_summary(run: &DiffRun) {
             println!(
                 "{} first divergence at {}",
                 paint("1;31", "DIVERGED:"),
-                paint("1", &f.tap)
+                paint("1", &term(&f.tap))
             );
-            println!("  class: {} ({} confidence)", paint("1", &d.class), d.confidence);
-            println!("  {}", d.explanation);
+            println!(
+                "  class: {} ({} confidence)",
+                paint("1", &term(&d.class)),
+                term(&d.confidence)
+            );
+            println!("  {}", term(&d.explanation));
             for iso in &run.isolation {
                 println!(
                     "  isolation {}: end-to-end rel_l2 {:.2e}, reference op on the engine's inputs {:.2e} -> {}",
-                    iso.tap, iso.end_to_end_rel_l2, iso.isolated_rel_l2, iso.verdict
+                    term(&iso.tap),
+                    iso.end_to_end_rel_l2,
+                    iso.isolated_rel_l2,
+                    iso.verdict
                 );
             }
         }
-        _ => println!("{} every tap within tolerance", paint("1;32", "AGREE:")),
+        _ => println!(
+            "{} every one of the {} compared taps within tolerance",
+            paint("1;32", "AGREE:"),
+            run.taps.len()
+        ),
     }
     if !run.unmatched.is_empty() {
-        println!("  taps without a counterpart: {}", run.unmatched.join(", "));
+        println!("  taps without a counterpart: {}", term(&run.unmatched.join(", ")));
     }
     if !run.missing.is_empty() {
         println!(
             "  {} reference taps missing from the candidate (not compared): {}",
             run.missing.len(),
-            abbreviate(&run.missing, 12)
+            term(&abbreviate(&run.missing, 12))
         );
     }
-    println!("\n  reproduce: {}", run.repro);
+    println!("\n  reproduce: {}", term(&run.repro));
     println!(
         "  time: engine {:.2}s, reference {:.2}s, compare {:.2}s, total {:.2}s",
         run.timings_s.engine, run.timings_s.reference, run.timings_s.compare, run.timings_s.total

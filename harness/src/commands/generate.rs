@@ -3,11 +3,10 @@
 //! continues as the reference does; `--inject phantom-attn-out` shows the garbage a broken one
 //! produces.
 
-use crate::cli::GenerateArgs;
+use crate::cli::{BackendArg, GenerateArgs};
 use crate::commands::logits::input_tokens;
-use crate::entropy::Runner;
 use crate::output::open_model;
-use engine::FaultSpec;
+use crate::runner::Runner;
 use references::tokenizer::Tokenizer;
 use serde_json::json;
 use std::io::IsTerminal;
@@ -29,11 +28,7 @@ pub struct Generated {
 
 /// Runs the greedy continuation `a` asks for.
 pub fn generate(a: &GenerateArgs) -> anyhow::Result<Generated> {
-    let faults: Vec<FaultSpec> = a
-        .inject
-        .iter()
-        .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
-        .collect::<Result<_, _>>()?;
+    let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Cpu))?;
     let file = open_model(&a.model)?;
     let prompt = input_tokens(&file, &a.input)?;
     let tokenizer = Tokenizer::from_gguf(&file.header).ok();
@@ -42,14 +37,14 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<Generated> {
     } else {
         tokenizer.as_ref().and_then(|t| t.eos_id())
     };
-    let mut runner = Runner::new(&file, a.backend, a.tp, faults.clone())?;
+    let mut runner = Runner::new(&file, kind, opts)?;
     let t0 = Instant::now();
     let (tokens, _) = runner.greedy(&prompt, a.max_new_tokens, stop)?;
     let seconds = t0.elapsed().as_secs_f64();
     let text = |ids: &[u32]| tokenizer.as_ref().and_then(|t| t.decode(ids).ok());
     Ok(Generated {
         backend: runner.backend_name(),
-        injected: faults.iter().map(|f| f.to_string()).collect(),
+        injected: a.engine.injected(),
         prompt_text: text(&prompt),
         text: text(&tokens),
         stopped_at_eos: stop.is_some() && tokens.last() == stop.as_ref(),
@@ -64,7 +59,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let n = g.tokens.len();
     if a.json {
         let doc = json!({
-            "model": a.model.display().to_string(), "backend": g.backend, "tp": a.tp, "injected": g.injected,
+            "model": a.model.display().to_string(), "backend": g.backend, "tp": a.engine.tp(), "injected": g.injected,
             "prompt_tokens": g.prompt, "tokens": g.tokens, "prompt_text": g.prompt_text, "text": g.text,
             "stopped_at_eos": g.stopped_at_eos, "seconds": g.seconds, "tokens_per_s": n as f64 / g.seconds,
         });
@@ -90,7 +85,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<ExitCode> {
             g.seconds,
             n as f64 / g.seconds,
             g.backend,
-            a.tp
+            a.engine.tp()
         );
     }
     Ok(ExitCode::SUCCESS)

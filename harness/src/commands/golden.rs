@@ -4,12 +4,13 @@
 //! from its own recipe (a format 1 file comes back as format 2).
 
 use crate::cli::{BackendArg, BlessArgs, GoldenArgs, GoldenCommand};
-use crate::entropy::{tokenize_prompts, PromptInput, Runner};
+use crate::entropy::{tokenize_prompts, PromptInput};
 use crate::golden::{
     golden_json, materialize, portable_path, position_of, repo_root_of, run_prompt, sha256_file, token_texts,
     GateThresholds, Golden, GoldenPrompt, ModelSource, SynthRecipe, GOLDEN_CONTINUATION, GOLDEN_FORMAT, GOLDEN_MAGIC,
 };
 use crate::output::write_atomic;
+use crate::runner::Runner;
 use anyhow::{bail, Context};
 use references::ModelConfig;
 use std::path::{Path, PathBuf};
@@ -39,7 +40,7 @@ struct BlessPlan {
 
 fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
     if let Some(path) = &a.update {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = crate::output::read_text(path)?;
         let v: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
         let field = |k: &str| {
@@ -50,10 +51,16 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
         let model: ModelSource = serde_json::from_value(field("model")?).context("bad \"model\"")?;
         let backend = field("backend")?.as_str().unwrap_or("reference").to_string();
         let tp = field("tp")?.as_u64().unwrap_or(1) as usize;
-        let thresholds = v
+        let thresholds: GateThresholds = v
             .get("thresholds")
             .and_then(|t| serde_json::from_value(t.clone()).ok())
             .unwrap_or_default();
+        thresholds
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if tp == 0 {
+            bail!("{}: tp is 0", path.display());
+        }
         let prompts = field("prompts")?
             .as_array()
             .context("\"prompts\" is not an array")?
@@ -110,9 +117,14 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
         },
         _ => bail!("golden bless needs --model PATH or --synth PRESET"),
     };
-    if a.backend == BackendArg::Cuda {
-        bail!("--backend cuda needs a build with --features cuda and a GPU");
+    let backend = a.engine.backend_or(BackendArg::Reference);
+    if backend == BackendArg::Cuda {
+        bail!("golden files are blessed on the reference or the cpu engine (the gate reruns them on any backend)");
     }
+    if !a.engine.inject.is_empty() {
+        bail!("--inject: a golden file records a healthy run; inject faults at gate time");
+    }
+    a.engine.engine_options(backend)?;
     let mut prompts: Vec<PromptInput> = a
         .prompt
         .iter()
@@ -151,8 +163,8 @@ fn plan(a: &BlessArgs) -> anyhow::Result<BlessPlan> {
         out: out.clone(),
         root,
         model,
-        engine: a.backend != BackendArg::Reference,
-        tp: a.tp,
+        engine: backend != BackendArg::Reference,
+        tp: a.engine.tp(),
         thresholds,
         prompts,
         max_tokens: a.max_tokens,
@@ -170,12 +182,12 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
     let tokens = tokenize_prompts(&file, &p.prompts, vocab)?;
     let tokenizer = references::tokenizer::Tokenizer::from_gguf(&file.header).ok();
     let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
-    let backend = if p.engine {
-        BackendArg::Cpu
-    } else {
-        BackendArg::Reference
+    let kind = p.engine.then_some(engine::BackendKind::Cpu);
+    let opts = engine::EngineOptions {
+        tp: p.tp,
+        ..engine::EngineOptions::default()
     };
-    let mut runner = Runner::new(&file, backend, p.tp, Vec::new())?;
+    let mut runner = Runner::new(&file, kind, opts)?;
     let mut prompts = Vec::new();
     for (input, toks) in p.prompts.iter().zip(tokens) {
         let toks: Vec<u32> = toks.into_iter().take(p.max_tokens).collect();

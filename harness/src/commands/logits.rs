@@ -3,8 +3,8 @@
 use crate::cli::{BackendArg, InputArgs, LogitsArgs};
 use crate::logprobs::{entropy, log_softmax, top_k};
 use crate::output::open_model;
+use crate::runner::Runner;
 use anyhow::bail;
-use references::forward::Reference;
 use references::tap::NoTap;
 use references::tokenizer::Tokenizer;
 use references::GgufFile;
@@ -26,28 +26,11 @@ pub fn input_tokens(file: &GgufFile, input: &InputArgs) -> anyhow::Result<Vec<u3
 }
 
 pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
+    let backend = a.engine.backend_or(BackendArg::Reference);
+    let (kind, opts) = a.engine.engine_options(backend)?;
     let file = open_model(&a.model)?;
     let tokens = input_tokens(&file, &a.input)?;
-    let logits = match a.backend {
-        BackendArg::Reference => {
-            if a.tp != 1 {
-                bail!("--tp applies to the engine backends (cpu, cuda), not the reference");
-            }
-            Reference::new(&file)?.forward(&tokens, &mut NoTap)?
-        }
-        other => {
-            let backend = other.engine_kind().unwrap_or_default();
-            let mut e = engine::Engine::load(
-                &file,
-                engine::EngineOptions {
-                    tp: a.tp,
-                    backend,
-                    ..engine::EngineOptions::default()
-                },
-            )?;
-            e.prefill(&tokens, &mut NoTap)?
-        }
-    };
+    let logits = Runner::new(&file, kind, opts)?.logits(&tokens, &mut NoTap)?;
     if let Some(p) = &a.dump_f32 {
         let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
         crate::output::write_atomic(p, &bytes)?;
@@ -65,8 +48,8 @@ pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(h, top)| json!({"entropy": h, "top": top.iter().map(|(i, l)| json!([i, l])).collect::<Vec<_>>()}))
             .collect();
-        let doc = json!({"model": a.model.display().to_string(), "backend": format!("{:?}", a.backend).to_lowercase(),
-                         "tp": a.tp, "tokens": tokens, "positions": pos});
+        let doc = json!({"model": a.model.display().to_string(), "backend": backend.name(),
+                         "tp": a.engine.tp(), "injected": a.engine.injected(), "tokens": tokens, "positions": pos});
         println!("{}", serde_json::to_string(&doc)?);
     } else {
         println!(

@@ -8,7 +8,7 @@ use reports::{DiffRun, DIFF_FORMAT};
 use std::process::ExitCode;
 
 pub fn run(a: &ReportArgs) -> anyhow::Result<ExitCode> {
-    let text = std::fs::read_to_string(&a.run).with_context(|| format!("cannot read {}", a.run.display()))?;
+    let text = crate::output::read_text(&a.run)?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not a JSON document", a.run.display()))?;
     match value.get("format").and_then(|f| f.as_u64()) {
@@ -24,6 +24,8 @@ pub fn run(a: &ReportArgs) -> anyhow::Result<ExitCode> {
     }
     let run: DiffRun = serde_json::from_value(value)
         .with_context(|| format!("{}: not a diff-layers run document", a.run.display()))?;
+    run.validate()
+        .map_err(|e| anyhow::anyhow!("{}: invalid run document: {e}", a.run.display()))?;
     let html = reports::render_diff(&run);
     write_atomic(&a.output, html.as_bytes())?;
     if a.json {

@@ -1,13 +1,11 @@
 //! `llmdiff synth`: deterministic random-weight GGUF models from a preset or explicit dims.
 
 use crate::cli::{DimArgs, SynthArgs};
-use crate::output::{config_json, persist, progress_bar};
+use crate::output::{config_json, write_spec};
 use anyhow::{bail, Context};
-use references::synth::{preset, write_model, SynthSpec, K_M_MIXES, PRESETS};
+use references::synth::{preset, SynthSpec, K_M_MIXES, PRESETS};
 use references::GgmlType;
 use serde_json::json;
-use std::io::BufWriter;
-use std::path::Path;
 use std::process::ExitCode;
 
 pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
@@ -45,30 +43,6 @@ fn quant_name(spec: &SynthSpec) -> String {
         Some(_) => format!("{}_M", spec.weight_type.name()),
         None => spec.weight_type.name().to_string(),
     }
-}
-
-/// Writes `spec` to `out` through a temp file in the same directory, renamed at the end, so a
-/// failure never leaves a half-written model behind.
-pub fn write_spec(spec: &SynthSpec, seed: u64, out: &Path, show_progress: bool) -> anyhow::Result<u64> {
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = tempfile::NamedTempFile::new_in(dir).with_context(|| format!("cannot write in {}", dir.display()))?;
-    let bar = progress_bar(show_progress, "synth");
-    let bytes = write_model(
-        spec,
-        seed,
-        BufWriter::with_capacity(1 << 20, tmp.as_file()),
-        |done, total| {
-            bar.set_length(total);
-            bar.set_position(done);
-        },
-    )
-    .with_context(|| format!("writing {}", out.display()))?;
-    bar.finish_and_clear();
-    persist(tmp, out)?;
-    Ok(bytes)
 }
 
 /// Turns the arguments into a validated spec before any work starts.

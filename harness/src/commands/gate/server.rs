@@ -17,8 +17,8 @@
 //! - `prompt N / entropy`: the entropy verdict from the server's top-k (`healthy`).
 //! - `agreement`: mean KLD within `kld_mean`, same top-1 at least `min_top1_pct` % of positions.
 
+use super::shared::case_of;
 use crate::cli::GateArgs;
-use crate::commands::gate::case_of;
 use crate::entropy::{default_thresholds, kld_stats, KldPosition};
 use crate::golden::{bless_hint, Check, Golden, PositionGolden};
 use crate::server::{complete_all, PromptBody};
@@ -200,7 +200,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                     reference_token: text(cmp.golden_top1),
                 });
             }
-            let mut ratio = cmp.kld / th.kld_position;
+            let mut ratio = crate::golden::ratio(cmp.kld, th.kld_position);
             let mut detail = format!("top-k KLD {:.4} (≤ {})", cmp.kld, th.kld_position);
             if !cmp.same_top1 {
                 let tie = cmp.gap < th.tie_margin;
@@ -242,7 +242,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
                 .map_or(f64::INFINITY, |g| g.top[0].1 - golden_logprob(g, s));
             Check {
                 item: format!("step {n_same}"),
-                ratio: gap / th.tie_margin,
+                ratio: crate::golden::ratio(gap, th.tie_margin),
                 detail: format!(
                     "greedy token {n_same} is {:?}, golden {:?} (gap {gap:.3} nats in the golden; a near-tie within {} passes); server continuation {:?}",
                     c.entries[n + n_same].token,
@@ -300,11 +300,18 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
         ));
     }
 
+    if all.is_empty() {
+        // A pass needs at least one compared value.
+        bail!(
+            "{}: no server position could be compared with the golden file",
+            path.display()
+        );
+    }
     let kld = kld_stats(&all, th.kld_position);
     let agreement = vec![
         Check {
             item: "mean KLD".into(),
-            ratio: kld.mean / th.kld_mean,
+            ratio: crate::golden::ratio(kld.mean, th.kld_mean),
             detail: format!(
                 "mean top-k KLD {:.5} over {} positions (≤ {}), p99 {:.4}, max {:.4}",
                 kld.mean, kld.n_positions, th.kld_mean, kld.p99, kld.max
@@ -312,7 +319,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
         },
         Check {
             item: "same top-1".into(),
-            ratio: (100.0 - kld.same_top1_pct) / (100.0 - th.min_top1_pct).max(1e-9),
+            ratio: crate::golden::ratio(100.0 - kld.same_top1_pct, 100.0 - th.min_top1_pct),
             detail: format!(
                 "same top-1 at {:.1} % of positions (≥ {} %)",
                 kld.same_top1_pct, th.min_top1_pct

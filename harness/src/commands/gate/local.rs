@@ -1,22 +1,16 @@
-//! `llmdiff gate`: re-run what each golden file describes, compare every tap and position within
-//! the recorded thresholds, print a summary, and write JUnit XML. Exit 0 pass, 1 fail, 2 bad input.
-//! With `--server URL` the golden files gate a live deployment instead ([`super::gate_server`]);
-//! the outputs (summary, `--json`, `--junit`, `--html`) are the same.
+//! `llmdiff gate` on a local run: re-run what a golden file describes (its model, on its backend
+//! or `--backend`, faults if `--inject`), and compare every tap and position within the recorded
+//! thresholds.
 
-use crate::cli::{BackendArg, GateArgs};
-use crate::entropy::Runner;
+use super::shared::case_of;
+use crate::cli::{BackendArg, EngineArgs};
 use crate::golden::{
-    bless_hint, compare_position, compare_tap, materialize, read_golden, repo_root_of, run_prompt, sha256_file, Check,
-    Golden,
+    bless_hint, compare_position, compare_tap, materialize, repo_root_of, run_prompt, sha256_file, Check, Golden,
 };
-use crate::junit::{Case, Suite};
-use crate::output::write_atomic;
-use anyhow::bail;
-use engine::FaultSpec;
+use crate::runner::Runner;
 use references::ModelConfig;
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::ExitCode;
 use std::time::Instant;
 
 use reports::{GateCase as CaseResult, GateSuite as SuiteResult};
@@ -32,59 +26,8 @@ fn group_of(tap: &str) -> String {
     }
 }
 
-pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
-    let faults: Vec<FaultSpec> = a
-        .inject
-        .iter()
-        .map(|s| s.parse::<FaultSpec>().map_err(|e| anyhow::anyhow!("--inject {s}: {e}")))
-        .collect::<Result<_, _>>()?;
-    let server = a.live.server.is_some();
-    if server && (a.backend.is_some() || !faults.is_empty()) {
-        bail!("--backend and --inject apply to a local run, not to --server");
-    }
-    if !server && (a.kld_threshold.is_some() || a.min_top1.is_some()) {
-        bail!("--kld-threshold and --min-top1 apply to --server");
-    }
-    if server && a.live.top_logprobs == 0 {
-        bail!("--top-logprobs must be at least 1");
-    }
-    // Read every golden file first: a bad one is bad input before any work.
-    let goldens: Vec<Golden> = a.golden.iter().map(|p| read_golden(p)).collect::<anyhow::Result<_>>()?;
-    if server {
-        for (path, g) in a.golden.iter().zip(&goldens) {
-            crate::commands::gate_server::check_servable(path, g)?;
-        }
-    }
-    let mut results = Vec::new();
-    for (path, g) in a.golden.iter().zip(&goldens) {
-        results.push(if server {
-            crate::commands::gate_server::gate_one(path, g, a)?
-        } else {
-            gate_one(path, g, a.backend, &faults)?
-        });
-    }
-    let suites: Vec<Suite> = results.iter().map(to_junit).collect();
-    if let Some(p) = &a.junit {
-        write_atomic(p, crate::junit::render(&suites).as_bytes())?;
-        eprintln!("junit: {}", p.display());
-    }
-    if let Some(p) = &a.html {
-        write_atomic(p, reports::render_gate(&results).as_bytes())?;
-        eprintln!("report: {}", p.display());
-    }
-    let pass = results.iter().all(|r| r.verdict == "pass");
-    if a.json {
-        let doc = serde_json::json!({"verdict": if pass { "pass" } else { "fail" }, "suites": results});
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else {
-        for r in &results {
-            print_suite(r);
-        }
-    }
-    Ok(if pass { ExitCode::SUCCESS } else { ExitCode::from(1) })
-}
-
-fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[FaultSpec]) -> anyhow::Result<SuiteResult> {
+/// Gates one golden file on a local run with `engine`'s backend (default: the golden's own side) and faults.
+pub fn gate_one(path: &Path, g: &Golden, engine_args: &EngineArgs) -> anyhow::Result<SuiteResult> {
     let t0 = Instant::now();
     let name = path.display().to_string();
     let hint = bless_hint(path);
@@ -92,7 +35,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     let model = materialize(&g.model, &root)?;
     let sha = sha256_file(&model.path)?;
     // The golden's own side (the reference, or the engine, blessed on the cpu), or --backend.
-    let backend = backend.unwrap_or(if g.backend == "reference" {
+    let backend = engine_args.backend.unwrap_or(if g.backend == "reference" {
         BackendArg::Reference
     } else {
         BackendArg::Cpu
@@ -102,7 +45,7 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     let mut result = SuiteResult {
         golden: name,
         verdict: "pass".to_string(),
-        backend: format!("{backend:?}").to_lowercase(),
+        backend: backend.name().to_string(),
         tp: g.tp,
         message: None,
         cases: Vec::new(),
@@ -137,8 +80,16 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     }
     let file = model.open()?;
     let vocab = ModelConfig::from_header(&file.header)?.vocab;
-    let tp = if engine { g.tp } else { 1 };
-    let mut runner = Runner::new(&file, backend, tp, faults.to_vec())?;
+    let mut args = engine_args.clone();
+    // The golden's TP on the engine unless --tp; the reference refuses a --tp other than 1.
+    args.tp = Some(if engine {
+        engine_args.tp.unwrap_or(g.tp)
+    } else {
+        engine_args.tp.unwrap_or(1)
+    });
+    let (kind, opts) = args.engine_options(backend)?;
+    let tp = opts.tp;
+    let mut runner = Runner::new(&file, kind, opts)?;
     result.tp = tp;
     let mut first_fail: Option<String> = None;
     for (pi, p) in g.prompts.iter().enumerate() {
@@ -226,91 +177,4 @@ fn gate_one(path: &Path, g: &Golden, backend: Option<BackendArg>, faults: &[Faul
     }
     result.seconds = t0.elapsed().as_secs_f64();
     Ok(result)
-}
-
-/// A case from its checks: failed where a check is over its tolerance (ratio > 1 or NaN).
-pub(crate) fn case_of(name: String, checks: Vec<Check>, skipped: bool) -> CaseResult {
-    let worst = checks.iter().map(|c| c.ratio).fold(0.0f64, f64::max);
-    let failures: Vec<Check> = checks
-        .into_iter()
-        .filter(|c| c.ratio.is_nan() || c.ratio > 1.0)
-        .collect();
-    CaseResult {
-        name,
-        passed: failures.is_empty(),
-        skipped: skipped && failures.is_empty() && worst == 0.0,
-        worst_ratio: worst,
-        failures,
-    }
-}
-
-fn to_junit(r: &SuiteResult) -> Suite {
-    let suite = Path::new(&r.golden)
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| r.golden.clone());
-    Suite {
-        name: suite.clone(),
-        seconds: r.seconds,
-        properties: vec![
-            ("golden".into(), r.golden.clone()),
-            ("backend".into(), r.backend.clone()),
-            ("tp".into(), r.tp.to_string()),
-        ],
-        cases: r
-            .cases
-            .iter()
-            .map(|c| Case {
-                name: c.name.clone(),
-                classname: format!("llmdiff.gate.{suite}"),
-                seconds: 0.0,
-                failure: c.failures.first().map(|f| {
-                    let details: Vec<String> = c.failures.iter().map(|f| format!("{}: {}", f.item, f.detail)).collect();
-                    (
-                        format!(
-                            "{} of the checks over tolerance; first {}: {}",
-                            c.failures.len(),
-                            f.item,
-                            f.detail
-                        ),
-                        details.join("\n"),
-                    )
-                }),
-                skipped: c.skipped.then(|| "not emitted by this backend".to_string()),
-            })
-            .collect(),
-        error: None,
-    }
-}
-
-fn print_suite(r: &SuiteResult) {
-    let n_pass = r.cases.iter().filter(|c| c.passed).count();
-    let worst = r
-        .cases
-        .iter()
-        .filter(|c| c.worst_ratio.is_finite())
-        .max_by(|a, b| a.worst_ratio.total_cmp(&b.worst_ratio));
-    println!(
-        "{} {}: {}, {}/{} cases pass{}  ({:.1}s)",
-        if r.verdict == "pass" { "PASS" } else { "FAIL" },
-        r.golden,
-        match &r.server {
-            Some(_) => r.backend.clone(),
-            None => format!("{} TP {}", r.backend, r.tp),
-        },
-        n_pass,
-        r.cases.len(),
-        worst.map_or(String::new(), |w| format!(
-            ", worst {} at {:.2} of its tolerance",
-            w.name, w.worst_ratio
-        )),
-        r.seconds
-    );
-    if let Some(m) = &r.message {
-        println!("  {m}");
-        for c in r.cases.iter().filter(|c| !c.passed).take(6) {
-            let f = &c.failures[0];
-            println!("  ✗ {}: {} ({} over): {}", c.name, f.item, c.failures.len(), f.detail);
-        }
-    }
 }

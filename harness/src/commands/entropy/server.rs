@@ -4,8 +4,8 @@
 //! tokens with top-k KL statistics, top-k overlap and the first top-1 disagreement. How entries
 //! become positions (alignment, token ids) is [`crate::server_view`]'s.
 
+use super::shared::{finish, print_summary, thresholds};
 use crate::cli::EntropyArgs;
-use crate::commands::entropy::{print_summary, thresholds};
 use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
 use crate::logprobs::{log_softmax, top_k};
 use crate::output::open_model;
@@ -23,10 +23,12 @@ use std::time::Instant;
 
 pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let url = a.live.server.clone().unwrap_or_default();
+    // Credentials in the URL go in a header, never into output.
+    let url = crate::server::redact_url(&a.live.server.clone().unwrap_or_default());
     let prompts = read_prompts(&a.prompts)?;
-    if !a.inject.is_empty() || a.tp != 1 {
-        bail!("--inject and --tp apply to a local backend, not to --server");
+    let e = &a.engine;
+    if e.backend.is_some() || e.tp.is_some() || !e.inject.is_empty() || e.cuda_graphs.is_some() || e.ranks.is_some() {
+        bail!("--backend, --tp, --inject, --cuda-graphs and --ranks apply to a local run, not to --server");
     }
     if a.live.top_logprobs == 0 {
         bail!("--top-logprobs must be at least 1");
@@ -269,7 +271,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         }),
         overlap: overlap_all,
     };
-    crate::commands::entropy::finish(a, &run, || {
+    finish(a, &run, || {
         print_summary(&run, tokenizer.as_ref());
         print_server_summary(&run);
     })
@@ -289,7 +291,7 @@ fn print_server_summary(run: &EntropyRun) {
             p.mean_entropy,
             p.entropy_upper.unwrap_or(f64::NAN),
             p.topk_residual.unwrap_or(f64::NAN),
-            p.label
+            crate::output::term(&p.label)
         );
     }
     if let Some(o) = &run.overlap {

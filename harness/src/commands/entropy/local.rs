@@ -1,0 +1,129 @@
+//! `llmdiff entropy` on a local backend: per-prompt next-token entropy, top-5 recurrence and
+//! continuation repetition, a `healthy`/`flat`/`degenerate` verdict, and with
+//! `--against-reference` the KL statistics of the backend against the reference.
+
+use super::shared::{finish, print_summary, thresholds};
+use crate::cli::{BackendArg, EntropyArgs};
+use crate::entropy::{
+    kld_positions, kld_stats, overall, positions, read_prompts, repetition, tokenize_prompts, top5_recurrence, verdict,
+    KldPosition,
+};
+use crate::output::open_model;
+use crate::runner::Runner;
+use anyhow::bail;
+use references::forward::Reference;
+use references::tap::NoTap;
+use references::tokenizer::Tokenizer;
+use references::ModelConfig;
+use reports::{EntropyRun, PromptEntropy, ENTROPY_FORMAT};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// The local check: the backend `a` names, on every prompt, with the reference beside it when
+/// `--against-reference`.
+pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
+    let t0 = Instant::now();
+    let Some(model) = a.model.as_ref() else {
+        bail!("MODEL.gguf is required without --server")
+    };
+    // Validate everything before any forward pass.
+    let prompts = read_prompts(&a.prompts)?;
+    let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Reference))?;
+    let thresholds = thresholds(a)?;
+    let file = open_model(model)?;
+    let config = ModelConfig::from_header(&file.header)?;
+    let vocab = config.vocab;
+    let tokens = tokenize_prompts(&file, &prompts, vocab)?;
+    let tokenizer = Tokenizer::from_gguf(&file.header).ok();
+    let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
+    let mut runner = Runner::new(&file, kind, opts)?;
+    let reference = if a.against_reference {
+        Some(Reference::new(&file)?)
+    } else {
+        None
+    };
+    let mut all_kld: Vec<KldPosition> = Vec::new();
+    let mut out = Vec::with_capacity(prompts.len());
+    for (i, (p, toks)) in prompts.iter().zip(&tokens).enumerate() {
+        eprintln!("[{}/{}] {} ({} tokens)", i + 1, prompts.len(), p.label, toks.len());
+        let logits = runner.logits(toks, &mut NoTap)?;
+        let pos = positions(&logits, vocab);
+        let n = toks.len();
+        let (recurrence, recurring) = top5_recurrence(&pos.top5);
+        let (continuation, decode_rows) = runner.greedy(toks, a.max_new_tokens, stop)?;
+        let (mut ref_entropies, mut kld_series) = (Vec::new(), Vec::new());
+        let kld = match &reference {
+            Some(r) => {
+                // The prompt's positions (prefill) and the continuation's (decode steps), against
+                // one reference pass over the prompt and all but the last generated token.
+                let mut seq = toks.clone();
+                seq.extend_from_slice(&continuation[..continuation.len().saturating_sub(1)]);
+                let ref_logits = r.forward(&seq, &mut NoTap)?;
+                let mut test = logits.clone();
+                test.extend_from_slice(&decode_rows);
+                let mut full = toks.clone();
+                full.extend_from_slice(&continuation);
+                let next: Vec<Option<u32>> = (0..seq.len()).map(|j| full.get(j + 1).copied()).collect();
+                let k = kld_positions(&test, &ref_logits, vocab, &next);
+                ref_entropies = positions(&ref_logits[..n * vocab], vocab).entropies;
+                kld_series = k.iter().map(|p| p.kld).collect();
+                let stats = kld_stats(&k, thresholds.kld_position);
+                all_kld.extend(k);
+                Some(stats)
+            }
+            None => None,
+        };
+        let finite_h: Vec<f64> = pos.entropies.iter().copied().filter(|h| h.is_finite()).collect();
+        let mean_entropy = pos.entropies.iter().sum::<f64>() / n as f64;
+        let mut pe = PromptEntropy {
+            label: p.label.clone(),
+            n_tokens: n,
+            verdict: String::new(),
+            reasons: Vec::new(),
+            mean_entropy,
+            min_entropy: finite_h.iter().copied().fold(f64::INFINITY, f64::min),
+            norm_entropy: mean_entropy / (vocab as f64).ln(),
+            mean_top1_logprob: pos.top1.iter().sum::<f64>() / n as f64,
+            top5_recurrence: recurrence,
+            recurring_top5: recurring,
+            repetition: repetition(&continuation),
+            continuation_text: tokenizer.as_ref().and_then(|t| t.decode(&continuation).ok()),
+            continuation,
+            nonfinite: pos.nonfinite,
+            kld,
+            entropies: pos.entropies.clone(),
+            reference_entropies: ref_entropies,
+            kld_positions: kld_series,
+            entropy_upper: None,
+            topk_residual: None,
+            overlap: None,
+        };
+        let (v, reasons) = verdict(&pe, &thresholds);
+        pe.verdict = v;
+        pe.reasons = reasons;
+        out.push(pe);
+    }
+    let kld = reference.as_ref().map(|_| kld_stats(&all_kld, thresholds.kld_position));
+    let agreement = kld
+        .as_ref()
+        .map(|k| if k.first_over.is_none() { "agree" } else { "diverged" }.to_string());
+    let run = EntropyRun {
+        format: ENTROPY_FORMAT,
+        llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
+        model: model.display().to_string(),
+        backend: runner.backend_name().to_string(),
+        tp: a.engine.tp(),
+        injected: a.engine.injected(),
+        vocab,
+        max_new_tokens: a.max_new_tokens,
+        thresholds,
+        verdict: overall(&out),
+        agreement,
+        prompts: out,
+        kld,
+        seconds: t0.elapsed().as_secs_f64(),
+        server: None,
+        overlap: None,
+    };
+    finish(a, &run, || print_summary(&run, tokenizer.as_ref()))
+}

@@ -1,0 +1,161 @@
+//! What the local and `--server` entropy checks share: the thresholds a run uses, the outputs
+//! (`--json-out`, `--html`, `--json`) with the exit code, and the terminal summary.
+
+use crate::cli::EntropyArgs;
+use crate::entropy::default_thresholds;
+use crate::output::{term, write_atomic};
+use anyhow::Context;
+use references::tokenizer::Tokenizer;
+use reports::{EntropyRun, EntropyThresholds};
+use std::path::Path;
+use std::process::ExitCode;
+
+/// The thresholds a run uses: `--thresholds FILE` or the defaults, then `--kld-threshold`.
+pub fn thresholds(a: &EntropyArgs) -> anyhow::Result<EntropyThresholds> {
+    let mut t = match &a.thresholds {
+        Some(p) => load_thresholds(p)?,
+        None => default_thresholds(),
+    };
+    if let Some(k) = a.kld_threshold {
+        t.kld_position = k;
+    }
+    Ok(t)
+}
+
+/// Thresholds from a file: `{"thresholds": {...}}` or the bare object.
+fn load_thresholds(path: &Path) -> anyhow::Result<EntropyThresholds> {
+    let text = crate::output::read_text(path)?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| path.display().to_string())?;
+    let t = v.get("thresholds").cloned().unwrap_or(v);
+    let t: EntropyThresholds =
+        serde_json::from_value(t).with_context(|| format!("{}: bad thresholds", path.display()))?;
+    check_thresholds(&t).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(t)
+}
+
+/// Every entropy threshold finite; all but the (negative) top-1 logprob floor ≥ 0.
+pub fn check_thresholds(t: &EntropyThresholds) -> Result<(), String> {
+    use crate::golden::check_threshold;
+    check_threshold("flat_norm_entropy", t.flat_norm_entropy)?;
+    check_threshold("degenerate_repetition", t.degenerate_repetition)?;
+    check_threshold("degenerate_top5_recurrence", t.degenerate_top5_recurrence)?;
+    check_threshold("kld_position", t.kld_position)?;
+    if !(t.flat_top1_logprob.is_finite() && t.flat_top1_logprob <= 0.0) {
+        return Err(format!(
+            "flat_top1_logprob is {}: a logprob threshold must be a finite number <= 0",
+            t.flat_top1_logprob
+        ));
+    }
+    Ok(())
+}
+
+/// Writes `--json-out` and `--html`, prints the JSON or the human summary, and maps the verdict to
+/// the exit code (0 healthy and agreeing, 1 otherwise). Shared by the local and `--server` checks.
+pub fn finish(a: &EntropyArgs, run: &EntropyRun, print_human: impl FnOnce()) -> anyhow::Result<ExitCode> {
+    if let Some(p) = &a.json_out {
+        write_atomic(p, serde_json::to_string_pretty(run)?.as_bytes())?;
+    }
+    if let Some(p) = &a.html {
+        write_atomic(p, reports::render_entropy(run).as_bytes())?;
+        eprintln!("report: {}", p.display());
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(run)?);
+    } else {
+        print_human();
+    }
+    if run.prompts.is_empty() || run.kld.as_ref().is_some_and(|k| k.n_positions == 0) {
+        // A verdict of health or agreement needs at least one compared value.
+        anyhow::bail!("no prompt or position was checked: nothing to give a verdict on");
+    }
+    let ok = run.verdict == "healthy" && run.agreement.as_deref() != Some("diverged");
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+}
+
+pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
+    let ln_v = (run.vocab as f64).ln();
+    println!(
+        "{}: {} prompts, {} TP {}{}; ln V = {:.2}",
+        term(&run.model),
+        run.prompts.len(),
+        run.backend,
+        run.tp,
+        if run.injected.is_empty() {
+            String::new()
+        } else {
+            format!(", injected {}", run.injected.join(" "))
+        },
+        ln_v
+    );
+    println!(
+        "\n  {:<4} {:<10} {:>6} {:>6} {:>7} {:>7} {:>6} {:>5} {:>9}  prompt",
+        "#", "verdict", "H", "minH", "H/lnV", "top1lp", "rec5", "rep", "KLD"
+    );
+    for (i, p) in run.prompts.iter().enumerate() {
+        println!(
+            "  {:<4} {:<10} {:>6.3} {:>6.3} {:>7.4} {:>7.2} {:>6.2} {:>5.2} {:>9}  {}",
+            i + 1,
+            p.verdict,
+            p.mean_entropy,
+            p.min_entropy,
+            p.norm_entropy,
+            p.mean_top1_logprob,
+            p.top5_recurrence,
+            p.repetition,
+            p.kld.as_ref().map_or("-".to_string(), |k| format!("{:.2e}", k.mean)),
+            term(&p.label)
+        );
+    }
+    for (i, p) in run.prompts.iter().enumerate().filter(|(_, p)| p.verdict != "healthy") {
+        let names: Vec<String> = p
+            .recurring_top5
+            .iter()
+            .map(|(id, n)| {
+                let s = tok
+                    .and_then(|t| t.decode(&[*id]).ok())
+                    .unwrap_or_else(|| id.to_string());
+                format!("{s:?}×{n}")
+            })
+            .collect();
+        println!("\n  #{} {}: {}", i + 1, term(&p.verdict), term(&p.reasons.join("; ")));
+        println!("     recurring top-5: {}", term(&names.join(" ")));
+        if let Some(t) = &p.continuation_text {
+            println!("     continuation: {t:?}");
+        }
+    }
+    if let Some(k) = &run.kld {
+        println!(
+            "\n  KLD vs reference over {} positions: mean {:.6} ± {:.6}, median {:.6}, p90 {:.6}, p99 {:.6}, p99.9 {:.6}, max {:.6}",
+            k.n_positions, k.mean, k.mean_se, k.median, k.p90, k.p99, k.p99_9, k.max
+        );
+        println!("  same top-1 {:.2} %, RMS Δp {:.3} %", k.same_top1_pct, k.rms_dp_pct);
+        // Name the prompt and position of the first one over.
+        let first = run
+            .prompts
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| p.kld.as_ref().and_then(|k| k.first_over).map(|pos| (i, pos)));
+        match first {
+            Some((i, pos)) => println!(
+                "  DIVERGED: first position over KLD {}: prompt #{} position {}",
+                k.threshold,
+                i + 1,
+                pos
+            ),
+            None => println!(
+                "  AGREE: every one of the {} compared positions' KLD within {}",
+                k.n_positions, k.threshold
+            ),
+        }
+    }
+    println!(
+        "\nverdict: {} over {} prompts, {} positions{}  ({:.1}s)",
+        run.verdict,
+        run.prompts.len(),
+        run.prompts.iter().map(|p| p.n_tokens).sum::<usize>(),
+        run.agreement
+            .as_ref()
+            .map_or(String::new(), |a| format!(", against the reference: {a}")),
+        run.seconds
+    );
+}

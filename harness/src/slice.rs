@@ -1,0 +1,86 @@
+//! Joining the two sides' taps under tensor parallelism: which part of the reference's full
+//! tensor a rank's tap corresponds to ([`reference_slice`]), and the engine's full tensor put back
+//! together from its rank slices ([`engine_full`]). Used by the diff and by the diagnosis.
+
+use crate::capture::Captured;
+use crate::compare::columns;
+use references::config::ModelConfig;
+use references::tap::{rank_columns, weight_in_columns, Site, TapKey};
+use std::collections::BTreeMap;
+
+/// Taps of one side, by key.
+pub type Store = BTreeMap<TapKey, Captured>;
+
+/// Sites whose rank-local form is a partial sum before the all-reduce, not a slice (the
+/// vocab-parallel embedding's too: each rank contributes the rows it owns).
+pub fn is_partial_sum(key: &TapKey) -> bool {
+    key.rank.is_some() && matches!(key.site, Site::AttnProj | Site::FfnOut | Site::Embed)
+}
+
+/// The part of the reference's full tensor that an engine tap corresponds to.
+pub fn reference_slice(c: &ModelConfig, tp: usize, key: &TapKey, full: &Captured) -> Vec<f32> {
+    let Some(rank) = key.rank.map(|r| r as usize) else {
+        return full.data.clone();
+    };
+    let [rows, width] = full.shape;
+    match key.site {
+        Site::Weight(kind) => {
+            if let Some(r) = rank_columns(key.site, c, tp, rank) {
+                full.data[r.start * width..r.end * width].to_vec()
+            } else if let Some(cols) = weight_in_columns(kind, c, tp, rank) {
+                columns(&full.data, width, cols)
+            } else {
+                full.data.clone()
+            }
+        }
+        site => match rank_columns(site, c, tp, rank) {
+            Some(cols) if cols.end <= width => columns(&full.data, width, cols),
+            _ => {
+                let _ = rows;
+                full.data.clone()
+            }
+        },
+    }
+}
+
+/// The engine's full tensor at an unranked key: its own unranked tap, or its rank slices put
+/// back together (rows for column-parallel weights, columns for activations).
+pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Option<Vec<f32>> {
+    if let Some(t) = eng.get(key) {
+        return Some(t.data.clone());
+    }
+    let parts: Vec<&Captured> = (0..tp)
+        .map(|r| {
+            eng.get(&TapKey {
+                rank: Some(r as u32),
+                ..*key
+            })
+        })
+        .collect::<Option<_>>()?;
+    if is_partial_sum(&TapKey { rank: Some(0), ..*key }) {
+        return None;
+    }
+    if let Site::Weight(kind) = key.site {
+        if rank_columns(key.site, c, tp, 0).is_some() {
+            // Column-parallel: each rank holds whole rows.
+            return Some(parts.iter().flat_map(|p| p.data.iter().copied()).collect());
+        }
+        if weight_in_columns(kind, c, tp, 0).is_none() {
+            // Replicated on every rank.
+            return Some(parts[0].data.clone());
+        }
+        // Row-parallel: each rank holds input columns; fall through to the column join.
+    } else if rank_columns(key.site, c, tp, 0).is_none() {
+        // Replicated on every rank.
+        return Some(parts[0].data.clone());
+    }
+    let n = parts[0].shape[0];
+    let mut out = Vec::new();
+    for t in 0..n {
+        for p in &parts {
+            let w = p.shape[1];
+            out.extend_from_slice(&p.data[t * w..(t + 1) * w]);
+        }
+    }
+    Some(out)
+}
