@@ -617,7 +617,6 @@ fn rs_files(dir: &Path, out: &mut BTreeSet<PathBuf>) {
 }
 
 #[test]
-#[ignore = "enabled once the engine and harness restructure lands"]
 fn no_import_cycles_among_a_crates_files() {
     let ws = workspace_root();
     let mut report = Vec::new();
