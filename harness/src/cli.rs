@@ -13,6 +13,10 @@ use std::path::PathBuf;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Run a model despite this unknown `{arch}.*` metadata key or tensor (repeatable): llmdiff
+    /// cannot tell whether it changes the model, so the result is at your risk.
+    #[arg(long = "allow-unknown", value_name = "KEY", global = true)]
+    pub allow_unknown: Vec<String>,
 }
 
 #[derive(Subcommand, Debug)]

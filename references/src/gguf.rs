@@ -206,6 +206,9 @@ pub struct GgufHeader {
     pub tensors: Vec<TensorInfo>,
     pub alignment: u64,
     pub data_offset: u64,
+    /// Unknown `{arch}.*` keys and tensors the user accepts (`--allow-unknown`): see
+    /// [`crate::allowlist`]. Empty when parsed.
+    pub allow_unknown: Vec<String>,
 }
 
 impl GgufHeader {
@@ -316,6 +319,7 @@ impl GgufHeader {
             tensors,
             alignment,
             data_offset,
+            allow_unknown: Vec::new(),
         })
     }
 
