@@ -96,6 +96,10 @@ pub struct SynthArgs {
     /// List the presets and exit.
     #[arg(long)]
     pub list_presets: bool,
+    /// Write a split model, at most N tensors a file: -o OUT.gguf gives OUT-00001-of-0000K.gguf
+    /// .. (gguf-split's names and keys); open the first.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub split_max_tensors: Option<u64>,
     #[command(flatten)]
     pub dims: DimArgs,
     /// Print the result as JSON on stdout (logs stay on stderr).
