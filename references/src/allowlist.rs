@@ -197,7 +197,7 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
         Arch::Deepseek2 => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
     };
     if let Some((_, why)) = skipped.iter().find(|(k, _)| *k == suffix) {
-        return Role::Skipped(*why);
+        return Role::Skipped(why);
     }
     if used.contains(&suffix) {
         return Role::Used;

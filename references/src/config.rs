@@ -10,7 +10,7 @@ pub enum ConfigError {
     Missing(String),
     #[error("metadata key {key}: {msg}")]
     Bad { key: String, msg: String },
-    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2, Mistral-style dense GQA) and deepseek2 (DeepSeek-V2/V3-style MLA + MoE)")]
+    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2 and other dense GQA models in the llama layout) and deepseek2 (DeepSeek-V2/V3-style MLA + MoE)")]
     UnsupportedArch(String),
     #[error("unknown {what} {name:?} in a {arch} file{note}: llmdiff cannot tell whether it changes the model (--allow-unknown {name} runs anyway, at your risk)")]
     Unknown {
