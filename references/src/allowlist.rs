@@ -202,16 +202,18 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     if used.contains(&suffix) {
         return Role::Used;
     }
-    // deepseek2's YaRN: the reference applies its attention-scale part (mscale) but not the
-    // frequency interpolation, so a factor other than 1 is not honoured.
+    // deepseek2's YaRN: the reference applies its attention scale (mscale, from the factor and
+    // the log multiplier) but not its frequency interpolation, so a scaling type other than
+    // "none" is not honoured (one `--allow-unknown deepseek2.rope.scaling.type` runs it anyway).
     if arch == Arch::Deepseek2 && suffix.starts_with("rope.scaling.") {
         return match suffix {
             "rope.scaling.type" if value.as_str() == Some("none") => Role::Used,
-            "rope.scaling.factor" if value.as_f64() == Some(1.0) => Role::Used,
-            "rope.scaling.type" | "rope.scaling.factor" => {
-                Role::Unknown("YaRN's frequency interpolation is not implemented")
+            "rope.scaling.type" => {
+                Role::Unknown("YaRN's frequency interpolation is not implemented, only its attention scale")
             }
-            "rope.scaling.original_context_length" | "rope.scaling.yarn_log_multiplier" => Role::Used,
+            "rope.scaling.factor" | "rope.scaling.original_context_length" | "rope.scaling.yarn_log_multiplier" => {
+                Role::Used
+            }
             _ => Role::Unknown(""),
         };
     }

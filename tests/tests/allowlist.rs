@@ -129,3 +129,33 @@ fn nextn_blocks_are_skipped() {
     let a = audit(&h).unwrap();
     assert!(matches!(a.tensors.last().unwrap().1, Role::Skipped(_)));
 }
+
+/// deepseek2 YaRN (real DeepSeek-V3 files: factor 40): the reference applies only its attention
+/// scale, so the scaling type is refused by name until allowed.
+#[test]
+fn deepseek2_yarn_is_refused_until_allowed() {
+    let file = GgufFile::open(golden("deepseek-v3-tiny.f32.gguf")).unwrap();
+    let mut h = file.header.clone();
+    h.metadata.extend([
+        (
+            "deepseek2.rope.scaling.type".to_string(),
+            MetaValue::String("yarn".into()),
+        ),
+        ("deepseek2.rope.scaling.factor".to_string(), MetaValue::F32(40.0)),
+        (
+            "deepseek2.rope.scaling.original_context_length".to_string(),
+            MetaValue::U32(4096),
+        ),
+        (
+            "deepseek2.rope.scaling.yarn_log_multiplier".to_string(),
+            MetaValue::F32(0.1),
+        ),
+    ]);
+    let e = ModelConfig::from_header(&h).unwrap_err().to_string();
+    assert!(
+        e.contains("\"deepseek2.rope.scaling.type\"") && e.contains("interpolation"),
+        "{e}"
+    );
+    h.allow_unknown = vec!["deepseek2.rope.scaling.type".into()];
+    assert_eq!(ModelConfig::from_header(&h).unwrap().yarn.unwrap().factor, 40.0);
+}
