@@ -23,6 +23,9 @@ pub enum QuantError {
         n_elems: usize,
         block_elems: usize,
     },
+    /// A type llmdiff reads but cannot write (IQ4_NL, IQ4_XS, MXFP4).
+    #[error("{0}: llmdiff can read this type but has no quantizer for it")]
+    Unsupported(GgmlType),
 }
 
 /// Quantizes `src` (a whole number of blocks) to `ty`.
@@ -37,6 +40,7 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     }
     let mut out = vec![0u8; src.len() / be * ty.block_bytes()];
     let block: fn(&[f32], &mut [u8]) = match ty {
+        GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => return Err(QuantError::Unsupported(ty)),
         GgmlType::F32 => |x, y| y.copy_from_slice(&x[0].to_le_bytes()),
         GgmlType::F16 => |x, y| y.copy_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
         GgmlType::BF16 => |x, y| y.copy_from_slice(&f32_to_bf16(x[0]).to_le_bytes()),
@@ -500,6 +504,7 @@ mod tests {
             // qhalf - 1, one step (max / qhalf) away; plus sub-scale rounding.
             GgmlType::Q3K => 0.3,
             GgmlType::Q6K => 1.0 / 32.0 + 0.01,
+            GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => unreachable!("{ty} has no quantizer"),
         }
     }
 
