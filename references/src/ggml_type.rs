@@ -48,7 +48,8 @@ impl GgmlType {
         GgmlType::BF16,
     ];
 
-    /// Types the reference (and the engine's CPU path) can read but `quantize` cannot write.
+    /// Types added for reading (the reference and the engine's CPU path dequantize them);
+    /// `quantize` writes MXFP4 but not IQ4_NL or IQ4_XS.
     pub const DEQUANT_ONLY: [GgmlType; 3] = [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4];
 
     /// The type for a GGUF type id, or `Err(name)` naming an id llmdiff does not support.

@@ -119,6 +119,9 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
                 format!("unknown quant type {q:?} (types: {})", names.join(", "))
             })?,
         };
+        if matches!(ty, GgmlType::IQ4NL | GgmlType::IQ4XS) {
+            bail!("synth cannot write {ty}: llmdiff reads it but has no quantizer for it (MXFP4 it can)");
+        }
         spec.weight_type = ty;
         spec.embd_type = ty;
         spec.more_bits = mix.map(|_| GgmlType::Q6K);
