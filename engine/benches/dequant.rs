@@ -34,6 +34,13 @@ fn make_src(ty: GgmlType, n_elems: usize) -> Vec<u8> {
         GgmlType::Q2K => &[80, 82],
         GgmlType::Q3K => &[108],
         GgmlType::Q6K => &[208],
+        GgmlType::IQ4NL | GgmlType::IQ4XS => &[0],
+        GgmlType::MXFP4 => {
+            for b in src.chunks_exact_mut(17) {
+                b[0] = 120 + b[0] % 8; // e8m0 scales near 1
+            }
+            &[]
+        }
         GgmlType::F16 | GgmlType::BF16 => {
             for c in src.chunks_exact_mut(2) {
                 c[1] &= 0x3F; // small finite values

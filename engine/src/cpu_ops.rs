@@ -294,13 +294,42 @@ pub struct QkRope {
 /// RoPE on `x` (`[n, n_heads·head_stride]`), row `i` at position `pos0 + i`, with
 /// θ_i = pos·base^(−2i/rope_dim) computed in f64.
 pub fn rope(x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+    rope_scaled(x, layout, pos0, base, style, RopeFreqs::default())
+}
+
+/// RoPE frequency scaling beyond the base (llama.cpp's): pair i's angle is divided by
+/// `divisor · factors[i]`. `divisor` is the linear scaling factor (1 without); `factors` is Llama
+/// 3.1+'s `rope_freqs.weight`, rope_dim/2 long (None: all 1).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeFreqs<'a> {
+    pub divisor: f32,
+    pub factors: Option<&'a [f32]>,
+}
+
+impl Default for RopeFreqs<'_> {
+    fn default() -> Self {
+        RopeFreqs {
+            divisor: 1.0,
+            factors: None,
+        }
+    }
+}
+
+/// [`rope`] with frequency scaling: θ_i = pos·base^(−2i/rope_dim) / (divisor·factors[i]).
+pub fn rope_scaled(x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs) {
     let width = layout.n_heads * layout.head_stride;
     let half = layout.rope_dim / 2;
     if width == 0 || half == 0 {
         return;
     }
+    if let Some(f) = freqs.factors {
+        assert_eq!(f.len(), half, "rope_scaled: one frequency factor per rotated pair");
+    }
     let inv_freq: Vec<f64> = (0..half)
-        .map(|i| (base as f64).powf(-2.0 * i as f64 / layout.rope_dim as f64))
+        .map(|i| {
+            let ff = freqs.factors.map_or(1.0, |f| f[i] as f64);
+            (base as f64).powf(-2.0 * i as f64 / layout.rope_dim as f64) / (freqs.divisor as f64 * ff)
+        })
         .collect();
     for (row_idx, row) in x.chunks_exact_mut(width).enumerate() {
         let pos = (pos0 + row_idx) as f64;
@@ -675,5 +704,62 @@ mod tests {
             .collect();
         swiglu(&mut g, &u);
         assert!(max_rel(&g, &want) < 1e-6);
+    }
+
+    /// `rope_scaled` divides pair i's angle by divisor·factors[i]: checked against the rotation
+    /// written out, and the unscaled `rope` at a position that makes the angles equal.
+    #[test]
+    fn rope_scaled_divides_each_pair_angle() {
+        let l = RopeLayout {
+            n_heads: 2,
+            head_stride: 6,
+            offset: 2,
+            rope_dim: 4,
+        };
+        let x = rand_vec(3, 2 * 12);
+        let factors = [1.0f32, 8.0];
+        let mut y = x.clone();
+        rope_scaled(
+            &mut y,
+            l,
+            5,
+            10000.0,
+            RopeStyle::Norm,
+            RopeFreqs {
+                divisor: 2.0,
+                factors: Some(&factors[..]),
+            },
+        );
+        for (r, (xr, yr)) in x.chunks(12).zip(y.chunks(12)).enumerate() {
+            let pos = (5 + r) as f64;
+            for h in 0..2 {
+                for i in 0..2 {
+                    let theta = pos * 10000f64.powf(-(i as f64) / 2.0) / (2.0 * factors[i] as f64);
+                    let a = h * 6 + 2 + 2 * i;
+                    let (x0, x1) = (xr[a] as f64, xr[a + 1] as f64);
+                    assert!((yr[a] as f64 - (x0 * theta.cos() - x1 * theta.sin())).abs() < 1e-5);
+                    assert!((yr[a + 1] as f64 - (x0 * theta.sin() + x1 * theta.cos())).abs() < 1e-5);
+                }
+                assert_eq!(
+                    &yr[h * 6..h * 6 + 2],
+                    &xr[h * 6..h * 6 + 2],
+                    "dims before the offset stay"
+                );
+            }
+        }
+        let (mut plain, mut unit) = (x.clone(), x.clone());
+        rope(&mut plain, l, 5, 10000.0, RopeStyle::Neox);
+        rope_scaled(
+            &mut unit,
+            l,
+            5,
+            10000.0,
+            RopeStyle::Neox,
+            RopeFreqs {
+                divisor: 1.0,
+                factors: Some(&[1.0f32, 1.0][..]),
+            },
+        );
+        assert_eq!(plain, unit);
     }
 }

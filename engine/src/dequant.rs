@@ -142,6 +142,7 @@ mod x86 {
             GgmlType::Q5K => blocks(src, dst, |x, y| q5_k_avx512(x, y)),
             GgmlType::Q6K => blocks(src, dst, |x, y| q6_k_avx512(x, y)),
             GgmlType::F32 | GgmlType::BF16 => run_generic(ty, src, dst),
+            GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => run_codebook(ty, src, dst),
         }
     }
 
@@ -421,6 +422,7 @@ fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         GgmlType::Q4K => blocks(src, dst, q4_k),
         GgmlType::Q5K => blocks(src, dst, q5_k),
         GgmlType::Q6K => blocks(src, dst, q6_k),
+        GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => run_codebook(ty, src, dst),
     }
     // The unblocked float types: the tail of fewer than 16 elements.
     let tail = dst.len() % 16;
@@ -436,6 +438,12 @@ fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             };
         }
     }
+}
+
+/// The codebook types (IQ4_NL, IQ4_XS, MXFP4): the reference's scalar dequantizer, which is
+/// bit-exact against gguf-py (no SIMD kernels yet). Lengths are already checked.
+fn run_codebook(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    references::dequant::dequantize(ty, src, dst).expect("lengths checked by the caller");
 }
 
 #[inline(always)]

@@ -152,6 +152,19 @@ fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
     }
 }
 
+/// Refuses RoPE frequency scaling (linear, Llama 3.1+'s `rope_freqs.weight`) until the backends'
+/// rope takes it: `kernels::rope_scaled` has the CPU op; `Backend::rope`/`rope_qk` and the CUDA
+/// kernels do not pass the factors yet. A refusal, never a silently different model.
+fn check_rope_scaling(c: &ModelConfig) -> Result<(), EngineError> {
+    if c.rope_scaling.is_none() {
+        return Ok(());
+    }
+    Err(EngineError::Unsupported(format!(
+        "rope frequency scaling ({:?}) is not wired into the engine yet (the reference applies it)",
+        c.rope_scaling
+    )))
+}
+
 /// Refuses a fault that would not change anything on this model and TP degree.
 fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     let refuse = |msg: String| {
@@ -223,6 +236,7 @@ impl Engine {
         };
         let config = ModelConfig::from_header(&file.header)?;
         check_shapes(&config)?;
+        check_rope_scaling(&config)?;
         check_tp(&config, opts.tp)?;
         for spec in &opts.faults {
             check_fault(spec, file, &config, opts.tp)?;

@@ -3,7 +3,7 @@
 /// Why the engine could not load or run a model.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] references::ConfigError),
     #[error("missing tensor {0}")]
     MissingTensor(String),

@@ -13,6 +13,10 @@ use std::path::PathBuf;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Run a model despite this unknown `{arch}.*` metadata key or tensor (repeatable): llmdiff
+    /// cannot tell whether it changes the model, so the result is at your risk.
+    #[arg(long = "allow-unknown", value_name = "KEY", global = true)]
+    pub allow_unknown: Vec<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -109,7 +113,7 @@ pub struct SynthArgs {
     /// Build from explicit dims instead of a preset.
     #[arg(long, value_parser = ["llama", "deepseek2"])]
     pub arch: Option<String>,
-    /// Weight type for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K),
+    /// Weight type for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4),
     /// or llama.cpp's mix Q4_K_M / Q5_K_M (Q4_K / Q5_K with the output matrix, and attn_v and
     /// ffn_down in half the layers, in Q6_K). Defaults to the preset's own types.
     #[arg(long)]
@@ -123,6 +127,10 @@ pub struct SynthArgs {
     /// List the presets and exit.
     #[arg(long)]
     pub list_presets: bool,
+    /// Write a split model, at most N tensors a file: -o OUT.gguf gives OUT-00001-of-0000K.gguf
+    /// .. (gguf-split's names and keys); open the first.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub split_max_tensors: Option<u64>,
     #[command(flatten)]
     pub dims: DimArgs,
     /// Print the result as JSON on stdout (logs stay on stderr).

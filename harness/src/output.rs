@@ -26,10 +26,21 @@ pub fn read_text(path: &Path) -> anyhow::Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
 }
 
-/// Opens a GGUF file; the error names the file and byte offset.
+/// The unknown keys and tensors `--allow-unknown` accepts, set once by [`set_allow_unknown`].
+static ALLOW_UNKNOWN: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// Records `--allow-unknown` for every model [`open_model`] opens afterwards.
+pub fn set_allow_unknown(keys: Vec<String>) {
+    let _ = ALLOW_UNKNOWN.set(keys);
+}
+
+/// Opens a GGUF file (the first shard of a split one opens them all); the error names the file
+/// and byte offset. The file carries the `--allow-unknown` names (see `references::allowlist`).
 pub fn open_model(path: &Path) -> anyhow::Result<GgufFile> {
     check_regular(path)?;
-    GgufFile::open(path).with_context(|| "cannot read the model".to_string())
+    let mut file = GgufFile::open(path).with_context(|| "cannot read the model".to_string())?;
+    file.header.allow_unknown = ALLOW_UNKNOWN.get().cloned().unwrap_or_default();
+    Ok(file)
 }
 
 /// A metadata value as JSON. Arrays longer than `summarize_over` become
@@ -73,13 +84,19 @@ pub fn config_json(c: &ModelConfig) -> Value {
     let yarn = c.yarn.as_ref().map(
         |y| json!({"factor": y.factor, "original_context": y.original_context, "log_multiplier": y.log_multiplier}),
     );
-    json!({
+    let mut doc = json!({
         "arch": c.arch.name(), "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads,
         "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim, "vocab": c.vocab,
         "rms_eps": c.rms_eps, "rope_base": c.rope_base, "rope_dim": c.rope_dim,
         "context_length": c.context_length, "tied_embeddings": c.tied_embeddings,
         "mla": mla, "moe": moe, "yarn": yarn,
-    })
+    });
+    // Shown only when present, so documents of unscaled models keep their form.
+    if !c.rope_scaling.is_none() {
+        doc["rope_scaling"] = json!({"linear_factor": c.rope_scaling.linear_factor,
+                                     "freq_factors": c.rope_scaling.freq_factors});
+    }
+    doc
 }
 
 /// A progress bar on stderr, hidden when `show` is false or stderr is not a terminal.

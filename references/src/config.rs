@@ -10,8 +10,16 @@ pub enum ConfigError {
     Missing(String),
     #[error("metadata key {key}: {msg}")]
     Bad { key: String, msg: String },
-    #[error("unsupported architecture {0:?} (llmdiff runs llama and deepseek2)")]
+    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2 and other dense GQA models in the llama layout) and deepseek2 (DeepSeek-V2/V3-style MLA + MoE)")]
     UnsupportedArch(String),
+    #[error("unknown {what} {name:?} in a {arch} file{note}: llmdiff cannot tell whether it changes the model (--allow-unknown {name} runs anyway, at your risk)")]
+    Unknown {
+        what: &'static str,
+        name: String,
+        arch: &'static str,
+        /// Empty, or " (why)" when the reason is known.
+        note: String,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,6 +80,25 @@ pub struct YarnConfig {
     pub log_multiplier: f32,
 }
 
+/// RoPE frequency scaling of the llama family (beyond `rope.freq_base`), as llama.cpp applies it:
+/// θ_i = pos · base^(−2i/rope_dim) / (linear_factor · freq_factor_i).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RopeScaling {
+    /// `rope.scaling.type = "linear"`: every angle divided by `rope.scaling.factor`.
+    pub linear_factor: Option<f32>,
+    /// Llama 3.1+: the file has `rope_freqs.weight` (`[rope_dim / 2]` f32), the per-pair divisors
+    /// llama.cpp's converter derives from HF's `rope_type = "llama3"` (factor, low/high frequency
+    /// factors, original context). The forward passes read the tensor itself.
+    pub freq_factors: bool,
+}
+
+impl RopeScaling {
+    /// True when RoPE is the plain `base^(−2i/d)` rotation.
+    pub fn is_none(&self) -> bool {
+        self.linear_factor.is_none() && !self.freq_factors
+    }
+}
+
 /// Everything a forward pass needs to know about a model's shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -94,6 +121,8 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     pub moe: Option<MoeConfig>,
     pub yarn: Option<YarnConfig>,
+    /// Llama-family frequency scaling (linear, `rope_freqs`); default for deepseek2.
+    pub rope_scaling: RopeScaling,
 }
 
 struct Meta<'a> {
@@ -143,17 +172,23 @@ impl Meta<'_> {
 impl ModelConfig {
     /// Reads the config of a llama or deepseek2 GGUF.
     pub fn from_header(h: &GgufHeader) -> Result<ModelConfig, ConfigError> {
-        let arch_name = h
-            .get("general.architecture")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| ConfigError::Missing("general.architecture".into()))?;
-        let (arch, prefix) = match arch_name {
-            "llama" => (Arch::Llama, "llama"),
-            "deepseek2" => (Arch::Deepseek2, "deepseek2"),
-            other => return Err(ConfigError::UnsupportedArch(other.to_string())),
-        };
+        let arch = crate::allowlist::arch_of(h)?;
+        crate::allowlist::check(h)?;
+        let prefix = arch.name();
         let m = Meta { h, arch: prefix };
-        let n_layers = m.usize("block_count")?;
+        let block_count = m.usize("block_count")?;
+        // deepseek2 files may append the MTP/nextn block(s) after the model's layers.
+        let nextn = match arch {
+            Arch::Deepseek2 => m.usize_opt("nextn_predict_layers")?.unwrap_or(0),
+            Arch::Llama => 0,
+        };
+        if nextn >= block_count && block_count > 0 {
+            return Err(ConfigError::Bad {
+                key: m.key("nextn_predict_layers"),
+                msg: format!("{nextn} leaves none of the {block_count} blocks to the model"),
+            });
+        }
+        let n_layers = block_count.saturating_sub(nextn);
         let d_model = m.usize("embedding_length")?;
         let n_heads = m.usize("attention.head_count")?;
         let n_kv_heads = m.usize_opt("attention.head_count_kv")?.unwrap_or(n_heads);
@@ -190,6 +225,16 @@ impl ModelConfig {
             Some(k) if arch == Arch::Llama => k,
             _ => d_model / n_heads,
         };
+        if arch == Arch::Llama {
+            if let Some(v) = m.usize_opt("attention.value_length")? {
+                if v != head_dim {
+                    return Err(ConfigError::Bad {
+                        key: m.key("attention.value_length"),
+                        msg: format!("{v} differs from the key length {head_dim}: not implemented"),
+                    });
+                }
+            }
+        }
         let rms_eps = m.f32_or("attention.layer_norm_rms_epsilon", 1e-5)?;
         let rope_base = m.f32_or("rope.freq_base", 10000.0)?;
         let context_length = m.usize_opt("context_length")?.unwrap_or(4096);
@@ -261,16 +306,58 @@ impl ModelConfig {
                 (Some(mla), moe, qk_rope)
             }
         };
-        let yarn = match m.opt("rope.scaling.type").and_then(|v| v.as_str()) {
-            Some("yarn") => Some(YarnConfig {
+        let scaling_type = match m.opt("rope.scaling.type") {
+            None => None,
+            Some(v) => Some(v.as_str().ok_or_else(|| ConfigError::Bad {
+                key: m.key("rope.scaling.type"),
+                msg: format!("expected a string, got {v}"),
+            })?),
+        };
+        let unsupported_scaling = |t: &str| ConfigError::Bad {
+            key: m.key("rope.scaling.type"),
+            msg: format!(
+                "{t:?} rope scaling is not implemented for {prefix} (llmdiff would compute a different model)"
+            ),
+        };
+        let mut rope_scaling = RopeScaling::default();
+        let yarn = match (scaling_type, arch) {
+            (None | Some("none"), _) => None,
+            (Some("yarn"), Arch::Deepseek2) => Some(YarnConfig {
                 factor: m.f32_or("rope.scaling.factor", 1.0)?,
                 original_context: m
                     .usize_opt("rope.scaling.original_context_length")?
                     .unwrap_or(context_length),
                 log_multiplier: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0)?,
             }),
-            _ => None,
+            (Some("linear"), Arch::Llama) => {
+                let factor = m.f32_or("rope.scaling.factor", 1.0)?;
+                if factor <= 0.0 {
+                    return Err(ConfigError::Bad {
+                        key: m.key("rope.scaling.factor"),
+                        msg: format!("{factor} must be > 0"),
+                    });
+                }
+                rope_scaling.linear_factor = (factor != 1.0).then_some(factor);
+                None
+            }
+            (Some(t), _) => return Err(unsupported_scaling(t)),
         };
+        if let Some(t) = h.tensor("rope_freqs.weight") {
+            if arch != Arch::Llama {
+                return Err(ConfigError::Bad {
+                    key: "tensor rope_freqs.weight".into(),
+                    msg: format!("per-pair rope frequency factors are not implemented for {prefix}"),
+                });
+            }
+            let want = (rope_dim / 2) as u64;
+            if t.ne != [want] || t.ty != crate::GgmlType::F32 {
+                return Err(ConfigError::Bad {
+                    key: "tensor rope_freqs.weight".into(),
+                    msg: format!("{} {:?}, expected F32 [{want}] (rope_dim / 2)", t.ty, t.ne),
+                });
+            }
+            rope_scaling.freq_factors = true;
+        }
         if arch == Arch::Llama && (rope_dim % 2 != 0 || rope_dim > head_dim) {
             return Err(ConfigError::Bad {
                 key: m.key("rope.dimension_count"),
@@ -294,6 +381,7 @@ impl ModelConfig {
             mla,
             moe,
             yarn,
+            rope_scaling,
         })
     }
 

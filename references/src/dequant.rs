@@ -79,6 +79,9 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
         GgmlType::Q4K => block_q4_k,
         GgmlType::Q5K => block_q5_k,
         GgmlType::Q6K => block_q6_k,
+        GgmlType::IQ4NL => block_iq4_nl,
+        GgmlType::IQ4XS => block_iq4_xs,
+        GgmlType::MXFP4 => block_mxfp4,
     };
     for (x, y) in src
         .chunks_exact(ty.block_bytes())
@@ -129,6 +132,62 @@ fn block_bf16(x: &[u8], y: &mut [f32]) {
 }
 
 /// Q4_0: d, qs[16]. Element j < 16 is the low nibble of qs[j], j + 16 the high one. y = d * (q - 8).
+/// IQ4_NL's (and IQ4_XS's) 16-value codebook (ggml's `kvalues_iq4nl`).
+const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// IQ4_NL: d, qs[16]. y[j] = d · kv[low nibble of qs[j]], y[j+16] = d · kv[high nibble].
+fn block_iq4_nl(x: &[u8], y: &mut [f32]) {
+    let d = f16_at(x, 0);
+    let qs = &x[2..18];
+    for j in 0..16 {
+        y[j] = d * KVALUES_IQ4NL[(qs[j] & 0x0F) as usize] as f32;
+        y[j + 16] = d * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+/// IQ4_XS: d, scales_h (u16), scales_l[4], qs[128]; 8 sub-blocks of 32 with 6-bit scales
+/// ls = low nibble of scales_l[ib/2] (by ib%2) | 2 bits of scales_h << 4; dl = d·(ls − 32)
+/// (gguf-py: `(d * scales) * kv`, two f32 roundings).
+fn block_iq4_xs(x: &[u8], y: &mut [f32]) {
+    let d = f16_at(x, 0);
+    let scales_h = u16::from_le_bytes([x[2], x[3]]);
+    let scales_l = &x[4..8];
+    for ib in 0..QK_K / 32 {
+        let lo = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F;
+        let hi = ((scales_h >> (2 * ib)) & 3) as u8;
+        let dl = d * ((lo | (hi << 4)) as i32 - 32) as f32;
+        let qs = &x[8 + 16 * ib..8 + 16 * (ib + 1)];
+        let yb = &mut y[32 * ib..32 * (ib + 1)];
+        for j in 0..16 {
+            yb[j] = dl * KVALUES_IQ4NL[(qs[j] & 0x0F) as usize] as f32;
+            yb[j + 16] = dl * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+        }
+    }
+}
+
+/// MXFP4's e2m1 values, doubled (ggml's `kvalues_mxfp4`); the scale is halved to match.
+const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// ggml's `GGML_E8M0_TO_FP32_HALF`: 2^(e − 128) as f32 bits (subnormal for e < 2).
+fn e8m0_to_fp32_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        ((e - 1) as u32) << 23
+    };
+    f32::from_bits(bits)
+}
+
+/// MXFP4: e (e8m0), qs[16]. y[j] = d · kv[low nibble], y[j+16] = d · kv[high nibble].
+fn block_mxfp4(x: &[u8], y: &mut [f32]) {
+    let d = e8m0_to_fp32_half(x[0]);
+    let qs = &x[1..17];
+    for j in 0..16 {
+        y[j] = d * KVALUES_MXFP4[(qs[j] & 0x0F) as usize] as f32;
+        y[j + 16] = d * KVALUES_MXFP4[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
 fn block_q4_0(x: &[u8], y: &mut [f32]) {
     let d = f16_at(x, 0);
     let qs = &x[2..18];

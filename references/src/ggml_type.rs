@@ -19,6 +19,12 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     BF16,
+    /// 4-bit non-linear (a 16-value codebook), blocks of 32 with an f16 scale.
+    IQ4NL,
+    /// IQ4_NL's codebook in super-blocks of 256 with 6-bit sub-block scales.
+    IQ4XS,
+    /// OCP microscaling FP4 (e2m1 values, an e8m0 power-of-two scale per 32): gpt-oss's experts.
+    MXFP4,
 }
 
 /// Elements per super-block of the k-quants.
@@ -42,6 +48,10 @@ impl GgmlType {
         GgmlType::BF16,
     ];
 
+    /// Types added for reading (the reference and the engine's CPU path dequantize them);
+    /// `quantize` writes MXFP4 but not IQ4_NL or IQ4_XS.
+    pub const DEQUANT_ONLY: [GgmlType; 3] = [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4];
+
     /// The type for a GGUF type id, or `Err(name)` naming an id llmdiff does not support.
     pub fn from_id(id: u32) -> Result<GgmlType, String> {
         Ok(match id {
@@ -58,6 +68,9 @@ impl GgmlType {
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             30 => GgmlType::BF16,
+            20 => GgmlType::IQ4NL,
+            23 => GgmlType::IQ4XS,
+            39 => GgmlType::MXFP4,
             other => return Err(unsupported_type_name(other).to_string()),
         })
     }
@@ -78,6 +91,9 @@ impl GgmlType {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
+            GgmlType::IQ4NL => 20,
+            GgmlType::IQ4XS => 23,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -97,6 +113,9 @@ impl GgmlType {
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
             GgmlType::BF16 => "BF16",
+            GgmlType::IQ4NL => "IQ4_NL",
+            GgmlType::IQ4XS => "IQ4_XS",
+            GgmlType::MXFP4 => "MXFP4",
         }
     }
 
@@ -104,6 +123,7 @@ impl GgmlType {
     pub fn from_name(name: &str) -> Option<GgmlType> {
         GgmlType::ALL
             .into_iter()
+            .chain(GgmlType::DEQUANT_ONLY)
             .find(|t| t.name().eq_ignore_ascii_case(name) || t.name().replace('_', "").eq_ignore_ascii_case(name))
     }
 
@@ -112,7 +132,9 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
+            GgmlType::IQ4NL | GgmlType::MXFP4 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
+            GgmlType::IQ4XS => QK_K,
         }
     }
 
@@ -131,6 +153,9 @@ impl GgmlType {
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
+            GgmlType::IQ4NL => 18,
+            GgmlType::IQ4XS => 136,
+            GgmlType::MXFP4 => 17,
         }
     }
 
@@ -167,10 +192,8 @@ fn unsupported_type_name(id: u32) -> String {
         17 => "IQ2_XS",
         18 => "IQ3_XXS",
         19 => "IQ1_S",
-        20 => "IQ4_NL",
         21 => "IQ3_S",
         22 => "IQ2_S",
-        23 => "IQ4_XS",
         24 => "I8",
         25 => "I16",
         26 => "I32",
@@ -180,7 +203,6 @@ fn unsupported_type_name(id: u32) -> String {
         31..=33 => "Q4_0_4_4/4_8/8_8 (removed)",
         34 => "TQ1_0",
         35 => "TQ2_0",
-        39 => "MXFP4",
         _ => "unknown",
     };
     format!("type id {id} ({name})")
@@ -192,7 +214,7 @@ mod tests {
 
     #[test]
     fn ids_round_trip_and_names_parse() {
-        for t in GgmlType::ALL {
+        for t in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
             assert_eq!(GgmlType::from_id(t.id()), Ok(t));
             assert_eq!(GgmlType::from_name(t.name()), Some(t));
         }

@@ -185,6 +185,8 @@ pub struct TensorInfo {
     /// Offset relative to the data section.
     pub offset: u64,
     pub n_bytes: u64,
+    /// Which file of a split model holds the data (0: the first, or the only one).
+    pub shard: usize,
 }
 
 impl TensorInfo {
@@ -206,6 +208,9 @@ pub struct GgufHeader {
     pub tensors: Vec<TensorInfo>,
     pub alignment: u64,
     pub data_offset: u64,
+    /// Unknown `{arch}.*` keys and tensors the user accepts (`--allow-unknown`): see
+    /// [`crate::allowlist`]. Empty when parsed.
+    pub allow_unknown: Vec<String>,
 }
 
 impl GgufHeader {
@@ -308,6 +313,7 @@ impl GgufHeader {
                 ne,
                 offset,
                 n_bytes,
+                shard: 0,
             });
         }
         Ok(GgufHeader {
@@ -316,6 +322,7 @@ impl GgufHeader {
             tensors,
             alignment,
             data_offset,
+            allow_unknown: Vec::new(),
         })
     }
 
@@ -328,29 +335,177 @@ impl GgufHeader {
     }
 }
 
-/// An open GGUF file: the memory map and its parsed header.
+/// An open GGUF file: the memory map and its parsed header. A split model (`split.count` > 1,
+/// files `NAME-00001-of-0000N.gguf` as gguf-split and gguf-py write them) opens as one: the
+/// header is the first file's metadata with every shard's tensors (each [`TensorInfo::shard`]
+/// says which file holds it), and each shard stays memory-mapped on its own.
 pub struct GgufFile {
     pub path: PathBuf,
     pub header: GgufHeader,
-    map: Mmap,
+    /// One map per file; `maps[0]` is `path`'s.
+    maps: Vec<Mmap>,
+    /// Each file's data-section offset.
+    data_offsets: Vec<u64>,
+}
+
+/// Metadata keys of a split model (llama.cpp's gguf-split).
+pub mod split_key {
+    pub const NO: &str = "split.no";
+    pub const COUNT: &str = "split.count";
+    pub const TENSORS_COUNT: &str = "split.tensors.count";
+}
+
+/// `NAME-0000i-of-0000N.gguf` → (NAME prefix with its dash, i, N, digit widths).
+fn split_name(path: &Path) -> Option<(String, usize, usize, usize, usize)> {
+    let file = path.file_name()?.to_str()?;
+    let stem = file.strip_suffix(".gguf")?;
+    let (head, n) = stem.rsplit_once("-of-")?;
+    let (prefix, i) = head.rsplit_once('-')?;
+    let (iv, nv) = (i.parse().ok()?, n.parse().ok()?);
+    Some((format!("{prefix}-"), iv, nv, i.len(), n.len()))
+}
+
+fn map_file(path: &Path) -> Result<(Mmap, GgufHeader), GgufError> {
+    let name = path.display().to_string();
+    let io_err = |e: std::io::Error| GgufError {
+        file: name.clone(),
+        offset: 0,
+        msg: e.to_string(),
+    };
+    let file = File::open(path).map_err(io_err)?;
+    // SAFETY: the map is read-only. A file truncated by another process while mapped would
+    // fault; that is the usual caveat of mmap-based model loaders (llama.cpp has it too).
+    let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;
+    let header = GgufHeader::parse(&map, &name)?;
+    Ok((map, header))
 }
 
 impl GgufFile {
     /// Opens and validates `path`. Nothing is read beyond the header until a tensor is viewed.
+    /// The first file of a split model opens every shard (validated: same split.count, shard
+    /// numbers in order, same architecture where a shard names one, no tensor twice, the total
+    /// equal to split.tensors.count); a later shard is refused, naming the file to open.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
+        let (map, mut header) = map_file(&path)?;
         let name = path.display().to_string();
-        let io_err = |e: std::io::Error| GgufError {
-            file: name.clone(),
+        let err = |file: &str, msg: String| GgufError {
+            file: file.to_string(),
             offset: 0,
-            msg: e.to_string(),
+            msg,
         };
-        let file = File::open(&path).map_err(io_err)?;
-        // SAFETY: the map is read-only. A file truncated by another process while mapped would
-        // fault; that is the usual caveat of mmap-based model loaders (llama.cpp has it too).
-        let map = unsafe { Mmap::map(&file) }.map_err(io_err)?;
-        let header = GgufHeader::parse(&map, &name)?;
-        Ok(GgufFile { path, header, map })
+        let count_of = |h: &GgufHeader, k: &str| h.get(k).and_then(|v| v.as_u64());
+        let Some(count) = count_of(&header, split_key::COUNT) else {
+            return Ok(GgufFile {
+                path,
+                maps: vec![map],
+                data_offsets: vec![header.data_offset],
+                header,
+            });
+        };
+        let no = count_of(&header, split_key::NO).unwrap_or(0);
+        let names = split_name(&path);
+        if no != 0 {
+            let first = match &names {
+                Some((prefix, _, n, wi, wn)) => {
+                    path.with_file_name(format!("{prefix}{:0wi$}-of-{n:0wn$}.gguf", 1, wi = *wi, wn = *wn))
+                }
+                None => path.with_file_name("(its first shard)"),
+            };
+            return Err(err(
+                &name,
+                format!(
+                    "this is shard {} of {count} of a split model: open the first shard, {}",
+                    no + 1,
+                    first.display()
+                ),
+            ));
+        }
+        if count <= 1 {
+            return Ok(GgufFile {
+                path,
+                maps: vec![map],
+                data_offsets: vec![header.data_offset],
+                header,
+            });
+        }
+        let Some((prefix, i1, n, wi, wn)) = names else {
+            return Err(err(
+                &name,
+                format!("split.count is {count}, but the name is not NAME-00001-of-{count:05}.gguf, so the other shards cannot be found"),
+            ));
+        };
+        if i1 != 1 || n as u64 != count {
+            return Err(err(
+                &name,
+                format!("the name says shard {i1} of {n}, the metadata shard 1 of {count}"),
+            ));
+        }
+        let total = count_of(&header, split_key::TENSORS_COUNT)
+            .ok_or_else(|| err(&name, format!("a split model without {}", split_key::TENSORS_COUNT)))?;
+        let arch = header.get("general.architecture").cloned();
+        let mut maps = vec![map];
+        let mut data_offsets = vec![header.data_offset];
+        let mut seen: std::collections::HashSet<String> = header.tensors.iter().map(|t| t.name.clone()).collect();
+        for i in 1..count as usize {
+            let p = path.with_file_name(format!("{prefix}{:0wi$}-of-{n:0wn$}.gguf", i + 1));
+            let pname = p.display().to_string();
+            if !p.exists() {
+                return Err(err(&pname, format!("shard {} of {count} of {name} is missing", i + 1)));
+            }
+            let (m, h) = map_file(&p)?;
+            let bad = |msg: String| Err(err(&pname, format!("shard {} of {name}: {msg}", i + 1)));
+            if count_of(&h, split_key::COUNT) != Some(count) {
+                return bad(format!(
+                    "split.count is {:?}, the first shard's {count}",
+                    h.get(split_key::COUNT)
+                ));
+            }
+            if count_of(&h, split_key::NO) != Some(i as u64) {
+                return bad(format!("split.no is {:?}, expected {i}", h.get(split_key::NO)));
+            }
+            if count_of(&h, split_key::TENSORS_COUNT) != Some(total) {
+                return bad(format!(
+                    "split.tensors.count is {:?}, the first shard's {total}: a shard of another model",
+                    h.get(split_key::TENSORS_COUNT)
+                ));
+            }
+            if let Some(a) = h.get("general.architecture") {
+                if Some(a) != arch.as_ref() {
+                    return bad(format!(
+                        "architecture {a}, the first shard's {arch:?}: a shard of another model"
+                    ));
+                }
+            }
+            for t in &h.tensors {
+                if !seen.insert(t.name.clone()) {
+                    return bad(format!("tensor {:?} is also in an earlier shard", t.name));
+                }
+                header.tensors.push(TensorInfo { shard: i, ..t.clone() });
+            }
+            maps.push(m);
+            data_offsets.push(h.data_offset);
+        }
+        if header.tensors.len() as u64 != total {
+            return Err(err(
+                &name,
+                format!(
+                    "the {count} shards hold {} tensors, split.tensors.count says {total}",
+                    header.tensors.len()
+                ),
+            ));
+        }
+        Ok(GgufFile {
+            path,
+            header,
+            maps,
+            data_offsets,
+        })
+    }
+
+    /// Number of files (1 unless split).
+    pub fn n_shards(&self) -> usize {
+        self.maps.len()
     }
 
     pub fn metadata(&self) -> &[(String, MetaValue)] {
@@ -371,8 +526,8 @@ impl GgufFile {
 
     /// The raw bytes of a tensor (zero-copy). Bounds were checked at open.
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
-        let start = (self.header.data_offset + t.offset) as usize;
-        &self.map[start..start + t.n_bytes as usize]
+        let start = (self.data_offsets[t.shard] + t.offset) as usize;
+        &self.maps[t.shard][start..start + t.n_bytes as usize]
     }
 
     /// Tells the kernel the pages of `t` may be dropped from this process (they stay in the page
@@ -380,13 +535,14 @@ impl GgufFile {
     /// layer, so resident memory stays about one layer, not the whole file.
     pub fn release(&self, t: &TensorInfo) {
         const PAGE: u64 = 4096;
-        let start = (self.header.data_offset + t.offset).div_ceil(PAGE) * PAGE;
-        let end = (self.header.data_offset + t.offset + t.n_bytes) / PAGE * PAGE;
+        let data_offset = self.data_offsets[t.shard];
+        let start = (data_offset + t.offset).div_ceil(PAGE) * PAGE;
+        let end = (data_offset + t.offset + t.n_bytes) / PAGE * PAGE;
         if end > start {
             // SAFETY: the map is a private read-only file mapping; MADV_DONTNEED only drops this
             // process's copies of the pages, which read back identically from the file.
             let _ = unsafe {
-                self.map.unchecked_advise_range(
+                self.maps[t.shard].unchecked_advise_range(
                     memmap2::UncheckedAdvice::DontNeed,
                     start as usize,
                     (end - start) as usize,
@@ -395,13 +551,14 @@ impl GgufFile {
         }
     }
 
-    /// The whole mapped file.
+    /// The whole mapped (first) file.
     pub fn bytes(&self) -> &[u8] {
-        &self.map
+        &self.maps[0]
     }
 
+    /// Bytes of all the files (of every shard of a split model).
     pub fn file_size(&self) -> u64 {
-        self.map.len() as u64
+        self.maps.iter().map(|m| m.len() as u64).sum()
     }
 }
 

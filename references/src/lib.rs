@@ -5,6 +5,7 @@
 //! reference dequantizers and round-to-nearest quantizers ([`dequant`], [`quant`]).
 //! It depends on nothing else in the workspace.
 
+pub mod allowlist;
 pub mod config;
 pub mod dequant;
 pub mod forward;

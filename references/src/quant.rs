@@ -23,6 +23,9 @@ pub enum QuantError {
         n_elems: usize,
         block_elems: usize,
     },
+    /// A type llmdiff reads but cannot write (IQ4_NL, IQ4_XS).
+    #[error("{0}: llmdiff can read this type but has no quantizer for it")]
+    Unsupported(GgmlType),
 }
 
 /// Quantizes `src` (a whole number of blocks) to `ty`.
@@ -37,6 +40,8 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     }
     let mut out = vec![0u8; src.len() / be * ty.block_bytes()];
     let block: fn(&[f32], &mut [u8]) = match ty {
+        GgmlType::IQ4NL | GgmlType::IQ4XS => return Err(QuantError::Unsupported(ty)),
+        GgmlType::MXFP4 => quant_mxfp4,
         GgmlType::F32 => |x, y| y.copy_from_slice(&x[0].to_le_bytes()),
         GgmlType::F16 => |x, y| y.copy_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
         GgmlType::BF16 => |x, y| y.copy_from_slice(&f32_to_bf16(x[0]).to_le_bytes()),
@@ -173,6 +178,39 @@ fn quant_q5_1(x: &[f32], y: &mut [u8]) {
         qh |= (q0 >> 4) << j | (q1 >> 4) << (j + 16);
     }
     y[4..8].copy_from_slice(&qh.to_le_bytes());
+}
+
+/// gguf-py's MXFP4 quantizer: the e8m0 scale e = floor(log2(amax)) − 2 + 127 (0 for an all-zero
+/// block), d = 2^(e − 128), and each value the nearest of d·kv over the doubled e2m1 codebook
+/// (the first on a tie), nibbles as in Q4_0.
+fn quant_mxfp4(x: &[f32], y: &mut [u8]) {
+    const KV: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let e = if amax > 0.0 {
+        (amax.log2().floor() - 2.0 + 127.0).clamp(0.0, 255.0) as u8
+    } else {
+        0
+    };
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        ((e - 1) as u32) << 23
+    };
+    let d = f32::from_bits(bits);
+    let nearest = |v: f32| {
+        let mut best = (0usize, f32::INFINITY);
+        for (k, &q) in KV.iter().enumerate() {
+            let err = (d * q as f32 - v).abs();
+            if err < best.1 {
+                best = (k, err);
+            }
+        }
+        best.0 as u8
+    };
+    y[0] = e;
+    for j in 0..16 {
+        y[1 + j] = nearest(x[j]) | (nearest(x[j + 16]) << 4);
+    }
 }
 
 /// ggml `quantize_row_q8_0_ref`: d = amax / 127, q = round(x / d).
@@ -364,6 +402,34 @@ fn quant_q6_k(x: &[f32], y: &mut [u8]) {
 }
 
 #[cfg(test)]
+mod mxfp4_tests {
+    use super::*;
+    use crate::dequant::dequantize_to_vec;
+
+    /// Values on the codebook come back exactly; others within a quarter of the block max; the
+    /// scale byte is gguf-py's (amax 6 → floor(log2 6) − 2 + 127 = 127).
+    #[test]
+    fn mxfp4_round_trips() {
+        let exact: Vec<f32> = (0..32)
+            .map(|i| [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, -4.0, 6.0][i % 8])
+            .collect();
+        let q = quantize(GgmlType::MXFP4, &exact).unwrap();
+        assert_eq!(q[0], 127);
+        assert_eq!(dequantize_to_vec(GgmlType::MXFP4, &q).unwrap(), exact);
+        let x: Vec<f32> = (0..64).map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.013).collect();
+        let y = dequantize_to_vec(GgmlType::MXFP4, &quantize(GgmlType::MXFP4, &x).unwrap()).unwrap();
+        for (xb, yb) in x.chunks(32).zip(y.chunks(32)) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(
+                xb.iter().zip(yb).all(|(a, b)| (a - b).abs() <= 0.25 * amax),
+                "{xb:?} {yb:?}"
+            );
+        }
+        assert_eq!(quantize(GgmlType::MXFP4, &[0.0; 32]).unwrap(), vec![0u8; 17]);
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::dequant::dequantize_to_vec;
@@ -500,6 +566,10 @@ mod tests {
             // qhalf - 1, one step (max / qhalf) away; plus sub-scale rounding.
             GgmlType::Q3K => 0.3,
             GgmlType::Q6K => 1.0 / 32.0 + 0.01,
+            // The top step of the e2m1 codebook (8 → 12, doubled) is a quarter of the block's
+            // scale range: half of it, relative to amax ≥ 2^k, is at most 1/4.
+            GgmlType::MXFP4 => 0.25,
+            GgmlType::IQ4NL | GgmlType::IQ4XS => unreachable!("{ty} has no quantizer"),
         }
     }
 

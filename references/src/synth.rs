@@ -65,6 +65,7 @@ fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: us
         mla: None,
         moe: None,
         yarn: None,
+        rope_scaling: Default::default(),
     }
 }
 
@@ -171,6 +172,7 @@ pub fn deepseek2(
         mla: Some(mla),
         moe: Some(moe),
         yarn: None,
+        rope_scaling: Default::default(),
     }
 }
 

@@ -775,6 +775,7 @@ mod tests {
             tensors: vec![],
             alignment: 32,
             data_offset: 0,
+            allow_unknown: vec![],
         }
     }
 

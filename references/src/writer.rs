@@ -1,10 +1,12 @@
 //! GGUF v3 writer. It streams: the header and tensor directory go first, then each tensor's
 //! bytes in directory order, so a model larger than memory can be written one tensor at a time.
-//! A file it writes, read back and written again, is byte-identical.
+//! A file it writes, read back and written again, is byte-identical. [`write_split`] writes a
+//! split model (gguf-split's layout).
 
 use crate::ggml_type::GgmlType;
 use crate::gguf::{align_up, value_type, GgufFile, MetaValue, DEFAULT_ALIGNMENT};
 use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 
 /// What the directory says of one tensor before its bytes are written.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,18 +118,84 @@ impl<W: Write> GgufWriter<W> {
     }
 }
 
-/// Rewrites an open file: same metadata, directory and bytes, in llmdiff's canonical layout.
+/// Rewrites an open file: same metadata, directory and bytes, in llmdiff's canonical layout. A
+/// split model is written as one file (without its `split.*` keys).
 pub fn rewrite<W: Write>(src: &GgufFile, w: W) -> io::Result<W> {
     let specs = src
         .tensors()
         .iter()
         .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
         .collect();
-    let mut gw = GgufWriter::new(w, src.metadata(), specs)?;
+    let metadata: Vec<(String, MetaValue)> = match src.n_shards() {
+        1 => src.metadata().to_vec(),
+        _ => src
+            .metadata()
+            .iter()
+            .filter(|(k, _)| !k.starts_with("split."))
+            .cloned()
+            .collect(),
+    };
+    let mut gw = GgufWriter::new(w, &metadata, specs)?;
     for t in src.tensors() {
         gw.write_tensor(src.tensor_data(t))?;
     }
     gw.finish()
+}
+
+/// The path of shard `i` (1-based) of `n` for output prefix `prefix` (`out` → `out-00001-of-00003.gguf`),
+/// as llama.cpp's gguf-split names them.
+pub fn split_path(prefix: &Path, i: usize, n: usize) -> PathBuf {
+    let mut s = prefix.as_os_str().to_owned();
+    s.push(format!("-{i:05}-of-{n:05}.gguf"));
+    PathBuf::from(s)
+}
+
+/// Writes `src` as a split model, at most `max_tensors` tensors a shard, to
+/// [`split_path`]`(prefix, i, N)`, in gguf-split's layout: the first shard carries all the
+/// metadata, every shard `split.no` (u16), `split.count` (u16) and `split.tensors.count` (i32).
+/// Returns the paths written.
+pub fn write_split(src: &GgufFile, max_tensors: usize, prefix: &Path) -> io::Result<Vec<PathBuf>> {
+    use crate::gguf::split_key;
+    let max_tensors = max_tensors.max(1);
+    let tensors = src.tensors();
+    let n = tensors.len().div_ceil(max_tensors).max(1);
+    if n > u16::MAX as usize || tensors.len() > i32::MAX as usize {
+        return Err(io::Error::other(format!(
+            "{} tensors cannot be split {max_tensors} a shard",
+            tensors.len()
+        )));
+    }
+    let split_meta = |i: usize| {
+        vec![
+            (split_key::NO.to_string(), MetaValue::U16(i as u16)),
+            (split_key::COUNT.to_string(), MetaValue::U16(n as u16)),
+            (
+                split_key::TENSORS_COUNT.to_string(),
+                MetaValue::I32(tensors.len() as i32),
+            ),
+        ]
+    };
+    let mut paths = Vec::with_capacity(n);
+    for i in 0..n {
+        let chunk = &tensors[(i * max_tensors).min(tensors.len())..((i + 1) * max_tensors).min(tensors.len())];
+        let mut meta: Vec<(String, MetaValue)> = Vec::new();
+        if i == 0 {
+            meta.extend(src.metadata().iter().filter(|(k, _)| !k.starts_with("split.")).cloned());
+        } else if let Some(a) = src.metadata().iter().find(|(k, _)| k == "general.alignment") {
+            meta.push(a.clone());
+        }
+        meta.extend(split_meta(i));
+        let specs = chunk.iter().map(|t| TensorSpec::new(&t.name, t.ty, &t.ne)).collect();
+        let path = split_path(prefix, i + 1, n);
+        let f = std::fs::File::create(&path)?;
+        let mut gw = GgufWriter::new(io::BufWriter::new(f), &meta, specs)?;
+        for t in chunk {
+            gw.write_tensor(src.tensor_data(t))?;
+        }
+        gw.finish()?;
+        paths.push(path);
+    }
+    Ok(paths)
 }
 
 fn put_str(b: &mut Vec<u8>, s: &str) {

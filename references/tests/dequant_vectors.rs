@@ -2,6 +2,7 @@
 //! vectors in `golden/dequant/<TYPE>.bin` (made by `tests/peers/gen_dequant_vectors.py`): random
 //! blocks plus d/m = ±0, ±inf, NaN, ±65504, subnormal halves with 0x00/0xFF/random quant bytes.
 //! Bits are compared exactly; NaN matches NaN (payloads may differ between numpy and `half`).
+//! The codebook types (IQ4_NL, IQ4_XS, MXFP4; `GgmlType::DEQUANT_ONLY`) are checked the same way.
 
 use std::path::PathBuf;
 
@@ -55,7 +56,7 @@ fn same(got: u32, want: u32) -> bool {
 fn reference_dequant_is_bit_exact_against_gguf_py() {
     let mut report = Vec::new();
     let mut total_blocks = 0;
-    for ty in GgmlType::ALL {
+    for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
         let v = load(ty);
         assert!(v.n_blocks > 0);
         let got = dequantize_to_vec(v.ty, &v.src).unwrap();

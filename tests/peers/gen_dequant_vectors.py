@@ -6,6 +6,8 @@ file holds random blocks (random bytes, with the f16 d/m fields set to sane rand
 cases: d/m = +-0, +-inf, NaN (quiet, signalling, negative), +-65504, subnormal and smallest-normal
 halves, each with random, all-0x00 and all-0xFF quant bytes, plus pairs of special d and m values.
 F16 is exhaustive (all 65536 bit patterns); F32 and BF16 are random bit patterns plus specials.
+IQ4_NL and IQ4_XS are as the other quantized types (f16 d at byte 0); MXFP4 has random blocks and
+special e8m0 scale bytes (0..3, 126..129, 253..255) with random, all-0x00 and all-0xFF quant bytes.
 
 File format (all little-endian):
     magic  b"LDQV"
@@ -42,7 +44,13 @@ FIELDS = {
     T.Q4_K: (0, 2),
     T.Q5_K: (0, 2),
     T.Q6_K: (208, None),
+    # The codebook types (after the original 13, so the random stream of those is unchanged).
+    T.IQ4_NL: (0, None),
+    T.IQ4_XS: (0, None),
 }
+
+# MXFP4's scale is one e8m0 byte (2^(e-128) as gguf-py's e8m0_to_fp32_half has it), not an f16.
+E8M0_SPECIALS = [0, 1, 2, 3, 126, 127, 128, 129, 253, 254, 255]
 
 SPECIALS = [
     0x0000,  # +0
@@ -104,6 +112,22 @@ def quant_blocks(qtype, rng):
     return np.stack(blocks)
 
 
+def mxfp4_blocks(rng):
+    block_elems, block_bytes = GGML_QUANT_SIZES[T.MXFP4]
+    blocks = []
+    for _ in range(N_RANDOM[block_elems]):
+        b = rng.integers(0, 256, size=block_bytes, dtype=np.uint8)
+        b[0] = rng.integers(100, 156)
+        blocks.append(b)
+    for fill in (None, 0x00, 0xFF):
+        for e in E8M0_SPECIALS:
+            b = rng.integers(0, 256, size=block_bytes, dtype=np.uint8) if fill is None else \
+                np.full(block_bytes, fill, dtype=np.uint8)
+            b[0] = e
+            blocks.append(b)
+    return np.stack(blocks)
+
+
 def float_blocks(qtype, rng):
     if qtype == T.F16:
         return np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
@@ -129,9 +153,14 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     rng = np.random.default_rng(0x11D1FF)
     total = 0
-    for qtype in [T.F32, T.F16, T.BF16, *FIELDS]:
+    for qtype in [T.F32, T.F16, T.BF16, *FIELDS, T.MXFP4]:
         block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-        blocks = float_blocks(qtype, rng) if qtype in (T.F32, T.F16, T.BF16) else quant_blocks(qtype, rng)
+        if qtype in (T.F32, T.F16, T.BF16):
+            blocks = float_blocks(qtype, rng)
+        elif qtype == T.MXFP4:
+            blocks = mxfp4_blocks(rng)
+        else:
+            blocks = quant_blocks(qtype, rng)
         assert blocks.shape[1] == block_bytes
         bits = expected_bits(qtype, blocks)
         assert bits.size == blocks.shape[0] * block_elems

@@ -18,6 +18,7 @@ pub mod synth;
 pub mod tokenize;
 
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    crate::output::set_allow_unknown(cli.allow_unknown);
     match cli.command {
         Command::Inspect(a) => inspect::run(&a),
         Command::Synth(a) => synth::run(&a),

@@ -20,6 +20,10 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
         bail!("synth needs -o OUT.gguf")
     };
     let bytes = write_spec(&spec, a.seed, out, !a.json)?;
+    let out = &match a.split_max_tensors {
+        Some(n) => split_output(out, n as usize)?,
+        None => out.clone(),
+    };
     if a.json {
         let doc = json!({"output": out.display().to_string(), "preset": spec.name, "weight_type": quant_name(&spec),
                          "seed": a.seed, "tensor_bytes": bytes, "config": config_json(&spec.config)});
@@ -35,6 +39,18 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Splits the model just written at `out` into shards of at most `max_tensors` tensors beside it
+/// (`out` less `.gguf` is the prefix), removes `out`, and returns the first shard's path.
+fn split_output(out: &std::path::Path, max_tensors: usize) -> anyhow::Result<std::path::PathBuf> {
+    let file = references::GgufFile::open(out).with_context(|| format!("reading back {}", out.display()))?;
+    let prefix = out.with_extension("");
+    let paths = references::writer::write_split(&file, max_tensors, &prefix)
+        .with_context(|| format!("writing the shards of {}", out.display()))?;
+    drop(file);
+    std::fs::remove_file(out).with_context(|| format!("removing {}", out.display()))?;
+    Ok(paths[0].clone())
 }
 
 /// The spec's weight type, or its `_K_M` mix name.
@@ -77,6 +93,9 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
                 format!("unknown quant type {q:?} (types: {})", names.join(", "))
             })?,
         };
+        if matches!(ty, GgmlType::IQ4NL | GgmlType::IQ4XS) {
+            bail!("synth cannot write {ty}: llmdiff reads it but has no quantizer for it (MXFP4 it can)");
+        }
         spec.weight_type = ty;
         spec.embd_type = ty;
         spec.more_bits = mix.map(|_| GgmlType::Q6K);

@@ -1,4 +1,4 @@
-//! One llama block: RMSNorm, q/k/v, NORM RoPE, causal GQA, o_proj, residual, SwiGLU FFN.
+//! One llama block: RMSNorm, q/k/v, NORM RoPE (with linear or Llama 3.1 `rope_freqs` scaling), causal GQA, o_proj, residual, SwiGLU FFN.
 
 use super::{dense_ffn, emit, emit_weight, linear, ops, ForwardError, Reference};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
@@ -33,9 +33,16 @@ pub(super) fn layer(
     let mut q = linear(&h, n, &wq);
     let mut k = linear(&h, n, &wk);
     let v = linear(&h, n, &wv);
+    let freq_factors = if c.rope_scaling.freq_factors {
+        Some(r.vector("rope_freqs.weight", c.rope_dim / 2)?)
+    } else {
+        None
+    };
+    let divisor = c.rope_scaling.linear_factor.map_or(1.0, |f| f as f64);
     for (t, (q_t, k_t)) in q.chunks_mut(nh * hd).zip(k.chunks_mut(nkv * hd)).enumerate() {
-        ops::rope_norm(q_t, hd, 0, t, c.rope_dim, c.rope_base);
-        ops::rope_norm(k_t, hd, 0, t, c.rope_dim, c.rope_base);
+        for row in [q_t, k_t] {
+            ops::rope_norm_scaled(row, hd, 0, t, c.rope_dim, c.rope_base, divisor, freq_factors.as_deref());
+        }
     }
     emit(tap, key(Site::Q), &q, n);
     emit(tap, key(Site::K), &k, n);

@@ -19,7 +19,7 @@ use crate::tap::{Site, Tap, TapKey, WeightKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
-    #[error("{0}")]
+    #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
     #[error("missing tensor {0}")]
     MissingTensor(String),

@@ -220,8 +220,28 @@ pub fn rms_norm(x: &[f32], d: usize, w: &[f32], eps: f32) -> Vec<f32> {
 /// RoPE, llama.cpp's NORM style, in place on one row of heads: in each `head_dim` chunk of
 /// `row`, the `n_dims` values from `offset` rotate in pairs (2i, 2i+1) by pos·base^(−2i/n_dims).
 pub fn rope_norm(row: &mut [f32], head_dim: usize, offset: usize, pos: usize, n_dims: usize, base: f32) {
+    rope_norm_scaled(row, head_dim, offset, pos, n_dims, base, 1.0, None)
+}
+
+/// [`rope_norm`] with llama.cpp's frequency scaling: pair i's angle is
+/// pos·base^(−2i/n_dims) / (`divisor` · `freq_factors[i]`) (`divisor` is the linear scaling factor,
+/// 1 without; `freq_factors` is Llama 3.1+'s `rope_freqs.weight`, n_dims/2 long).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_norm_scaled(
+    row: &mut [f32],
+    head_dim: usize,
+    offset: usize,
+    pos: usize,
+    n_dims: usize,
+    base: f32,
+    divisor: f64,
+    freq_factors: Option<&[f32]>,
+) {
     let angles: Vec<(f64, f64)> = (0..n_dims / 2)
-        .map(|i| (pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64)).sin_cos())
+        .map(|i| {
+            let ff = freq_factors.map_or(1.0, |f| f[i] as f64);
+            (pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64) / (divisor * ff)).sin_cos()
+        })
         .collect();
     for head in row.chunks_mut(head_dim) {
         for (pair, &(sin, cos)) in head[offset..offset + n_dims].chunks_exact_mut(2).zip(&angles) {

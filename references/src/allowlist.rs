@@ -1,0 +1,360 @@
+//! What llmdiff reads of a GGUF file, per architecture: an allowlist, not a guess.
+//!
+//! Code cannot tell whether a metadata key or tensor it does not know changes the model's math,
+//! so every `{arch}.*` key and every tensor of a file is classified:
+//! - **used**: the reference reads it and honours it (the engine builds from the same config);
+//! - **skipped**: knowingly ignored, with the reason (provenance, tokenizer extras, quantization
+//!   bookkeeping, the MTP/nextn block appended after the main layers, a duplicate of used data);
+//! - **unknown**: anything else. An unknown `{arch}.*` key or tensor is refused (exit 2, naming it)
+//!   unless the user names it in [`GgufHeader::allow_unknown`] (`--allow-unknown KEY`).
+//!
+//! Keys outside `{arch}.*` (general.*, tokenizer.*, split.*, ...) are classified too, for
+//! `inspect`, but an unknown one there is not refused: it cannot change the forward pass.
+
+use crate::config::{Arch, ConfigError};
+use crate::gguf::{GgufHeader, MetaValue};
+use std::fmt;
+
+/// How llmdiff treats one key or tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Used,
+    /// Knowingly ignored; the reason.
+    Skipped(&'static str),
+    /// Outside the sets; the reason when one is known (a value llmdiff does not implement).
+    Unknown(&'static str),
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Used => "used",
+            Role::Skipped(_) => "skipped",
+            Role::Unknown(_) => "unknown",
+        }
+    }
+    pub fn reason(self) -> &'static str {
+        match self {
+            Role::Used => "",
+            Role::Skipped(r) | Role::Unknown(r) => r,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.reason() {
+            "" => f.write_str(self.name()),
+            r => write!(f, "{} ({r})", self.name()),
+        }
+    }
+}
+
+/// `{arch}.` keys the llama reference reads and honours (suffixes after the prefix).
+const LLAMA_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "vocab_size",
+];
+
+/// `{arch}.` keys the deepseek2 reference reads and honours.
+const DEEPSEEK2_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.q_lora_rank",
+    "attention.kv_lora_rank",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.key_length_mla",
+    "attention.value_length_mla",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "leading_dense_block_count",
+    "expert_count",
+    "expert_used_count",
+    "expert_shared_count",
+    "expert_feed_forward_length",
+    "expert_weights_scale",
+    "expert_weights_norm",
+    "expert_gating_func",
+    "expert_group_count",
+    "expert_group_used_count",
+    "nextn_predict_layers",
+    "vocab_size",
+];
+
+/// `{arch}.` keys knowingly ignored, per architecture, with the reason.
+const LLAMA_SKIPPED: &[(&str, &str)] = &[
+    (
+        "rope.scaling.finetuned",
+        "bookkeeping: whether the model was fine-tuned at the scaled length",
+    ),
+    (
+        "rope.scaling.original_context_length",
+        "only YaRN uses it; linear scaling and rope_freqs do not",
+    ),
+];
+const DEEPSEEK2_SKIPPED: &[(&str, &str)] = &[(
+    "rope.scaling.finetuned",
+    "bookkeeping: whether the model was fine-tuned at the scaled length",
+)];
+
+/// Keys outside `{arch}.*` that llmdiff reads.
+const OTHER_USED: &[&str] = &[
+    "general.architecture",
+    "general.alignment",
+    "split.no",
+    "split.count",
+    "split.tensors.count",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix",
+];
+
+/// Per-block tensors (`blk.N.{name}`) each architecture uses.
+const LLAMA_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+];
+const DEEPSEEK2_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_q_a.weight",
+    "attn_q_a_norm.weight",
+    "attn_q_b.weight",
+    "attn_kv_a_mqa.weight",
+    "attn_kv_a_norm.weight",
+    "attn_k_b.weight",
+    "attn_v_b.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+    "ffn_gate_inp.weight",
+    "exp_probs_b.bias",
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
+];
+
+/// The architecture a header names, if llmdiff runs it.
+pub fn arch_of(h: &GgufHeader) -> Result<Arch, ConfigError> {
+    let name = h
+        .get("general.architecture")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| ConfigError::Missing("general.architecture".into()))?;
+    match name {
+        "llama" => Ok(Arch::Llama),
+        "deepseek2" => Ok(Arch::Deepseek2),
+        other => Err(ConfigError::UnsupportedArch(other.to_string())),
+    }
+}
+
+/// The role of metadata key `key` (with its value) in a file of architecture `arch`.
+pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
+    let prefix = format!("{}.", arch.name());
+    let Some(suffix) = key.strip_prefix(&prefix) else {
+        return classify_other_key(key);
+    };
+    let (used, skipped) = match arch {
+        Arch::Llama => (LLAMA_USED, LLAMA_SKIPPED),
+        Arch::Deepseek2 => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
+    };
+    if let Some((_, why)) = skipped.iter().find(|(k, _)| *k == suffix) {
+        return Role::Skipped(why);
+    }
+    if used.contains(&suffix) {
+        return Role::Used;
+    }
+    // deepseek2's YaRN: the reference applies its attention scale (mscale, from the factor and
+    // the log multiplier) but not its frequency interpolation, so a scaling type other than
+    // "none" is not honoured (one `--allow-unknown deepseek2.rope.scaling.type` runs it anyway).
+    if arch == Arch::Deepseek2 && suffix.starts_with("rope.scaling.") {
+        return match suffix {
+            "rope.scaling.type" if value.as_str() == Some("none") => Role::Used,
+            "rope.scaling.type" => {
+                Role::Unknown("YaRN's frequency interpolation is not implemented, only its attention scale")
+            }
+            "rope.scaling.factor" | "rope.scaling.original_context_length" | "rope.scaling.yarn_log_multiplier" => {
+                Role::Used
+            }
+            _ => Role::Unknown(""),
+        };
+    }
+    Role::Unknown("")
+}
+
+fn classify_other_key(key: &str) -> Role {
+    if OTHER_USED.contains(&key) {
+        return Role::Used;
+    }
+    if key.starts_with("general.") {
+        return Role::Skipped("provenance");
+    }
+    if key.starts_with("quantize.") {
+        return Role::Skipped("quantization bookkeeping");
+    }
+    if key.starts_with("tokenizer.chat_template") {
+        return Role::Skipped("chat template: llmdiff feeds raw token ids");
+    }
+    if key.starts_with("tokenizer.ggml.") && key.ends_with("_token_id") {
+        return Role::Skipped("a special token llmdiff does not insert");
+    }
+    if key.starts_with("tokenizer.ggml.add_") {
+        return Role::Skipped("a special token llmdiff does not insert");
+    }
+    Role::Unknown("")
+}
+
+/// The role of tensor `name` in a file of architecture `arch` with `block_count` blocks, of which
+/// the first `n_layers` are the model's (the rest are the MTP/nextn block).
+pub fn classify_tensor(arch: Arch, block_count: usize, n_layers: usize, name: &str) -> Role {
+    match name {
+        "token_embd.weight" | "output_norm.weight" | "output.weight" => return Role::Used,
+        "rope_freqs.weight" if arch == Arch::Llama => return Role::Used,
+        _ => {}
+    }
+    let Some(rest) = name.strip_prefix("blk.") else {
+        return Role::Unknown("");
+    };
+    let Some((idx, tail)) = rest.split_once('.') else {
+        return Role::Unknown("");
+    };
+    let Ok(idx) = idx.parse::<usize>() else {
+        return Role::Unknown("");
+    };
+    if idx >= block_count {
+        return Role::Unknown("block index past block_count");
+    }
+    if idx >= n_layers {
+        return Role::Skipped("MTP/nextn block (speculative-decoding head, not the model)");
+    }
+    let block = match arch {
+        Arch::Llama => LLAMA_BLOCK_TENSORS,
+        Arch::Deepseek2 => DEEPSEEK2_BLOCK_TENSORS,
+    };
+    if block.contains(&tail) {
+        return Role::Used;
+    }
+    if arch == Arch::Deepseek2 && tail == "attn_kv_b.weight" {
+        return Role::Skipped("the same weights as attn_k_b and attn_v_b, which are used");
+    }
+    Role::Unknown("")
+}
+
+/// Every key and tensor of a header with its role.
+pub struct Audit {
+    pub arch: Arch,
+    pub keys: Vec<(String, Role)>,
+    pub tensors: Vec<(String, Role)>,
+}
+
+/// `block_count` and the number of model layers (block_count less `nextn_predict_layers`).
+pub fn layer_counts(h: &GgufHeader, arch: Arch) -> (usize, usize) {
+    let get = |k: &str| {
+        h.get(&format!("{}.{k}", arch.name()))
+            .and_then(|v| v.as_u64())
+            .map_or(0, |v| v.min(u32::MAX as u64) as usize)
+    };
+    let blocks = get("block_count");
+    let nextn = if arch == Arch::Deepseek2 {
+        get("nextn_predict_layers")
+    } else {
+        0
+    };
+    (blocks, blocks.saturating_sub(nextn))
+}
+
+/// Classifies every key and tensor of `h`.
+pub fn audit(h: &GgufHeader) -> Result<Audit, ConfigError> {
+    let arch = arch_of(h)?;
+    let (blocks, layers) = layer_counts(h, arch);
+    Ok(Audit {
+        arch,
+        keys: h
+            .metadata
+            .iter()
+            .map(|(k, v)| (k.clone(), classify_key(arch, k, v)))
+            .collect(),
+        tensors: h
+            .tensors
+            .iter()
+            .map(|t| (t.name.clone(), classify_tensor(arch, blocks, layers, &t.name)))
+            .collect(),
+    })
+}
+
+fn note(why: &str) -> String {
+    match why {
+        "" => String::new(),
+        w => format!(" ({w})"),
+    }
+}
+
+/// Refuses the first unknown `{arch}.*` key or tensor not named in `h.allow_unknown`.
+pub fn check(h: &GgufHeader) -> Result<(), ConfigError> {
+    let a = audit(h)?;
+    let prefix = format!("{}.", a.arch.name());
+    let allowed = |name: &str| h.allow_unknown.iter().any(|k| k == name);
+    for (k, role) in &a.keys {
+        if let Role::Unknown(why) = role {
+            if k.starts_with(&prefix) && !allowed(k) {
+                return Err(ConfigError::Unknown {
+                    what: "metadata key",
+                    name: k.clone(),
+                    arch: a.arch.name(),
+                    note: note(why),
+                });
+            }
+        }
+    }
+    for (t, role) in &a.tensors {
+        if let Role::Unknown(why) = role {
+            if !allowed(t) {
+                return Err(ConfigError::Unknown {
+                    what: "tensor",
+                    name: t.clone(),
+                    arch: a.arch.name(),
+                    note: note(why),
+                });
+            }
+        }
+    }
+    Ok(())
+}
