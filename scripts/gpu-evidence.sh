@@ -12,7 +12,7 @@
 #   check    `kernels --check`: every kernel against the CPU engine
 #   healthy  diff-layers on CUDA, 3 presets x TP x prefill/decode: every case must agree
 #   faults   the fault catalog on CUDA and on the CPU engine: the same verdict, tap and class
-#   bench    `bench` on smollm2-135m, the 8B llama shape in Q4_K and Q4_K_M; with OLD, both
+#   bench    `bench` on smollm2-135m, the 8B llama shape in Q4_K and Q4_K_M (BENCH_MODELS picks); with OLD, both
 #            binaries interleaved over ROUNDS (default 2; A B, then B A) so drift cancels
 #   diff8b   diff-layers on the 8B shape, timed
 #   kbench   `kernels --bench`: GEMVs against the copy bandwidth, prefill GEMM, attention
@@ -87,14 +87,17 @@ bench() { # label binary model
     | $S tag $1 $3 >>$OUT/bench.jsonl
 }
 if on bench; then
-  say "synth 8B Q4_K_M"
-  timeout 150 $B synth $SHAPE8B --quant Q4_K_M --seed 3 -o $M/8b-q4km.gguf >/dev/null
+  BENCH_MODELS=${BENCH_MODELS:-8b 8b-q4km smollm2-135m}
+  case " $BENCH_MODELS " in *" 8b-q4km "*)
+    say "synth 8B Q4_K_M"
+    timeout 150 $B synth $SHAPE8B --quant Q4_K_M --seed 3 -o $M/8b-q4km.gguf >/dev/null ;;
+  esac
   say "model bench${OLD:+, new and old interleaved}"
   for r in $(seq ${ROUNDS:-$([ -n "${OLD:-}" ] && echo 2 || echo 1)}); do
     order="new"; [ -n "${OLD:-}" ] && { order="new old"; [ $((r % 2)) = 0 ] && order="old new"; }
     for who in $order; do
       bin=$B; [ $who = old ] && bin=$OLD
-      for m in 8b 8b-q4km smollm2-135m; do bench $who $bin $m; done
+      for m in $BENCH_MODELS; do bench $who $bin $m; done
     done
   done
   $S bench $OUT/bench.jsonl | tee -a $LOG
