@@ -11,9 +11,10 @@
 # `llmdiff synth`, so nothing else is needed. LLMDIFF=path overrides the binary. Steps (STEPS, space-separated; default all but peers):
 #   check    `kernels --check`: every kernel against the CPU engine
 #   healthy  diff-layers on CUDA, 3 presets x TP x prefill/decode: every case must agree
-#   faults   the fault catalog on CUDA and on the CPU engine: the same verdict, tap and class
 #   bench    `bench` on smollm2-135m, the 8B llama shape in Q4_K and Q4_K_M (BENCH_MODELS picks); with OLD, both
 #            binaries interleaved over ROUNDS (default 2; A B, then B A) so drift cancels
+#   faults   the fault catalog on CUDA and on the CPU engine: the same verdict, tap and class
+#            (FAULT_MODELS picks the model:TP pairs)
 #   diff8b   diff-layers on the 8B shape, timed
 #   kbench   `kernels --bench`: GEMVs against the copy bandwidth, prefill GEMM, attention
 #   nccl     (2+ GPUs) TP 2 on real ranks (--ranks nccl) against simulated ranks
@@ -65,23 +66,6 @@ if on healthy; then
   $S healthy $OUT/healthy.txt | tee -a $LOG
 fi
 
-if on faults; then
-  say "fault matrix, cuda against cpu"
-  FAULTS=${FAULTS:-phantom-attn-out kv-b-unsharded kv-b-shard-swap k-b-untransposed dequant-q4k-scale-min f16-residual
-    allreduce-skip rope-neox moe-gate-rounded stale-attn-out config-drift kv-slot-off-by-one}
-  for m in deepseek-v3-mini:2 llama-tiny:2 llama-tiny:1; do
-    p=${m%%:*}; tp=${m##*:}
-    for f in $FAULTS; do
-      x=""; [ $f = kv-slot-off-by-one ] && x="--decode-steps 2"
-      for be in cuda cpu; do
-        timeout 60 $B diff-layers $M/$p-q4k.gguf --tokens $TOK --backend $be --tp $tp --inject $f $x --json >$W/f/$be.json 2>$W/f/$be.err
-      done
-      echo "$p tp$tp $f $($S same $W/f)" >>$OUT/faults.txt
-    done
-  done
-  $S faults $OUT/faults.txt | tee -a $LOG
-fi
-
 bench() { # label binary model
   timeout 150 $2 bench $M/$3.gguf --backend cuda --n-prompt 512 --n-decode 48 --reps 2 --json 2>>$OUT/stderr.txt \
     | $S tag $1 $3 >>$OUT/bench.jsonl
@@ -101,6 +85,23 @@ if on bench; then
     done
   done
   $S bench $OUT/bench.jsonl | tee -a $LOG
+fi
+
+if on faults; then
+  say "fault matrix, cuda against cpu"
+  FAULTS=${FAULTS:-phantom-attn-out kv-b-unsharded kv-b-shard-swap k-b-untransposed dequant-q4k-scale-min f16-residual
+    allreduce-skip rope-neox moe-gate-rounded stale-attn-out config-drift kv-slot-off-by-one}
+  for m in ${FAULT_MODELS:-deepseek-v3-mini:2 llama-tiny:2 llama-tiny:1}; do
+    p=${m%%:*}; tp=${m##*:}
+    for f in $FAULTS; do
+      x=""; [ $f = kv-slot-off-by-one ] && x="--decode-steps 2"
+      for be in cuda cpu; do
+        timeout 60 $B diff-layers $M/$p-q4k.gguf --tokens $TOK --backend $be --tp $tp --inject $f $x --json >$W/f/$be.json 2>$W/f/$be.err
+      done
+      echo "$p tp$tp $f $($S same $W/f)" >>$OUT/faults.txt
+    done
+  done
+  $S faults $OUT/faults.txt | tee -a $LOG
 fi
 
 if on diff8b; then

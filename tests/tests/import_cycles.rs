@@ -11,6 +11,8 @@
 //! `mod.rs` defines, which is how an `impl` is split over files). A parent that uses its child's
 //! items is an edge, so a child and a sibling of its parent that use each other close a cycle.
 //! Comments and strings are not read.
+//!
+//! Beside it: no Rust source file of a crate is over 1,200 lines (split by responsibility instead).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -649,6 +651,26 @@ fn no_import_cycles_among_a_crates_files() {
         "import cycles among a crate's files:\n  {}",
         report.join("\n  ")
     );
+}
+
+/// A file over this many lines does more than one job: split it by responsibility.
+const MAX_LINES: usize = 1200;
+
+#[test]
+fn no_source_file_is_over_the_line_limit() {
+    let ws = workspace_root();
+    let mut over = Vec::new();
+    for krate in ["references", "engine", "harness", "reports", "tests"] {
+        let mut files = BTreeSet::new();
+        rs_files(&ws.join(krate), &mut files);
+        for f in files {
+            let n = std::fs::read_to_string(&f).unwrap().lines().count();
+            if n > MAX_LINES {
+                over.push(format!("{} ({n} lines)", f.display()));
+            }
+        }
+    }
+    assert!(over.is_empty(), "files over {MAX_LINES} lines:\n  {}", over.join("\n  "));
 }
 
 /// The checker itself, on a crate written here: it must see a cycle through a `mod.rs` folder, a
