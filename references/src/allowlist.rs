@@ -11,7 +11,7 @@
 //! Keys outside `{arch}.*` (general.*, tokenizer.*, split.*, ...) are classified too, for
 //! `inspect`, but an unknown one there is not refused: it cannot change the forward pass.
 
-use crate::config::{Arch, ConfigError};
+use crate::arch::{Arch, ConfigError};
 use crate::gguf::{GgufHeader, MetaValue};
 use std::fmt;
 

@@ -4,38 +4,7 @@
 
 use crate::gguf::{GgufHeader, MetaValue};
 
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("missing metadata key {0}")]
-    Missing(String),
-    #[error("metadata key {key}: {msg}")]
-    Bad { key: String, msg: String },
-    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2 and other dense GQA models in the llama layout) and deepseek2 (DeepSeek-V2/V3-style MLA + MoE)")]
-    UnsupportedArch(String),
-    #[error("unknown {what} {name:?} in a {arch} file{note}: llmdiff cannot tell whether it changes the model (--allow-unknown {name} runs anyway, at your risk)")]
-    Unknown {
-        what: &'static str,
-        name: String,
-        arch: &'static str,
-        /// Empty, or " (why)" when the reason is known.
-        note: String,
-    },
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Deepseek2,
-}
-
-impl Arch {
-    pub fn name(self) -> &'static str {
-        match self {
-            Arch::Llama => "llama",
-            Arch::Deepseek2 => "deepseek2",
-        }
-    }
-}
+pub use crate::arch::{Arch, ConfigError};
 
 /// MoE router scoring function (`expert_gating_func`: 1 softmax, 2 sigmoid).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

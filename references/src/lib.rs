@@ -6,6 +6,7 @@
 //! It depends on nothing else in the workspace.
 
 pub mod allowlist;
+pub mod arch;
 pub mod config;
 pub mod dequant;
 pub mod forward;
