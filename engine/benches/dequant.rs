@@ -35,6 +35,20 @@ fn make_src(ty: GgmlType, n_elems: usize) -> Vec<u8> {
         GgmlType::Q3K => &[108],
         GgmlType::Q6K => &[208],
         GgmlType::IQ4NL | GgmlType::IQ4XS => &[0],
+        GgmlType::IQ1S | GgmlType::IQ2XXS | GgmlType::IQ2XS | GgmlType::IQ2S => &[0],
+        GgmlType::IQ3XXS | GgmlType::IQ3S => &[0],
+        GgmlType::TQ1_0 => &[52],
+        GgmlType::TQ2_0 => &[64],
+        GgmlType::IQ1M => {
+            // d is the top nibbles of the four u16 scale words (bytes 48..56): a small finite one.
+            for b in src.chunks_exact_mut(56) {
+                let d = half::f16::from_f32(0.01 + (b[0] % 16) as f32 * 1e-3).to_bits();
+                for i in 0..4 {
+                    b[49 + 2 * i] = (b[49 + 2 * i] & 0x0F) | ((((d >> (4 * i)) & 0xF) as u8) << 4);
+                }
+            }
+            &[]
+        }
         GgmlType::MXFP4 => {
             for b in src.chunks_exact_mut(17) {
                 b[0] = 120 + b[0] % 8; // e8m0 scales near 1
@@ -66,7 +80,7 @@ fn make_src(ty: GgmlType, n_elems: usize) -> Vec<u8> {
 fn bench(c: &mut Criterion) {
     let n = n_elems();
     let mut dst = vec![0.0f32; n];
-    for ty in GgmlType::ALL {
+    for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
         let src = make_src(ty, n);
         let mut g = c.benchmark_group(format!("dequant/{}", ty.name()));
         g.throughput(Throughput::Elements(n as u64));
@@ -98,10 +112,10 @@ fn best_of_table() {
     let reps = 30;
     println!("\nbest of {reps}, {n} elements, single thread:");
     println!(
-        "{:5} {:>12} {:>12} {:>8}",
+        "{:7} {:>12} {:>12} {:>8}",
         "type", "ref Gelem/s", "fast Gelem/s", "fast/ref"
     );
-    for ty in GgmlType::ALL {
+    for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
         let src = make_src(ty, n);
         let mut best = |f: &mut dyn FnMut(&[u8], &mut [f32])| {
             (0..reps)
@@ -115,7 +129,7 @@ fn best_of_table() {
         let r = best(&mut |s, d| references::dequant::dequantize(ty, s, d).unwrap());
         let e = best(&mut |s, d| engine::dequant::dequantize(ty, s, d).unwrap());
         println!(
-            "{:5} {:>12.3} {:>12.3} {:>8.1}",
+            "{:7} {:>12.3} {:>12.3} {:>8.1}",
             ty.name(),
             n as f64 / r / 1e9,
             n as f64 / e / 1e9,

@@ -15,7 +15,7 @@
 //! Custom ops with caller-allocated outputs (attention, the MoE mix) are composed in the model
 //! code from these primitives; their output-buffer contract lives there, not here.
 
-use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::moe_route::{route, Route};
 use half::f16;
 use references::config::MoeConfig;
@@ -184,8 +184,9 @@ pub trait Backend: Send + Sync {
     fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route> {
         route(&self.download(logits), n_exp, m, bias, scale)
     }
-    /// RoPE in place; row i is at position `pos0 + i`.
-    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+    /// RoPE in place; row i is at position `pos0 + i`; pair i's angle divided as `freqs` says
+    /// (Llama 3.1+'s per-pair factors, a linear factor; [`RopeFreqs::default`] for none).
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>);
     /// RoPE on a layer's q and k, rows at the same positions: `rope` on each (one launch on CUDA).
     #[allow(clippy::too_many_arguments)]
     fn rope_qk(
@@ -197,14 +198,23 @@ pub trait Backend: Send + Sync {
         pos0: usize,
         base: f32,
         style: RopeStyle,
+        freqs: RopeFreqs<'_>,
     ) {
-        self.rope(q, q_layout, pos0, base, style);
-        self.rope(k, k_layout, pos0, base, style);
+        self.rope(q, q_layout, pos0, base, style, freqs);
+        self.rope(k, k_layout, pos0, base, style, freqs);
     }
     /// `rope_qk`, then the new rows of k (after RoPE) and of v appended to their caches at
     /// `pos0` (`kv_write` without a slot shift): one launch on CUDA. k's rows are
     /// `rope.k.n_heads·head_stride` wide, v's `v_width`; `caches` = [k cache, v cache].
-    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        k: &mut Buf,
+        v: &Buf,
+        v_width: usize,
+        rope: QkRope<'_>,
+        caches: [&mut Buf; 2],
+    ) {
         rope_qk_then_append(self, q, k, v, v_width, rope, caches)
     }
     /// A GQA layer's q, k and v products (`linear_many` of `ws` into `outs`), then
@@ -216,7 +226,7 @@ pub trait Backend: Send + Sync {
         n: usize,
         ws: [WeightRef<'_>; 3],
         outs: [&mut Buf; 3],
-        rope: QkRope,
+        rope: QkRope<'_>,
         caches: [&mut Buf; 2],
     ) {
         let [q, k, v] = outs;
@@ -340,11 +350,11 @@ pub(crate) fn rope_qk_then_append<B: Backend + ?Sized>(
     k: &mut Buf,
     v: &Buf,
     v_width: usize,
-    rope: QkRope,
+    rope: QkRope<'_>,
     caches: [&mut Buf; 2],
 ) {
     let [kc, vc] = caches;
-    be.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style);
+    be.rope_qk(q, rope.q, k, rope.k, rope.pos0, rope.base, rope.style, rope.freqs);
     be.kv_write(kc, k, rope.k.n_heads * rope.k.head_stride, rope.pos0, rope.pos0);
     be.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
 }
@@ -432,8 +442,8 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf) {
         cpu_ops::rms_norm(h(x), weight, eps, hm(out))
     }
-    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
-        cpu_ops::rope(hm(x), layout, pos0, base, style)
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>) {
+        cpu_ops::rope_scaled(hm(x), layout, pos0, base, style, freqs)
     }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         cpu_ops::swiglu(hm(gate), h(up))

@@ -280,15 +280,16 @@ pub struct RopeLayout {
     pub rope_dim: usize,
 }
 
-/// A GQA layer's RoPE in one step: q's and k's layouts, rows at positions `pos0 ..`, the base and
-/// the pair style (see `Backend::rope_qk_cache`).
+/// A GQA layer's RoPE in one step: q's and k's layouts, rows at positions `pos0 ..`, the base,
+/// the pair style and the frequency scaling (see `Backend::rope_qk_cache`).
 #[derive(Clone, Copy, Debug)]
-pub struct QkRope {
+pub struct QkRope<'a> {
     pub q: RopeLayout,
     pub k: RopeLayout,
     pub pos0: usize,
     pub base: f32,
     pub style: RopeStyle,
+    pub freqs: RopeFreqs<'a>,
 }
 
 /// RoPE on `x` (`[n, n_heads·head_stride]`), row `i` at position `pos0 + i`, with
@@ -304,6 +305,13 @@ pub fn rope(x: &mut [f32], layout: RopeLayout, pos0: usize, base: f32, style: Ro
 pub struct RopeFreqs<'a> {
     pub divisor: f32,
     pub factors: Option<&'a [f32]>,
+}
+
+impl RopeFreqs<'_> {
+    /// True when no pair's angle is scaled (the plain rotation).
+    pub fn is_none(&self) -> bool {
+        self.divisor == 1.0 && self.factors.is_none()
+    }
 }
 
 impl Default for RopeFreqs<'_> {

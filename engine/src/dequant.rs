@@ -11,11 +11,16 @@
 //! contracts `a * b + c` into a fused multiply-add, even with FMA enabled, so vectorizing changes
 //! nothing. Only NaN payloads may differ.
 //!
+//! The codebook, lattice and ternary types (IQ4_NL, IQ4_XS, MXFP4, IQ1_S/M, IQ2_XXS/XS/S,
+//! IQ3_XXS/S, TQ1_0, TQ2_0) have no SIMD kernels yet: the plain per-type functions in `scalar`.
+//!
 //! Also here: [`dequantize_par`] (rayon, chunks of whole blocks) and [`dot_row`], a dot product of a
 //! quantized row with an f32 vector that dequantizes on the fly, for the engine's quantized matmul.
 
 use rayon::prelude::*;
 pub use references::dequant::DequantError;
+
+mod scalar;
 use references::GgmlType;
 
 /// Dequantizes `dst.len()` elements of type `ty` from `src` (single thread).
@@ -142,7 +147,18 @@ mod x86 {
             GgmlType::Q5K => blocks(src, dst, |x, y| q5_k_avx512(x, y)),
             GgmlType::Q6K => blocks(src, dst, |x, y| q6_k_avx512(x, y)),
             GgmlType::F32 | GgmlType::BF16 => run_generic(ty, src, dst),
-            GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => run_codebook(ty, src, dst),
+            GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::MXFP4
+            | GgmlType::IQ1S
+            | GgmlType::IQ1M
+            | GgmlType::IQ2XXS
+            | GgmlType::IQ2XS
+            | GgmlType::IQ2S
+            | GgmlType::IQ3XXS
+            | GgmlType::IQ3S
+            | GgmlType::TQ1_0
+            | GgmlType::TQ2_0 => scalar::run(ty, src, dst),
         }
     }
 
@@ -422,7 +438,18 @@ fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         GgmlType::Q4K => blocks(src, dst, q4_k),
         GgmlType::Q5K => blocks(src, dst, q5_k),
         GgmlType::Q6K => blocks(src, dst, q6_k),
-        GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => run_codebook(ty, src, dst),
+        GgmlType::IQ4NL
+        | GgmlType::IQ4XS
+        | GgmlType::MXFP4
+        | GgmlType::IQ1S
+        | GgmlType::IQ1M
+        | GgmlType::IQ2XXS
+        | GgmlType::IQ2XS
+        | GgmlType::IQ2S
+        | GgmlType::IQ3XXS
+        | GgmlType::IQ3S
+        | GgmlType::TQ1_0
+        | GgmlType::TQ2_0 => scalar::run(ty, src, dst),
     }
     // The unblocked float types: the tail of fewer than 16 elements.
     let tail = dst.len() % 16;
@@ -438,12 +465,6 @@ fn run_generic(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             };
         }
     }
-}
-
-/// The codebook types (IQ4_NL, IQ4_XS, MXFP4): the reference's scalar dequantizer, which is
-/// bit-exact against gguf-py (no SIMD kernels yet). Lengths are already checked.
-fn run_codebook(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
-    references::dequant::dequantize(ty, src, dst).expect("lengths checked by the caller");
 }
 
 #[inline(always)]
@@ -729,6 +750,10 @@ mod tests {
             GgmlType::Q2K => &[80, 82],
             GgmlType::Q3K => &[108],
             GgmlType::Q6K => &[208],
+            GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::IQ1S | GgmlType::IQ2XXS | GgmlType::IQ2XS => &[0],
+            GgmlType::IQ2S | GgmlType::IQ3XXS | GgmlType::IQ3S => &[0],
+            GgmlType::TQ1_0 => &[52],
+            GgmlType::TQ2_0 => &[64],
             _ => &[],
         }
     }
@@ -770,7 +795,7 @@ mod tests {
     #[test]
     fn fast_path_is_bit_exact_against_reference_for_every_type() {
         let mut rng = Rng(0xDE0A);
-        for ty in GgmlType::ALL {
+        for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
             // Odd counts, so the float types exercise their unrolled tail.
             let n_blocks = if ty.is_quantized() { 203 } else { 4099 };
             let src = random_src(ty, n_blocks, &mut rng);
@@ -801,7 +826,7 @@ mod tests {
         // n_blocks, the blocks, then gguf-py's f32 bits.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/dequant");
         let mut n_checked = 0;
-        for ty in GgmlType::ALL {
+        for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
             let bytes = std::fs::read(dir.join(format!("{}.bin", ty.name()))).expect("golden vectors");
             let word = |i: usize| u32::from_le_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
             assert_eq!((&bytes[..4], word(8)), (&b"LDQV"[..], ty.id()));
@@ -860,7 +885,7 @@ mod tests {
     #[test]
     fn dot_row_matches_reference_dequant_and_f64_dot() {
         let mut rng = Rng(99);
-        for ty in GgmlType::ALL {
+        for ty in GgmlType::ALL.into_iter().chain(GgmlType::DEQUANT_ONLY) {
             let n = if ty.is_quantized() { 8 * ty.block_elems() } else { 1000 };
             // Sane scales only: fully random bytes would give inf/NaN dots.
             let mut src = rng.bytes(ty.bytes_for(n as u64).unwrap() as usize);

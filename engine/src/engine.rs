@@ -152,16 +152,21 @@ fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
     }
 }
 
-/// Refuses RoPE frequency scaling (linear, Llama 3.1+'s `rope_freqs.weight`) until the backends'
-/// rope takes it: `kernels::rope_scaled` has the CPU op; `Backend::rope`/`rope_qk` and the CUDA
-/// kernels do not pass the factors yet. A refusal, never a silently different model.
-fn check_rope_scaling(c: &ModelConfig) -> Result<(), EngineError> {
-    if c.rope_scaling.is_none() {
+/// Refuses RoPE frequency scaling (linear, Llama 3.1+'s `rope_freqs.weight`) on the CUDA backend:
+/// the backend trait carries the factors and the CPU backend applies them, but the CUDA kernels'
+/// rope tables do not take them yet. A refusal, never a silently different model.
+fn check_rope_scaling(c: &ModelConfig, backend: BackendKind) -> Result<(), EngineError> {
+    if c.rope_scaling.is_none() || backend == BackendKind::Cpu {
         return Ok(());
     }
+    let what = match (c.rope_scaling.freq_factors, c.rope_scaling.linear_factor) {
+        (true, Some(f)) => format!("per-pair factors (rope_freqs.weight) and linear factor {f}"),
+        (true, None) => "per-pair factors (rope_freqs.weight)".to_string(),
+        (false, Some(f)) => format!("linear factor {f}"),
+        (false, None) => unreachable!("is_none() handled above"),
+    };
     Err(EngineError::Unsupported(format!(
-        "rope frequency scaling ({:?}) is not wired into the engine yet (the reference applies it)",
-        c.rope_scaling
+        "RoPE frequency scaling ({what}) is not implemented in the cuda backend's kernels; use --backend cpu"
     )))
 }
 
@@ -223,6 +228,9 @@ fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) ->
 impl Engine {
     /// Loads `file` sharded over `opts.tp` ranks, with `opts.faults` injected.
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
+        let config = ModelConfig::from_header(&file.header)?;
+        check_shapes(&config)?;
+        check_rope_scaling(&config, opts.backend)?;
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
@@ -234,9 +242,6 @@ impl Engine {
                 ))
             }
         };
-        let config = ModelConfig::from_header(&file.header)?;
-        check_shapes(&config)?;
-        check_rope_scaling(&config)?;
         check_tp(&config, opts.tp)?;
         for spec in &opts.faults {
             check_fault(spec, file, &config, opts.tp)?;

@@ -9,7 +9,7 @@
 //! here is a backend [`Buf`] (device memory on CUDA); taps download only what is wanted.
 
 use crate::backend::{Backend, Buf};
-use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle};
+use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle};
 use crate::fault::{Fault, FaultSet};
 use crate::moe_route::Route;
 use crate::taps::{Emit, RankTaps, TapPlan};
@@ -162,9 +162,16 @@ fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: Nor
     }
 }
 
-/// A GQA layer's RoPE (every head rotating `rope_dim` from its start) and attention shape on a
-/// rank whose q and k have `q_rows` and `k_rows` rows.
-fn gqa_rope_shape(ctx: &StepCtx<'_>, hy: &Hyper, q_rows: usize, k_rows: usize) -> (QkRope, GqaShape) {
+/// A GQA layer's RoPE (every head rotating `rope_dim` from its start, with the model's frequency
+/// scaling: the linear factor and `factors`, the rank's copy of `rope_freqs.weight`) and attention
+/// shape on a rank whose q and k have `q_rows` and `k_rows` rows.
+fn gqa_rope_shape<'f>(
+    ctx: &StepCtx<'_>,
+    hy: &Hyper,
+    q_rows: usize,
+    k_rows: usize,
+    factors: Option<&'f [f32]>,
+) -> (QkRope<'f>, GqaShape) {
     let c = ctx.config;
     let hd = c.head_dim;
     let (h_r, kv_r) = (q_rows / hd, k_rows / hd);
@@ -180,6 +187,10 @@ fn gqa_rope_shape(ctx: &StepCtx<'_>, hy: &Hyper, q_rows: usize, k_rows: usize) -
         pos0: ctx.pos0,
         base: hy.rope_base,
         style: hy.rope_style,
+        freqs: RopeFreqs {
+            divisor: c.rope_scaling.linear_factor.unwrap_or(1.0),
+            factors,
+        },
     };
     let shape = GqaShape {
         n_heads: h_r,
@@ -309,14 +320,17 @@ impl Rank {
         let out_width;
         match &lw.attn {
             AttnShard::Gqa { q, k, v } => {
-                let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows);
+                let factors = self.shard.rope_freqs.as_deref().map(Vec::as_slice);
+                let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows, factors);
                 let mut qv = be.alloc(n * q.rows);
                 let mut kv = be.alloc(n * k.rows);
                 let mut vv = be.alloc(n * v.rows);
                 let ws = [q.view(), k.view(), v.view()];
                 if off_by_one {
                     be.linear_many(&h, n, &ws, &mut [&mut qv, &mut kv, &mut vv]);
-                    be.rope_qk(&mut qv, rope.q, &mut kv, rope.k, rope.pos0, rope.base, rope.style);
+                    be.rope_qk(
+                        &mut qv, rope.q, &mut kv, rope.k, rope.pos0, rope.base, rope.style, rope.freqs,
+                    );
                     cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, true);
                     cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, true);
                 } else {
@@ -393,6 +407,8 @@ impl Rank {
                     ctx.pos0,
                     hy.rope_base,
                     hy.rope_style,
+                    // The config refuses frequency scaling for MLA (deepseek2's YaRN is refused).
+                    RopeFreqs::default(),
                 );
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::KPe, &k_pe, rope, Emit::Replicated);

@@ -204,6 +204,9 @@ pub struct RankShard {
     pub vocab_range: Range<usize>,
     pub layers: Vec<LayerShard>,
     pub output_norm: Arc<Vec<f32>>,
+    /// Llama 3.1+'s per-pair RoPE frequency factors (`rope_freqs.weight`, `[rope_dim / 2]`),
+    /// replicated; None when the model has none.
+    pub rope_freqs: Option<Arc<Vec<f32>>>,
     /// lm_head rows `[V_r, d]`; the embedding shard when the embeddings are tied.
     pub lm_head: Linear,
 }
@@ -525,6 +528,11 @@ impl<'a> Loader<'a> {
             self.column("output.weight", d, c.vocab, vocab_range.clone(), global_q4k)?
         };
         let output_norm = self.replicated("output_norm.weight", &[d], false)?;
+        let rope_freqs = if c.rope_scaling.freq_factors {
+            Some(self.replicated("rope_freqs.weight", &[c.rope_dim / 2], false)?)
+        } else {
+            None
+        };
         let layers = (0..c.n_layers)
             .map(|layer_idx| self.load_layer(layer_idx, rank_idx))
             .collect::<Result<Vec<_>, _>>()?;
@@ -534,6 +542,7 @@ impl<'a> Loader<'a> {
             vocab_range,
             layers,
             output_norm,
+            rope_freqs,
             lm_head,
         })
     }

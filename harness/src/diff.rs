@@ -408,6 +408,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
         taps: rows,
         unmatched,
         missing: Vec::new(),
+        allow_unknown: plan.file.header.allow_unknown.clone(),
         repro: plan.repro.clone(),
         routing: cmp
             .routing

@@ -19,6 +19,8 @@ use crate::ggml_type::{GgmlType, QK_K};
 use half::f16;
 use rayon::prelude::*;
 
+mod iq;
+
 /// Why a buffer could not be dequantized.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DequantError {
@@ -82,6 +84,15 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), Dequa
         GgmlType::IQ4NL => block_iq4_nl,
         GgmlType::IQ4XS => block_iq4_xs,
         GgmlType::MXFP4 => block_mxfp4,
+        GgmlType::IQ1S => iq::block_iq1_s,
+        GgmlType::IQ1M => iq::block_iq1_m,
+        GgmlType::IQ2XXS => iq::block_iq2_xxs,
+        GgmlType::IQ2XS => iq::block_iq2_xs,
+        GgmlType::IQ2S => iq::block_iq2_s,
+        GgmlType::IQ3XXS => iq::block_iq3_xxs,
+        GgmlType::IQ3S => iq::block_iq3_s,
+        GgmlType::TQ1_0 => iq::block_tq1_0,
+        GgmlType::TQ2_0 => iq::block_tq2_0,
     };
     for (x, y) in src
         .chunks_exact(ty.block_bytes())

@@ -25,6 +25,24 @@ pub enum GgmlType {
     IQ4XS,
     /// OCP microscaling FP4 (e2m1 values, an e8m0 power-of-two scale per 32): gpt-oss's experts.
     MXFP4,
+    /// 1.5625 bpw: rows of 8 from the 2048-entry ±1/0 grid plus a ±1/8 shift, a 3-bit scale per 32.
+    IQ1S,
+    /// IQ1_S's grid with 3-bit scales per 16 and the f16 super-scale spread over the scale bits.
+    IQ1M,
+    /// 2.06 bpw: rows of 8 from a 256-entry grid, 7-bit sign patterns, a 4-bit scale per 32.
+    IQ2XXS,
+    /// 2.31 bpw: a 512-entry grid, sign pattern per row, 4-bit scales per 16.
+    IQ2XS,
+    /// 2.5 bpw: a 1024-entry grid, explicit sign bytes, 4-bit scales per 16.
+    IQ2S,
+    /// 3.06 bpw: rows of 4 from a 256-entry grid, 7-bit sign patterns, a 4-bit scale per 32.
+    IQ3XXS,
+    /// 3.44 bpw: a 512-entry grid of rows of 4, explicit sign bytes, 4-bit scales per 32.
+    IQ3S,
+    /// Ternary, 1.69 bpw: five base-3 digits per byte, an f16 scale per 256.
+    TQ1_0,
+    /// Ternary, 2.06 bpw: 2-bit values per element, an f16 scale per 256.
+    TQ2_0,
 }
 
 /// Elements per super-block of the k-quants.
@@ -49,8 +67,21 @@ impl GgmlType {
     ];
 
     /// Types added for reading (the reference and the engine's CPU path dequantize them);
-    /// `quantize` writes MXFP4 but not IQ4_NL or IQ4_XS.
-    pub const DEQUANT_ONLY: [GgmlType; 3] = [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4];
+    /// `quantize` writes MXFP4 but none of the IQ or TQ types.
+    pub const DEQUANT_ONLY: [GgmlType; 12] = [
+        GgmlType::IQ4NL,
+        GgmlType::IQ4XS,
+        GgmlType::MXFP4,
+        GgmlType::IQ1S,
+        GgmlType::IQ1M,
+        GgmlType::IQ2XXS,
+        GgmlType::IQ2XS,
+        GgmlType::IQ2S,
+        GgmlType::IQ3XXS,
+        GgmlType::IQ3S,
+        GgmlType::TQ1_0,
+        GgmlType::TQ2_0,
+    ];
 
     /// The type for a GGUF type id, or `Err(name)` naming an id llmdiff does not support.
     pub fn from_id(id: u32) -> Result<GgmlType, String> {
@@ -71,6 +102,15 @@ impl GgmlType {
             20 => GgmlType::IQ4NL,
             23 => GgmlType::IQ4XS,
             39 => GgmlType::MXFP4,
+            19 => GgmlType::IQ1S,
+            29 => GgmlType::IQ1M,
+            16 => GgmlType::IQ2XXS,
+            17 => GgmlType::IQ2XS,
+            22 => GgmlType::IQ2S,
+            18 => GgmlType::IQ3XXS,
+            21 => GgmlType::IQ3S,
+            34 => GgmlType::TQ1_0,
+            35 => GgmlType::TQ2_0,
             other => return Err(unsupported_type_name(other).to_string()),
         })
     }
@@ -94,6 +134,15 @@ impl GgmlType {
             GgmlType::IQ4NL => 20,
             GgmlType::IQ4XS => 23,
             GgmlType::MXFP4 => 39,
+            GgmlType::IQ1S => 19,
+            GgmlType::IQ1M => 29,
+            GgmlType::IQ2XXS => 16,
+            GgmlType::IQ2XS => 17,
+            GgmlType::IQ2S => 22,
+            GgmlType::IQ3XXS => 18,
+            GgmlType::IQ3S => 21,
+            GgmlType::TQ1_0 => 34,
+            GgmlType::TQ2_0 => 35,
         }
     }
 
@@ -116,6 +165,15 @@ impl GgmlType {
             GgmlType::IQ4NL => "IQ4_NL",
             GgmlType::IQ4XS => "IQ4_XS",
             GgmlType::MXFP4 => "MXFP4",
+            GgmlType::IQ1S => "IQ1_S",
+            GgmlType::IQ1M => "IQ1_M",
+            GgmlType::IQ2XXS => "IQ2_XXS",
+            GgmlType::IQ2XS => "IQ2_XS",
+            GgmlType::IQ2S => "IQ2_S",
+            GgmlType::IQ3XXS => "IQ3_XXS",
+            GgmlType::IQ3S => "IQ3_S",
+            GgmlType::TQ1_0 => "TQ1_0",
+            GgmlType::TQ2_0 => "TQ2_0",
         }
     }
 
@@ -135,6 +193,8 @@ impl GgmlType {
             GgmlType::IQ4NL | GgmlType::MXFP4 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
             GgmlType::IQ4XS => QK_K,
+            GgmlType::IQ1S | GgmlType::IQ1M | GgmlType::IQ2XXS | GgmlType::IQ2XS | GgmlType::IQ2S => QK_K,
+            GgmlType::IQ3XXS | GgmlType::IQ3S | GgmlType::TQ1_0 | GgmlType::TQ2_0 => QK_K,
         }
     }
 
@@ -156,6 +216,15 @@ impl GgmlType {
             GgmlType::IQ4NL => 18,
             GgmlType::IQ4XS => 136,
             GgmlType::MXFP4 => 17,
+            GgmlType::IQ1S => 50,
+            GgmlType::IQ1M => 56,
+            GgmlType::IQ2XXS => 66,
+            GgmlType::IQ2XS => 74,
+            GgmlType::IQ2S => 82,
+            GgmlType::IQ3XXS => 98,
+            GgmlType::IQ3S => 110,
+            GgmlType::TQ1_0 => 54,
+            GgmlType::TQ2_0 => 66,
         }
     }
 
@@ -188,21 +257,12 @@ fn unsupported_type_name(id: u32) -> String {
         5 => "Q4_3 (removed)",
         9 => "Q8_1",
         15 => "Q8_K",
-        16 => "IQ2_XXS",
-        17 => "IQ2_XS",
-        18 => "IQ3_XXS",
-        19 => "IQ1_S",
-        21 => "IQ3_S",
-        22 => "IQ2_S",
         24 => "I8",
         25 => "I16",
         26 => "I32",
         27 => "I64",
         28 => "F64",
-        29 => "IQ1_M",
         31..=33 => "Q4_0_4_4/4_8/8_8 (removed)",
-        34 => "TQ1_0",
-        35 => "TQ2_0",
         _ => "unknown",
     };
     format!("type id {id} ({name})")

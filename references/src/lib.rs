@@ -12,6 +12,8 @@ pub mod dequant;
 pub mod forward;
 pub mod ggml_type;
 pub mod gguf;
+#[rustfmt::skip]
+pub mod iq_grids;
 pub mod quant;
 pub mod synth;
 pub mod tap;

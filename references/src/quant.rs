@@ -23,7 +23,7 @@ pub enum QuantError {
         n_elems: usize,
         block_elems: usize,
     },
-    /// A type llmdiff reads but cannot write (IQ4_NL, IQ4_XS).
+    /// A type llmdiff reads but cannot write (the IQ and TQ types).
     #[error("{0}: llmdiff can read this type but has no quantizer for it")]
     Unsupported(GgmlType),
 }
@@ -40,7 +40,17 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     }
     let mut out = vec![0u8; src.len() / be * ty.block_bytes()];
     let block: fn(&[f32], &mut [u8]) = match ty {
-        GgmlType::IQ4NL | GgmlType::IQ4XS => return Err(QuantError::Unsupported(ty)),
+        GgmlType::IQ4NL
+        | GgmlType::IQ4XS
+        | GgmlType::IQ1S
+        | GgmlType::IQ1M
+        | GgmlType::IQ2XXS
+        | GgmlType::IQ2XS
+        | GgmlType::IQ2S
+        | GgmlType::IQ3XXS
+        | GgmlType::IQ3S
+        | GgmlType::TQ1_0
+        | GgmlType::TQ2_0 => return Err(QuantError::Unsupported(ty)),
         GgmlType::MXFP4 => quant_mxfp4,
         GgmlType::F32 => |x, y| y.copy_from_slice(&x[0].to_le_bytes()),
         GgmlType::F16 => |x, y| y.copy_from_slice(&f16::from_f32(x[0]).to_le_bytes()),
@@ -569,7 +579,17 @@ mod tests {
             // The top step of the e2m1 codebook (8 → 12, doubled) is a quarter of the block's
             // scale range: half of it, relative to amax ≥ 2^k, is at most 1/4.
             GgmlType::MXFP4 => 0.25,
-            GgmlType::IQ4NL | GgmlType::IQ4XS => unreachable!("{ty} has no quantizer"),
+            GgmlType::IQ4NL
+            | GgmlType::IQ4XS
+            | GgmlType::IQ1S
+            | GgmlType::IQ1M
+            | GgmlType::IQ2XXS
+            | GgmlType::IQ2XS
+            | GgmlType::IQ2S
+            | GgmlType::IQ3XXS
+            | GgmlType::IQ3S
+            | GgmlType::TQ1_0
+            | GgmlType::TQ2_0 => unreachable!("{ty} has no quantizer"),
         }
     }
 

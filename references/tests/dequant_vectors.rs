@@ -2,7 +2,8 @@
 //! vectors in `golden/dequant/<TYPE>.bin` (made by `tests/peers/gen_dequant_vectors.py`): random
 //! blocks plus d/m = ±0, ±inf, NaN, ±65504, subnormal halves with 0x00/0xFF/random quant bytes.
 //! Bits are compared exactly; NaN matches NaN (payloads may differ between numpy and `half`).
-//! The codebook types (IQ4_NL, IQ4_XS, MXFP4; `GgmlType::DEQUANT_ONLY`) are checked the same way.
+//! The codebook types (IQ4_NL, IQ4_XS, MXFP4, the IQ1/IQ2/IQ3 lattice types, TQ1_0 and TQ2_0;
+//! `GgmlType::DEQUANT_ONLY`) are checked the same way.
 
 use std::path::PathBuf;
 
@@ -91,7 +92,9 @@ fn reference_dequant_is_bit_exact_against_gguf_py() {
 #[test]
 fn vectors_cover_the_edge_cases() {
     // The quantized vectors must actually exercise inf and NaN outputs, or the edge cases were lost.
-    for ty in GgmlType::ALL.into_iter().filter(|t| t.is_quantized()) {
+    // The codebook types with an f16 d too (MXFP4's e8m0 scale makes no NaN).
+    let f16_scaled = GgmlType::DEQUANT_ONLY.into_iter().filter(|&t| t != GgmlType::MXFP4);
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.is_quantized()).chain(f16_scaled) {
         let v = load(ty);
         let vals: Vec<f32> = v.expected.iter().map(|&b| f32::from_bits(b)).collect();
         assert!(vals.iter().any(|x| x.is_nan()), "{ty}: no NaN outputs");

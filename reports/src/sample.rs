@@ -173,6 +173,7 @@ pub fn diverged_run(n_layers: u32, tp: u32, fault_layer: u32) -> DiffRun {
         taps,
         unmatched: Vec::new(),
         missing: Vec::new(),
+        allow_unknown: Vec::new(),
         repro: format!(
             "llmdiff diff-layers synthetic-60.gguf --tokens 1,2,3 --tp {tp} --inject phantom-attn-out@{fault_layer}:{bad_rank}"
         ),

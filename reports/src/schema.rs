@@ -112,6 +112,11 @@ pub struct DiffRun {
     /// guessed). Empty for engine runs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub missing: Vec<String>,
+    /// The unknown metadata keys and tensors the user accepted with `--allow-unknown KEY` (the
+    /// run went ahead at the user's risk: llmdiff does not know whether they change the math).
+    /// Absent when none were given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow_unknown: Vec<String>,
     pub repro: String,
     pub timings_s: Timings,
     /// MoE routing agreement per MoE layer, from the moe_topk taps (empty for dense models and

@@ -8,6 +8,8 @@ halves, each with random, all-0x00 and all-0xFF quant bytes, plus pairs of speci
 F16 is exhaustive (all 65536 bit patterns); F32 and BF16 are random bit patterns plus specials.
 IQ4_NL and IQ4_XS are as the other quantized types (f16 d at byte 0); MXFP4 has random blocks and
 special e8m0 scale bytes (0..3, 126..129, 253..255) with random, all-0x00 and all-0xFF quant bytes.
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0 and TQ2_0 are as the other quantized
+types too (their f16 d set to the same specials; IQ1_M's d is spread over its scale words).
 
 File format (all little-endian):
     magic  b"LDQV"
@@ -49,6 +51,21 @@ FIELDS = {
     T.IQ4_XS: (0, None),
 }
 
+# The lattice and ternary types, written after MXFP4 (so the random stream of every earlier type
+# is unchanged): the f16 d's byte offset. IQ1_M has no d field: its f16 d is the top nibbles of
+# its four u16 scale words (bytes 48..56), set by put_iq1m_d.
+LATE_FIELDS = {
+    T.IQ1_S: (0, None),
+    T.IQ1_M: ("iq1m", None),
+    T.IQ2_XXS: (0, None),
+    T.IQ2_XS: (0, None),
+    T.IQ2_S: (0, None),
+    T.IQ3_XXS: (0, None),
+    T.IQ3_S: (0, None),
+    T.TQ1_0: (52, None),
+    T.TQ2_0: (64, None),
+}
+
 # MXFP4's scale is one e8m0 byte (2^(e-128) as gguf-py's e8m0_to_fp32_half has it), not an f16.
 E8M0_SPECIALS = [0, 1, 2, 3, 126, 127, 128, 129, 253, 254, 255]
 
@@ -75,12 +92,21 @@ def sane_half(rng, scale):
 
 
 def put_half(block, off, bits):
+    if off == "iq1m":
+        return put_iq1m_d(block, bits)
     block[off : off + 2] = np.array([bits], dtype=np.uint16).view(np.uint8)
+
+
+def put_iq1m_d(block, bits):
+    # IQ1_M: nibble i of d's bits is the top nibble of scale word i (bytes 48 + 2i, 49 + 2i).
+    for i in range(4):
+        hi = 49 + 2 * i
+        block[hi] = (int(block[hi]) & 0x0F) | (((int(bits) >> (4 * i)) & 0x0F) << 4)
 
 
 def quant_blocks(qtype, rng):
     block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    d_off, m_off = FIELDS[qtype]
+    d_off, m_off = {**FIELDS, **LATE_FIELDS}[qtype]
     blocks = []
 
     def fresh(fill):
@@ -153,7 +179,7 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     rng = np.random.default_rng(0x11D1FF)
     total = 0
-    for qtype in [T.F32, T.F16, T.BF16, *FIELDS, T.MXFP4]:
+    for qtype in [T.F32, T.F16, T.BF16, *FIELDS, T.MXFP4, *LATE_FIELDS]:
         block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
         if qtype in (T.F32, T.F16, T.BF16):
             blocks = float_blocks(qtype, rng)

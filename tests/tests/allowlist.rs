@@ -7,7 +7,9 @@ use llmdiff_tests::fixtures::{golden, smollm2};
 use references::allowlist::{audit, Role};
 use references::gguf::GgufHeader;
 use references::synth::{metadata, preset, PRESETS};
+use references::writer::{GgufWriter, TensorSpec};
 use references::{GgufFile, MetaValue, ModelConfig};
+use serde_json::Value;
 
 /// The unknown entries of a header (keys only under `{arch}.`), as "key NAME" / "tensor NAME".
 fn unknowns(h: &GgufHeader) -> Vec<String> {
@@ -158,4 +160,59 @@ fn deepseek2_yarn_is_refused_until_allowed() {
     );
     h.allow_unknown = vec!["deepseek2.rope.scaling.type".into()];
     assert_eq!(ModelConfig::from_header(&h).unwrap().yarn.unwrap().factor, 40.0);
+}
+
+/// `--allow-unknown KEY` on `diff-layers` is recorded in the run document (`allow_unknown`) and in
+/// its repro command; a run without it has no such field.
+#[test]
+fn allow_unknown_is_recorded_in_the_diff_layers_run_document() {
+    let file = GgufFile::open(golden("llama31-tiny.f32.gguf")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key = "llama.attention.sliding_window";
+    let model = dir.path().join("unknown-key.gguf");
+    let mut metadata = file.metadata().to_vec();
+    metadata.push((key.into(), MetaValue::U32(4096)));
+    let specs = file
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
+        .collect();
+    let out = std::fs::File::create(&model).unwrap();
+    let mut w = GgufWriter::new(std::io::BufWriter::new(out), &metadata, specs).unwrap();
+    for t in file.tensors() {
+        w.write_tensor(file.tensor_data(t)).unwrap();
+    }
+    w.finish().unwrap();
+
+    let run = |model: &std::path::Path, extra: &[&str]| -> Value {
+        let doc = dir.path().join("run.json");
+        let _ = std::fs::remove_file(&doc);
+        let m = model.to_str().unwrap();
+        let doc_s = doc.to_str().unwrap();
+        let mut argv = vec!["llmdiff", "diff-layers", m, "--tokens", "1,2,3,4", "--json-out", doc_s];
+        argv.extend_from_slice(extra);
+        let cli = <harness::cli::Cli as clap::Parser>::try_parse_from(argv).unwrap();
+        let code = harness::commands::run(cli).unwrap();
+        assert_eq!(code, std::process::ExitCode::SUCCESS, "{m} {extra:?}");
+        serde_json::from_str(&std::fs::read_to_string(&doc).unwrap()).unwrap()
+    };
+    // Refused without the flag (the reader's check), accepted and recorded with it.
+    let mut h = GgufFile::open(&model).unwrap().header;
+    assert!(ModelConfig::from_header(&h).is_err());
+    h.allow_unknown = vec![key.into()];
+    ModelConfig::from_header(&h).unwrap();
+    let doc = run(&model, &["--allow-unknown", key]);
+    assert_eq!(
+        doc["allow_unknown"],
+        serde_json::json!([key]),
+        "{}",
+        doc["allow_unknown"]
+    );
+    let repro = doc["repro"].as_str().unwrap();
+    assert!(repro.contains(&format!("--allow-unknown {key}")), "{repro}");
+    // The document of a run that needed no flag has no allow_unknown field: the library path.
+    let plain = GgufFile::open(golden("llama31-tiny.f32.gguf")).unwrap();
+    let r = harness::diff::run_diff(&llmdiff_tests::models::plan(&plain, vec![1, 2, 3], 1, Vec::new(), 0)).unwrap();
+    let v = serde_json::to_value(&r).unwrap();
+    assert!(v.get("allow_unknown").is_none(), "{v}");
 }

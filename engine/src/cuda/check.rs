@@ -418,7 +418,7 @@ impl CudaBackend {
                 let x = noise(n * layout.n_heads * layout.head_stride, 13);
                 let (g, c) = both(self, |be| {
                     let mut b = be.upload(&x);
-                    be.rope(&mut b, layout, pos0, 10000.0, style);
+                    be.rope(&mut b, layout, pos0, 10000.0, style, RopeFreqs::default());
                     be.download(&b)
                 });
                 out.push(compare(
@@ -511,7 +511,16 @@ impl CudaBackend {
             let xk = noise(n * kl.n_heads * kl.head_stride, 16);
             let (g, c) = both(self, |be| {
                 let (mut q, mut k) = (be.upload(&xq), be.upload(&xk));
-                be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, RopeStyle::Neox);
+                be.rope_qk(
+                    &mut q,
+                    ql,
+                    &mut k,
+                    kl,
+                    pos0,
+                    10000.0,
+                    RopeStyle::Neox,
+                    RopeFreqs::default(),
+                );
                 [be.download(&q), be.download(&k)].concat()
             });
             out.push(compare(
@@ -560,10 +569,11 @@ impl CudaBackend {
                         pos0,
                         base: 10000.0,
                         style,
+                        freqs: RopeFreqs::default(),
                     };
                     be.rope_qk_cache(&mut q, &mut k, &v, vw, rope, [&mut kc, &mut vc]);
                 } else {
-                    be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, style);
+                    be.rope_qk(&mut q, ql, &mut k, kl, pos0, 10000.0, style, RopeFreqs::default());
                     be.kv_write(&mut kc, &k, 2 * hd, pos0, pos0);
                     be.kv_write(&mut vc, &v, vw, pos0, pos0);
                 }
@@ -869,8 +879,8 @@ impl CudaBackend {
             let next: Vec<Buf> = inputs[1].iter().map(|x| be.upload(x)).collect();
             let mut o = be.alloc(qw);
             let step = |q: &mut Buf, k: &mut Buf, v: &Buf, kc: &mut Buf, vc: &mut Buf, o: &mut Buf, pos: usize| {
-                be.rope(q, layout(nh), pos, 10000.0, RopeStyle::Norm);
-                be.rope(k, layout(nkv), pos, 10000.0, RopeStyle::Norm);
+                be.rope(q, layout(nh), pos, 10000.0, RopeStyle::Norm, RopeFreqs::default());
+                be.rope(k, layout(nkv), pos, 10000.0, RopeStyle::Norm, RopeFreqs::default());
                 be.kv_write(kc, k, kw, pos, pos);
                 be.kv_write(vc, v, kw, pos, pos);
                 be.gqa_attention(q, kc, vc, pos, shape, o);

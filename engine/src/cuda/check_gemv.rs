@@ -328,6 +328,7 @@ impl CudaBackend {
                 pos0,
                 base: 10000.0,
                 style,
+                freqs: RopeFreqs::default(),
             };
             let run = |be: &dyn Backend, fused: bool| {
                 let xb = be.upload(&x);

@@ -676,7 +676,7 @@ impl CudaBackend {
         n: usize,
         ws: [WeightRef<'_>; 3],
         outs: [&mut Buf; 3],
-        rope: QkRope,
+        rope: QkRope<'_>,
         caches: [&mut Buf; 2],
     ) {
         let [q, k, v] = outs;

@@ -73,7 +73,7 @@
 //! since the [`Backend`] ops are infallible.
 
 use crate::backend::{Backend, BlockTrace, Buf, BufRepr, CommClock, CommStats, CpuBackend};
-use crate::cpu_ops::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::cpu_ops::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::moe_route::{route, Route};
 use crate::options::{CudaDisable, CudaOptions};
@@ -548,6 +548,15 @@ impl CudaBackend {
     }
 }
 
+/// The CUDA rope kernels compute the plain rotation only: `Engine::load` refuses a model with
+/// RoPE frequency scaling on this backend (exit 2), so scaled factors reaching a kernel are a bug.
+fn no_rope_scaling(freqs: RopeFreqs<'_>) {
+    assert!(
+        freqs.is_none(),
+        "cuda rope: frequency scaling reached a kernel that does not apply it (Engine::load refuses it)"
+    );
+}
+
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -700,7 +709,16 @@ impl Backend for CudaBackend {
         self.copy(new, 0, cache, slot0 * width, new.len());
     }
 
-    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]) {
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        k: &mut Buf,
+        v: &Buf,
+        v_width: usize,
+        rope: QkRope<'_>,
+        caches: [&mut Buf; 2],
+    ) {
+        no_rope_scaling(rope.freqs);
         let [kc, vc] = caches;
         let k_width = rope.k.n_heads * rope.k.head_stride;
         let n = k.len() / k_width.max(1);
@@ -734,9 +752,10 @@ impl Backend for CudaBackend {
         n: usize,
         ws: [WeightRef<'_>; 3],
         outs: [&mut Buf; 3],
-        rope: QkRope,
+        rope: QkRope<'_>,
         caches: [&mut Buf; 2],
     ) {
+        no_rope_scaling(rope.freqs);
         self.qkv_rope_gemv(x, n, ws, outs, rope, caches)
     }
 
@@ -788,7 +807,8 @@ impl Backend for CudaBackend {
         attach_limbs(out, q);
     }
 
-    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle) {
+    fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>) {
+        no_rope_scaling(freqs);
         self.launch_rope(dev_mut(x), layout, None, pos0, base, style, None)
     }
 
@@ -801,7 +821,9 @@ impl Backend for CudaBackend {
         pos0: usize,
         base: f32,
         style: RopeStyle,
+        freqs: RopeFreqs<'_>,
     ) {
+        no_rope_scaling(freqs);
         self.launch_rope(
             dev_mut(q),
             q_layout,

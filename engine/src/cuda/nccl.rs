@@ -25,7 +25,7 @@
 
 use super::CudaBackend;
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
-use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeLayout, RopeStyle, WeightRef};
+use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::moe_route::Route;
 use crate::options::{CudaOptions, RankMode};
 use crate::EngineError;
@@ -189,11 +189,11 @@ impl Backend for NcclBackend {
         fn linear_many(&self, x: &Buf, n: usize, ws: &[WeightRef<'_>], outs: &mut [&mut Buf]);
         fn rms_norm(&self, x: &Buf, weight: &[f32], eps: f32, out: &mut Buf);
         fn add_rms_norm(&self, x: &mut Buf, a: &Buf, f16_round: bool, weight: &[f32], eps: f32, out: &mut Buf);
-        fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
+        fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>);
         fn moe_route(&self, logits: &Buf, n_exp: usize, m: &MoeConfig, bias: Option<&[f32]>, scale: f32) -> Vec<Route>;
-        fn rope_qk(&self, q: &mut Buf, q_layout: RopeLayout, k: &mut Buf, k_layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle);
-        fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope, caches: [&mut Buf; 2]);
-        fn linear_qkv_rope(&self, x: &Buf, n: usize, ws: [WeightRef<'_>; 3], outs: [&mut Buf; 3], rope: QkRope, caches: [&mut Buf; 2]);
+        fn rope_qk(&self, q: &mut Buf, q_layout: RopeLayout, k: &mut Buf, k_layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>);
+        fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope<'_>, caches: [&mut Buf; 2]);
+        fn linear_qkv_rope(&self, x: &Buf, n: usize, ws: [WeightRef<'_>; 3], outs: [&mut Buf; 3], rope: QkRope<'_>, caches: [&mut Buf; 2]);
         fn swiglu(&self, gate: &mut Buf, up: &Buf);
         fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
         fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);

@@ -33,7 +33,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
         decode_steps: a.decode_steps,
-        repro: repro(a, &tokens),
+        repro: repro(a, &tokens, &file.header.allow_unknown),
     };
     let run = run_diff(&plan)?;
     emit(a, &run)
@@ -73,6 +73,7 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
     for t in &a.tolerance {
         repro.push_str(&format!(" --tolerance {}", shell_quote(t)));
     }
+    push_allow_unknown(&mut repro, &file.header.allow_unknown);
     let plan = DiffPlan {
         file,
         model_name: a.model.display().to_string(),
@@ -111,7 +112,14 @@ fn emit(a: &DiffLayersArgs, run: &DiffRun) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
+/// `--allow-unknown KEY` for each accepted name, so the repro command runs the same model.
+fn push_allow_unknown(repro: &mut String, allow_unknown: &[String]) {
+    for k in allow_unknown {
+        repro.push_str(&format!(" --allow-unknown {}", shell_quote(k)));
+    }
+}
+
+fn repro(a: &DiffLayersArgs, tokens: &[u32], allow_unknown: &[String]) -> String {
     let mut s = format!(
         "llmdiff diff-layers {} --tokens {}",
         shell_quote(&a.model.display().to_string()),
@@ -141,6 +149,7 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32]) -> String {
     if a.decode_steps > 0 {
         s.push_str(&format!(" --decode-steps {}", a.decode_steps));
     }
+    push_allow_unknown(&mut s, allow_unknown);
     s
 }
 

@@ -93,7 +93,7 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
                 format!("unknown quant type {q:?} (types: {})", names.join(", "))
             })?,
         };
-        if matches!(ty, GgmlType::IQ4NL | GgmlType::IQ4XS) {
+        if GgmlType::DEQUANT_ONLY.contains(&ty) && ty != GgmlType::MXFP4 {
             bail!("synth cannot write {ty}: llmdiff reads it but has no quantizer for it (MXFP4 it can)");
         }
         spec.weight_type = ty;
