@@ -670,7 +670,11 @@ fn no_source_file_is_over_the_line_limit() {
             }
         }
     }
-    assert!(over.is_empty(), "files over {MAX_LINES} lines:\n  {}", over.join("\n  "));
+    assert!(
+        over.is_empty(),
+        "files over {MAX_LINES} lines:\n  {}",
+        over.join("\n  ")
+    );
 }
 
 /// The checker itself, on a crate written here: it must see a cycle through a `mod.rs` folder, a
