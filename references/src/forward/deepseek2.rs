@@ -1,6 +1,6 @@
 //! One deepseek2 block (DeepSeek-V2/V3, GLM-style): multi-head latent attention with kv_b
 //! reassembled from attn_k_b/attn_v_b, then a dense SwiGLU FFN (leading layers) or a routed MoE
-//! with a shared expert. Written from model-facts.md and HF's modeling_deepseek_v3.py.
+//! with a shared expert. Written from the GGUF conversion (llama.cpp's deepseek2 graph) and HF's modeling_deepseek_v3.py.
 
 use super::{dense_ffn, emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
 use crate::config::{Gating, MoeConfig};
