@@ -391,7 +391,15 @@ fn row08_empty_top_logprobs_are_exit_2_not_a_panic() {
         .to_string();
     assert!(err.contains("0 top logprobs where 20 were asked"), "{err}");
     let dir = tempfile::tempdir().unwrap();
-    let (url, _, _) = scripted_server(vec![Box::new(move |_| http("200 OK", "", &body))]);
+    // The golden file has 8 prompts, sent 4 at a time: every connection gets the same answer, so
+    // no request meets a closed listener (a reset would be reported instead of the bad body).
+    let replies: Vec<Box<dyn Fn(u16) -> String + Send>> = (0..8)
+        .map(|_| {
+            let body = body.clone();
+            Box::new(move |_| http("200 OK", "", &body)) as Box<dyn Fn(u16) -> String + Send>
+        })
+        .collect();
+    let (url, _, _) = scripted_server(replies);
     let g = golden(SERVER_GOLDEN);
     let msg = exit2(&[
         "gate",
