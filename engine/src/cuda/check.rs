@@ -246,11 +246,16 @@ impl CudaBackend {
         for ty in crate::cuda_kernels::GPU_TYPES {
             let cols = match ty {
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 291,
-                GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
+                GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => 512,
                 _ => 320,
             };
             let wf = noise(rows * cols, 7 + ty as u64);
-            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
+            let bytes = match ty {
+                GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => {
+                    codebook_test_bytes(ty, rows * cols, 7 + ty as u64)
+                }
+                _ => references::quant::quantize(ty, &wf).expect("quantize test weights"),
+            };
             let q = QMat {
                 ty,
                 bytes: &bytes,
@@ -946,6 +951,29 @@ impl CudaBackend {
     }
 }
 
+/// Test bytes of `n` values of a codebook type (IQ4_NL, IQ4_XS, MXFP4; the project quantizes
+/// none of the IQ types): noise bytes, so every index and IQ4_XS sub-block scale (ls 0..63, both
+/// signs of ls − 32) occurs, with each f16 d set to a finite value in [0.002, 0.022) and each
+/// MXFP4 exponent byte to 0..=140 (2^(e − 128): the two subnormal scales e = 0, 1 included, none
+/// large enough for a product to overflow).
+pub(super) fn codebook_test_bytes(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
+    let len = n / ty.block_elems() * ty.block_bytes();
+    let mut b: Vec<u8> = noise(len, seed)
+        .iter()
+        .map(|v| ((v * 0.5 + 0.5) * 256.0) as u8)
+        .collect();
+    for blk in b.chunks_exact_mut(ty.block_bytes()) {
+        match ty {
+            GgmlType::MXFP4 => blk[0] %= 141,
+            _ => {
+                let d = half::f16::from_f32(0.002 + 0.02 * blk[1] as f32 / 256.0);
+                blk[..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+    }
+    b
+}
+
 /// Llama 3.1+'s per-pair RoPE frequency divisors (what `rope_freqs.weight` holds), as the
 /// converter computes them: factor 8, low/high frequency factors 1 and 4, and an original context
 /// of 64 positions, small enough that pairs of a rope_dim of 16 or 64 fall in all three bands
@@ -972,7 +1000,28 @@ pub(super) fn llama3_factors(rope_dim: usize, base: f64) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{llama3_factors, Case};
+    use super::{codebook_test_bytes, llama3_factors, Case};
+    use references::GgmlType;
+
+    #[test]
+    fn codebook_test_bytes_are_finite_and_cover_the_scales() {
+        for ty in [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4] {
+            let b = codebook_test_bytes(ty, 37 * 512, 9);
+            assert_eq!(b.len(), 37 * 512 / ty.block_elems() * ty.block_bytes());
+            let mut f = vec![0f32; 37 * 512];
+            crate::dequant::dequantize(ty, &b, &mut f).expect("whole blocks");
+            assert!(f.iter().all(|v| v.is_finite()), "{ty:?}");
+            assert!(f.iter().any(|&v| v > 0.0) && f.iter().any(|&v| v < 0.0), "{ty:?}");
+        }
+        let e: Vec<u8> = codebook_test_bytes(GgmlType::MXFP4, 37 * 512, 9)
+            .chunks_exact(17)
+            .map(|blk| blk[0])
+            .collect();
+        assert!(
+            e.iter().all(|&e| e <= 140) && e.contains(&0) && e.contains(&1),
+            "MXFP4 exponents"
+        );
+    }
 
     #[test]
     fn the_check_factors_cover_all_three_bands() {
