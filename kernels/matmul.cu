@@ -17,6 +17,26 @@
 #define TY_Q4_K 8
 #define TY_Q5_K 9
 #define TY_Q6_K 10
+#define TY_IQ4_NL 11
+#define TY_IQ4_XS 12
+#define TY_MXFP4 13
+
+// Codebook of a 4-bit index q through a 16-entry signed-byte table held as four little-endian
+// words (t0: entries 0-3 .. t3: 12-15), without a memory lookup.
+__device__ __forceinline__ int kv16(u32 t0, u32 t1, u32 t2, u32 t3, int q) {
+    u32 b = (q & 8) ? __byte_perm(t2, t3, q & 7) : __byte_perm(t0, t1, q & 7);
+    return (int)(i8)(b & 0xFF);
+}
+// IQ4_NL's and IQ4_XS's kvalues_iq4nl {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+// 53, 69, 89, 113}, and MXFP4's kvalues_mxfp4 {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6,
+// -8, -12} (ggml's; the engine's CPU decoders in engine/src/dequant/scalar.rs hold the same).
+#define KV_IQ4NL 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
+#define KV_MXFP4 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+
+// MXFP4's block scale, ggml's GGML_E8M0_TO_FP32_HALF: 2^(e − 128), subnormal below e = 2.
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
 
 __device__ __forceinline__ void k4_scale_min(int j, const u8* q, int* d, int* m) {
     if (j < 4) {
@@ -104,6 +124,7 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
         *p1 = *p0 + 32;
     } else {
         // 32-value blocks: lane handles block (c*8 + lane/4), quarter lane%4 (8 contiguous values).
+        // IQ4_XS's 32-value blocks are the 8 of super-block c (cols % 256 == 0).
         const int bb = TY == TY_Q4_0 ? 18 : TY == TY_Q4_1 ? 20 : TY == TY_Q5_0 ? 22 : TY == TY_Q5_1 ? 24 : 34;
         int blk = c * 8 + (lane >> 2), sub = lane & 3;
         if (blk * 32 >= cols) {
@@ -111,7 +132,42 @@ __device__ __forceinline__ void deq8(const u8* row, int c, int lane, int cols, f
             *p1 = -1;
             return;
         }
-        if constexpr (TY == TY_Q8_0) {
+        if constexpr (TY == TY_IQ4_NL || TY == TY_IQ4_XS || TY == TY_MXFP4) {
+            // ggml blocks as stored, Q4_0's nibble order (value j < 16: low nibble of qs[j]; j + 16:
+            // high), each value d·kvalues[q] with the scale d formed first, as the CPU decoder does:
+            // IQ4_NL: f16 d, 16 qs (18 bytes). MXFP4: e8m0 byte e, 16 qs (17 bytes), d =
+            // 2^(e − 128). IQ4_XS: super-blocks of 136 bytes, f16 d, u16 scales_h, 4 bytes
+            // scales_l, 128 qs; block ib's d·(ls − 32), ls = (scales_l nibble ib) | (scales_h
+            // bits 2ib, 2ib + 1) << 4, its qs at 8 + 16·ib.
+            float d;
+            const u8* qs;
+            if constexpr (TY == TY_IQ4_NL) {
+                const u8* b = row + (size_t)blk * 18;
+                d = f16_to_f32(ld16(b));
+                qs = b + 2;
+            } else if constexpr (TY == TY_MXFP4) {
+                const u8* b = row + (size_t)blk * 17;
+                d = e8m0_half(b[0]);
+                qs = b + 1;
+            } else {
+                const u8* b = row + (size_t)c * 136;
+                int ib = lane >> 2;
+                u32 sh = ld16(b + 2);
+                int ls = ((b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4);
+                d = f16_to_f32(ld16(b)) * (float)(ls - 32);
+                qs = b + 8 + 16 * ib;
+            }
+            int j0 = (sub & 1) * 8, high = sub >> 1;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                int q = high ? (qs[j0 + k] >> 4) : (qs[j0 + k] & 0xF);
+                int kv;
+                if constexpr (TY == TY_MXFP4) kv = kv16(KV_MXFP4, q);
+                else kv = kv16(KV_IQ4NL, q);
+                w[k] = d * (float)kv;
+            }
+            *p0 = blk * 32 + high * 16 + j0;
+        } else if constexpr (TY == TY_Q8_0) {
             // Repacked rows (see the GEMV below): cols quant bytes, then cols/32 f16 scales.
             float d = f16_to_f32(ld16(row + cols + 2 * blk));
             const i8* qs = (const i8*)(row + (size_t)blk * 32);
@@ -268,4 +324,7 @@ MATMUL_ENTRY(q8_0, TY_Q8_0)
 MATMUL_ENTRY(q4_k, TY_Q4_K)
 MATMUL_ENTRY(q5_k, TY_Q5_K)
 MATMUL_ENTRY(q6_k, TY_Q6_K)
+MATMUL_ENTRY(iq4_nl, TY_IQ4_NL)
+MATMUL_ENTRY(iq4_xs, TY_IQ4_XS)
+MATMUL_ENTRY(mxfp4, TY_MXFP4)
 

@@ -185,29 +185,38 @@ extern "C" __global__ void add_rms_norm(float* __restrict__ x, const float* __re
 // [n, kh·k_stride] (kh = 0: q alone); row r is at position pos0 + r, and each head rotates rope_dim
 // dims from its tensor's offset. style 0 = NORM pairs (2i, 2i+1), 1 = NEOX pairs (i, i + rope_dim/2).
 // The angles come from a table, cs[r·half + i] = (cos, sin) of (pos0 + r)·base^(−2i/rope_dim)
-// computed in f64 and rounded to f32 (rope_table: once per step and shape, not once per head and
-// layer). One thread per (row, chunk of ROPE_HEADS heads, pair), pairs fastest.
+// / (divisor·ff[i]) computed in f64 and rounded to f32 (rope_table: once per step and shape, not once
+// per head and layer). ff (null: all 1) is Llama 3.1+'s per-pair frequency factors (rope_freqs.weight,
+// half long) and divisor the linear scaling factor (1 without); as the CPU's rope_scaled, the divisor
+// product is taken in f64 and divides base^(−2i/rope_dim) before the position multiplies, so with
+// ff null and divisor 1 the table is the plain one bit for bit. One thread per (row, chunk of
+// ROPE_HEADS heads, pair), pairs fastest.
 #define ROPE_HEADS 4
 
-__device__ __forceinline__ void rope_table_at(float2* cs, int n, int rope_dim, int pos0, float base) {
+__device__ __forceinline__ void rope_table_at(float2* cs, int n, int rope_dim, int pos0, float base,
+                                              const float* __restrict__ ff, float divisor) {
     int half = rope_dim / 2;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)n * half) return;
     int i = (int)(idx % half), r = (int)(idx / half);
     double inv_freq = pow((double)base, -2.0 * (double)i / (double)rope_dim);
+    double scale = (double)divisor * (ff ? (double)ff[i] : 1.0);
+    inv_freq = inv_freq / scale;
     double a = (double)(pos0 + r) * inv_freq;
     cs[idx] = make_float2((float)cos(a), (float)sin(a));
 }
 
-extern "C" __global__ void rope_table(float2* cs, int n, int rope_dim, int pos0, float base) {
-    rope_table_at(cs, n, rope_dim, pos0, base);
+extern "C" __global__ void rope_table(float2* cs, int n, int rope_dim, int pos0, float base,
+                                      const float* __restrict__ ff, float divisor) {
+    rope_table_at(cs, n, rope_dim, pos0, base, ff, divisor);
 }
 
 // `rope_table` with pos0 read from device memory (*pos_dev): a captured decode graph replays it at
-// every position without a parameter update.
+// every position without a parameter update (ff must outlive the graph: the backend's weight map
+// holds it).
 extern "C" __global__ void rope_table_dpos(float2* cs, int n, int rope_dim, const int* __restrict__ pos_dev,
-                                           float base) {
-    rope_table_at(cs, n, rope_dim, *pos_dev, base);
+                                           float base, const float* __restrict__ ff, float divisor) {
+    rope_table_at(cs, n, rope_dim, *pos_dev, base, ff, divisor);
 }
 
 // rope_qk (see above). With kc set (GQA: the layer fills its cache in the same launch), the new rows are

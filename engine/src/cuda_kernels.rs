@@ -374,9 +374,10 @@ const GEMV_XS_INT: [GemvVariant; 9] = {
     ]
 };
 
-/// The weight types decoded in registers by `kernels/matmul.cu`. Others (Q2_K, Q3_K) are
-/// dequantized to f32 on the host when uploaded.
-pub const GPU_TYPES: [GgmlType; 11] = [
+/// The weight types decoded in registers by `kernels/matmul.cu` (IQ4_NL, IQ4_XS and MXFP4 by its
+/// generic warp-per-row matvec/matmul and gather only). Others (Q2_K, Q3_K, the IQ1/IQ2/IQ3 and
+/// TQ types) are dequantized to f32 on the host when uploaded.
+pub const GPU_TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -388,6 +389,9 @@ pub const GPU_TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::IQ4NL,
+    GgmlType::IQ4XS,
+    GgmlType::MXFP4,
 ];
 
 /// The entry-point suffix for a weight type with a GPU decoder.
@@ -404,6 +408,9 @@ pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
+        GgmlType::IQ4NL => "iq4_nl",
+        GgmlType::IQ4XS => "iq4_xs",
+        GgmlType::MXFP4 => "mxfp4",
         _ => return None,
     })
 }
@@ -482,6 +489,17 @@ mod tests {
                     };
                 assert!(defined, "{f} not defined in {}", id.file());
             }
+        }
+    }
+
+    #[test]
+    fn the_gpu_types_are_exactly_those_with_a_suffix() {
+        for id in 0..=40u32 {
+            let Ok(ty) = GgmlType::from_id(id) else { continue };
+            assert_eq!(type_suffix(ty).is_some(), GPU_TYPES.contains(&ty), "{ty:?}");
+        }
+        for ty in [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4] {
+            assert!(GPU_TYPES.contains(&ty), "{ty:?} keeps its ggml bytes on the device");
         }
     }
 

@@ -152,24 +152,6 @@ fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
     }
 }
 
-/// Refuses RoPE frequency scaling (linear, Llama 3.1+'s `rope_freqs.weight`) on the CUDA backend:
-/// the backend trait carries the factors and the CPU backend applies them, but the CUDA kernels'
-/// rope tables do not take them yet. A refusal, never a silently different model.
-fn check_rope_scaling(c: &ModelConfig, backend: BackendKind) -> Result<(), EngineError> {
-    if c.rope_scaling.is_none() || backend == BackendKind::Cpu {
-        return Ok(());
-    }
-    let what = match (c.rope_scaling.freq_factors, c.rope_scaling.linear_factor) {
-        (true, Some(f)) => format!("per-pair factors (rope_freqs.weight) and linear factor {f}"),
-        (true, None) => "per-pair factors (rope_freqs.weight)".to_string(),
-        (false, Some(f)) => format!("linear factor {f}"),
-        (false, None) => unreachable!("is_none() handled above"),
-    };
-    Err(EngineError::Unsupported(format!(
-        "RoPE frequency scaling ({what}) is not implemented in the cuda backend's kernels; use --backend cpu"
-    )))
-}
-
 /// Refuses a fault that would not change anything on this model and TP degree.
 fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     let refuse = |msg: String| {
@@ -230,7 +212,6 @@ impl Engine {
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let config = ModelConfig::from_header(&file.header)?;
         check_shapes(&config)?;
-        check_rope_scaling(&config, opts.backend)?;
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]

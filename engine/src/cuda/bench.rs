@@ -92,6 +92,8 @@ pub(super) fn random_blocks(ty: GgmlType, n_bytes: usize) -> Vec<u8> {
         GgmlType::Q4K => (144, &[0, 2]),
         GgmlType::Q5K => (176, &[0, 2]),
         GgmlType::Q6K => (210, &[208]),
+        GgmlType::IQ4NL => (18, &[0]),
+        GgmlType::IQ4XS => (136, &[0]),
         _ => return b,
     };
     for blk in b.chunks_exact_mut(block) {

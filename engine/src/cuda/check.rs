@@ -246,11 +246,16 @@ impl CudaBackend {
         for ty in crate::cuda_kernels::GPU_TYPES {
             let cols = match ty {
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 291,
-                GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 512,
+                GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => 512,
                 _ => 320,
             };
             let wf = noise(rows * cols, 7 + ty as u64);
-            let bytes = references::quant::quantize(ty, &wf).expect("quantize test weights");
+            let bytes = match ty {
+                GgmlType::IQ4NL | GgmlType::IQ4XS | GgmlType::MXFP4 => {
+                    codebook_test_bytes(ty, rows * cols, 7 + ty as u64)
+                }
+                _ => references::quant::quantize(ty, &wf).expect("quantize test weights"),
+            };
             let q = QMat {
                 ty,
                 bytes: &bytes,
@@ -390,10 +395,19 @@ impl CudaBackend {
         out
     }
 
-    /// RoPE NORM and NEOX (`ROPE` cases).
+    /// RoPE NORM and NEOX (`ROPE` cases), plain and with frequency scaling: Llama 3.1+'s per-pair
+    /// factors ([`llama3_factors`], `freqs=llama3`) alone and with a linear divisor of 2
+    /// (`freqs=llama3/2`), against the CPU engine's `rope_scaled`.
     fn check_rope(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
-        for style in [RopeStyle::Norm, RopeStyle::Neox] {
+        // One factor vector per rope_dim, alive for the whole family (the weight map keys the
+        // device copy by the host slice's address).
+        let factors: Vec<(usize, Vec<f32>)> = [64usize, 16].map(|d| (d, llama3_factors(d, 10000.0))).into();
+        let factors_for = |d: usize| &factors.iter().find(|(fd, _)| *fd == d).expect("rope_dim listed").1[..];
+        for (style, scaled) in [RopeStyle::Norm, RopeStyle::Neox]
+            .into_iter()
+            .flat_map(|s| [(s, None), (s, Some(1.0f32)), (s, Some(2.0))])
+        {
             for (layout, pos0) in [
                 (
                     RopeLayout {
@@ -414,16 +428,26 @@ impl CudaBackend {
                     1000,
                 ),
             ] {
-                let n = 6;
+                // Positions past the original context (64) so every band of the factors shows.
+                let (n, pos0) = if scaled.is_some() { (24, pos0 + 100) } else { (6, pos0) };
+                let freqs = scaled.map_or(RopeFreqs::default(), |divisor| RopeFreqs {
+                    divisor,
+                    factors: Some(factors_for(layout.rope_dim)),
+                });
+                let tag = match scaled {
+                    None => String::new(),
+                    Some(1.0) => ",freqs=llama3".to_string(),
+                    Some(d) => format!(",freqs=llama3/{d}"),
+                };
                 let x = noise(n * layout.n_heads * layout.head_stride, 13);
                 let (g, c) = both(self, |be| {
                     let mut b = be.upload(&x);
-                    be.rope(&mut b, layout, pos0, 10000.0, style, RopeFreqs::default());
+                    be.rope(&mut b, layout, pos0, 10000.0, style, freqs);
                     be.download(&b)
                 });
                 out.push(compare(
                     format!(
-                        "ROPE(style={style:?},heads={},stride={},off={},dim={},pos0={pos0})",
+                        "ROPE(style={style:?},heads={},stride={},off={},dim={},pos0={pos0},n={n}{tag})",
                         layout.n_heads, layout.head_stride, layout.offset, layout.rope_dim
                     ),
                     &g,
@@ -432,6 +456,9 @@ impl CudaBackend {
                 ));
             }
         }
+        // Nothing keyed by these factors' addresses outlives them.
+        *self.rope_table.lock().expect("rope table") = None;
+        self.weights.lock().expect("weight map").clear();
         out
     }
 
@@ -924,9 +951,91 @@ impl CudaBackend {
     }
 }
 
+/// Test bytes of `n` values of a codebook type (IQ4_NL, IQ4_XS, MXFP4; the project quantizes
+/// none of the IQ types): noise bytes, so every index and IQ4_XS sub-block scale (ls 0..63, both
+/// signs of ls − 32) occurs, with each f16 d set to a finite value in [0.002, 0.022) and each
+/// MXFP4 exponent byte to 0..=140 (2^(e − 128): the two subnormal scales e = 0, 1 included, none
+/// large enough for a product to overflow).
+pub(super) fn codebook_test_bytes(ty: GgmlType, n: usize, seed: u64) -> Vec<u8> {
+    let len = n / ty.block_elems() * ty.block_bytes();
+    let mut b: Vec<u8> = noise(len, seed)
+        .iter()
+        .map(|v| ((v * 0.5 + 0.5) * 256.0) as u8)
+        .collect();
+    for blk in b.chunks_exact_mut(ty.block_bytes()) {
+        match ty {
+            GgmlType::MXFP4 => blk[0] %= 141,
+            _ => {
+                let d = half::f16::from_f32(0.002 + 0.02 * blk[1] as f32 / 256.0);
+                blk[..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+    }
+    b
+}
+
+/// Llama 3.1+'s per-pair RoPE frequency divisors (what `rope_freqs.weight` holds), as the
+/// converter computes them: factor 8, low/high frequency factors 1 and 4, and an original context
+/// of 64 positions, small enough that pairs of a rope_dim of 16 or 64 fall in all three bands
+/// (kept: 1, smoothed, divided by 8).
+pub(super) fn llama3_factors(rope_dim: usize, base: f64) -> Vec<f32> {
+    let (factor, low, high, orig) = (8.0f64, 1.0f64, 4.0f64, 64.0f64);
+    let (low_wavelen, high_wavelen) = (orig / low, orig / high);
+    (0..rope_dim / 2)
+        .map(|i| {
+            let freq = base.powf(-2.0 * i as f64 / rope_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            };
+            f as f32
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Case;
+    use super::{codebook_test_bytes, llama3_factors, Case};
+    use references::GgmlType;
+
+    #[test]
+    fn codebook_test_bytes_are_finite_and_cover_the_scales() {
+        for ty in [GgmlType::IQ4NL, GgmlType::IQ4XS, GgmlType::MXFP4] {
+            let b = codebook_test_bytes(ty, 37 * 512, 9);
+            assert_eq!(b.len(), 37 * 512 / ty.block_elems() * ty.block_bytes());
+            let mut f = vec![0f32; 37 * 512];
+            crate::dequant::dequantize(ty, &b, &mut f).expect("whole blocks");
+            assert!(f.iter().all(|v| v.is_finite()), "{ty:?}");
+            assert!(f.iter().any(|&v| v > 0.0) && f.iter().any(|&v| v < 0.0), "{ty:?}");
+        }
+        let e: Vec<u8> = codebook_test_bytes(GgmlType::MXFP4, 37 * 512, 9)
+            .chunks_exact(17)
+            .map(|blk| blk[0])
+            .collect();
+        assert!(
+            e.iter().all(|&e| e <= 140) && e.contains(&0) && e.contains(&1),
+            "MXFP4 exponents"
+        );
+    }
+
+    #[test]
+    fn the_check_factors_cover_all_three_bands() {
+        for d in [16usize, 32, 64, 128] {
+            let f = llama3_factors(d, 10000.0);
+            assert_eq!(f.len(), d / 2);
+            assert_eq!(f[0], 1.0, "the fastest pair is kept");
+            assert_eq!(f[d / 2 - 1], 8.0, "the slowest pair is divided by the factor");
+            assert!(
+                f.iter().any(|&v| v > 1.0 && v < 8.0),
+                "rope_dim {d}: no smoothed pair in {f:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_case_prints_its_op_and_parameters_in_order() {

@@ -301,14 +301,20 @@ impl CudaBackend {
         // of 512 (the float GEMV) with a partial one; NEOX takes the separate launches. A Q6_K v
         // (Q4_K_M's promoted layers): at 4096 a q + k launch and a v launch share the store, at
         // 512 (no warp-rows Q6_K) the separate launches run.
-        for (cols, hd, dim, style, v_ty, want_split) in [
+        // Each also with Llama 3.1+'s per-pair frequency factors (`freqs=llama3`): the store's
+        // angle table is the rope kernels' one.
+        for ((cols, hd, dim, style, v_ty, want_split), scaled) in [
             (4096usize, 64usize, 64usize, RopeStyle::Norm, GgmlType::Q4K, false),
             (512, 48, 32, RopeStyle::Norm, GgmlType::Q4K, false),
             (512, 32, 32, RopeStyle::Neox, GgmlType::Q4K, false),
             (4096, 64, 64, RopeStyle::Norm, GgmlType::Q6K, true),
             (4096, 128, 128, RopeStyle::Norm, GgmlType::Q6K, true),
             (512, 48, 32, RopeStyle::Norm, GgmlType::Q6K, false),
-        ] {
+        ]
+        .into_iter()
+        .flat_map(|c| [(c, false), (c, true)])
+        {
+            let factors = super::check::llama3_factors(dim, 10000.0);
             let (qh, kh, pos0) = (4usize, 2usize, 7usize);
             let rows = [qh * hd, kh * hd, kh * hd];
             let tys = [GgmlType::Q4K, GgmlType::Q4K, v_ty];
@@ -328,7 +334,14 @@ impl CudaBackend {
                 pos0,
                 base: 10000.0,
                 style,
-                freqs: RopeFreqs::default(),
+                freqs: if scaled {
+                    RopeFreqs {
+                        divisor: 1.0,
+                        factors: Some(&factors),
+                    }
+                } else {
+                    RopeFreqs::default()
+                },
             };
             let run = |be: &dyn Backend, fused: bool| {
                 let xb = be.upload(&x);
@@ -348,14 +361,17 @@ impl CudaBackend {
                     .collect::<Vec<f32>>()
             };
             let ty = if v_ty == GgmlType::Q4K { "q4_k" } else { "q4_k+q6_k" };
-            let case = Case::new("MUL_MAT_QKV_ROPE")
+            let mut case = Case::new("MUL_MAT_QKV_ROPE")
                 .p("type", ty)
                 .p("cols", cols)
                 .p("hd", hd)
                 .p("dim", dim)
                 .p("style", format!("{style:?}"))
-                .p("pos0", pos0)
-                .to_string();
+                .p("pos0", pos0);
+            if scaled {
+                case = case.p("freqs", "llama3");
+            }
+            let case = case.to_string();
             let (g, c) = both(self, |be| run(be, true));
             out.push(compare(case.clone(), &g, &c, 1e-5));
             out.push(compare(format!("{case}_VS_SEPARATE"), &g, &run(self, false), 0.0));
@@ -371,6 +387,8 @@ impl CudaBackend {
                 });
             }
             self.weights.lock().expect("weight map").clear();
+            // The angle table's key names this iteration's factors by address.
+            *self.rope_table.lock().expect("rope table") = None;
         }
         out
     }

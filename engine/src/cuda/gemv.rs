@@ -700,7 +700,7 @@ impl CudaBackend {
             let dpos = self.kv_reserve(kc, k_rows, k_rows, rope.pos0, rope.pos0);
             self.kv_reserve(vc, v_rows, v_rows, rope.pos0, rope.pos0);
             let mut memo = self.rope_table.lock().expect("rope table");
-            let cs = self.rope_table_for(&mut memo, 1, dim, rope.pos0, rope.base);
+            let cs = self.rope_table_for(&mut memo, 1, dim, rope.pos0, rope.base, rope.freqs);
             let mut epi = GemvEpi {
                 cs: dev(cs),
                 kc: dev_mut(kc),

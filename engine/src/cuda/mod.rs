@@ -548,15 +548,6 @@ impl CudaBackend {
     }
 }
 
-/// The CUDA rope kernels compute the plain rotation only: `Engine::load` refuses a model with
-/// RoPE frequency scaling on this backend (exit 2), so scaled factors reaching a kernel are a bug.
-fn no_rope_scaling(freqs: RopeFreqs<'_>) {
-    assert!(
-        freqs.is_none(),
-        "cuda rope: frequency scaling reached a kernel that does not apply it (Engine::load refuses it)"
-    );
-}
-
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
         "cuda"
@@ -718,7 +709,6 @@ impl Backend for CudaBackend {
         rope: QkRope<'_>,
         caches: [&mut Buf; 2],
     ) {
-        no_rope_scaling(rope.freqs);
         let [kc, vc] = caches;
         let k_width = rope.k.n_heads * rope.k.head_stride;
         let n = k.len() / k_width.max(1);
@@ -743,7 +733,7 @@ impl Backend for CudaBackend {
             dpos,
         };
         let (q, k) = (dev_mut(q), Some((dev_mut(k), rope.k)));
-        self.launch_rope(q, rope.q, k, rope.pos0, rope.base, rope.style, Some(append))
+        self.launch_rope(q, rope.q, k, rope.pos0, rope.base, rope.style, rope.freqs, Some(append))
     }
 
     fn linear_qkv_rope(
@@ -755,7 +745,6 @@ impl Backend for CudaBackend {
         rope: QkRope<'_>,
         caches: [&mut Buf; 2],
     ) {
-        no_rope_scaling(rope.freqs);
         self.qkv_rope_gemv(x, n, ws, outs, rope, caches)
     }
 
@@ -808,8 +797,7 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &mut Buf, layout: RopeLayout, pos0: usize, base: f32, style: RopeStyle, freqs: RopeFreqs<'_>) {
-        no_rope_scaling(freqs);
-        self.launch_rope(dev_mut(x), layout, None, pos0, base, style, None)
+        self.launch_rope(dev_mut(x), layout, None, pos0, base, style, freqs, None)
     }
 
     fn rope_qk(
@@ -823,7 +811,6 @@ impl Backend for CudaBackend {
         style: RopeStyle,
         freqs: RopeFreqs<'_>,
     ) {
-        no_rope_scaling(freqs);
         self.launch_rope(
             dev_mut(q),
             q_layout,
@@ -831,6 +818,7 @@ impl Backend for CudaBackend {
             pos0,
             base,
             style,
+            freqs,
             None,
         )
     }

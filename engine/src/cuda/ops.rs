@@ -26,7 +26,9 @@ pub(super) fn attn_part(width: usize, threads: u32) -> usize {
 pub(super) const NORM_SPLIT_DEFAULT: usize = 8;
 
 /// What a RoPE angle table holds: rows at `pos0` (None: the position word of a recorded step,
-/// recomputed at every replay) .. + n, `rope_dim`, `base` (bits). A table's values are a
+/// recomputed at every replay) .. + n, `rope_dim`, `base` (bits), and the frequency scaling: the
+/// linear `divisor` (bits) and the per-pair factors (the host slice's address and length, as the
+/// weight map keys the device copy the kernel reads; None: all 1). A table's values are a
 /// function of its key alone, so a key match is always a valid reuse, except for the recorded
 /// form, which `graph_begin` forgets so that each recording computes its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +37,8 @@ pub(super) struct RopeKey {
     pub(super) n: usize,
     pub(super) rope_dim: usize,
     pub(super) base: u32,
+    pub(super) divisor: u32,
+    pub(super) factors: Option<(usize, usize)>,
 }
 
 impl CudaBackend {
@@ -80,16 +84,26 @@ impl CudaBackend {
         rope_dim: usize,
         pos0: usize,
         base: f32,
+        freqs: RopeFreqs<'_>,
     ) -> &'m Buf {
         let capturing = self.capturing();
+        let half = rope_dim / 2;
+        if let Some(f) = freqs.factors {
+            assert_eq!(f.len(), half, "cuda rope: one frequency factor per rotated pair");
+        }
         let key = RopeKey {
             pos0: (!capturing).then_some(pos0),
             n,
             rope_dim,
             base: base.to_bits(),
+            divisor: freqs.divisor.to_bits(),
+            factors: freqs.factors.map(|f| (f.as_ptr() as usize, f.len())),
         };
         if memo.as_ref().is_none_or(|(k, _)| *k != key) {
-            let half = rope_dim / 2;
+            // The factors' device copy (uploaded once per model, by the first, unrecorded step; the
+            // weight map keeps it alive for the recorded graphs that read it).
+            let ff = freqs.factors.filter(|f| !f.is_empty()).map(|f| self.param(f));
+            let null = 0u64;
             let mut cs = self.new_buf(n * half * 2);
             let (n_i, dim, p) = (n as i32, rope_dim as i32, pos0 as i32);
             let mut b = self
@@ -102,7 +116,13 @@ impl CudaBackend {
                 b.arg(&p);
             }
             b.arg(&base);
-            // SAFETY: matches rope_table in kernels/ops.cu; cs holds n·half float2s.
+            match &ff {
+                Some(d) => b.arg(&d.data),
+                None => b.arg(&null),
+            };
+            b.arg(&freqs.divisor);
+            // SAFETY: matches rope_table in kernels/ops.cu; cs holds n·half float2s; ff is null or
+            // half f32s (asserted above).
             ok(unsafe { b.launch(Self::elementwise_cfg(n * half)) });
             *memo = Some((key, cs));
         }
@@ -118,6 +138,7 @@ impl CudaBackend {
         pos0: usize,
         base: f32,
         style: RopeStyle,
+        freqs: RopeFreqs<'_>,
         append: Option<KvAppend<'_>>,
     ) {
         let q_width = ql.n_heads * ql.head_stride;
@@ -140,7 +161,7 @@ impl CudaBackend {
         };
         let null = 0u64;
         let mut memo = self.rope_table.lock().expect("rope table");
-        let cs = self.rope_table_for(&mut memo, n, ql.rope_dim, pos0, base);
+        let cs = self.rope_table_for(&mut memo, n, ql.rope_dim, pos0, base, freqs);
         let mut b = self.stream.launch_builder(self.func("rope_qk"));
         b.arg(q);
         for a in &q_args {
