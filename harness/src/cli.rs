@@ -113,8 +113,8 @@ pub struct SynthArgs {
     /// Build from explicit dims instead of a preset.
     #[arg(long, value_parser = ["llama", "deepseek2"])]
     pub arch: Option<String>,
-    /// Weight type for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, MXFP4),
-    /// or llama.cpp's mix Q4_K_M / Q5_K_M (Q4_K / Q5_K with the output matrix, and attn_v and
+    /// Weight type for the 2-D weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+    /// IQ4_NL, IQ4_XS, MXFP4, TQ1_0, TQ2_0), or llama.cpp's mix Q4_K_M / Q5_K_M (Q4_K / Q5_K with the output matrix, and attn_v and
     /// ffn_down in half the layers, in Q6_K). Defaults to the preset's own types.
     #[arg(long)]
     pub quant: Option<String>,

@@ -144,7 +144,7 @@ fn block_bf16(x: &[u8], y: &mut [f32]) {
 
 /// Q4_0: d, qs[16]. Element j < 16 is the low nibble of qs[j], j + 16 the high one. y = d * (q - 8).
 /// IQ4_NL's (and IQ4_XS's) 16-value codebook (ggml's `kvalues_iq4nl`).
-const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// IQ4_NL: d, qs[16]. y[j] = d · kv[low nibble of qs[j]], y[j+16] = d · kv[high nibble].
 fn block_iq4_nl(x: &[u8], y: &mut [f32]) {

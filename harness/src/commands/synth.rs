@@ -93,8 +93,8 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
                 format!("unknown quant type {q:?} (types: {})", names.join(", "))
             })?,
         };
-        if GgmlType::DEQUANT_ONLY.contains(&ty) && ty != GgmlType::MXFP4 {
-            bail!("synth cannot write {ty}: llmdiff reads it but has no quantizer for it (MXFP4 it can)");
+        if !references::quant::can_quantize(ty) {
+            bail!("synth cannot write {ty}: llmdiff reads it but has no quantizer for it (of the newer types it writes IQ4_NL, IQ4_XS, MXFP4, TQ1_0 and TQ2_0)");
         }
         spec.weight_type = ty;
         spec.embd_type = ty;
