@@ -6,7 +6,9 @@
 //! [`CudaOptions::from_env`]: `LLMDIFF_CUDA_DISABLE=item,item,...` turns off default fast paths
 //! one by one (an escape hatch for bisecting a wrong result to one kernel family, like llama.cpp's
 //! `GGML_CUDA_DISABLE_*`); each item falls back to a simpler path that computes the same op. An
-//! unknown item is an error that names it.
+//! unknown item is an error that names it. `LLMDIFF_KERNEL_CACHE=DIR` (or `off`) places the
+//! compiled-kernel cache, by default `$XDG_CACHE_HOME/llmdiff/kernels` or
+//! `~/.cache/llmdiff/kernels`.
 
 use crate::EngineError;
 
@@ -128,6 +130,13 @@ pub struct CudaOptions {
     pub kernel_trace: bool,
     /// Default fast paths turned off.
     pub disable: CudaDisable,
+    /// Where compiled kernel modules (PTX) are kept between runs, keyed by a hash of their
+    /// source, compile options, device architecture and NVRTC version; `None` compiles every
+    /// run. Only [`CudaOptions::from_env`] sets it: a default engine never touches the disk.
+    pub kernel_cache: Option<std::path::PathBuf>,
+    /// Told, before a long step, what the backend is doing (e.g. "compiling 9 CUDA kernel
+    /// modules"); the engine itself never prints.
+    pub progress: Option<fn(&str)>,
 }
 
 impl Default for CudaOptions {
@@ -137,6 +146,8 @@ impl Default for CudaOptions {
             ranks: RankMode::Auto,
             kernel_trace: false,
             disable: CudaDisable::default(),
+            kernel_cache: None,
+            progress: None,
         }
     }
 }
@@ -151,6 +162,11 @@ impl CudaOptions {
         };
         Ok(CudaOptions {
             disable,
+            kernel_cache: kernel_cache_dir(
+                std::env::var_os("LLMDIFF_KERNEL_CACHE"),
+                std::env::var_os("XDG_CACHE_HOME"),
+                std::env::var_os("HOME"),
+            ),
             ..CudaOptions::default()
         })
     }
@@ -161,9 +177,38 @@ impl CudaOptions {
     }
 }
 
+/// The kernel cache folder from `LLMDIFF_KERNEL_CACHE` (`off` or empty: none), else the XDG
+/// cache home, else `~/.cache`; `None` where none of them is set.
+fn kernel_cache_dir(
+    explicit: Option<std::ffi::OsString>,
+    xdg: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let nonempty = |v: Option<std::ffi::OsString>| v.filter(|v| !v.is_empty());
+    if let Some(dir) = explicit {
+        return (dir != "off" && !dir.is_empty()).then(|| PathBuf::from(dir));
+    }
+    nonempty(xdg)
+        .map(PathBuf::from)
+        .or_else(|| nonempty(home).map(|h| PathBuf::from(h).join(".cache")))
+        .map(|base| base.join("llmdiff").join("kernels"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_cache_folder_follows_the_environment() {
+        let os = |s: &str| Some(std::ffi::OsString::from(s));
+        let p = |s: &str| Some(std::path::PathBuf::from(s));
+        assert_eq!(kernel_cache_dir(os("/c"), os("/x"), os("/h")), p("/c"));
+        assert_eq!(kernel_cache_dir(os("off"), os("/x"), os("/h")), None);
+        assert_eq!(kernel_cache_dir(None, os("/x"), os("/h")), p("/x/llmdiff/kernels"));
+        assert_eq!(kernel_cache_dir(None, os(""), os("/h")), p("/h/.cache/llmdiff/kernels"));
+        assert_eq!(kernel_cache_dir(None, None, None), None);
+    }
 
     #[test]
     fn disable_items_parse_and_an_unknown_one_is_named() {

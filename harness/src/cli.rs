@@ -295,6 +295,7 @@ impl EngineArgs {
         if backend == BackendArg::Cuda {
             // LLMDIFF_CUDA_DISABLE (the one escape hatch), then the flags, which win.
             opts.cuda = engine::CudaOptions::from_env()?;
+            opts.cuda.progress = Some(|m| eprintln!("{m}"));
             if let Some(g) = self.cuda_graphs {
                 opts.cuda.graphs = g == OnOff::On;
             }

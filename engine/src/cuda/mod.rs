@@ -200,25 +200,77 @@ fn arch_name(major: i32, minor: i32) -> &'static str {
 
 type PtxCache = Mutex<HashMap<(KernelId, &'static str, bool), Ptx>>;
 
-/// Compiles one module for `arch`, with the kernel trace compiled in when `trace` (see
-/// `trace.rs`; cached per process). A compile error names the kernel file.
-pub fn compile(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, EngineError> {
-    static CACHE: OnceLock<PtxCache> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(p) = cache.lock().expect("ptx cache").get(&(id, arch, trace)) {
-        return Ok(p.clone());
+/// Every kernel module for `arch` (with the kernel trace compiled in when `trace`), in
+/// [`KernelId::ALL`]'s order. Each comes from this process's memo, else from the disk cache
+/// `opts.kernel_cache`, else from NVRTC; the modules still to compile are compiled in parallel,
+/// one thread each (NVRTC programs are independent), and written to the disk cache. A compile
+/// error names the kernel file.
+pub fn compile_all(arch: &'static str, trace: bool, opts: &CudaOptions) -> Result<Vec<Ptx>, EngineError> {
+    static MEMO: OnceLock<PtxCache> = OnceLock::new();
+    let memo = MEMO.get_or_init(Default::default);
+    let mut out: Vec<Option<Ptx>> = KernelId::ALL
+        .iter()
+        .map(|&id| {
+            let hit = memo.lock().expect("ptx memo").get(&(id, arch, trace)).cloned();
+            hit.or_else(|| disk_cache::read(opts.kernel_cache.as_deref(), id, arch, trace))
+        })
+        .collect();
+    let missing: Vec<usize> = (0..out.len()).filter(|&i| out[i].is_none()).collect();
+    if !missing.is_empty() {
+        if let Some(say) = opts.progress {
+            let cache = match &opts.kernel_cache {
+                Some(d) => format!("cached in {} for the next run", d.display()),
+                None => "no kernel cache".to_string(),
+            };
+            say(&format!(
+                "compiling {} CUDA kernel modules for {arch} on {} threads ({cache})",
+                missing.len(),
+                missing.len()
+            ));
+        }
+        let compiled: Vec<Result<Ptx, EngineError>> = std::thread::scope(|s| {
+            let jobs: Vec<_> = missing
+                .iter()
+                .map(|&i| s.spawn(move || compile_one(KernelId::ALL[i], arch, trace)))
+                .collect();
+            jobs.into_iter().map(|j| j.join().expect("NVRTC thread")).collect()
+        });
+        for (&i, ptx) in missing.iter().zip(compiled) {
+            let ptx = ptx?;
+            disk_cache::write(opts.kernel_cache.as_deref(), KernelId::ALL[i], arch, trace, &ptx);
+            out[i] = Some(ptx);
+        }
     }
+    let mut memo = memo.lock().expect("ptx memo");
+    Ok(KernelId::ALL
+        .iter()
+        .zip(out)
+        .map(|(&id, ptx)| {
+            let ptx = ptx.expect("every module compiled or cached");
+            memo.insert((id, arch, trace), ptx.clone());
+            ptx
+        })
+        .collect())
+}
+
+/// The NVRTC options of every module.
+fn nvrtc_options(trace: bool) -> Vec<String> {
     let mut options = vec!["-std=c++17".to_string()];
     if trace {
         options.push("-DLLMDIFF_TRACE".into());
     }
+    options
+}
+
+/// Compiles one module with NVRTC.
+fn compile_one(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, EngineError> {
     let opts = CompileOptions {
         arch: Some(arch),
         include_paths: vec!["/usr/local/cuda/include".into()],
-        options,
+        options: nvrtc_options(trace),
         ..Default::default()
     };
-    let ptx = guarded("NVRTC", || {
+    guarded("NVRTC", || {
         compile_ptx_with_opts(id.full_source(), opts).map_err(|e| {
             let msg = match &e {
                 CompileError::CompileError { log, .. } => log.to_string_lossy().trim().to_string(),
@@ -226,9 +278,66 @@ pub fn compile(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, Eng
             };
             EngineError::KernelCompile { kernel: id.file(), msg }
         })
-    })?;
-    cache.lock().expect("ptx cache").insert((id, arch, trace), ptx.clone());
-    Ok(ptx)
+    })
+}
+
+/// The on-disk PTX cache: one file per module, named by the module and a SHA-256 of everything
+/// that determines its PTX (source with `common.cuh`, NVRTC options, target arch, NVRTC version).
+/// Best effort by design: a file that is missing, unreadable or not PTX is a miss and the module
+/// is compiled; a failed write only costs the next run the compile. Files are written to a
+/// temporary name and renamed, so concurrent runs never read half a file.
+mod disk_cache {
+    use super::{nvrtc_options, KernelId, Ptx};
+    use sha2::{Digest, Sha256};
+    use std::path::{Path, PathBuf};
+
+    /// NVRTC's version, (0, 0) where it cannot be asked (then the compile fails anyway).
+    fn nvrtc_version() -> (i32, i32) {
+        std::panic::catch_unwind(|| {
+            let (mut major, mut minor) = (0, 0);
+            // SAFETY: two out-parameters of a pure query.
+            unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+            (major, minor)
+        })
+        .unwrap_or((0, 0))
+    }
+
+    pub(super) fn path(dir: &Path, id: KernelId, arch: &str, trace: bool) -> PathBuf {
+        let mut h = Sha256::new();
+        h.update(id.full_source().as_bytes());
+        for o in nvrtc_options(trace) {
+            h.update(b"\0");
+            h.update(o.as_bytes());
+        }
+        let (major, minor) = nvrtc_version();
+        h.update(format!("\0{arch}\0nvrtc {major}.{minor}").as_bytes());
+        let hex: String = h.finalize()[..12].iter().map(|b| format!("{b:02x}")).collect();
+        let stem = id.file().trim_end_matches(".cu");
+        dir.join(format!("{stem}-{arch}-{hex}.ptx"))
+    }
+
+    pub(super) fn read(dir: Option<&Path>, id: KernelId, arch: &str, trace: bool) -> Option<Ptx> {
+        let text = std::fs::read_to_string(path(dir?, id, arch, trace)).ok()?;
+        // NVRTC's PTX starts with its banner comment and names a `.version`; anything else is
+        // not ours (or was cut short) and is compiled afresh.
+        (text.contains(".version") && text.contains(".target") && text.trim_end().ends_with('}'))
+            .then(|| Ptx::from_src(text))
+    }
+
+    pub(super) fn write(dir: Option<&Path>, id: KernelId, arch: &str, trace: bool, ptx: &Ptx) {
+        let Some(dir) = dir else { return };
+        let Some(bytes) = ptx.as_bytes() else { return };
+        // The image is NUL-terminated C text.
+        let text = bytes.split(|&b| b == 0).next().unwrap_or(bytes);
+        let target = path(dir, id, arch, trace);
+        let tmp = target.with_extension(format!("tmp{}", std::process::id()));
+        let ok = std::fs::create_dir_all(dir).is_ok()
+            && std::fs::write(&tmp, text).is_ok()
+            && std::fs::rename(&tmp, &target).is_ok();
+        if !ok {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
 }
 
 /// The cuda backend for TP `tp` under `opts`: real ranks over NCCL ([`nccl`]) or
@@ -368,8 +477,7 @@ impl CudaBackend {
             .map_or(48 << 10, |b| b.max(48 << 10) as usize);
         let trace = trace.then(|| trace::KernelTrace::new(&stream)).transpose()?;
         let mut funcs = HashMap::new();
-        for id in KernelId::ALL {
-            let ptx = compile(id, arch, trace.is_some())?;
+        for (id, ptx) in KernelId::ALL.into_iter().zip(compile_all(arch, trace.is_some(), opts)?) {
             let module = ctx
                 .load_module(ptx)
                 .map_err(drv(&format!("loading kernel module {}", id.file())))?;
