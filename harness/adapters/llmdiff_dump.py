@@ -8,8 +8,13 @@
 then `llmdiff diff-layers MODEL.gguf --candidate dump.safetensors`.
 
 Hooks CLONE every tensor at hook time (fused kernels may later mutate the buffer in place) and
-store it as [n_tokens, width] f32 (batch 1). A dump names each tensor by its tap key
-(`blk.3.attn_out`); rank-local values (`blk.3.attn_out@r1`) go in one file per rank.
+store it as [n_tokens, width] (batch 1) in the dtype the engine held it in: a bf16 model's taps
+are stored bf16, an fp16 model's f16, an fp32 model's f32 (any other dtype, e.g. fp8 or f64, is
+stored f32). `Dumper(..., store="f32")` forces f32 for every tensor. The metadata key
+`llmdiff.compute_dtype` (`f32`, `bf16` or `f16`) records the model's compute dtype, taken from
+`next(model.parameters()).dtype` unless `compute_dtype=` names it; each tensor's own dtype is the
+safetensors dtype it is stored in. A dump names each tensor by its tap key (`blk.3.attn_out`);
+rank-local values (`blk.3.attn_out@r1`) go in one file per rank.
 
 Module maps: HF_LLAMA and HF_DEEPSEEK_V3 run here (tests/peers/hf_dump_smollm2.py).
 VLLM_LLAMA and VLLM_DEEPSEEK_V2 are offered for users to try and were NOT run here (no vLLM on
@@ -93,19 +98,42 @@ def _first(x):
     return x
 
 
-def _rows(t):
-    """[1, n, w] or [n, w] or [1, H, n, hd] (heads first) -> a [n, width] f32 clone."""
+# torch dtype -> the name `llmdiff.compute_dtype` uses; these three are also the dtypes a dump
+# stores tensors in.
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+STORE = ("model", "f32")
+
+
+def _rows(t, store="model"):
+    """[1, n, w] or [n, w] or [1, H, n, hd] (heads first) -> a [n, width] clone, in the tensor's
+    own dtype when that is f32, bf16 or f16 and store == "model", else f32."""
     t = t.detach()
     if t.dim() == 4:  # [b, heads, n, hd]
         t = t[0].transpose(0, 1).reshape(t.shape[2], -1)
     elif t.dim() == 3:
         t = t[0]
-    return t.to(torch.float32).clone().contiguous()
+    if store == "f32" or t.dtype not in DTYPE_NAMES:
+        t = t.to(torch.float32)
+    return t.clone().contiguous()
+
+
+def compute_dtype_of(model):
+    """The model's compute dtype as `llmdiff.compute_dtype` names it (its first parameter's)."""
+    dt = next(model.parameters()).dtype
+    if dt not in DTYPE_NAMES:
+        raise ValueError(f"model parameters are {dt}; pass Dumper(compute_dtype='f32'|'bf16'|'f16')")
+    return DTYPE_NAMES[dt]
 
 
 class Dumper:
-    def __init__(self, model, mapping=None, layers=None, rank=None, rope=True):
+    def __init__(self, model, mapping=None, layers=None, rank=None, rope=True, store="model", compute_dtype=None):
+        if store not in STORE:
+            raise ValueError(f"store={store!r}: one of {STORE}")
+        if compute_dtype is not None and compute_dtype not in DTYPE_NAMES.values():
+            raise ValueError(f"compute_dtype={compute_dtype!r}: one of {sorted(DTYPE_NAMES.values())}")
         self.model = model
+        self.store = store
+        self.compute_dtype = compute_dtype if compute_dtype is not None else compute_dtype_of(model)
         self.mapping = mapping if mapping is not None else HF_LLAMA
         self.layers = layers
         self.rank = rank
@@ -121,7 +149,7 @@ class Dumper:
         return k if self.rank is None else f"{k}@r{self.rank}"
 
     def _put(self, key, t):
-        self.tensors[key] = _rows(t)
+        self.tensors[key] = _rows(t, self.store)
 
     def __enter__(self):
         names = dict(self.model.named_modules())
@@ -186,5 +214,6 @@ class Dumper:
             "tp": str(tp),
             "mapping": json.dumps(self.used),
             "layout": json.dumps(layout or {}),
+            "llmdiff.compute_dtype": self.compute_dtype,
         }
         save_file(self.tensors, path, metadata=meta)
