@@ -4,8 +4,8 @@
 //! bf16 and f16 exactly as at f32 — the unwritten buffer holds the dtype's canary, which the
 //! harness recognises without knowing the dtype.
 //!
-//! The full matrices are `#[ignore]`d, a release-mode command (minutes):
-//! `cargo test --release -p llmdiff-tests --test compute_dtype -- --ignored --nocapture`.
+//! The full matrices are `#[ignore]`d, a release-mode command (about 6 and 9 minutes on 2 busy
+//! cores): `cargo test --release -p llmdiff-tests --test compute_dtype -- --ignored --nocapture`.
 //! They measure, against the f64 reference, the worst healthy rel_l2 per site at bf16 and f16
 //! over presets × weight types × TP degrees (prefill, and decode on Q8_0), and run the fault
 //! matrix at bf16 beside the same cases at f32, printing how many localize to the same tap with
