@@ -312,6 +312,27 @@ extern "C" __global__ void fill_u32(u32* x, u32 bits, long long len) {
     if (i < len) x[i] = bits;
 }
 
+// Every value of x[0..len) rounded to the compute dtype and widened back (the store of a 16-bit
+// engine on f32 containers; engine/src/precision.rs says where it is called). dtype 1: bf16, 2:
+// f16. Round to nearest, ties to even, overflow to inf; a NaN keeps its sign and the top payload
+// bits the dtype holds and is made quiet, so each dtype's canary (bf16 0x7FC1 -> 0x7FC10000, f16
+// 0x7E0E -> 0x7FC1C000) is left bit for bit. Bit for bit the host's round_bf16/round_f16.
+extern "C" __global__ void round_dtype(u32* x, long long len, int dtype) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    u32 b = x[i];
+    bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+    if (dtype == 1) {
+        x[i] = nan ? ((b & 0xFFFF0000u) | 0x00400000u) : ((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+    } else if (nan) {
+        x[i] = (b & 0xFFFFE000u) | 0x00400000u;
+    } else {
+        unsigned short hb;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hb) : "f"(__uint_as_float(b)));
+        x[i] = __float_as_uint(f16_to_f32(hb));
+    }
+}
+
 // dst[r, 0..n_cols) = src[r, col0 .. col0 + n_cols) for rows of src_width.
 extern "C" __global__ void copy_cols(const float* __restrict__ src, float* __restrict__ dst, int rows, int src_width,
                                      int col0, int n_cols) {

@@ -17,6 +17,7 @@
 
 use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::moe_route::{route, Route};
+use crate::options::ComputeDtype;
 use half::f16;
 use references::config::MoeConfig;
 
@@ -147,6 +148,10 @@ pub trait Backend: Send + Sync {
     }
     /// Sets every value of `b` (the canary fill, zeroing).
     fn fill(&self, b: &mut Buf, value: f32);
+    /// Every value of `b` rounded to `dtype` in place ([`crate::precision::round`]: nearest, ties
+    /// to even; a NaN keeps its top payload bits, so each dtype's canary stays as it is). The
+    /// store of a 16-bit engine, on f32 containers; a no-op at f32.
+    fn round_to(&self, b: &mut Buf, dtype: ComputeDtype);
     /// `dst[dst_off..dst_off + len] = src[src_off..src_off + len]`.
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize);
     /// Columns `col0 .. col0 + n_cols` of `src` `[rows, src_width]` into `dst` `[rows, n_cols]`.
@@ -397,6 +402,9 @@ impl Backend for CpuBackend {
     }
     fn fill(&self, b: &mut Buf, value: f32) {
         hm(b).fill(value)
+    }
+    fn round_to(&self, b: &mut Buf, dtype: ComputeDtype) {
+        crate::precision::round_slice(dtype, hm(b))
     }
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
         hm(dst)[dst_off..dst_off + len].copy_from_slice(&h(src)[src_off..src_off + len])

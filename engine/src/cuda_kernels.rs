@@ -81,6 +81,7 @@ impl KernelId {
                 "swiglu_limbs",
                 "all_reduce_sum",
                 "fill_u32",
+                "round_dtype",
                 "copy_cols",
                 "add_assign",
                 "gather_rows_f32",

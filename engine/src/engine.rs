@@ -11,6 +11,10 @@
 //! vocab-parallel embedding (+ all-reduce); per layer, attention up to o_proj (+ all-reduce) and
 //! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
 //!
+//! Precision: at [`ComputeDtype::F32`] (the default) the backend runs as it is; at bf16 or f16 it
+//! is wrapped in [`crate::precision::DtypeBackend`], which rounds every op's output to the dtype,
+//! and the loader rounds float weights (the rules are in [`crate::precision`]).
+//!
 //! Decode graphs: where the backend has them (CUDA), a plain decode step (no tap, no fault, no MoE
 //! or MLA) after another plain one is recorded once, embedding, layers and head, and replayed for
 //! the next tokens, which the replay sets on the device with the position; logits are bitwise those
@@ -18,7 +22,7 @@
 
 use crate::backend::{as_rank, Backend, BackendKind, BlockTrace, Buf, CommStats, CpuBackend, StepGraph};
 use crate::fault::{Fault, FaultSet, FaultSpec};
-use crate::options::CudaOptions;
+use crate::options::{ComputeDtype, CudaOptions};
 use crate::rank::{NormAt, PhaseOut, Rank, StepCtx};
 use crate::taps::{flush, gather_columns, TapPlan};
 use crate::weights::{Loader, WeightStorage};
@@ -39,6 +43,10 @@ pub struct EngineOptions {
     pub storage: WeightStorage,
     /// The CUDA backend's settings (ignored on the CPU).
     pub cuda: CudaOptions,
+    /// The precision the engine computes in: f32 (the default), or bf16/f16 as production
+    /// engines do (float weights and every op's output rounded to it, f32 accumulation; see
+    /// [`crate::precision`]).
+    pub compute_dtype: ComputeDtype,
 }
 
 impl Default for EngineOptions {
@@ -49,6 +57,7 @@ impl Default for EngineOptions {
             backend: BackendKind::Cpu,
             storage: WeightStorage::default(),
             cuda: CudaOptions::default(),
+            compute_dtype: ComputeDtype::F32,
         }
     }
 }
@@ -58,6 +67,7 @@ pub struct Engine {
     config: ModelConfig,
     tp: usize,
     faults: FaultSet,
+    compute_dtype: ComputeDtype,
     backend: Box<dyn Backend>,
     ranks: Vec<Rank>,
     n_past: usize,
@@ -153,7 +163,13 @@ fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
 }
 
 /// Refuses a fault that would not change anything on this model and TP degree.
-fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
+fn check_fault(
+    spec: &FaultSpec,
+    file: &GgufFile,
+    c: &ModelConfig,
+    tp: usize,
+    dtype: ComputeDtype,
+) -> Result<(), EngineError> {
     let refuse = |msg: String| {
         Err(EngineError::FaultNotApplicable {
             spec: spec.to_string(),
@@ -185,6 +201,9 @@ fn check_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, tp: usize) ->
         Fault::KvBUnsharded | Fault::KvBShardSwap | Fault::AllreduceSkip if tp < 2 => {
             refuse("needs TP ≥ 2 (at TP 1 the shard is the whole tensor and nothing is reduced)".into())
         }
+        Fault::F16Residual if dtype == ComputeDtype::F16 => {
+            refuse("the engine computes in f16: its residual stream is stored in f16 already".into())
+        }
         Fault::MoeGateRounded if !layers.iter().any(|&layer_idx| c.is_moe_layer(layer_idx)) => {
             refuse("needs an MoE layer in its scope".into())
         }
@@ -212,7 +231,7 @@ impl Engine {
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let config = ModelConfig::from_header(&file.header)?;
         check_shapes(&config)?;
-        let backend: Box<dyn Backend> = match opts.backend {
+        let mut backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
             BackendKind::Cuda => crate::cuda::backend_for(opts.tp, &opts.cuda)?,
@@ -223,12 +242,16 @@ impl Engine {
                 ))
             }
         };
+        if opts.compute_dtype != ComputeDtype::F32 {
+            // Every op's outputs rounded to the dtype; at f32 the backend runs as it is.
+            backend = Box::new(crate::precision::DtypeBackend::new(backend, opts.compute_dtype));
+        }
         check_tp(&config, opts.tp)?;
         for spec in &opts.faults {
-            check_fault(spec, file, &config, opts.tp)?;
+            check_fault(spec, file, &config, opts.tp, opts.compute_dtype)?;
         }
         let faults = FaultSet::new(opts.faults);
-        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage);
+        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage).compute_dtype(opts.compute_dtype);
         let shards = (0..opts.tp)
             .into_par_iter()
             .map(|r| loader.load_rank(r))
@@ -237,6 +260,7 @@ impl Engine {
         Ok(Engine {
             tp: opts.tp,
             faults,
+            compute_dtype: opts.compute_dtype,
             backend,
             ranks,
             n_past: 0,
@@ -272,6 +296,11 @@ impl Engine {
 
     pub fn tp(&self) -> usize {
         self.tp
+    }
+
+    /// The precision the engine computes in.
+    pub fn compute_dtype(&self) -> ComputeDtype {
+        self.compute_dtype
     }
 
     pub fn faults(&self) -> &[FaultSpec] {

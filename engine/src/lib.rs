@@ -6,7 +6,8 @@
 //! MoE mix behind caller-allocated output buffers ([`rank`]). Its dequantization and CPU ops
 //! ([`cpu_ops`]) are its own, never the reference's; the fault-injection catalog is [`fault`].
 //! Model code runs over the [`backend::Backend`] trait: cpu, and cuda behind the feature `cuda`
-//! (NVRTC kernels from `kernels/`, module list in [`cuda_kernels`]).
+//! (NVRTC kernels from `kernels/`, module list in [`cuda_kernels`]). It computes in f32 by default,
+//! or at production precision, bf16 or f16 ([`ComputeDtype`]; the rules are in [`precision`]).
 
 pub mod backend;
 pub mod collective;
@@ -23,6 +24,7 @@ pub mod fault;
 pub mod fault_dequant;
 pub mod moe_route;
 pub mod options;
+pub mod precision;
 pub mod rank;
 pub mod taps;
 pub mod weights;
@@ -31,5 +33,5 @@ pub use backend::{Backend, BackendKind, BlockTrace, CommStats, CpuBackend};
 pub use engine::{argmax, valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};
-pub use options::{CudaDisable, CudaOptions, RankMode};
+pub use options::{ComputeDtype, CudaDisable, CudaOptions, RankMode};
 pub use weights::WeightStorage;

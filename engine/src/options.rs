@@ -1,6 +1,7 @@
-//! The CUDA backend's settings, in one typed place: [`CudaOptions`], passed in through
-//! [`crate::EngineOptions::cuda`]. Built without the `cuda` feature too, so a caller sets them the
-//! same way in every build (the CPU backend ignores them).
+//! The engine's typed settings: the compute precision ([`ComputeDtype`], passed in through
+//! [`crate::EngineOptions::compute_dtype`]) and the CUDA backend's settings ([`CudaOptions`],
+//! through [`crate::EngineOptions::cuda`]). The CUDA settings are built without the `cuda` feature
+//! too, so a caller sets them the same way in every build (the CPU backend ignores them).
 //!
 //! The environment is read here and nowhere else in the engine, once, by
 //! [`CudaOptions::from_env`]: `LLMDIFF_CUDA_DISABLE=item,item,...` turns off default fast paths
@@ -9,6 +10,85 @@
 //! unknown item is an error that names it.
 
 use crate::EngineError;
+
+/// The precision the engine computes in (`--compute-dtype`): what each op's output is stored in
+/// between ops. The default, f32, is the engine as it always was, bit for bit. At bf16 or f16
+/// the engine runs as a production engine at that precision does (see [`crate::precision`] for
+/// the rules and the emulation): float weights rounded to the dtype at load, every op's output
+/// (activations, the residual stream, the KV cache, the logits) rounded to it, products and sums
+/// inside an op accumulated in f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ComputeDtype {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
+impl ComputeDtype {
+    pub const ALL: [ComputeDtype; 3] = [ComputeDtype::F32, ComputeDtype::Bf16, ComputeDtype::F16];
+
+    /// The dtype's name as `--compute-dtype` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+            ComputeDtype::F16 => "f16",
+        }
+    }
+
+    /// Unit roundoff u of round-to-nearest: half the spacing of the values in [1, 2), 2^-(p)
+    /// for p stored mantissa bits + 1 (f32 2^-24, bf16 2^-8, f16 2^-11). A stored value is the
+    /// exact one times (1 + δ), |δ| ≤ u (f16 below 2^-14 is subnormal: absolute error 2^-25).
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            ComputeDtype::F32 => (-24f64).exp2(),
+            ComputeDtype::Bf16 => (-8f64).exp2(),
+            ComputeDtype::F16 => (-11f64).exp2(),
+        }
+    }
+
+    /// `x` rounded to the dtype (round to nearest, ties to even; overflow to ±inf) and widened
+    /// back to f32. A NaN keeps its sign and the top payload bits the dtype holds, and is made
+    /// quiet, as a hardware conversion that keeps payloads does: the f32 canary becomes the
+    /// dtype's canary ([`ComputeDtype::canary`]). Identity at f32.
+    #[inline]
+    pub fn round(self, x: f32) -> f32 {
+        crate::precision::round(self, x)
+    }
+
+    /// The canary an unwritten output buffer holds at this dtype: the f32 canary rounded to the
+    /// dtype (a quiet NaN the dtype can store, so rounding leaves it alone):
+    /// [`references::tap::canary`], [`references::tap::canary_bf16`] or
+    /// [`references::tap::canary_f16`]. [`references::tap::is_canary`] recognises each.
+    pub fn canary(self) -> f32 {
+        match self {
+            ComputeDtype::F32 => references::tap::canary(),
+            ComputeDtype::Bf16 => references::tap::canary_bf16(),
+            ComputeDtype::F16 => references::tap::canary_f16(),
+        }
+    }
+}
+
+impl std::fmt::Display for ComputeDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ComputeDtype {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<ComputeDtype, EngineError> {
+        match s.trim() {
+            "f32" | "fp32" => Ok(ComputeDtype::F32),
+            "bf16" => Ok(ComputeDtype::Bf16),
+            "f16" | "fp16" => Ok(ComputeDtype::F16),
+            other => Err(EngineError::Options(format!(
+                "compute dtype: unknown {other:?} (expected f32, bf16 or f16)"
+            ))),
+        }
+    }
+}
 
 /// How `--backend cuda` runs the ranks of a TP > 1 engine.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -4,7 +4,8 @@
 //!
 //! Attention and the MoE mix are custom ops in vLLM's style: the caller allocates the output
 //! buffer and the op writes into it. When a tap wants an op's output, the buffer is filled with
-//! the canary first, so an unwritten element shows. The attention output buffers are a per-rank
+//! the canary first, so an unwritten element shows (at a bf16/f16 compute dtype, that dtype's canary:
+//! the backend's fill stores it, see [`crate::precision`]). The attention output buffers are a per-rank
 //! double buffer (layer l writes buffer l mod 2), reused across layers and steps. Every tensor
 //! here is a backend [`Buf`] (device memory on CUDA); taps download only what is wanted.
 

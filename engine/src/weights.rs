@@ -23,10 +23,16 @@
 //! then sharded by head. The loader faults (`kv-b-unsharded`, `kv-b-shard-swap`,
 //! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`) live here as the alternative
 //! paths they are in a real loader.
+//!
+//! At a 16-bit compute dtype ([`Loader::compute_dtype`]) float tensors (F32, F16, BF16) are
+//! rounded to it as they are read, except the RoPE frequency factors and the router's
+//! `exp_probs_b` bias, which production engines keep in f32; quantized tensors keep their exact
+//! dequantized values (the rules: [`crate::precision`]).
 
 use crate::cpu_ops::{Mat, QMat, WeightRef};
 use crate::fault::{Fault, FaultSet};
 use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
+use crate::options::ComputeDtype;
 use crate::EngineError;
 use rayon::prelude::*;
 use references::config::MoeConfig;
@@ -253,7 +259,14 @@ pub struct Loader<'a> {
     pub faults: &'a FaultSet,
     pub tp: usize,
     pub storage: WeightStorage,
+    /// Float tensors are rounded to this as they are read (identity at f32).
+    pub dtype: ComputeDtype,
     replicated: Mutex<ReplicatedCache>,
+}
+
+/// True for the GGUF float types (not block-quantized).
+fn is_float(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
 
 fn name_of(s: &str) -> String {
@@ -274,8 +287,14 @@ impl<'a> Loader<'a> {
             faults,
             tp,
             storage,
+            dtype: ComputeDtype::F32,
             replicated: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The loader with float tensors rounded to `dtype` as they are read.
+    pub fn compute_dtype(self, dtype: ComputeDtype) -> Self {
+        Loader { dtype, ..self }
     }
 
     fn info(&self, name: &str) -> Result<&'a TensorInfo, EngineError> {
@@ -305,7 +324,32 @@ impl<'a> Loader<'a> {
         Ok(t)
     }
 
-    fn dequant(&self, name: &str, ty: GgmlType, src: &[u8], dst: &mut [f32], bad_q4k: bool) -> Result<(), EngineError> {
+    /// Decodes `src` of type `ty` into `dst`; a float type is then rounded to the compute dtype
+    /// unless `keep_f32`.
+    fn dequant(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        src: &[u8],
+        dst: &mut [f32],
+        bad_q4k: bool,
+        keep_f32: bool,
+    ) -> Result<(), EngineError> {
+        self.dequant_exact(name, ty, src, dst, bad_q4k)?;
+        if is_float(ty) && !keep_f32 {
+            crate::precision::round_slice(self.dtype, dst);
+        }
+        Ok(())
+    }
+
+    fn dequant_exact(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        src: &[u8],
+        dst: &mut [f32],
+        bad_q4k: bool,
+    ) -> Result<(), EngineError> {
         if ty == GgmlType::Q4K && bad_q4k {
             if !dequantize_q4k(src, dst, ScaleMinOrder::Swapped) {
                 return Err(EngineError::Dequant {
@@ -323,6 +367,18 @@ impl<'a> Loader<'a> {
 
     /// Rows `rows` (each `ne[0]` elements; rows counted over all outer dims) of a tensor.
     pub fn rows(&self, name: &str, ne: &[usize], rows: Range<usize>, bad_q4k: bool) -> Result<Vec<f32>, EngineError> {
+        self.rows_as(name, ne, rows, bad_q4k, false)
+    }
+
+    /// [`Loader::rows`], a float tensor kept in f32 when `keep_f32`.
+    fn rows_as(
+        &self,
+        name: &str,
+        ne: &[usize],
+        rows: Range<usize>,
+        bad_q4k: bool,
+        keep_f32: bool,
+    ) -> Result<Vec<f32>, EngineError> {
         let t = self.checked(name, ne)?;
         let row_len = ne[0];
         let n_rows: usize = ne[1..].iter().product();
@@ -335,7 +391,7 @@ impl<'a> Loader<'a> {
         let row_bytes = t.n_bytes as usize / n_rows.max(1);
         let src = &self.file.tensor_data(t)[rows.start * row_bytes..rows.end * row_bytes];
         let mut out = vec![0f32; rows.len() * row_len];
-        self.dequant(name, t.ty, src, &mut out, bad_q4k)?;
+        self.dequant(name, t.ty, src, &mut out, bad_q4k, keep_f32)?;
         Ok(out)
     }
 
@@ -368,6 +424,7 @@ impl<'a> Loader<'a> {
                 &data[row_idx * row_bytes..(row_idx + 1) * row_bytes],
                 &mut tmp,
                 bad_q4k,
+                false,
             )?;
             out.extend_from_slice(&tmp[cols.clone()]);
         }
@@ -375,6 +432,13 @@ impl<'a> Loader<'a> {
     }
 
     /// A replicated tensor, whole, shared between ranks.
+    /// A small replicated float tensor production engines keep in f32 (RoPE frequency factors,
+    /// the router's score-correction bias): never rounded to the compute dtype.
+    fn replicated_f32(&self, name: &str, ne: &[usize]) -> Result<Arc<Vec<f32>>, EngineError> {
+        let n_rows: usize = ne[1..].iter().product();
+        Ok(Arc::new(self.rows_as(name, ne, 0..n_rows, false, true)?))
+    }
+
     fn replicated(&self, name: &str, ne: &[usize], bad_q4k: bool) -> Result<Arc<Vec<f32>>, EngineError> {
         let key = (name.to_string(), bad_q4k);
         if let Some(v) = self.replicated.lock().expect("loader cache").get(&key) {
@@ -395,9 +459,17 @@ impl<'a> Loader<'a> {
     }
 
     /// Whether a shard of type `ty` stays in its quantized blocks (the faulty Q4_K decode and
-    /// F32 tensors are stored as f32).
+    /// F32 tensors are stored as f32, and so are F16/BF16 ones the compute dtype cannot hold
+    /// exactly: F16 at bf16, BF16 at f16, which are rounded).
     fn keeps_blocks(&self, ty: GgmlType, bad_q4k: bool) -> bool {
-        self.storage == WeightStorage::Quantized && ty != GgmlType::F32 && !(ty == GgmlType::Q4K && bad_q4k)
+        let representable = match (ty, self.dtype) {
+            (GgmlType::F16, ComputeDtype::Bf16) | (GgmlType::BF16, ComputeDtype::F16) => false,
+            _ => true,
+        };
+        self.storage == WeightStorage::Quantized
+            && ty != GgmlType::F32
+            && !(ty == GgmlType::Q4K && bad_q4k)
+            && representable
     }
 
     /// Rows `rows` of a tensor (rows `ne[0]` long, counted over the outer dims) as a weight
@@ -529,7 +601,7 @@ impl<'a> Loader<'a> {
         };
         let output_norm = self.replicated("output_norm.weight", &[d], false)?;
         let rope_freqs = if c.rope_scaling.freq_factors {
-            Some(self.replicated("rope_freqs.weight", &[c.rope_dim / 2], false)?)
+            Some(self.replicated_f32("rope_freqs.weight", &[c.rope_dim / 2])?)
         } else {
             None
         };
@@ -678,7 +750,7 @@ impl<'a> Loader<'a> {
         }
         let bias_name = format!("blk.{layer_idx}.exp_probs_b.bias");
         let bias = match self.file.tensor(&bias_name) {
-            Some(_) => Some(self.replicated(&bias_name, &[n_exp], false)?),
+            Some(_) => Some(self.replicated_f32(&bias_name, &[n_exp])?),
             None => None,
         };
         let part = self.part(eff, rank_idx);

@@ -245,6 +245,11 @@ pub struct EngineArgs {
     /// when TP > 1 and there are TP GPUs).
     #[arg(long, value_enum)]
     pub ranks: Option<RanksArg>,
+    /// The precision the engine computes in: f32 (default), or bf16/f16 as production engines do
+    /// (float weights and every op's output rounded to it, f32 accumulation; quantized weights
+    /// keep their exact values). Engine backends only.
+    #[arg(long, value_name = "f32|bf16|f16")]
+    pub compute_dtype: Option<engine::ComputeDtype>,
 }
 
 impl EngineArgs {
@@ -282,6 +287,9 @@ impl EngineArgs {
             if !self.inject.is_empty() {
                 anyhow::bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
             }
+            if self.compute_dtype.is_some_and(|d| d != engine::ComputeDtype::F32) {
+                anyhow::bail!("--compute-dtype applies to the engine backends (cpu, cuda): the reference computes in f64");
+            }
         }
         if backend != BackendArg::Cuda && (self.cuda_graphs.is_some() || self.ranks.is_some()) {
             anyhow::bail!("--cuda-graphs and --ranks apply to --backend cuda");
@@ -290,6 +298,7 @@ impl EngineArgs {
             tp,
             faults: self.inject.clone(),
             backend: kind.unwrap_or_default(),
+            compute_dtype: self.compute_dtype.unwrap_or_default(),
             ..engine::EngineOptions::default()
         };
         if backend == BackendArg::Cuda {
@@ -756,10 +765,16 @@ mod tests {
         assert_eq!(kind, Some(engine::BackendKind::Cpu));
         assert_eq!((opts.tp, opts.faults.len()), (2, 1));
         assert_eq!(a.injected(), vec!["f16-residual@1:0".to_string()]);
+        assert_eq!(opts.compute_dtype, engine::ComputeDtype::F32);
+        let a = engine_args(&["--backend", "cpu", "--compute-dtype", "bf16"]).unwrap();
+        let (_, opts) = a.engine_options(a.backend_or(BackendArg::Reference)).unwrap();
+        assert_eq!(opts.compute_dtype, engine::ComputeDtype::Bf16);
+        assert!(engine_args(&["--compute-dtype", "fp8"]).is_err());
         // The reference takes no --tp, --inject or CUDA flags; the CUDA flags need --backend cuda.
         for bad in [
             &["--backend", "reference", "--tp", "2"][..],
             &["--backend", "reference", "--inject", "f16-residual"],
+            &["--backend", "reference", "--compute-dtype", "f16"],
             &["--backend", "cpu", "--cuda-graphs", "off"],
             &["--backend", "cpu", "--ranks", "nccl"],
             &["--backend", "cpu", "--tp", "0"],

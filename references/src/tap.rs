@@ -7,16 +7,43 @@ use std::str::FromStr;
 
 /// The canary a custom op's output buffer is filled with before the op runs: a quiet NaN whose
 /// payload spells `0x1DF0D` ("llmdiff"-ish), so an unwritten element is recognisable bit for bit.
+///
+/// An engine that stores activations in bf16 or f16 cannot hold these bits: a conversion keeps
+/// only the top payload bits (bf16 7, f16 9 after the quiet bit), and many conversions make every
+/// NaN the canonical one. Each 16-bit dtype therefore has a canary of its own, the f32 canary
+/// converted to it with its top payload bits kept ([`CANARY_BF16_BITS`], [`CANARY_F16_BITS`]);
+/// its f32 widening is what an f32 tap of an unwritten 16-bit buffer shows, and [`is_canary`]
+/// recognises all three forms. No canonical NaN (f32 `0x7FC0_0000`, bf16 `0x7FC0`/`0x7FFF`, f16
+/// `0x7E00`/`0x7FFF`) matches any of them, so a NaN an op computes is never taken for one.
 pub const CANARY_BITS: u32 = 0x7FC1_DF0D;
+
+/// The bf16 canary: the top 16 bits of [`CANARY_BITS`] (payload `0x41`, quiet bit included).
+pub const CANARY_BF16_BITS: u16 = 0x7FC1;
+
+/// The f16 canary: [`CANARY_BITS`]'s sign, an all-ones exponent and the top 10 of its 23
+/// mantissa bits (`0x20E`: quiet bit and payload `0x0E`).
+pub const CANARY_F16_BITS: u16 = 0x7E0E;
 
 /// The canary as an f32 (a NaN).
 pub fn canary() -> f32 {
     f32::from_bits(CANARY_BITS)
 }
 
-/// True when `x` carries the canary's exact bits.
+/// The bf16 canary widened to f32 (bits `0x7FC1_0000`).
+pub fn canary_bf16() -> f32 {
+    f32::from_bits((CANARY_BF16_BITS as u32) << 16)
+}
+
+/// The f16 canary widened to f32 (bits `0x7FC1_C000`).
+pub fn canary_f16() -> f32 {
+    half::f16::from_bits(CANARY_F16_BITS).to_f32()
+}
+
+/// True when `x` carries the exact bits of the canary in one of its forms: the f32 canary, or
+/// the bf16 or f16 canary widened to f32.
 pub fn is_canary(x: f32) -> bool {
-    x.to_bits() == CANARY_BITS
+    let b = x.to_bits();
+    b == CANARY_BITS || b == canary_bf16().to_bits() || b == canary_f16().to_bits()
 }
 
 /// Which weight a weight tap shows.
@@ -492,5 +519,33 @@ mod tests {
         assert!(canary().is_nan());
         assert!(is_canary(canary()));
         assert!(!is_canary(f32::NAN));
+    }
+
+    #[test]
+    fn each_dtype_canary_is_the_f32_canary_narrowed_and_recognised() {
+        // Widened bit patterns, written out.
+        assert_eq!(canary_bf16().to_bits(), 0x7FC1_0000);
+        assert_eq!(canary_f16().to_bits(), 0x7FC1_C000);
+        // The half crate's conversions (which keep the top payload bits) narrow the f32 canary
+        // to each 16-bit canary, and widen them back to what is_canary takes.
+        assert_eq!(half::bf16::from_f32(canary()).to_bits(), CANARY_BF16_BITS);
+        assert_eq!(half::f16::from_f32(canary()).to_bits(), CANARY_F16_BITS);
+        assert_eq!(half::bf16::from_bits(CANARY_BF16_BITS).to_f32().to_bits(), canary_bf16().to_bits());
+        for c in [canary(), canary_bf16(), canary_f16()] {
+            assert!(c.is_nan() && is_canary(c), "{:#x}", c.to_bits());
+            assert!(!is_canary(-c), "the sign is part of the canary");
+        }
+        // Canonical NaNs of every width, infinities and ordinary values are not canaries.
+        let canonical = [
+            f32::NAN,
+            f32::from_bits(0x7FFF_FFFF),
+            half::bf16::from_bits(0x7FC0).to_f32(),
+            half::bf16::from_bits(0x7FFF).to_f32(),
+            half::f16::from_bits(0x7E00).to_f32(),
+            half::f16::from_bits(0x7FFF).to_f32(),
+        ];
+        for x in canonical.into_iter().chain([f32::INFINITY, 0.0, 1.0, -3.5]) {
+            assert!(!is_canary(x), "{:#x}", x.to_bits());
+        }
     }
 }

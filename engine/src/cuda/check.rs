@@ -792,6 +792,53 @@ impl CudaBackend {
                 tol: 0.0,
                 pass: bits_ok && g.len() == c.len(),
             });
+            // The 16-bit store (round_dtype): bit for bit the host's rounding, on ordinary values
+            // over a wide range, exact ties, overflow, f16 subnormals and underflow, infinities,
+            // and NaNs (each dtype's canary must come out of the f32 canary and stay).
+            let mut vals: Vec<f32> = noise(300, 56)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (2f32).powi((i % 60) as i32 - 30))
+                .collect();
+            vals.extend([
+                1.0 + (-8f32).exp2(),
+                1.0 + 3.0 * (-8f32).exp2(),
+                1.0 + (-11f32).exp2(),
+                -(1.0 + 3.0 * (-11f32).exp2()),
+                65504.0,
+                65520.0,
+                70000.0,
+                f32::MAX,
+                -f32::MAX,
+                3.0 * (-24f32).exp2(),
+                1e-8,
+                1e-40,
+                0.0,
+                -0.0,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+                references::tap::canary(),
+                references::tap::canary_bf16(),
+                references::tap::canary_f16(),
+                f32::from_bits(0x7F80_0001),
+            ]);
+            for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+                let (g, c) = both(self, |be| {
+                    let mut b = be.upload(&vals);
+                    be.round_to(&mut b, dtype);
+                    be.download(&b)
+                });
+                let bits_ok = g.len() == c.len() && g.iter().zip(&c).all(|(a, b)| a.to_bits() == b.to_bits());
+                out.push(KernelCheck {
+                    case: format!("ROUND(dtype={dtype},ne=[{}])", vals.len()),
+                    rel_l2: 0.0,
+                    max_abs: 0.0,
+                    tol: 0.0,
+                    pass: bits_ok,
+                });
+            }
             let src = noise(9 * 13, 51);
             let (g, c) = both(self, |be| {
                 let mut o = be.alloc(9 * 5);

@@ -76,7 +76,7 @@ use crate::backend::{Backend, BlockTrace, Buf, BufRepr, CommClock, CommStats, Cp
 use crate::cpu_ops::{GqaShape, Mat, MlaShape, QMat, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId, GEMV_VARIANTS};
 use crate::moe_route::{route, Route};
-use crate::options::{CudaDisable, CudaOptions};
+use crate::options::{ComputeDtype, CudaDisable, CudaOptions};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
@@ -602,6 +602,23 @@ impl Backend for CudaBackend {
         let mut lb = self.stream.launch_builder(self.func("fill_u32"));
         lb.arg(dev_mut(b)).arg(&bits).arg(&len);
         // SAFETY: matches fill_u32 in kernels/ops.cu; the buffer holds len values.
+        ok(unsafe { lb.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn round_to(&self, b: &mut Buf, dtype: ComputeDtype) {
+        let len = b.len() as i64;
+        let code: i32 = match dtype {
+            ComputeDtype::F32 => return,
+            ComputeDtype::Bf16 => 1,
+            ComputeDtype::F16 => 2,
+        };
+        if len == 0 {
+            return;
+        }
+        // dev_mut drops the x limbs a norm or SwiGLU attached: they encode the unrounded values.
+        let mut lb = self.stream.launch_builder(self.func("round_dtype"));
+        lb.arg(dev_mut(b)).arg(&len).arg(&code);
+        // SAFETY: matches round_dtype in kernels/ops.cu; the buffer holds len values.
         ok(unsafe { lb.launch(Self::elementwise_cfg(len as usize)) });
     }
 

@@ -27,7 +27,7 @@ use super::CudaBackend;
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::moe_route::Route;
-use crate::options::{CudaOptions, RankMode};
+use crate::options::{ComputeDtype, CudaOptions, RankMode};
 use crate::EngineError;
 use cudarc::nccl::safe::{group_end, group_start, Comm, ReduceOp};
 use references::config::MoeConfig;
@@ -179,6 +179,7 @@ impl Backend for NcclBackend {
         fn upload(&self, data: &[f32]) -> Buf;
         fn download(&self, b: &Buf) -> Vec<f32>;
         fn fill(&self, b: &mut Buf, value: f32);
+        fn round_to(&self, b: &mut Buf, dtype: ComputeDtype);
         fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize);
         fn copy_cols(&self, src: &Buf, src_width: usize, col0: usize, n_cols: usize, dst: &mut Buf);
         fn add_assign(&self, x: &mut Buf, a: &Buf, f16_round: bool);
