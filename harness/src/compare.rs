@@ -213,6 +213,9 @@ pub enum ActDtype {
     F16,
     /// FP8 E4M3 storage (accumulation still wider).
     Fp8E4m3,
+    /// 16-bit storage of an unnamed kind (the old half-precision column): judged as bf16, the
+    /// coarser of the two, so nothing healthy is flagged.
+    Half,
 }
 
 impl ActDtype {
@@ -224,6 +227,7 @@ impl ActDtype {
             ActDtype::Bf16 => 2f64.powi(-8),
             ActDtype::F16 => 2f64.powi(-11),
             ActDtype::Fp8E4m3 => 2f64.powi(-4),
+            ActDtype::Half => 2f64.powi(-8),
         }
     }
 
@@ -233,6 +237,7 @@ impl ActDtype {
             ActDtype::Bf16 => "bf16",
             ActDtype::F16 => "f16",
             ActDtype::Fp8E4m3 => "fp8-e4m3",
+            ActDtype::Half => "half (judged as bf16)",
         }
     }
 
@@ -304,7 +309,7 @@ impl Tolerances {
         let base = match dtype {
             ActDtype::F32 => self.default_f32,
             ActDtype::F16 => 1e-2,
-            ActDtype::Bf16 => 5e-2,
+            ActDtype::Bf16 | ActDtype::Half => 5e-2,
             ActDtype::Fp8E4m3 => 0.25,
         };
         match site {

@@ -366,6 +366,13 @@ impl<'a> Comparator<'a> {
         })
     }
 
+    /// Decides every row left (both sides are done).
+    fn settle_all(&mut self) {
+        self.evict();
+        self.settle(u64::MAX);
+        self.freeze();
+    }
+
     /// Keeps the taps of the first divergent layer and the one before it for the diagnosis.
     fn freeze(&mut self) {
         if let Some(first) = self.first_over {
@@ -462,10 +469,12 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     }
     let config = reference.config.clone();
     let tokens = &plan.tokens;
-    let dtype_source = if plan.dtype == ActDtype::F32 {
-        "default"
-    } else {
-        "engine options"
+    // The engine's --compute-dtype names the dtype; a plan's explicit one wins.
+    let (dtype, dtype_source) = match (plan.dtype, plan.engine.compute_dtype) {
+        (ActDtype::F32, engine::ComputeDtype::F32) => (ActDtype::F32, "default"),
+        (ActDtype::F32 | ActDtype::Half, engine::ComputeDtype::Bf16) => (ActDtype::Bf16, "engine options"),
+        (ActDtype::F32 | ActDtype::Half, engine::ComputeDtype::F16) => (ActDtype::F16, "engine options"),
+        (d, _) => (d, "given"),
     };
     let n_prefill = tokens
         .len()
@@ -478,7 +487,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
                 tokens.len()
             )
         })?;
-    let mut cmp = Comparator::new(plan, &config, &reference, plan.dtype);
+    let mut cmp = Comparator::new(plan, &config, &reference, dtype);
     let (e, r) = lockstep(
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
@@ -497,6 +506,8 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     );
     e.result?;
     r.result?;
+    // Every row's verdict before asking the engine for its config at the divergence.
+    cmp.settle_all();
     let engine_config = cmp
         .first_over
         .map(|k| engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize));
@@ -596,9 +607,7 @@ struct Sides {
 fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Sides) -> anyhow::Result<DiffRun> {
     let config = cmp.config;
     let tokens = &plan.tokens;
-    cmp.evict();
-    cmp.settle(u64::MAX);
-    cmp.freeze();
+    cmp.settle_all();
     let mut rows = std::mem::take(&mut cmp.rows);
     if rows.is_empty() {
         // A verdict of agreement needs at least one compared value.
