@@ -222,7 +222,15 @@ impl Backend for DtypeBackend {
         self.r(q);
         self.r(k);
     }
-    fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope<'_>, caches: [&mut Buf; 2]) {
+    fn rope_qk_cache(
+        &self,
+        q: &mut Buf,
+        k: &mut Buf,
+        v: &Buf,
+        v_width: usize,
+        rope: QkRope<'_>,
+        caches: [&mut Buf; 2],
+    ) {
         // RoPE (rounded), then the rounded k and v appended.
         crate::backend::rope_qk_then_append(self, q, k, v, v_width, rope, caches)
     }

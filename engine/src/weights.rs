@@ -462,10 +462,10 @@ impl<'a> Loader<'a> {
     /// F32 tensors are stored as f32, and so are F16/BF16 ones the compute dtype cannot hold
     /// exactly: F16 at bf16, BF16 at f16, which are rounded).
     fn keeps_blocks(&self, ty: GgmlType, bad_q4k: bool) -> bool {
-        let representable = match (ty, self.dtype) {
-            (GgmlType::F16, ComputeDtype::Bf16) | (GgmlType::BF16, ComputeDtype::F16) => false,
-            _ => true,
-        };
+        let representable = !matches!(
+            (ty, self.dtype),
+            (GgmlType::F16, ComputeDtype::Bf16) | (GgmlType::BF16, ComputeDtype::F16)
+        );
         self.storage == WeightStorage::Quantized
             && ty != GgmlType::F32
             && !(ty == GgmlType::Q4K && bad_q4k)

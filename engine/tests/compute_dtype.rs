@@ -66,7 +66,11 @@ fn weight_is_float(m: &Model, layer: u32, kind: WeightKind) -> bool {
         WeightKind::Down => "ffn_down",
         WeightKind::Router => "ffn_gate_inp",
     };
-    let ty = m.file.tensor(&format!("blk.{layer}.{t}.weight")).expect("weight tensor").ty;
+    let ty = m
+        .file
+        .tensor(&format!("blk.{layer}.{t}.weight"))
+        .expect("weight tensor")
+        .ty;
     matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
 }
 
@@ -95,7 +99,10 @@ fn logits_are_near_the_f32_engines_and_not_identical() {
             let e = rel_l2(&logits, &f32_logits);
             eprintln!("{name} tp{tp} {dtype}: logits rel_l2 from f32 {e:.3e}");
             // Not the f32 engine: at least a rounding's worth away.
-            assert!(e > 0.1 * dtype.unit_roundoff(), "{name} {dtype}: rel_l2 {e:e} (f32's logits?)");
+            assert!(
+                e > 0.1 * dtype.unit_roundoff(),
+                "{name} {dtype}: rel_l2 {e:e} (f32's logits?)"
+            );
             assert!(e < logits_bound(dtype), "{name} {dtype}: rel_l2 {e:e}");
             // The logits are stored in the dtype too.
             assert!(logits.iter().all(|&x| dtype.round(x) == x), "{name} {dtype}");
@@ -199,7 +206,10 @@ fn every_fault_changes_the_output_at_bf16_and_f16() {
                     e.decode(toks[3], &mut NoTap).unwrap();
                     e.decode(toks[4], &mut NoTap).unwrap()
                 };
-                assert!(differs(&decode(&[name]), &decode(&[])), "{dtype} {name} did not change decode");
+                assert!(
+                    differs(&decode(&[name]), &decode(&[])),
+                    "{dtype} {name} did not change decode"
+                );
                 continue;
             }
             let healthy = run(m, tp, &[], &toks, dtype);

@@ -288,7 +288,9 @@ impl EngineArgs {
                 anyhow::bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
             }
             if self.compute_dtype.is_some_and(|d| d != engine::ComputeDtype::F32) {
-                anyhow::bail!("--compute-dtype applies to the engine backends (cpu, cuda): the reference computes in f64");
+                anyhow::bail!(
+                    "--compute-dtype applies to the engine backends (cpu, cuda): the reference computes in f64"
+                );
             }
         }
         if backend != BackendArg::Cuda && (self.cuda_graphs.is_some() || self.ranks.is_some()) {

@@ -530,7 +530,10 @@ mod tests {
         // to each 16-bit canary, and widen them back to what is_canary takes.
         assert_eq!(half::bf16::from_f32(canary()).to_bits(), CANARY_BF16_BITS);
         assert_eq!(half::f16::from_f32(canary()).to_bits(), CANARY_F16_BITS);
-        assert_eq!(half::bf16::from_bits(CANARY_BF16_BITS).to_f32().to_bits(), canary_bf16().to_bits());
+        assert_eq!(
+            half::bf16::from_bits(CANARY_BF16_BITS).to_f32().to_bits(),
+            canary_bf16().to_bits()
+        );
         for c in [canary(), canary_bf16(), canary_f16()] {
             assert!(c.is_nan() && is_canary(c), "{:#x}", c.to_bits());
             assert!(!is_canary(-c), "the sign is part of the canary");
