@@ -315,8 +315,10 @@ impl Tolerances {
         match site {
             // Expert ids are compared exactly; any flip shows as a large rel_l2.
             Site::MoeTopk => 0.0,
-            // Weights are dequantized from the same bytes on both sides: any difference is a fault.
-            Site::Weight(_) => 1e-6,
+            // Weights are dequantized from the same bytes on both sides: any difference is a fault,
+            // except, below f32, one rounding of a float weight to the compute dtype (rel_l2 ≤ u).
+            Site::Weight(_) if dtype == ActDtype::F32 => 1e-6,
+            Site::Weight(_) => dtype.unit_roundoff(),
             // Logits sum the errors of every layer and are large in magnitude.
             Site::Logits => base * 5.0,
             _ => base,

@@ -255,8 +255,7 @@ impl<'a> Comparator<'a> {
         // first divergence cannot be first: their replays are skipped (the old cost).
         let every_tap = self.dtype != ActDtype::F32 || self.plan.tolerances.has_baseline();
         let needed = every_tap || (m.rel_l2 > gate && self.first_over.is_none_or(|f| *key < f));
-        let wants_local =
-            !hard && !matches!(key.site, Site::Weight(_) | Site::MoeTopk) && !is_partial_sum(key) && needed;
+        let wants_local = !hard && !matches!(key.site, Site::Weight(_)) && !is_partial_sum(key) && needed;
         let mut local_over = None;
         let mut detail = None;
         if wants_local {

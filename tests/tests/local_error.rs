@@ -7,7 +7,7 @@
 //! and every norm's eps 1e-2 (config-drift wording). It also prints the calibration figure of the
 //! noise model: the worst healthy local error over u·rho.
 
-use harness::compare::{ActDtype, Tolerances};
+use harness::compare::{ActDtype, Baseline, Tolerances, BASELINE_MARGIN};
 use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use llmdiff_tests::fixtures::smollm2;
@@ -223,17 +223,21 @@ fn half_bits(x: f32) -> u16 {
 const TOKENS: [u32; 12] = [1, 9690, 314, 253, 5356, 28, 2638, 30, 378, 2260, 282, 4238];
 
 fn diff_sim(dir: &Path, name: &str, dt: Dt, f: Faults) -> DiffRun {
+    diff_sim_with(dir, name, dt, f, true, Tolerances::default())
+}
+
+fn diff_sim_with(dir: &Path, name: &str, dt: Dt, f: Faults, declare: bool, tolerances: Tolerances) -> DiffRun {
     let file = GgufFile::open(smollm2()).unwrap();
     let taps = simulate(&file, &TOKENS, dt, f);
     let path: PathBuf = dir.join(format!("{name}.safetensors"));
-    write_dump(&path, &TOKENS, dt, &taps, true);
+    write_dump(&path, &TOKENS, dt, &taps, declare);
     let dump = Dump::open(&[path]).unwrap();
     let plan = DiffPlan {
         file: &file,
         model_name: "smollm2".into(),
         tokens: dump.tokens.clone(),
         engine: engine::EngineOptions::default(),
-        tolerances: Tolerances::default(),
+        tolerances,
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
@@ -389,4 +393,58 @@ fn f16_candidate_healthy_agrees_and_a_head_is_found() {
         ("blk.20.attn_out", "scale-mismatch"),
         "{why}"
     );
+}
+
+#[test]
+fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    // No llmdiff.compute_dtype: the tensors' BF16 dtype names it.
+    let healthy = diff_sim_with(
+        dir.path(),
+        "h",
+        Dt::Bf16,
+        Faults::default(),
+        false,
+        Tolerances::default(),
+    );
+    let d = healthy.dtype.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.source.as_str()), ("bf16", "dump tensor dtypes"));
+    assert_eq!(healthy.verdict, "agree");
+    // A healthy baseline: every tap's bound is 3 × its healthy local error.
+    let mut t = Tolerances::default();
+    for row in &healthy.taps {
+        t.add_baseline(
+            &row.tap,
+            Baseline {
+                local: row.local.as_ref().map(|l| l.rel_l2),
+                end_to_end: row.metrics.rel_l2,
+            },
+        );
+    }
+    let again = diff_sim_with(dir.path(), "h2", Dt::Bf16, Faults::default(), false, t.clone());
+    assert_eq!(again.verdict, "agree");
+    let row = again.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
+    let l = row.local.as_ref().unwrap();
+    assert_eq!(l.source, "baseline");
+    let seen = healthy.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
+    let want = (BASELINE_MARGIN * seen.local.as_ref().unwrap().rel_l2).max(5e-5);
+    assert_eq!(l.bound, want);
+    let faulty = Faults {
+        head_scale: Some((12, 4, 1.05)),
+        ..Faults::default()
+    };
+    let run = diff_sim_with(dir.path(), "f", Dt::Bf16, faulty, false, t.clone());
+    assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+    // A pattern loosening every attention output hides it; one for another layer does not.
+    let mut loose = t.clone();
+    loose.set("blk.*.attn_out=0.2").unwrap();
+    let run = diff_sim_with(dir.path(), "f2", Dt::Bf16, faulty, false, loose);
+    assert_ne!(
+        run.first_divergence.as_ref().map(|f| f.tap.as_str()),
+        Some("blk.12.attn_out")
+    );
+    let mut other = t;
+    other.set("blk.1?.q=0.2").unwrap();
+    let run = diff_sim_with(dir.path(), "f3", Dt::Bf16, faulty, false, other);
+    assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
 }

@@ -176,8 +176,8 @@ impl Reference<'_> {
     /// (no float inputs: the reference's own lookup), the norms, q/k (projection and RoPE) and v,
     /// attention, o_proj, the residual adds, the dense FFN's gate/up and its output (from the
     /// candidate's gate and up when captured, else the whole block from ffn_norm), the MoE
-    /// router logits, the output norm and the logits. MLA's inner taps, MoE expert mixes and the
-    /// expert choice are not replayed (their rule stays end to end).
+    /// router logits, the expert choice and the MoE mix made from them, the output norm and the
+    /// logits; for MLA also q_a, q, the latent, the shared rope key and the per-head k/v.
     pub fn replay_local(&self, key: &TapKey, inputs: &Inputs, n: usize) -> Result<Option<Replayed>, ForwardError> {
         let c = &self.config;
         let d = c.d_model;
@@ -299,6 +299,73 @@ impl Reference<'_> {
                 }
                 _ => None,
             },
+            Site::QA if !llama => match (at(Site::AttnNorm), c.mla.as_ref().and_then(|m| m.q_lora_rank)) {
+                (Some(h), Some(ql)) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_q_a"), ql, d)?, 1.0)),
+                _ => None,
+            },
+            // MLA queries: from the candidate's q_a (normed, then q_b) or attn_norm, then RoPE on
+            // each head's rope part.
+            Site::Q if !llama => {
+                let Some(m) = c.mla.as_ref() else { return Ok(None) };
+                let dq = m.qk_nope + m.qk_rope;
+                let mut r = match (m.q_lora_rank, at(Site::QA), at(Site::AttnNorm)) {
+                    (Some(ql), Some(qa), _) if qa.len() == n * ql => {
+                        let qa = ops::rms_norm(&qa, ql, &self.vector(&name("attn_q_a_norm"), ql)?, c.rms_eps);
+                        let mut r = lin(&qa, &self.matrix(&name("attn_q_b"), nh * dq, ql)?, 1.0);
+                        // The norm inside rounds once more.
+                        r.rho += 1.0;
+                        r
+                    }
+                    (None, _, Some(h)) if h.len() == n * d => lin(&h, &self.matrix(&name("attn_q"), nh * dq, d)?, 1.0),
+                    _ => return Ok(None),
+                };
+                for (t, q_t) in r.out.chunks_mut(nh * dq).enumerate() {
+                    ops::rope_norm(q_t, dq, m.qk_nope, t, m.qk_rope, c.rope_base);
+                }
+                r.rho += 1.0;
+                Some(r)
+            }
+            // MLA latent (normed) and shared rope key, from attn_norm through kv_a.
+            Site::KvLatent | Site::KPe if !llama => match (at(Site::AttnNorm), c.mla.as_ref()) {
+                (Some(h), Some(m)) if h.len() == n * d => {
+                    let (kvl, rope) = (m.kv_lora_rank, m.qk_rope);
+                    let mut r = lin(&h, &self.matrix(&name("attn_kv_a_mqa"), kvl + rope, d)?, 1.0);
+                    let mut latent = Vec::with_capacity(n * kvl);
+                    let mut k_pe = Vec::with_capacity(n * rope);
+                    for (t, row) in r.out.chunks(kvl + rope).enumerate() {
+                        latent.extend_from_slice(&row[..kvl]);
+                        let mut pe = row[kvl..].to_vec();
+                        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+                        k_pe.extend(pe);
+                    }
+                    r.out = if key.site == Site::KvLatent {
+                        ops::rms_norm(&latent, kvl, &self.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps)
+                    } else {
+                        k_pe
+                    };
+                    r.rho += 1.0;
+                    Some(r)
+                }
+                _ => None,
+            },
+            // MLA per-head keys (nope part) and values from the candidate's latent through kv_b.
+            Site::K | Site::V if !llama => match (at(Site::KvLatent), c.mla.as_ref()) {
+                (Some(latent), Some(m)) if latent.len() == n * m.kv_lora_rank => {
+                    let (nope, dv, kvl) = (m.qk_nope, m.v_head_dim, m.kv_lora_rank);
+                    let k_b = self.load(&name("attn_k_b"), &[nope, kvl, nh])?;
+                    let v_b = self.load(&name("attn_v_b"), &[kvl, dv, nh])?;
+                    let kv_b = deepseek2::reassemble_kv_b(&k_b, &v_b, nh, nope, dv, kvl);
+                    let mut r = lin(&latent, &kv_b, 1.0);
+                    let (lo, width) = if key.site == Site::K { (0, nope) } else { (nope, dv) };
+                    r.out = r
+                        .out
+                        .chunks(nope + dv)
+                        .flat_map(|head| head[lo..lo + width].to_vec())
+                        .collect();
+                    Some(r)
+                }
+                _ => None,
+            },
             Site::V if llama => match at(Site::AttnNorm) {
                 Some(h) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_v"), nkv * hd, d)?, 1.0)),
                 _ => None,
@@ -317,6 +384,42 @@ impl Reference<'_> {
             Site::MoeLogits if c.is_moe_layer(l) => match (at(Site::FfnNorm), c.moe.as_ref()) {
                 (Some(h), Some(m)) if h.len() == n * d => {
                     Some(lin(&h, &self.matrix(&name("ffn_gate_inp"), m.n_experts, d)?, 1.0))
+                }
+                _ => None,
+            },
+            // The expert choice from the candidate's own router logits: a flip that those
+            // logits (a near-tie moved by rounding) explain is not a fault; exact (rho 0).
+            Site::MoeTopk if c.is_moe_layer(l) => match (at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(z), Some(m)) if m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let bias_name = format!("blk.{l}.exp_probs_b.bias");
+                    let bias = match self.file.tensor(&bias_name) {
+                        Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+                        None => None,
+                    };
+                    let out = z
+                        .chunks(m.n_experts)
+                        .flat_map(|zt| deepseek2::route(zt, m, bias.as_deref()).experts)
+                        .map(|e| e as f32)
+                        .collect();
+                    Some(Replayed::plain(out, 0.0))
+                }
+                _ => None,
+            },
+            // The MoE mix on the candidate's ffn_norm, routed by the candidate's own router
+            // logits (so a near-tie flipped by rounding is followed, not flagged). rho 3: a
+            // chain of three matmuls and a weighted sum, each rounding once.
+            Site::FfnOut if c.is_moe_layer(l) => match (at(Site::FfnNorm), at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(h), Some(z), Some(m)) if h.len() == n * d && m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let bias_name = format!("blk.{l}.exp_probs_b.bias");
+                    let bias = match self.file.tensor(&bias_name) {
+                        Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+                        None => None,
+                    };
+                    let routes: Vec<deepseek2::Routing> = z
+                        .chunks(m.n_experts)
+                        .map(|zt| deepseek2::route(zt, m, bias.as_deref()))
+                        .collect();
+                    Some(Replayed::plain(deepseek2::moe_mix(self, l, m, &h, n, &routes)?, 3.0))
                 }
                 _ => None,
             },
