@@ -500,10 +500,18 @@ fn unreduced_residual(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Di
     }
     let added: Vec<f32> = eng.iter().zip(&x.data).map(|(a, b)| a - b).collect();
     let base = TapKey::layer(layer, partial_site);
+    let norm = |v: &[f32]| v.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
     for q in 0..ctx.tp as u32 {
         let partial = ctx.eng.get(&TapKey { rank: Some(q), ..base })?;
-        // The subtraction loses about eps·|x|/|partial| of the partial: allow 1e-4.
-        if partial.data.len() != added.len() || metrics(&added, &partial.data).rel_l2 >= 1e-4 {
+        // The subtraction loses about u·|x|/|partial| of the partial (and below f32 the stored
+        // sum and partial were each rounded once): allow 1e-4 at f32, 4·u·(1 + |x|/|partial|) below.
+        let tol = if ctx.dtype == ActDtype::F32 {
+            1e-4
+        } else {
+            let ratio = norm(&x.data) / norm(&partial.data).max(f64::MIN_POSITIVE);
+            (4.0 * ctx.dtype.unit_roundoff() * (1.0 + ratio)).max(1e-4)
+        };
+        if partial.data.len() != added.len() || metrics(&added, &partial.data).rel_l2 >= tol {
             continue;
         }
         let reduced = ctx
