@@ -465,12 +465,24 @@ pub struct DiffLayersArgs {
     pub candidate: Vec<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Override a threshold: SITE=VALUE or TAPKEY=VALUE (rel_l2), e.g. attn_out=1e-2; may be repeated.
+    /// Override a threshold (rel_l2; the end-to-end threshold and, where the tap has a local
+    /// error, its bound): SITE=VALUE, TAPKEY=VALUE or PATTERN=VALUE, e.g. attn_out=1e-2,
+    /// blk.3.q@r1=1e-2, 'blk.*.q=0.1', '*=0.1' (glob over the printed key: '*' any run, '?' one
+    /// character; a pattern without '@rN' also matches every rank). May be repeated. Most specific
+    /// wins: exact key > pattern (more literal characters first, then the later one) > site > '*'.
     #[arg(long = "tolerance", value_name = "SITE=VALUE")]
     pub tolerance: Vec<String>,
-    /// A JSON file of threshold overrides: {"attn_out": 1e-2, ...}.
+    /// A JSON file of threshold overrides, same keys and precedence as --tolerance:
+    /// {"attn_out": 1e-2, "blk.*.q": 0.1, "*": 0.2}.
     #[arg(long)]
     pub tolerance_file: Option<PathBuf>,
+    /// Healthy baselines that set per-tap bounds, for engines whose noise the model does not
+    /// predict (fused kernels, fp8 GEMMs with their own scaling): a saved run document
+    /// (--json-out) of a healthy run, or a healthy candidate's dump (.safetensors, diffed first).
+    /// Each tap's local bound becomes 3 × the baseline's local error, and its end-to-end
+    /// threshold at least 3 × the baseline's end-to-end error (never below the f32 floor).
+    #[arg(long, value_name = "HEALTHY", num_args = 1..)]
+    pub baseline: Vec<PathBuf>,
     /// Stop comparing at the first divergence.
     #[arg(long)]
     pub stop_at_first: bool,

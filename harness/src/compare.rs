@@ -162,7 +162,7 @@ pub fn head_cosines(a: &[f32], heads_a: usize, b: &[f32], heads_b: usize, hd: us
     out
 }
 
-/// The rel_l2 thresholds, keyed by site kind and activation dtype.
+/// The rel_l2 thresholds, keyed by site kind and activation dtype, with the user's overrides.
 ///
 /// Defaults come from measured healthy runs (engine cpu against the reference over the presets ×
 /// quant types × valid TP and the real SmolLM2; `tests/tests/healthy.rs` re-measures and asserts a ≥ 10× margin):
@@ -170,60 +170,228 @@ pub fn head_cosines(a: &[f32], heads_a: usize, b: &[f32], heads_b: usize, hd: us
 /// layers), since both sides dequantize the same bytes bit-exactly and differ only in
 /// accumulation order and precision. The f32 default sits 25× above that and below f16 rounding
 /// (≈ 2e-4), so a tensor silently kept in f16 is caught.
+///
+/// These are the *end-to-end* thresholds. Where a tap's op can be re-run on the candidate's own
+/// inputs, the verdict is its local error against the noise model's bound instead (see
+/// [`crate::noise`]); the end-to-end threshold then only applies to taps without captured inputs,
+/// and the f32 column stays the floor below which no tap is ever over.
+///
+/// Overrides, most specific first: an exact tap key (`blk.3.q@r1`), then glob patterns over the
+/// printed key (`blk.*.q`, `blk.1?.attn_out`; `*` any run of characters, `?` one; a pattern
+/// without a rank also matches every rank's key), more literal characters first and, at equal
+/// count, the one given last; then a site name (`attn_out`); then the bare `*`.
 #[derive(Clone, Debug)]
 pub struct Tolerances {
     default_f32: f64,
-    default_half: f64,
     overrides: HashMap<String, f64>,
+    /// (pattern, value) in the order given.
+    patterns: Vec<(String, f64)>,
+    /// Per-tap local-error bounds from a healthy baseline (`--baseline`), by printed key.
+    baseline: HashMap<String, Baseline>,
+    /// Where the baselines came from (file names), for the run document.
+    baseline_names: Vec<String>,
 }
 
-/// Activation dtype of a capture, which selects the threshold column.
+/// What a healthy baseline run says about one tap.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Baseline {
+    /// The healthy run's local error at this tap (None where it had none).
+    pub local: Option<f64>,
+    /// The healthy run's end-to-end rel_l2.
+    pub end_to_end: f64,
+}
+
+/// The margin a baseline's observed error is multiplied by to give a bound.
+pub const BASELINE_MARGIN: f64 = 3.0;
+
+/// Activation dtype of a capture, which selects the threshold column and the unit roundoff of
+/// the noise model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActDtype {
     F32,
-    /// f16/bf16 activations (GPU backends that keep half precision).
+    Bf16,
+    F16,
+    /// FP8 E4M3 storage (accumulation still wider).
+    Fp8E4m3,
+    /// 16-bit storage of an unnamed kind (the old half-precision column): judged as bf16, the
+    /// coarser of the two, so nothing healthy is flagged.
     Half,
+}
+
+impl ActDtype {
+    /// Unit roundoff of round-to-nearest in this format: 2^-p for p significand bits
+    /// (bf16 8 → 2^-8, f16 11 → 2^-11, f32 24 → 2^-24, fp8 e4m3 4 → 2^-4).
+    pub fn unit_roundoff(self) -> f64 {
+        match self {
+            ActDtype::F32 => 2f64.powi(-24),
+            ActDtype::Bf16 => 2f64.powi(-8),
+            ActDtype::F16 => 2f64.powi(-11),
+            ActDtype::Fp8E4m3 => 2f64.powi(-4),
+            ActDtype::Half => 2f64.powi(-8),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ActDtype::F32 => "f32",
+            ActDtype::Bf16 => "bf16",
+            ActDtype::F16 => "f16",
+            ActDtype::Fp8E4m3 => "fp8-e4m3",
+            ActDtype::Half => "half (judged as bf16)",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ActDtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "fp32" | "float32" => Some(ActDtype::F32),
+            "bf16" | "bfloat16" => Some(ActDtype::Bf16),
+            "f16" | "fp16" | "float16" | "half" => Some(ActDtype::F16),
+            "fp8" | "fp8-e4m3" | "f8e4m3" | "float8_e4m3fn" => Some(ActDtype::Fp8E4m3),
+            _ => None,
+        }
+    }
+
+    /// The narrowest of bf16 and f16 that holds every value exactly, else f32. bf16 is tried
+    /// first: a bf16 value inside f16's range is also f16-representable (8 significand bits fit
+    /// in 11), so "f16-representable" alone would misname a bf16 tensor.
+    pub fn detect<'a>(values: impl Iterator<Item = &'a [f32]> + Clone) -> ActDtype {
+        let all = |f: fn(f32) -> bool| values.clone().all(|v| v.iter().all(|&x| !x.is_finite() || f(x)));
+        if all(|x| half::bf16::from_f32(x).to_f32() == x) {
+            ActDtype::Bf16
+        } else if all(|x| half::f16::from_f32(x).to_f32() == x) {
+            ActDtype::F16
+        } else {
+            ActDtype::F32
+        }
+    }
 }
 
 impl Default for Tolerances {
     fn default() -> Self {
         Tolerances {
             default_f32: 5e-5,
-            default_half: 2e-2,
             overrides: HashMap::new(),
+            patterns: Vec::new(),
+            baseline: HashMap::new(),
+            baseline_names: Vec::new(),
         }
     }
 }
 
+/// `*` (any run) and `?` (one character) glob match.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    let (mut pi, mut ti, mut star, mut mark) = (0, 0, None, 0);
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some(pi);
+            mark = ti;
+            pi += 1;
+        } else if let Some(s) = star {
+            pi = s + 1;
+            mark += 1;
+            ti = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == '*')
+}
+
 impl Tolerances {
-    /// Base threshold for a site, before overrides.
+    /// The end-to-end threshold of a site for a dtype, before overrides. The half-precision
+    /// columns scale the f32 one by the ratio of unit roundoffs, capped: they are only used
+    /// where a tap has no captured inputs (the local rule decides elsewhere).
     fn base(&self, site: Site, dtype: ActDtype) -> f64 {
         let base = match dtype {
             ActDtype::F32 => self.default_f32,
-            ActDtype::Half => self.default_half,
+            ActDtype::F16 => 1e-2,
+            ActDtype::Bf16 | ActDtype::Half => 5e-2,
+            ActDtype::Fp8E4m3 => 0.25,
         };
         match site {
             // Expert ids are compared exactly; any flip shows as a large rel_l2.
             Site::MoeTopk => 0.0,
-            // Weights are dequantized from the same bytes on both sides: any difference is a fault.
-            Site::Weight(_) => 1e-6,
+            // Weights are dequantized from the same bytes on both sides: any difference is a fault,
+            // except, below f32, one rounding of a float weight to the compute dtype (rel_l2 ≤ u).
+            Site::Weight(_) if dtype == ActDtype::F32 => 1e-6,
+            Site::Weight(_) => dtype.unit_roundoff(),
             // Logits sum the errors of every layer and are large in magnitude.
             Site::Logits => base * 5.0,
             _ => base,
         }
     }
 
-    pub fn threshold(&self, key: &TapKey, dtype: ActDtype) -> f64 {
-        let site = key.site.name();
-        let full = key.to_string();
-        self.overrides
-            .get(&full)
-            .or_else(|| self.overrides.get(&site))
-            .copied()
-            .unwrap_or(self.base(key.site, dtype))
+    /// The f32 column's threshold for a site (the floor of every rule).
+    pub fn floor(&self, key: &TapKey) -> f64 {
+        self.user(key).unwrap_or(self.base(key.site, ActDtype::F32))
     }
 
-    /// `SITE=VALUE` (e.g. `attn_out=1e-2`, `logits=0.05`, or a full key `blk.3.q=1e-2`).
+    /// The user's override for a key, by the precedence in the type's doc.
+    pub fn user(&self, key: &TapKey) -> Option<f64> {
+        let full = key.to_string();
+        let unranked = key.unranked().to_string();
+        if let Some(v) = self.overrides.get(&full) {
+            return Some(*v);
+        }
+        let literal = |p: &str| p.chars().filter(|c| *c != '*' && *c != '?').count();
+        let best = self
+            .patterns
+            .iter()
+            .enumerate()
+            .filter(|(_, (p, _))| p != "*" && (glob_match(p, &full) || glob_match(p, &unranked)))
+            .max_by_key(|(i, (p, _))| (literal(p), *i));
+        if let Some((_, (_, v))) = best {
+            return Some(*v);
+        }
+        if let Some(v) = self.overrides.get(&key.site.name()) {
+            return Some(*v);
+        }
+        self.patterns.iter().rev().find(|(p, _)| p == "*").map(|(_, v)| *v)
+    }
+
+    pub fn threshold(&self, key: &TapKey, dtype: ActDtype) -> f64 {
+        self.user(key).unwrap_or(self.base(key.site, dtype))
+    }
+
+    /// The healthy baseline's figures at a key (exact key, else its unranked form).
+    pub fn baseline(&self, key: &TapKey) -> Option<Baseline> {
+        self.baseline
+            .get(&key.to_string())
+            .or_else(|| self.baseline.get(&key.unranked().to_string()))
+            .copied()
+    }
+
+    /// The baselines' names, in the order given.
+    pub fn baseline_names(&self) -> &[String] {
+        &self.baseline_names
+    }
+
+    /// Names a baseline source (shown in the run document).
+    pub fn name_baseline(&mut self, name: String) {
+        self.baseline_names.push(name);
+    }
+
+    /// True when a baseline was loaded.
+    pub fn has_baseline(&self) -> bool {
+        !self.baseline.is_empty()
+    }
+
+    /// Records a healthy run's errors at `key`; several baselines keep the larger.
+    pub fn add_baseline(&mut self, key: &str, b: Baseline) {
+        let e = self.baseline.entry(key.to_string()).or_insert(b);
+        e.end_to_end = e.end_to_end.max(b.end_to_end);
+        e.local = match (e.local, b.local) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        };
+    }
+
+    /// `SITE=VALUE` (e.g. `attn_out=1e-2`, `logits=0.05`), a full key `blk.3.q=1e-2`, or a glob
+    /// pattern over the printed key (`blk.*.q=1e-2`, `*=0.1`).
     pub fn set(&mut self, spec: &str) -> anyhow::Result<()> {
         let (k, v) = spec
             .split_once('=')
@@ -234,14 +402,23 @@ impl Tolerances {
         if !(v >= 0.0 && v.is_finite()) {
             anyhow::bail!("--tolerance {spec:?}: the threshold must be a finite number >= 0");
         }
+        if k.contains('*') || k.contains('?') {
+            if !k.chars().all(|c| c.is_ascii_alphanumeric() || "._@*?".contains(c)) {
+                anyhow::bail!("--tolerance {spec:?}: a pattern holds tap-key characters, '*' and '?' only");
+            }
+            self.patterns.push((k.to_string(), v));
+            return Ok(());
+        }
         if Site::parse(k).is_none() && k.parse::<TapKey>().is_err() {
-            anyhow::bail!("--tolerance {spec:?}: {k:?} is neither a site (e.g. attn_out) nor a tap key (blk.3.q)");
+            anyhow::bail!(
+                "--tolerance {spec:?}: {k:?} is neither a site (e.g. attn_out), a tap key (blk.3.q) nor a pattern (blk.*.q)"
+            );
         }
         self.overrides.insert(k.to_string(), v);
         Ok(())
     }
 
-    /// Reads overrides from a JSON object `{"attn_out": 1e-2, ...}`.
+    /// Reads overrides from a JSON object `{"attn_out": 1e-2, "blk.*.q": 0.1, ...}`.
     pub fn load_json(&mut self, text: &str) -> anyhow::Result<()> {
         let v: serde_json::Value = serde_json::from_str(text)?;
         let obj = v
@@ -291,5 +468,45 @@ mod tests {
         assert!(t.set("q=-1").is_err());
         t.load_json(r#"{"logits": 0.1}"#).unwrap();
         assert_eq!(t.threshold(&"logits".parse().unwrap(), ActDtype::F32), 0.1);
+    }
+
+    #[test]
+    fn tolerance_patterns_most_specific_wins() {
+        let mut t = Tolerances::default();
+        let q3: TapKey = "blk.3.q@r1".parse().unwrap();
+        let k3: TapKey = "blk.3.k".parse().unwrap();
+        t.set("*=0.1").unwrap();
+        assert_eq!(t.threshold(&q3, ActDtype::F32), 0.1);
+        t.set("k=0.2").unwrap();
+        // A site name beats the bare '*'.
+        assert_eq!(t.threshold(&k3, ActDtype::F32), 0.2);
+        t.set("blk.*.q=0.3").unwrap();
+        // A pattern without a rank matches every rank's key.
+        assert_eq!(t.threshold(&q3, ActDtype::F32), 0.3);
+        t.set("blk.3.*=0.4").unwrap();
+        // Equal literal count: the later one.
+        assert_eq!(t.threshold(&q3, ActDtype::F32), 0.4);
+        t.set("blk.?.k=0.5").unwrap();
+        assert_eq!(t.threshold(&k3, ActDtype::F32), 0.5);
+        t.set("blk.3.q@r1=0.6").unwrap();
+        assert_eq!(t.threshold(&q3, ActDtype::F32), 0.6);
+        assert!(t.set("blk.*.q;rm=1").is_err());
+        t.load_json(r#"{"blk.1*.attn_out": 0.7}"#).unwrap();
+        assert_eq!(t.threshold(&"blk.12.attn_out".parse().unwrap(), ActDtype::F32), 0.7);
+        assert_eq!(t.threshold(&"blk.2.attn_out".parse().unwrap(), ActDtype::F32), 0.1);
+        assert!(glob_match("a*b?c", "axxbyc") && !glob_match("a*b?c", "axxbc"));
+    }
+
+    #[test]
+    fn dtype_detection_names_bf16_before_f16() {
+        let bf: Vec<f32> = [0.5f32, -3.25, 1.0e-3, 7.0e4]
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect();
+        assert_eq!(ActDtype::detect([bf.as_slice()].into_iter()), ActDtype::Bf16);
+        let f: Vec<f32> = [0.1f32, 1.3].iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+        assert_eq!(ActDtype::detect([f.as_slice()].into_iter()), ActDtype::F16);
+        assert_eq!(ActDtype::detect([&[0.1f32][..]].into_iter()), ActDtype::F32);
+        assert_eq!(ActDtype::Bf16.unit_roundoff(), 1.0 / 256.0);
     }
 }

@@ -9,11 +9,12 @@
 //! and `unknown`. Checks run from the most specific evidence to the least;
 //! the first that holds decides, and `unknown` is said rather than a confident guess.
 
+use crate::compare::ActDtype;
 use crate::compare::{cosine, metrics};
 use crate::slice::{engine_full, reference_slice, Store};
 use references::config::ModelConfig;
 use references::tap::{rank_columns, Site, TapKey, WeightKind};
-use reports::{Diagnosis, TapRow};
+use reports::{Diagnosis, HeadProfile, TapRow};
 
 /// What the diagnosis can look at: both configs and the taps of the divergent layer and the one
 /// before it.
@@ -28,13 +29,20 @@ pub struct DiagContext<'a> {
     /// Rows `0..n_prefill` ran as one prefill; the rows after it each ran as a decode step over
     /// the KV cache (`n_prefill == n_tokens` when nothing was decoded).
     pub n_prefill: usize,
+    /// The per-head local errors at the divergent tap (llama attention taps).
+    pub head_profile: Option<&'a HeadProfile>,
+    /// The candidate's compute dtype.
+    pub dtype: ActDtype,
 }
 
 impl DiagContext<'_> {
     /// The threshold a tap was held to (from its row), or the f32 default.
     pub fn threshold_hint(&self, key: &TapKey) -> f64 {
         let s = key.to_string();
-        self.rows.iter().find(|r| r.tap == s).map_or(1e-3, |r| r.threshold)
+        self.rows
+            .iter()
+            .find(|r| r.tap == s)
+            .map_or(1e-3, |r| r.local.as_ref().map_or(r.threshold, |l| l.bound))
     }
 }
 
@@ -182,7 +190,108 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
     if let Some(d) = head_permutation(ctx, key, &e.data, &want) {
         return d;
     }
-    precision_or_scale(key, &e.data, &want, m.rel_l2, m.cosine)
+    if let Some(d) = head_scale(ctx, key) {
+        return d;
+    }
+    if let Some(d) = norm_eps(ctx, key, &e.data, &want, e.shape[1]) {
+        return d;
+    }
+    precision_or_scale(ctx, key, &e.data, &want, m.rel_l2, m.cosine)
+}
+
+/// Some heads (at most half) are over their local bound, each by an error a single scale
+/// factor explains (its rel_l2 within its bound of |s − 1|), while the others are within theirs.
+fn head_scale(ctx: &DiagContext, key: &TapKey) -> Option<Diagnosis> {
+    let p = ctx.head_profile.filter(|p| p.tap == key.to_string())?;
+    let over: Vec<_> = p.heads.iter().filter(|h| h.rel_l2 > h.bound).collect();
+    if over.is_empty() || over.len() * 2 > p.heads.len() {
+        return None;
+    }
+    let explained = over.iter().all(|h| {
+        let off = (h.scale - 1.0).abs();
+        h.scale.is_finite() && off > h.bound && (h.rel_l2 - off).abs() <= h.bound.max(0.1 * off)
+    });
+    if !explained {
+        return None;
+    }
+    let said: Vec<String> = over
+        .iter()
+        .map(|h| {
+            format!(
+                "head {} is off by a scale of {:.4} (local rel_l2 {:.2e} on that head, bound {:.1e})",
+                h.head, h.scale, h.rel_l2, h.bound
+            )
+        })
+        .collect();
+    Some(found(
+        "scale-mismatch",
+        "high",
+        format!(
+            "at {key}, {}; the other {} heads are within their bounds: per-head local error against the reference op on the candidate's own inputs",
+            said.join("; "),
+            p.heads.len() - over.len()
+        ),
+    ))
+}
+
+/// At an RMSNorm tap, every token's row is the reference's times its own scale, and the scales
+/// fit one different eps: y = x·w/√(ms + eps′) against x·w/√(ms + eps) gives
+/// eps′ = (ms + eps)/s² − ms per token, ms the row's mean square of the norm's input.
+fn norm_eps(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32], width: usize) -> Option<Diagnosis> {
+    let c = ctx.config;
+    let input = match (key.site, key.layer) {
+        (Site::AttnNorm, Some(0)) => TapKey::global(Site::Embed),
+        (Site::AttnNorm, Some(l)) => TapKey::layer(l as usize - 1, Site::ResidOut),
+        (Site::FfnNorm, Some(l)) => TapKey::layer(l as usize, Site::ResidAttn),
+        (Site::OutputNorm, None) => TapKey::layer(c.n_layers.checked_sub(1)?, Site::ResidOut),
+        _ => return None,
+    };
+    let x = engine_full(c, ctx.tp, ctx.eng, &input)?;
+    let d = c.d_model;
+    if key.rank.is_some() || width != d || x.len() != eng.len() || want.len() != eng.len() {
+        return None;
+    }
+    let eps = c.rms_eps as f64;
+    let mut fits = Vec::new();
+    for ((e, r), xr) in eng.chunks(d).zip(want.chunks(d)).zip(x.chunks(d)) {
+        let (er, rr) = e.iter().zip(r).fold((0f64, 0f64), |(a, b), (&p, &q)| {
+            (a + p as f64 * q as f64, b + q as f64 * q as f64)
+        });
+        if rr == 0.0 {
+            continue;
+        }
+        let s = er / rr;
+        let resid: f64 = e
+            .iter()
+            .zip(r)
+            .map(|(&p, &q)| (p as f64 - s * q as f64).powi(2))
+            .sum::<f64>()
+            / rr;
+        let ms = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / d as f64;
+        fits.push((s, resid.sqrt(), (ms + eps) / (s * s) - ms));
+    }
+    let bound = ctx.threshold_hint(key);
+    if fits.len() < 2 || fits.iter().any(|f| f.1 > 2.0 * bound.max(1e-6) || !f.2.is_finite()) {
+        return None;
+    }
+    let mut eps_fit: Vec<f64> = fits.iter().map(|f| f.2).collect();
+    eps_fit.sort_by(f64::total_cmp);
+    let med = eps_fit[eps_fit.len() / 2];
+    let spread_s = fits.iter().map(|f| f.0).fold(f64::NEG_INFINITY, f64::max)
+        - fits.iter().map(|f| f.0).fold(f64::INFINITY, f64::min);
+    if med <= 0.0 || (med / eps.max(1e-30) - 1.0).abs() < 1.0 || spread_s <= bound {
+        return None;
+    }
+    let consistent = eps_fit.iter().filter(|&&e| (e / med - 1.0).abs() < 0.5).count() * 2 > eps_fit.len();
+    consistent.then(|| {
+        found(
+            "config-drift",
+            "high",
+            format!(
+                "every token's row of {key} is the reference's times its own scale, as an RMSNorm with eps ≈ {med:.2e} gives where the file says {eps:.1e}: the candidate normalizes with a different rms eps (config drift)"
+            ),
+        )
+    })
 }
 
 fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f32], shape: [usize; 2]) -> Diagnosis {
@@ -391,10 +500,18 @@ fn unreduced_residual(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Di
     }
     let added: Vec<f32> = eng.iter().zip(&x.data).map(|(a, b)| a - b).collect();
     let base = TapKey::layer(layer, partial_site);
+    let norm = |v: &[f32]| v.iter().map(|&a| a as f64 * a as f64).sum::<f64>().sqrt();
     for q in 0..ctx.tp as u32 {
         let partial = ctx.eng.get(&TapKey { rank: Some(q), ..base })?;
-        // The subtraction loses about eps·|x|/|partial| of the partial: allow 1e-4.
-        if partial.data.len() != added.len() || metrics(&added, &partial.data).rel_l2 >= 1e-4 {
+        // The subtraction loses about u·|x|/|partial| of the partial (and below f32 the stored
+        // sum and partial were each rounded once): allow 1e-4 at f32, 4·u·(1 + |x|/|partial|) below.
+        let tol = if ctx.dtype == ActDtype::F32 {
+            1e-4
+        } else {
+            let ratio = norm(&x.data) / norm(&partial.data).max(f64::MIN_POSITIVE);
+            (4.0 * ctx.dtype.unit_roundoff() * (1.0 + ratio)).max(1e-4)
+        };
+        if partial.data.len() != added.len() || metrics(&added, &partial.data).rel_l2 >= tol {
             continue;
         }
         let reduced = ctx
@@ -555,11 +672,16 @@ fn head_permutation(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32]) 
     ))
 }
 
-fn precision_or_scale(key: &TapKey, eng: &[f32], want: &[f32], rel: f64, cos: f64) -> Diagnosis {
-    let f16_exact = eng.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
-    let bf16_exact = eng.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x);
-    if (f16_exact || bf16_exact) && rel < 1e-2 {
-        let ty = if f16_exact { "f16" } else { "bf16" };
+fn precision_or_scale(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32], rel: f64, cos: f64) -> Diagnosis {
+    // bf16 first: a bf16 value within f16's range is also f16-representable, so testing f16
+    // first would misname a bf16 tensor. Below f32 compute, a tensor in the compute dtype is the
+    // norm, not a finding.
+    let ty = match ActDtype::detect([eng].into_iter()) {
+        ActDtype::F32 => None,
+        d if ctx.dtype == ActDtype::F32 => Some(d.name()),
+        _ => None,
+    };
+    if let Some(ty) = ty.filter(|_| rel < 1e-2) {
         return found(
             "precision",
             "high",

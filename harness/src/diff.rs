@@ -4,15 +4,21 @@
 use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
+use crate::noise::local_bound;
 use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
 use references::config::ModelConfig;
+use references::forward::replay::Replayed;
 use references::forward::Reference;
-use references::tap::{Site, TapKey, WeightKind};
+use references::tap::{rank_columns, Site, TapKey, WeightKind};
 use references::GgufFile;
-use reports::{DiffRun, HeadMatrix, Isolation, Location, Metrics, RoutingAgreement, TapRow, Timings, DIFF_FORMAT};
-use std::collections::BTreeMap;
+use reports::{
+    DiffRun, DtypeInfo, HeadLocal, HeadMatrix, HeadProfile, Isolation, LocalError, Location, Metrics, RoutingAgreement,
+    TapRow, Timings, DIFF_FORMAT,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
 use std::time::Instant;
 
 /// What to diff.
@@ -34,6 +40,17 @@ pub struct DiffPlan<'a> {
 struct Comparator<'a> {
     plan: &'a DiffPlan<'a>,
     config: &'a ModelConfig,
+    reference: &'a Reference<'a>,
+    /// The dtype the noise model assumes (the plan's, or the dump's).
+    dtype: ActDtype,
+    /// Rows compared end to end whose verdict waits for their layer to be complete on both
+    /// sides (the local error needs the layer's inputs), as (key, row index).
+    pending: Vec<(TapKey, usize)>,
+    /// Replays by unranked key (None: not replayable), dropped with their layer.
+    replays: HashMap<TapKey, Option<Rc<Replayed>>>,
+    /// At the first divergence (when decided by the local rule): the replay, sliced like the
+    /// tap, and the per-head profile of an attention tap.
+    first_local: Option<(TapKey, Vec<f32>, Option<HeadProfile>)>,
     eng: Store,
     refs: Store,
     waiting: Vec<TapKey>,
@@ -52,10 +69,15 @@ struct Comparator<'a> {
 }
 
 impl<'a> Comparator<'a> {
-    fn new(plan: &'a DiffPlan<'a>, config: &'a ModelConfig) -> Self {
+    fn new(plan: &'a DiffPlan<'a>, config: &'a ModelConfig, reference: &'a Reference<'a>, dtype: ActDtype) -> Self {
         Comparator {
             plan,
             config,
+            reference,
+            dtype,
+            pending: Vec::new(),
+            replays: HashMap::new(),
+            first_local: None,
             eng: Store::new(),
             refs: Store::new(),
             waiting: Vec::new(),
@@ -135,12 +157,10 @@ impl<'a> Comparator<'a> {
             let slot = self.routing.entry(layer).or_insert(agree);
             *slot = slot.min(agree);
         }
-        let threshold = self.plan.tolerances.threshold(key, self.plan.dtype);
+        let threshold = self.e2e_threshold(key);
         // NaN rel_l2 counts as over.
         let over = m.rel_l2.is_nan() || m.rel_l2 > threshold || m.canary_left > 0.0;
-        if over && self.first_over.is_none_or(|f| *key < f) {
-            self.first_over = Some(*key);
-        }
+        self.pending.push((*key, self.rows.len()));
         self.rows.push(TapRow {
             tap: key.to_string(),
             layer: key.layer,
@@ -149,15 +169,211 @@ impl<'a> Comparator<'a> {
             shape: e.shape,
             metrics: m,
             threshold,
-            over,
+            over: false,
+            over_end_to_end: over,
+            local: None,
         });
     }
 
-    /// Drops taps more than two layers behind both sides, freezing the divergent window first.
-    fn evict(&mut self) {
-        let e_at = self.eng.keys().map(progress).max().unwrap_or(0);
-        let r_at = self.refs.keys().map(progress).max().unwrap_or(0);
-        let keep_from = e_at.min(r_at).saturating_sub(2);
+    /// The end-to-end threshold: a user override, else the dtype's column (raised to a healthy
+    /// baseline's end-to-end error × margin where one was given).
+    fn e2e_threshold(&self, key: &TapKey) -> f64 {
+        let t = &self.plan.tolerances;
+        t.user(key).unwrap_or_else(|| {
+            let base = t.threshold(key, self.dtype);
+            match t.baseline(key) {
+                Some(b) if !matches!(key.site, Site::Weight(_) | Site::MoeTopk) => {
+                    base.max(crate::compare::BASELINE_MARGIN * b.end_to_end)
+                }
+                _ => base,
+            }
+        })
+    }
+
+    /// Progress capped at the output (the output taps count as one step after the last layer).
+    fn capped(&self, key: &TapKey) -> u64 {
+        progress(key).min(self.config.n_layers as u64 + 1)
+    }
+
+    /// The reference op of `key` (unranked) re-run on the candidate's captured inputs, once.
+    fn replay(&mut self, key: &TapKey) -> Option<Rc<Replayed>> {
+        let full = key.unranked();
+        if let Some(r) = self.replays.get(&full) {
+            return r.clone();
+        }
+        let r = if full.site == Site::Embed {
+            // No float inputs: the reference's own lookup is the op's answer.
+            self.refs.get(&full).map(|c| {
+                Rc::new(Replayed {
+                    out: c.data.clone(),
+                    rho: 1.0,
+                    rho_sum: 0.0,
+                    rho_heads: Vec::new(),
+                })
+            })
+        } else {
+            let (config, tp, eng) = (self.config, self.plan.engine.tp, &self.eng);
+            let inputs = |k: &TapKey| engine_full(config, tp, eng, k);
+            let n = self.plan.tokens.len();
+            // A replay that fails (a weight the file lacks) leaves the end-to-end rule.
+            self.reference
+                .replay_local(&full, &inputs, n)
+                .ok()
+                .flatten()
+                .map(Rc::new)
+        };
+        self.replays.insert(full, r.clone());
+        r
+    }
+
+    /// Decides the pending rows whose layer (capped progress) is at most `upto`, in key order.
+    fn settle(&mut self, upto: u64) {
+        let mut ready: Vec<(TapKey, usize)> = Vec::new();
+        let cap = self.config.n_layers as u64 + 1;
+        self.pending.retain(|&(k, i)| {
+            if progress(&k).min(cap) <= upto {
+                ready.push((k, i));
+                false
+            } else {
+                true
+            }
+        });
+        ready.sort();
+        for (key, i) in ready {
+            self.decide(&key, i);
+        }
+    }
+
+    /// The verdict of one row: a canary, a non-finite value or a shape error is over; a tap whose
+    /// op can be re-run on the candidate's inputs is over when its end-to-end rel_l2 exceeds the
+    /// f32 floor and its local error exceeds its bound; any other tap keeps the end-to-end rule.
+    fn decide(&mut self, key: &TapKey, i: usize) {
+        let m = self.rows[i].metrics.clone();
+        let hard = m.canary_left > 0.0 || m.nonfinite > 0 || !m.rel_l2.is_finite();
+        let gate = self.plan.tolerances.floor(key);
+        // At f32 without a baseline, a tap under the floor cannot be over and a tap after the
+        // first divergence cannot be first: their replays are skipped (the old cost).
+        let every_tap = self.dtype != ActDtype::F32 || self.plan.tolerances.has_baseline();
+        let needed = every_tap || (m.rel_l2 > gate && self.first_over.is_none_or(|f| *key < f));
+        let wants_local = !hard && !matches!(key.site, Site::Weight(_)) && !is_partial_sum(key) && needed;
+        let mut local_over = None;
+        let mut detail = None;
+        if wants_local {
+            if let Some((local, over, slice, profile)) = self.local_error(key) {
+                local_over = Some(over);
+                detail = Some((slice, profile));
+                self.rows[i].local = Some(local);
+            }
+        }
+        let over = if hard {
+            true
+        } else {
+            match local_over {
+                Some(o) => o && m.rel_l2 > gate,
+                None => self.rows[i].over_end_to_end,
+            }
+        };
+        self.rows[i].over = over;
+        if over && self.first_over.is_none_or(|f| *key < f) {
+            self.first_over = Some(*key);
+            self.first_local = detail.map(|(slice, profile)| (*key, slice, profile));
+        }
+    }
+
+    /// The local error of `key` against its replay: (the row's entry, whether it is over, the
+    /// replay sliced like the tap, the per-head profile at an attention tap).
+    fn local_error(&mut self, key: &TapKey) -> Option<(LocalError, bool, Vec<f32>, Option<HeadProfile>)> {
+        let rep = self.replay(key)?;
+        let e = self.eng.get(key)?;
+        let n = self.plan.tokens.len();
+        if n == 0 || rep.out.len() % n != 0 {
+            return None;
+        }
+        let full = crate::capture::Captured {
+            key: key.unranked(),
+            shape: [n, rep.out.len() / n],
+            data: rep.out.clone(),
+        };
+        let want = reference_slice(self.config, self.plan.engine.tp, key, &full);
+        if want.len() != e.data.len() {
+            return None;
+        }
+        let lm = metrics(&e.data, &want);
+        let tp = self.plan.engine.tp;
+        let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
+        let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
+        let tol = &self.plan.tolerances;
+        let b = local_bound(tol, key, self.dtype, rho);
+        let mut over = lm.rel_l2.is_nan() || lm.rel_l2 > b.value;
+        let profile = self.head_profile(key, &e.data, &want, &rep, e.shape[1]);
+        if let Some(p) = &profile {
+            over |= p.heads.iter().any(|h| h.rel_l2.is_nan() || h.rel_l2 > h.bound);
+        }
+        let local = LocalError {
+            rel_l2: lm.rel_l2,
+            bound: b.value,
+            rho,
+            source: b.source.to_string(),
+        };
+        Some((local, over, want, profile))
+    }
+
+    /// Per-head local errors at a llama attention tap (q, k, v, attn_out): each head's rel_l2,
+    /// bound (its own rho where the replay gives one) and fitted scale.
+    fn head_profile(
+        &self,
+        key: &TapKey,
+        eng: &[f32],
+        want: &[f32],
+        rep: &Replayed,
+        width: usize,
+    ) -> Option<HeadProfile> {
+        let c = self.config;
+        if c.mla.is_some() || !matches!(key.site, Site::Q | Site::K | Site::V | Site::AttnOut) {
+            return None;
+        }
+        let hd = c.head_dim;
+        if hd == 0 || width % hd != 0 {
+            return None;
+        }
+        let n_heads = width / hd;
+        let offset = key
+            .rank
+            .and_then(|r| rank_columns(key.site, c, self.plan.engine.tp, r as usize))
+            .map_or(0, |cols| cols.start / hd);
+        let mut heads = Vec::with_capacity(n_heads);
+        for h in 0..n_heads {
+            let cols = h * hd..(h + 1) * hd;
+            let a = crate::compare::columns(eng, width, cols.clone());
+            let b = crate::compare::columns(want, width, cols);
+            let hm = metrics(&a, &b);
+            let (ab, bb) = a.iter().zip(&b).fold((0f64, 0f64), |(x, y), (&p, &q)| {
+                (x + p as f64 * q as f64, y + q as f64 * q as f64)
+            });
+            let rho = rep.rho_heads.get(offset + h).copied().unwrap_or(rep.rho);
+            let head = offset + h;
+            heads.push(HeadLocal {
+                head,
+                rel_l2: hm.rel_l2,
+                bound: local_bound(&self.plan.tolerances, key, self.dtype, rho).value,
+                scale: if bb > 0.0 { ab / bb } else { f64::NAN },
+            });
+        }
+        Some(HeadProfile {
+            tap: key.to_string(),
+            heads,
+        })
+    }
+
+    /// Decides every row left (both sides are done).
+    fn settle_all(&mut self) {
+        self.evict();
+        self.settle(u64::MAX);
+        self.freeze();
+    }
+
+    /// Keeps the taps of the first divergent layer and the one before it for the diagnosis.
+    fn freeze(&mut self) {
         if let Some(first) = self.first_over {
             let lo = progress(&first).saturating_sub(1);
             let window = |k: &TapKey| (lo..=progress(&first)).contains(&progress(k));
@@ -168,9 +384,26 @@ impl<'a> Comparator<'a> {
                 self.frozen_ref.entry(*k).or_insert_with(|| v.clone());
             }
         }
+    }
+
+    /// Decides the rows of every layer complete on both sides, then drops taps more than three
+    /// layers behind both sides (their layer and its inputs are decided by then), freezing the
+    /// divergent window first.
+    fn evict(&mut self) {
+        let e_at = self.eng.keys().map(|k| self.capped(k)).max().unwrap_or(0);
+        let r_at = self.refs.keys().map(|k| self.capped(k)).max().unwrap_or(0);
+        let level = e_at.min(r_at);
+        if level >= 2 {
+            self.settle(level - 2);
+        }
+        self.freeze();
+        let keep_from = level.saturating_sub(3);
         let waiting = &self.waiting;
-        self.eng.retain(|k, _| progress(k) >= keep_from || waiting.contains(k));
-        self.refs.retain(|k, _| progress(k) >= keep_from);
+        let cap = self.config.n_layers as u64 + 1;
+        self.eng
+            .retain(|k, _| progress(k).min(cap) >= keep_from || waiting.contains(k));
+        self.refs.retain(|k, _| progress(k).min(cap) >= keep_from);
+        self.replays.retain(|k, _| progress(k).min(cap) >= keep_from);
     }
 }
 
@@ -235,6 +468,13 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     }
     let config = reference.config.clone();
     let tokens = &plan.tokens;
+    // The engine's --compute-dtype names the dtype; a plan's explicit one wins.
+    let (dtype, dtype_source) = match (plan.dtype, plan.engine.compute_dtype) {
+        (ActDtype::F32, engine::ComputeDtype::F32) => (ActDtype::F32, "default"),
+        (ActDtype::F32 | ActDtype::Half, engine::ComputeDtype::Bf16) => (ActDtype::Bf16, "engine options"),
+        (ActDtype::F32 | ActDtype::Half, engine::ComputeDtype::F16) => (ActDtype::F16, "engine options"),
+        (d, _) => (d, "given"),
+    };
     let n_prefill = tokens
         .len()
         .checked_sub(plan.decode_steps)
@@ -246,7 +486,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
                 tokens.len()
             )
         })?;
-    let mut cmp = Comparator::new(plan, &config);
+    let mut cmp = Comparator::new(plan, &config, &reference, dtype);
     let (e, r) = lockstep(
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
@@ -265,6 +505,8 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     );
     e.result?;
     r.result?;
+    // Every row's verdict before asking the engine for its config at the divergence.
+    cmp.settle_all();
     let engine_config = cmp
         .first_over
         .map(|k| engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize));
@@ -275,6 +517,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         reference_s: r.seconds,
         n_prefill,
         t0,
+        dtype_source,
     };
     finish(plan, &reference, cmp, sides)
 }
@@ -291,7 +534,13 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     // Keys, tokens and widths against the model before the reference runs.
     dump.check_model(&config)?;
     let tokens = &plan.tokens;
-    let mut cmp = Comparator::new(plan, &config);
+    // The plan's dtype when the caller chose one, else the dump's (metadata, tensor dtypes, values).
+    let (dtype, dtype_source) = if plan.dtype != ActDtype::F32 {
+        (plan.dtype, "given")
+    } else {
+        dump.compute_dtype(&config)?
+    };
+    let mut cmp = Comparator::new(plan, &config, &reference, dtype);
     let (e, r) = lockstep(
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
@@ -324,6 +573,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
         reference_s: r.seconds,
         n_prefill: tokens.len(),
         t0,
+        dtype_source,
     };
     let mut run = finish(plan, &reference, cmp, sides)?;
     run.missing = missing;
@@ -348,13 +598,15 @@ struct Sides {
     reference_s: f64,
     n_prefill: usize,
     t0: Instant,
+    /// How the compute dtype was learned.
+    dtype_source: &'static str,
 }
 
 /// Localizes, diagnoses and isolates the first divergence and builds the run document.
 fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Sides) -> anyhow::Result<DiffRun> {
     let config = cmp.config;
     let tokens = &plan.tokens;
-    cmp.evict();
+    cmp.settle_all();
     let mut rows = std::mem::take(&mut cmp.rows);
     if rows.is_empty() {
         // A verdict of agreement needs at least one compared value.
@@ -363,6 +615,21 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
     rows.sort_by_key(|r| r.tap.parse::<TapKey>().expect("printed keys parse"));
     let unmatched: Vec<String> = cmp.waiting.iter().map(|k| k.to_string()).collect();
     let n = tokens.len();
+    let dtype = cmp.dtype;
+    let head_profile = cmp.first_local.as_ref().and_then(|(_, _, p)| p.clone());
+    // Below f32, the classifiers look at the local view: the candidate against the reference op
+    // on its own inputs (end to end, every tap carries the drift of the layers before it).
+    let mut local_refs;
+    let diag_refs = match (&cmp.first_local, dtype) {
+        (Some((k, slice, _)), d) if d != ActDtype::F32 && k.rank.is_none() => {
+            local_refs = cmp.frozen_ref.clone();
+            if let Some(c) = local_refs.get_mut(k) {
+                c.data = slice.clone();
+            }
+            &local_refs
+        }
+        _ => &cmp.frozen_ref,
+    };
     let (first, diagnosis, isolation, heads) = match (cmp.first_over, &sides.engine_config) {
         (Some(k), Some(engine_config)) => {
             let ctx = DiagContext {
@@ -370,16 +637,36 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
                 engine_config,
                 tp: plan.engine.tp,
                 eng: &cmp.frozen_eng,
-                refs: &cmp.frozen_ref,
+                refs: diag_refs,
                 rows: &rows,
                 n_tokens: n,
                 n_prefill: sides.n_prefill,
+                head_profile: head_profile.as_ref(),
+                dtype,
             };
-            let row = rows
+            let mut row = rows
                 .iter()
                 .find(|r| r.tap == k.to_string())
-                .expect("first divergence has a row");
-            let diagnosis = diagnose(&ctx, &k, row);
+                .expect("first divergence has a row")
+                .clone();
+            if let (Some(l), true) = (&row.local, dtype != ActDtype::F32) {
+                // The local view: the local error stands for rel_l2 and its bound for the threshold.
+                row.metrics.rel_l2 = l.rel_l2;
+                row.threshold = l.bound;
+                if let Some((_, slice, _)) = &cmp.first_local {
+                    if let Some(e) = cmp.frozen_eng.get(&k) {
+                        if e.data.len() == slice.len() {
+                            row.metrics.cosine = crate::compare::cosine(&e.data, slice);
+                        }
+                    }
+                }
+            }
+            let diagnosis = diagnose(&ctx, &k, &row);
+            // Isolation and the head matrix report the end-to-end view.
+            let ctx = DiagContext {
+                refs: &cmp.frozen_ref,
+                ..ctx
+            };
             let isolation = isolate(reference, &ctx, &k)?;
             let heads = heads_at_divergence(&ctx, &k);
             let loc = Location {
@@ -421,6 +708,14 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             compare: cmp.compare_s,
             total: sides.t0.elapsed().as_secs_f64(),
         },
+        dtype: Some(DtypeInfo {
+            name: dtype.name().to_string(),
+            source: sides.dtype_source.to_string(),
+            unit_roundoff: dtype.unit_roundoff(),
+            safety: crate::noise::SAFETY,
+        }),
+        head_profile,
+        baselines: plan.tolerances.baseline_names().to_vec(),
     })
 }
 
@@ -488,7 +783,7 @@ fn heads_at_divergence(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
         let attn = [Site::Q, Site::K, Site::V, Site::AttnOut];
         ctx.rows
             .iter()
-            .filter(|r| r.over && r.layer == key.layer)
+            .filter(|r| r.over_end_to_end && r.layer == key.layer)
             .filter_map(|r| r.tap.parse::<TapKey>().ok())
             .filter(|k| attn.contains(&k.site))
             .find_map(|k| head_matrix(ctx, &k))

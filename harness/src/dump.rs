@@ -10,6 +10,7 @@
 //! are compared like any other (they show as a `nonfinite` divergence).
 
 use crate::capture::Captured;
+use crate::compare::ActDtype;
 use anyhow::{bail, Context};
 use memmap2::Mmap;
 use references::config::ModelConfig;
@@ -61,6 +62,8 @@ pub struct Dump {
     pub mapping: BTreeMap<String, String>,
     /// Site → declared layout.
     pub layout: BTreeMap<Site, Layout>,
+    /// `llmdiff.compute_dtype` from the metadata (the model's compute dtype), if declared.
+    pub compute_dtype: Option<ActDtype>,
     entries: BTreeMap<TapKey, Entry>,
 }
 
@@ -87,6 +90,7 @@ impl Dump {
             tp: 1,
             mapping: BTreeMap::new(),
             layout: BTreeMap::new(),
+            compute_dtype: None,
             entries: BTreeMap::new(),
         };
         for (i, p) in paths.iter().enumerate() {
@@ -137,6 +141,18 @@ impl Dump {
                 .with_context(|| format!("{}: metadata \"layout\" is not a JSON object of strings", p.display()))?,
             None => BTreeMap::new(),
         };
+        if let Some(dt) = m.get("llmdiff.compute_dtype") {
+            let parsed = ActDtype::parse(dt).with_context(|| {
+                format!(
+                    "{}: metadata \"llmdiff.compute_dtype\" is {dt:?} (known: f32, bf16, f16, fp8-e4m3)",
+                    p.display()
+                )
+            })?;
+            if self.compute_dtype.is_some_and(|d| d != parsed) {
+                bail!("{}: llmdiff.compute_dtype differs from the other files'", p.display());
+            }
+            self.compute_dtype = Some(parsed);
+        }
         if file == 0 {
             self.tokens = tokens;
             self.model = model;
@@ -282,6 +298,36 @@ impl Dump {
             }
         }
         Ok(())
+    }
+
+    /// The candidate's compute dtype and how it was learned: the metadata's
+    /// `llmdiff.compute_dtype`; else the tensors' own dtype when all are bf16 or all f16; else
+    /// detected from the values (every value bf16-representable: bf16; f16-representable: f16;
+    /// bf16 is tried first, since bf16 values within f16's range are also f16-representable).
+    pub fn compute_dtype(&self, c: &ModelConfig) -> anyhow::Result<(ActDtype, &'static str)> {
+        if let Some(d) = self.compute_dtype {
+            return Ok((d, "dump metadata"));
+        }
+        let all = |d: Dtype| self.entries.values().all(|e| e.dtype == d);
+        if all(Dtype::BF16) {
+            return Ok((ActDtype::Bf16, "dump tensor dtypes"));
+        }
+        if all(Dtype::F16) {
+            return Ok((ActDtype::F16, "dump tensor dtypes"));
+        }
+        let mut tensors = Vec::new();
+        for k in self.entries.keys() {
+            tensors.push(self.tensor(k, c)?.data);
+        }
+        let d = ActDtype::detect(tensors.iter().map(Vec::as_slice));
+        Ok((
+            d,
+            if d == ActDtype::F32 {
+                "default"
+            } else {
+                "detected from values"
+            },
+        ))
     }
 
     /// Every tap key in the dump, in execution order.

@@ -13,6 +13,7 @@ pub mod golden;
 pub mod junit;
 pub mod kernel_trace;
 pub mod logprobs;
+pub mod noise;
 pub mod output;
 pub mod runner;
 pub mod server;

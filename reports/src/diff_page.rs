@@ -115,10 +115,15 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
     );
     let _ = writeln!(
         out,
-        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span><span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}{}</div></section>",
+        "<div class=stats><span><b>{}</b> taps compared</span><span><b>{}</b> over threshold</span><span>TP <b>{}</b></span>{}<span>engine {:.2} s · reference {:.2} s · total {:.2} s</span>{}{}</div></section>",
         run.taps.len(),
         n_over,
         run.tp,
+        run.dtype.as_ref().map_or(String::new(), |d| format!(
+            "<span>compute dtype <b>{}</b> ({})</span>",
+            escape(&d.name),
+            escape(&d.source)
+        )),
         run.timings_s.engine,
         run.timings_s.reference,
         run.timings_s.total,
@@ -430,7 +435,7 @@ fn tap_row(out: &mut String, idx: usize, t: &TapRow, first: bool) {
     };
     let _ = writeln!(
         out,
-        "<tr{class}><td>{idx}<td>{}<td>{}<td>{}x{}<td>{}<td>{:.6}<td>{}<td>{sqnr}<td>{}<td>{:.0}%<td>{}",
+        "<tr{class}><td>{idx}<td>{}<td>{}<td>{}x{}<td>{}<td>{:.6}<td>{}<td>{sqnr}<td>{}<td>{:.0}%<td>{}<td>{}<td>{}",
         escape(&t.tap),
         escape(&t.site),
         t.shape[0],
@@ -440,7 +445,9 @@ fn tap_row(out: &mut String, idx: usize, t: &TapRow, first: bool) {
         sci(m.max_abs),
         m.nonfinite,
         m.canary_left * 100.0,
-        short(t.threshold)
+        short(t.threshold),
+        t.local.as_ref().map_or("-".to_string(), |l| sci(l.rel_l2)),
+        t.local.as_ref().map_or("-".to_string(), |l| short(l.bound))
     );
 }
 
@@ -455,7 +462,7 @@ fn short(v: f64) -> String {
 
 // Rows are kept lean (no end tags, layer and rank only inside the tap key): a 60-layer TP-8 run
 // has about 11 000 of them.
-const THEAD: &str = "<thead><tr><th>#<th>tap<th>site<th>shape<th>rel_l2<th>cosine<th>max_abs<th>sqnr dB<th>nonfinite<th>canary<th>threshold</tr></thead>";
+const THEAD: &str = "<thead><tr><th>#<th>tap<th>site<th>shape<th>rel_l2<th>cosine<th>max_abs<th>sqnr dB<th>nonfinite<th>canary<th>threshold<th>local<th>bound</tr></thead>";
 
 fn tables(run: &DiffRun, out: &mut String) {
     let first = run.first_divergence.as_ref().map(|f| f.tap.as_str());

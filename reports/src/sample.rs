@@ -45,6 +45,8 @@ fn row(tap: String, layer: Option<u32>, site: &str, rank: Option<u32>, rel: f64,
         },
         threshold: thr,
         over: !finite || rel > thr || canary > 0.0,
+        over_end_to_end: !finite || rel > thr || canary > 0.0,
+        local: None,
     }
 }
 
@@ -184,5 +186,8 @@ pub fn diverged_run(n_layers: u32, tp: u32, fault_layer: u32) -> DiffRun {
                 agree_frac: if layer < fault_layer { 1.0 } else { 0.25 },
             })
             .collect(),
+        dtype: None,
+        head_profile: None,
+        baselines: Vec::new(),
     }
 }

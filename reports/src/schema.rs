@@ -41,10 +41,73 @@ pub struct TapRow {
     pub rank: Option<u32>,
     pub shape: [usize; 2],
     pub metrics: Metrics,
-    /// The rel_l2 threshold this tap was held to.
+    /// The end-to-end rel_l2 threshold of this tap (its verdict where it has no local error).
     #[serde(deserialize_with = "lenient::f64")]
     pub threshold: f64,
+    /// The verdict: the tap is a divergence (see [`TapRow::local`] for which rule decided).
     pub over: bool,
+    /// Whether the end-to-end rel_l2 alone is over `threshold` (context: under bf16 most healthy
+    /// taps drift past it while their ops are right). Absent in documents before it existed.
+    #[serde(default)]
+    pub over_end_to_end: bool,
+    /// The local error: the reference op re-run on the candidate's own captured inputs against
+    /// the candidate's output, and its bound. Present where the inputs were captured: the tap
+    /// is then over when its end-to-end rel_l2 exceeds the f32 floor *and* its local error
+    /// exceeds the bound (or a canary/non-finite value is left). Absent: the end-to-end rule.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalError>,
+}
+
+/// A tap's local error and what it was held to.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LocalError {
+    /// rel_l2 of the candidate's output against the reference op on the candidate's inputs.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub rel_l2: f64,
+    /// The bound it was held to.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub bound: f64,
+    /// The op's noise scale on these inputs (a correct op at unit roundoff u errs by about u·rho).
+    #[serde(deserialize_with = "lenient::f64")]
+    pub rho: f64,
+    /// Where the bound came from: "model" (safety × u × rho), "floor" (the f32 threshold, when
+    /// above the model's), "baseline" (a healthy run's error × margin) or "tolerance" (a user override).
+    pub source: String,
+}
+
+/// Per-head local error at an attention tap: each head's rel_l2 against the reference op on the
+/// candidate's inputs, its bound, and the least-squares scale s of candidate ≈ s · replay.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HeadLocal {
+    pub head: usize,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub rel_l2: f64,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub bound: f64,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub scale: f64,
+}
+
+/// The per-head local-error profile at the first divergence (attention taps only).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HeadProfile {
+    pub tap: String,
+    pub heads: Vec<HeadLocal>,
+}
+
+/// The candidate's compute dtype, which sets the noise model's unit roundoff.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DtypeInfo {
+    /// "f32", "bf16", "f16" or "fp8-e4m3".
+    pub name: String,
+    /// How it was learned: "engine options", "dump metadata", "dump tensor dtypes",
+    /// "detected from values" or "default".
+    pub source: String,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub unit_roundoff: f64,
+    /// The noise model's safety factor.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub safety: f64,
 }
 
 /// Where the first divergence is.
@@ -123,6 +186,15 @@ pub struct DiffRun {
     /// for runs written before this field existed).
     #[serde(default)]
     pub routing: Vec<RoutingAgreement>,
+    /// The compute dtype the decision rule assumed (absent in documents before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<DtypeInfo>,
+    /// Per-head local errors at the first divergence, when it is an attention tap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_profile: Option<HeadProfile>,
+    /// The healthy baselines (`--baseline`) the bounds came from, if any.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub baselines: Vec<String>,
 }
 
 /// The most tensor-parallel ranks a run document may name.

@@ -3,13 +3,14 @@
 
 use crate::cli::{BackendArg, DiffLayersArgs};
 use crate::commands::logits::input_tokens;
-use crate::compare::{ActDtype, Tolerances};
+use crate::compare::{ActDtype, Baseline, Tolerances};
 use crate::diff::{run_diff, run_diff_candidate, DiffPlan};
 use crate::dump::Dump;
 use crate::output::{open_model, shell_quote, term, write_atomic};
 use anyhow::{bail, Context};
 use reports::DiffRun;
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
@@ -22,7 +23,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
     let (_, engine) = a.engine.engine_options(backend)?;
-    let tolerances = tolerances(a)?;
+    let tolerances = tolerances(a, &file)?;
     let tokens = input_tokens(&file, &a.input.as_input())?;
     let plan = DiffPlan {
         file: &file,
@@ -39,7 +40,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     emit(a, &run)
 }
 
-fn tolerances(a: &DiffLayersArgs) -> anyhow::Result<Tolerances> {
+fn tolerances(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Result<Tolerances> {
     let mut tolerances = Tolerances::default();
     if let Some(p) = &a.tolerance_file {
         let text = crate::output::read_text(p)?;
@@ -48,7 +49,73 @@ fn tolerances(a: &DiffLayersArgs) -> anyhow::Result<Tolerances> {
     for t in &a.tolerance {
         tolerances.set(t)?;
     }
+    load_baselines(&mut tolerances, &a.baseline, file)?;
     Ok(tolerances)
+}
+
+/// `--baseline`: saved run documents are read; the `.safetensors` files together are one healthy
+/// candidate's dump, diffed against the model with default settings first.
+fn load_baselines(t: &mut Tolerances, paths: &[PathBuf], file: &references::GgufFile) -> anyhow::Result<()> {
+    let (dumps, docs): (Vec<&PathBuf>, Vec<&PathBuf>) = paths
+        .iter()
+        .partition(|p| p.extension().is_some_and(|e| e == "safetensors"));
+    let mut runs = Vec::new();
+    for p in docs {
+        let text = crate::output::read_text(p)?;
+        let run: DiffRun = serde_json::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("--baseline {}: not a run document ({e})", p.display()))?;
+        run.validate()
+            .map_err(|e| anyhow::anyhow!("--baseline {}: {e}", p.display()))?;
+        if run.verdict != "agree" {
+            bail!(
+                "--baseline {}: that run diverged; a baseline must be healthy",
+                p.display()
+            );
+        }
+        runs.push((p.display().to_string(), run));
+    }
+    if !dumps.is_empty() {
+        let owned: Vec<PathBuf> = dumps.iter().map(|p| p.to_path_buf()).collect();
+        let dump = Dump::open(&owned)?;
+        let plan = DiffPlan {
+            file,
+            model_name: String::new(),
+            tokens: dump.tokens.clone(),
+            engine: engine::EngineOptions {
+                tp: dump.tp,
+                ..engine::EngineOptions::default()
+            },
+            tolerances: Tolerances::default(),
+            dtype: ActDtype::F32,
+            stop_at_first: false,
+            decode_steps: 0,
+            repro: String::new(),
+        };
+        let run = run_diff_candidate(&plan, &dump)?;
+        let name = owned
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" ");
+        runs.push((name, run));
+    }
+    for (name, run) in runs {
+        for row in &run.taps {
+            t.add_baseline(
+                &row.tap,
+                Baseline {
+                    local: row.local.as_ref().map(|l| l.rel_l2).filter(|v| v.is_finite()),
+                    end_to_end: if row.metrics.rel_l2.is_finite() {
+                        row.metrics.rel_l2
+                    } else {
+                        0.0
+                    },
+                },
+            );
+        }
+        t.name_baseline(name);
+    }
+    Ok(())
 }
 
 /// `--candidate`: the dump's tokens (checked against --prompt/--tokens when given), the dump's tp.
@@ -73,6 +140,9 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
     for t in &a.tolerance {
         repro.push_str(&format!(" --tolerance {}", shell_quote(t)));
     }
+    for b in &a.baseline {
+        repro.push_str(&format!(" --baseline {}", shell_quote(&b.display().to_string())));
+    }
     push_allow_unknown(&mut repro, &file.header.allow_unknown);
     let plan = DiffPlan {
         file,
@@ -82,7 +152,7 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
             tp: dump.tp,
             ..engine::EngineOptions::default()
         },
-        tolerances: tolerances(a)?,
+        tolerances: tolerances(a, file)?,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
         decode_steps: 0,
@@ -146,6 +216,9 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32], allow_unknown: &[String]) -> String
     for t in &a.tolerance {
         s.push_str(&format!(" --tolerance {}", shell_quote(t)));
     }
+    for b in &a.baseline {
+        s.push_str(&format!(" --baseline {}", shell_quote(&b.display().to_string())));
+    }
     if a.decode_steps > 0 {
         s.push_str(&format!(" --decode-steps {}", a.decode_steps));
     }
@@ -185,20 +258,35 @@ pub fn print_summary(run: &DiffRun) {
         Some(i) => (i.saturating_sub(6)..(i + 4).min(run.taps.len())).collect(),
         None => (run.taps.len().saturating_sub(6)..run.taps.len()).collect(),
     };
+    if let Some(d) = &run.dtype {
+        println!(
+            "  compute dtype {} ({}): local errors held to {} × u × rho, u = {:.1e}",
+            term(&d.name),
+            term(&d.source),
+            d.safety,
+            d.unit_roundoff
+        );
+    }
     println!(
-        "\n  {:<26} {:>10} {:>10} {:>10} {:>8} {:>7}",
-        "tap", "rel_l2", "cosine", "max_abs", "canary", "thresh"
+        "\n  {:<26} {:>10} {:>10} {:>10} {:>8} {:>7} {:>10} {:>8}",
+        "tap", "rel_l2", "cosine", "max_abs", "canary", "thresh", "local", "bound"
     );
     for i in shown {
         let t = &run.taps[i];
+        let (local, bound) = match &t.local {
+            Some(l) => (format!("{:.3e}", l.rel_l2), format!("{:.1e}", l.bound)),
+            None => ("-".to_string(), "-".to_string()),
+        };
         let line = format!(
-            "  {:<26} {:>10.3e} {:>10.6} {:>10.3e} {:>7.0}% {:>7.0e}",
+            "  {:<26} {:>10.3e} {:>10.6} {:>10.3e} {:>7.0}% {:>7.0e} {:>10} {:>8}",
             term(&t.tap),
             t.metrics.rel_l2,
             t.metrics.cosine,
             t.metrics.max_abs,
             t.metrics.canary_left * 100.0,
-            t.threshold
+            t.threshold,
+            local,
+            bound
         );
         println!("{}", if t.over { paint("31", &line) } else { line });
     }
@@ -216,6 +304,22 @@ pub fn print_summary(run: &DiffRun) {
                 term(&d.confidence)
             );
             println!("  {}", term(&d.explanation));
+            if let Some(p) = &run.head_profile {
+                let over: Vec<String> = p
+                    .heads
+                    .iter()
+                    .filter(|h| h.rel_l2 > h.bound)
+                    .map(|h| {
+                        format!(
+                            "head {} rel_l2 {:.2e} (bound {:.1e}, scale {:.4})",
+                            h.head, h.rel_l2, h.bound, h.scale
+                        )
+                    })
+                    .collect();
+                if !over.is_empty() {
+                    println!("  per-head local error at {}: {}", term(&p.tap), term(&over.join("; ")));
+                }
+            }
             for iso in &run.isolation {
                 println!(
                     "  isolation {}: end-to-end rel_l2 {:.2e}, reference op on the engine's inputs {:.2e} -> {}",

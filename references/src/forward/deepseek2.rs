@@ -248,7 +248,7 @@ fn moe_ffn(
     tap: &mut dyn Tap,
 ) -> Result<Vec<f32>, ForwardError> {
     let d = r.config.d_model;
-    let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
+    let n_exp = moe.n_experts;
     let router = r.matrix(&format!("blk.{l}.ffn_gate_inp.weight"), n_exp, d)?;
     emit_weight(tap, l, WeightKind::Router, &router);
     let logits = linear(h, n, &router);
@@ -264,7 +264,21 @@ fn moe_ffn(
         .flat_map(|rt| rt.experts.iter().map(|&e| e as f32))
         .collect();
     emit(tap, TapKey::layer(l, Site::MoeTopk), &topk, n);
+    moe_mix(r, l, moe, h, n, &routes)
+}
 
+/// The MoE layer's output on `h` (the ffn_norm output) for the given routes: the routed experts
+/// weighted, plus the shared experts.
+pub(super) fn moe_mix(
+    r: &Reference,
+    l: usize,
+    moe: &MoeConfig,
+    h: &[f32],
+    n: usize,
+    routes: &[Routing],
+) -> Result<Vec<f32>, ForwardError> {
+    let d = r.config.d_model;
+    let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
     let mut out = vec![0f64; n * d];
     for e in 0..n_exp {
         let users: Vec<(usize, f64)> = routes

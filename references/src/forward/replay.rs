@@ -1,28 +1,218 @@
-//! Op isolation: re-run one reference op on inputs taken from elsewhere (the engine's own
-//! captured taps), to tell an op that introduced an error from one that only propagated it.
+//! Op isolation: re-run one reference op on inputs taken from elsewhere (the candidate's own
+//! captured taps), to tell an op that introduced an error from one that only propagated it, and
+//! the op's *noise scale* on those inputs: how large a rounding error the op's condition lets a
+//! correct low-precision implementation make (see [`Replayed::rho`]).
+//!
+//! The noise scale of an output element y = Σⱼ wⱼxⱼ is a = c·√(Σⱼ (wⱼxⱼ)²) + |y|: every product
+//! carries about one relative rounding (of the stored weight, or of an input the candidate
+//! rounded on its way in) with independent signs, so their errors add in quadrature, and the
+//! stored output is rounded once more. `rho` is the rms of a over the tap relative to the rms of
+//! y, so a correct implementation with unit roundoff u has a local error of order u·rho. The sum
+//! of squared products is computed exactly, in f64, on a fixed sample of output elements (a
+//! second full pass would cost as much as the matmul itself).
 
-use super::{deepseek2, linear, ops, swiglu_ffn, ForwardError, Reference};
+use super::{deepseek2, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
 use crate::config::Arch;
 use crate::tap::{Site, TapKey};
 
 /// Inputs by (unranked) tap key; `None` when the capture does not have that tap.
 pub type Inputs<'a> = dyn Fn(&TapKey) -> Option<Vec<f32>> + 'a;
 
+/// Output elements sampled per matmul tap for the noise scale.
+pub const NOISE_SAMPLES: usize = 256;
+
+/// A replayed op: its output on the given inputs and its noise scale there.
+#[derive(Clone, Debug)]
+pub struct Replayed {
+    pub out: Vec<f32>,
+    /// rms(a)/rms(y) over the tap (see the module doc): a correct implementation at unit
+    /// roundoff u has a local rel_l2 of order u·rho.
+    pub rho: f64,
+    /// The part of `rho` due to the sum of products alone (0 for ops that are not sums), which
+    /// a TP all-reduce of partial sums adds once more.
+    pub rho_sum: f64,
+    /// Per head, for attention outputs: rho over that head's columns (empty elsewhere).
+    pub rho_heads: Vec<f64>,
+}
+
+impl Replayed {
+    fn plain(out: Vec<f32>, rho: f64) -> Replayed {
+        Replayed {
+            out,
+            rho,
+            rho_sum: 0.0,
+            rho_heads: Vec::new(),
+        }
+    }
+}
+
+/// rho of `y = x · wᵀ` (`x [n, k]`, `w [m, k]`) from a fixed sample of output elements, the
+/// products weighted by `c`; also returns the products' part alone.
+fn linear_rho(x: &[f32], n: usize, w: &Mat, y: &[f32], c: f64) -> (f64, f64) {
+    let (k, m) = (w.cols, w.rows);
+    let total = n * m;
+    if total == 0 || k == 0 {
+        return (1.0, 0.0);
+    }
+    let samples = NOISE_SAMPLES.min(total);
+    // A stride coprime with the width, so the sample spreads over tokens and columns.
+    let mut stride = (total / samples).max(1) | 1;
+    while gcd(stride, m) != 1 {
+        stride += 2;
+    }
+    let mut row = vec![0f32; k];
+    let (mut aa, mut ss, mut yy) = (0f64, 0f64, 0f64);
+    for s in 0..samples {
+        let idx = (s * stride + s / m.max(1)) % total;
+        let (t, i) = (idx / m, idx % m);
+        w.rows_into(i, &mut row);
+        let xt = &x[t * k..(t + 1) * k];
+        let q: f64 = xt
+            .iter()
+            .zip(&row)
+            .map(|(&a, &b)| {
+                let p = a as f64 * b as f64;
+                p * p
+            })
+            .sum::<f64>()
+            .sqrt();
+        let yv = y[idx].abs() as f64;
+        aa += (c * q + yv).powi(2);
+        ss += (c * q).powi(2);
+        yy += yv * yv;
+    }
+    if yy == 0.0 {
+        return (1.0, 0.0);
+    }
+    ((aa / yy).sqrt(), (ss / yy).sqrt())
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// rho of an elementwise sum y = a + b: a = √(a² + b²) + |y|.
+fn add_rho(a: &[f32], b: &[f32], y: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for ((&x, &p), &v) in a.iter().zip(b).zip(y) {
+        let (x, p, v) = (x as f64, p as f64, v as f64);
+        num += ((x * x + p * p).sqrt() + v.abs()).powi(2);
+        den += v * v;
+    }
+    if den == 0.0 {
+        1.0
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// Per-head rho of causal attention: for output element o = Σₛ pₛvₛ, the noise scale is
+/// a = √(Σₛ (pₛvₛ)²) plus |o|: a rounding of pₛ (or of vₛ on its way in) moves the term by
+/// u·pₛvₛ, and the output is rounded once. Scores and the softmax are taken to be held wider
+/// (as fused attention kernels and PyTorch's bf16 attention do; a score rounded to bf16 would
+/// add u·|sₛ|·pₛvₛ, which on the HF bf16 SmolLM2 dumps over-predicted the healthy error 14×):
+/// an engine that rounds them takes a `--baseline`.
+#[allow(clippy::too_many_arguments)]
+fn attention_rho(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    n: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f64,
+) -> (f64, Vec<f64>) {
+    let group = (n_heads / n_kv_heads.max(1)).max(1);
+    let mut num = vec![0f64; n_heads];
+    let mut den = vec![0f64; n_heads];
+    let mut scores = vec![0f64; n];
+    let mut acc = vec![0f64; dv];
+    for t in 0..n {
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qh = &q[(t * n_heads + h) * dk..(t * n_heads + h + 1) * dk];
+            for (s, score) in scores[..=t].iter_mut().enumerate() {
+                let kh = &k[(s * n_kv_heads + kvh) * dk..(s * n_kv_heads + kvh + 1) * dk];
+                *score = ops::dot64(qh, kh) * scale;
+            }
+            ops::softmax(&mut scores[..=t]);
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for s in 0..=t {
+                let vh = &v[(s * n_kv_heads + kvh) * dv..(s * n_kv_heads + kvh + 1) * dv];
+                let wgt = scores[s];
+                for (a, &x) in acc.iter_mut().zip(vh) {
+                    let p = wgt * x as f64;
+                    *a += p * p;
+                }
+            }
+            let o = &out[(t * n_heads + h) * dv..(t * n_heads + h + 1) * dv];
+            for (a, &y) in acc.iter().zip(o) {
+                let y = y as f64;
+                num[h] += (a.sqrt() + y.abs()).powi(2);
+                den[h] += y * y;
+            }
+        }
+    }
+    let ratio = |a: f64, b: f64| if b == 0.0 { 1.0 } else { (a / b).sqrt() };
+    let heads = num.iter().zip(&den).map(|(&a, &b)| ratio(a, b)).collect();
+    (ratio(num.iter().sum(), den.iter().sum()), heads)
+}
+
 impl Reference<'_> {
     /// The reference op that produces `key` (unranked), computed from `inputs` over `n` tokens.
     /// `Ok(None)` when the op is not replayable here or an input is missing.
     pub fn replay(&self, key: &TapKey, inputs: &Inputs, n: usize) -> Result<Option<Vec<f32>>, ForwardError> {
+        Ok(self.replay_local(key, inputs, n)?.map(|r| r.out))
+    }
+
+    /// [`Reference::replay`] with the op's noise scale on those inputs. The sites: the embedding
+    /// (no float inputs: the reference's own lookup), the norms, q/k (projection and RoPE) and v,
+    /// attention, o_proj, the residual adds, the dense FFN's gate/up and its output (from the
+    /// candidate's gate and up when captured, else the whole block from ffn_norm), the MoE
+    /// router logits, the expert choice and the MoE mix made from them, the output norm and the
+    /// logits; for MLA also q_a, q, the latent, the shared rope key and the per-head k/v.
+    pub fn replay_local(&self, key: &TapKey, inputs: &Inputs, n: usize) -> Result<Option<Replayed>, ForwardError> {
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
             return Ok(match key.site {
-                Site::OutputNorm => {
-                    let x = match inputs(&TapKey::layer(c.n_layers - 1, Site::ResidOut)) {
-                        Some(x) => x,
-                        None => return Ok(None),
-                    };
-                    Some(ops::rms_norm(&x, d, &self.vector("output_norm.weight", d)?, c.rms_eps))
-                }
+                Site::OutputNorm => match inputs(&TapKey::layer(c.n_layers - 1, Site::ResidOut)) {
+                    Some(x) => Some(Replayed::plain(
+                        ops::rms_norm(&x, d, &self.vector("output_norm.weight", d)?, c.rms_eps),
+                        2.0,
+                    )),
+                    None => None,
+                },
+                Site::Logits => match inputs(&TapKey::global(Site::OutputNorm)) {
+                    Some(h) if h.len() == n * d => {
+                        let name = if c.tied_embeddings {
+                            "token_embd.weight"
+                        } else {
+                            "output.weight"
+                        };
+                        let t = self.tensor(name)?;
+                        if t.ne.len() != 2 || t.ne[0] as usize != d || (t.ne[1] as usize) < c.vocab {
+                            return Ok(None);
+                        }
+                        let w = self.stored_rows(t, 0, c.vocab)?;
+                        let y = linear(&h, n, &w);
+                        let (rho, rho_sum) = linear_rho(&h, n, &w, &y, 1.0);
+                        Some(Replayed {
+                            out: y,
+                            rho,
+                            rho_sum,
+                            rho_heads: Vec::new(),
+                        })
+                    }
+                    _ => None,
+                },
                 _ => None,
             });
         };
@@ -35,58 +225,250 @@ impl Reference<'_> {
             }
         };
         let name = |s: &str| format!("blk.{l}.{s}.weight");
-        let out = match key.site {
+        let lin = |x: &[f32], w: &Mat, c_in: f64| {
+            let y = linear(x, n, w);
+            let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
+            Replayed {
+                out: y,
+                rho,
+                rho_sum,
+                rho_heads: Vec::new(),
+            }
+        };
+        let norm = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
             Site::FfnNorm => at(Site::ResidAttn).map(|x| (x, "ffn_norm")),
             _ => None,
         };
-        if let Some((x, norm)) = out {
-            return Ok(Some(ops::rms_norm(&x, d, &self.vector(&name(norm), d)?, c.rms_eps)));
+        if let Some((x, norm)) = norm {
+            // RMSNorm is well conditioned (its output's relative error is its input's); a
+            // candidate rounds once after normalizing and once after the weight: rho 2.
+            return Ok(Some(Replayed::plain(
+                ops::rms_norm(&x, d, &self.vector(&name(norm), d)?, c.rms_eps),
+                2.0,
+            )));
         }
+        let llama = c.arch == Arch::Llama;
+        let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         Ok(match key.site {
             Site::ResidAttn => match (resid_in(), at(Site::AttnProj)) {
-                (Some(x), Some(p)) => Some(ops::add(&x, &p)),
+                (Some(x), Some(p)) if x.len() == p.len() => {
+                    let y = ops::add(&x, &p);
+                    let rho = add_rho(&x, &p, &y);
+                    Some(Replayed::plain(y, rho))
+                }
                 _ => None,
             },
             Site::ResidOut => match (at(Site::ResidAttn), at(Site::FfnOut)) {
-                (Some(x), Some(f)) => Some(ops::add(&x, &f)),
+                (Some(x), Some(f)) if x.len() == f.len() => {
+                    let y = ops::add(&x, &f);
+                    let rho = add_rho(&x, &f, &y);
+                    Some(Replayed::plain(y, rho))
+                }
                 _ => None,
             },
             Site::AttnProj => match at(Site::AttnOut) {
-                Some(a) => {
+                Some(a) if a.len() % n == 0 => {
                     let width = a.len() / n;
-                    Some(linear(&a, n, &self.matrix(&name("attn_output"), d, width)?))
+                    Some(lin(&a, &self.matrix(&name("attn_output"), d, width)?, 1.0))
                 }
-                None => None,
+                _ => None,
             },
-            Site::FfnOut if !c.is_moe_layer(l) => match at(Site::FfnNorm) {
-                Some(h) => {
-                    let f = c.ffn_dim;
-                    let gate = self.matrix(&name("ffn_gate"), f, d)?;
-                    let up = self.matrix(&name("ffn_up"), f, d)?;
-                    let down = self.matrix(&name("ffn_down"), d, f)?;
-                    Some(swiglu_ffn(&h, n, &gate, &up, &down).2)
+            Site::Q | Site::K if llama => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (rows, wname) = if key.site == Site::Q {
+                        (nh, "attn_q")
+                    } else {
+                        (nkv, "attn_k")
+                    };
+                    let w = self.matrix(&name(wname), rows * hd, d)?;
+                    let mut r = lin(&h, &w, 1.0);
+                    let freq_factors = if c.rope_scaling.freq_factors {
+                        Some(self.vector("rope_freqs.weight", c.rope_dim / 2)?)
+                    } else {
+                        None
+                    };
+                    let divisor = c.rope_scaling.linear_factor.map_or(1.0, |f| f as f64);
+                    for (t, row) in r.out.chunks_mut(rows * hd).enumerate() {
+                        ops::rope_norm_scaled(row, hd, 0, t, c.rope_dim, c.rope_base, divisor, freq_factors.as_deref());
+                    }
+                    // RoPE keeps the norm and adds one rounding (of its output; the angle table's
+                    // rounding is of the same order).
+                    r.rho += 1.0;
+                    Some(r)
                 }
-                None => None,
+                _ => None,
             },
+            Site::QA if !llama => match (at(Site::AttnNorm), c.mla.as_ref().and_then(|m| m.q_lora_rank)) {
+                (Some(h), Some(ql)) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_q_a"), ql, d)?, 1.0)),
+                _ => None,
+            },
+            // MLA queries: from the candidate's q_a (normed, then q_b) or attn_norm, then RoPE on
+            // each head's rope part.
+            Site::Q if !llama => {
+                let Some(m) = c.mla.as_ref() else { return Ok(None) };
+                let dq = m.qk_nope + m.qk_rope;
+                let mut r = match (m.q_lora_rank, at(Site::QA), at(Site::AttnNorm)) {
+                    (Some(ql), Some(qa), _) if qa.len() == n * ql => {
+                        let qa = ops::rms_norm(&qa, ql, &self.vector(&name("attn_q_a_norm"), ql)?, c.rms_eps);
+                        let mut r = lin(&qa, &self.matrix(&name("attn_q_b"), nh * dq, ql)?, 1.0);
+                        // The norm inside rounds once more.
+                        r.rho += 1.0;
+                        r
+                    }
+                    (None, _, Some(h)) if h.len() == n * d => lin(&h, &self.matrix(&name("attn_q"), nh * dq, d)?, 1.0),
+                    _ => return Ok(None),
+                };
+                for (t, q_t) in r.out.chunks_mut(nh * dq).enumerate() {
+                    ops::rope_norm(q_t, dq, m.qk_nope, t, m.qk_rope, c.rope_base);
+                }
+                r.rho += 1.0;
+                Some(r)
+            }
+            // MLA latent (normed) and shared rope key, from attn_norm through kv_a.
+            Site::KvLatent | Site::KPe if !llama => match (at(Site::AttnNorm), c.mla.as_ref()) {
+                (Some(h), Some(m)) if h.len() == n * d => {
+                    let (kvl, rope) = (m.kv_lora_rank, m.qk_rope);
+                    let mut r = lin(&h, &self.matrix(&name("attn_kv_a_mqa"), kvl + rope, d)?, 1.0);
+                    let mut latent = Vec::with_capacity(n * kvl);
+                    let mut k_pe = Vec::with_capacity(n * rope);
+                    for (t, row) in r.out.chunks(kvl + rope).enumerate() {
+                        latent.extend_from_slice(&row[..kvl]);
+                        let mut pe = row[kvl..].to_vec();
+                        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+                        k_pe.extend(pe);
+                    }
+                    r.out = if key.site == Site::KvLatent {
+                        ops::rms_norm(&latent, kvl, &self.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps)
+                    } else {
+                        k_pe
+                    };
+                    r.rho += 1.0;
+                    Some(r)
+                }
+                _ => None,
+            },
+            // MLA per-head keys (nope part) and values from the candidate's latent through kv_b.
+            Site::K | Site::V if !llama => match (at(Site::KvLatent), c.mla.as_ref()) {
+                (Some(latent), Some(m)) if latent.len() == n * m.kv_lora_rank => {
+                    let (nope, dv, kvl) = (m.qk_nope, m.v_head_dim, m.kv_lora_rank);
+                    let k_b = self.load(&name("attn_k_b"), &[nope, kvl, nh])?;
+                    let v_b = self.load(&name("attn_v_b"), &[kvl, dv, nh])?;
+                    let kv_b = deepseek2::reassemble_kv_b(&k_b, &v_b, nh, nope, dv, kvl);
+                    let mut r = lin(&latent, &kv_b, 1.0);
+                    let (lo, width) = if key.site == Site::K { (0, nope) } else { (nope, dv) };
+                    r.out = r
+                        .out
+                        .chunks(nope + dv)
+                        .flat_map(|head| head[lo..lo + width].to_vec())
+                        .collect();
+                    Some(r)
+                }
+                _ => None,
+            },
+            Site::V if llama => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_v"), nkv * hd, d)?, 1.0)),
+                _ => None,
+            },
+            Site::FfnGate | Site::FfnUp if !c.is_moe_layer(l) => match at(Site::FfnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let wname = if key.site == Site::FfnGate {
+                        "ffn_gate"
+                    } else {
+                        "ffn_up"
+                    };
+                    Some(lin(&h, &self.matrix(&name(wname), c.ffn_dim, d)?, 1.0))
+                }
+                _ => None,
+            },
+            Site::MoeLogits if c.is_moe_layer(l) => match (at(Site::FfnNorm), c.moe.as_ref()) {
+                (Some(h), Some(m)) if h.len() == n * d => {
+                    Some(lin(&h, &self.matrix(&name("ffn_gate_inp"), m.n_experts, d)?, 1.0))
+                }
+                _ => None,
+            },
+            // The expert choice from the candidate's own router logits: a flip that those
+            // logits (a near-tie moved by rounding) explain is not a fault; exact (rho 0).
+            Site::MoeTopk if c.is_moe_layer(l) => match (at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(z), Some(m)) if m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let bias_name = format!("blk.{l}.exp_probs_b.bias");
+                    let bias = match self.file.tensor(&bias_name) {
+                        Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+                        None => None,
+                    };
+                    let out = z
+                        .chunks(m.n_experts)
+                        .flat_map(|zt| deepseek2::route(zt, m, bias.as_deref()).experts)
+                        .map(|e| e as f32)
+                        .collect();
+                    Some(Replayed::plain(out, 0.0))
+                }
+                _ => None,
+            },
+            // The MoE mix on the candidate's ffn_norm, routed by the candidate's own router
+            // logits (so a near-tie flipped by rounding is followed, not flagged). rho 3: a
+            // chain of three matmuls and a weighted sum, each rounding once.
+            Site::FfnOut if c.is_moe_layer(l) => match (at(Site::FfnNorm), at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(h), Some(z), Some(m)) if h.len() == n * d && m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let bias_name = format!("blk.{l}.exp_probs_b.bias");
+                    let bias = match self.file.tensor(&bias_name) {
+                        Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+                        None => None,
+                    };
+                    let routes: Vec<deepseek2::Routing> = z
+                        .chunks(m.n_experts)
+                        .map(|zt| deepseek2::route(zt, m, bias.as_deref()))
+                        .collect();
+                    Some(Replayed::plain(deepseek2::moe_mix(self, l, m, &h, n, &routes)?, 3.0))
+                }
+                _ => None,
+            },
+            Site::FfnOut if !c.is_moe_layer(l) => {
+                let f = c.ffn_dim;
+                let down = self.matrix(&name("ffn_down"), d, f)?;
+                match (at(Site::FfnGate), at(Site::FfnUp), at(Site::FfnNorm)) {
+                    // From the candidate's own gate and up: silu and the product each round once
+                    // more on top of the stored weight's rounding.
+                    (Some(g), Some(u), _) if g.len() == n * f && u.len() == n * f => {
+                        Some(lin(&ops::swiglu(&g, &u), &down, 3f64.sqrt()))
+                    }
+                    (_, _, Some(h)) if h.len() == n * d => {
+                        let gate = self.matrix(&name("ffn_gate"), f, d)?;
+                        let up = self.matrix(&name("ffn_up"), f, d)?;
+                        let (_, _, out) = swiglu_ffn(&h, n, &gate, &up, &down);
+                        // The whole block: gate and up's own roundings pass through down too.
+                        let hh = {
+                            let g = linear(&h, n, &gate);
+                            let u = linear(&h, n, &up);
+                            ops::swiglu(&g, &u)
+                        };
+                        let (rho, rho_sum) = linear_rho(&hh, n, &down, &out, 2.0);
+                        Some(Replayed {
+                            out,
+                            rho,
+                            rho_sum,
+                            rho_heads: Vec::new(),
+                        })
+                    }
+                    _ => None,
+                }
+            }
             Site::AttnOut => match (c.arch, at(Site::Q), at(Site::K), at(Site::V)) {
-                (Arch::Llama, Some(q), Some(k), Some(v)) => {
-                    let hd = c.head_dim;
-                    Some(ops::causal_attention(
-                        &q,
-                        &k,
-                        &v,
-                        n,
-                        c.n_heads,
-                        c.n_kv_heads,
-                        hd,
-                        hd,
-                        1.0 / (hd as f64).sqrt(),
-                    ))
+                (Arch::Llama, Some(q), Some(k), Some(v))
+                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                {
+                    let scale = 1.0 / (hd as f64).sqrt();
+                    let out = ops::causal_attention(&q, &k, &v, n, nh, nkv, hd, hd, scale);
+                    let (rho, rho_heads) = attention_rho(&q, &k, &v, &out, n, nh, nkv, hd, hd, scale);
+                    Some(Replayed {
+                        out,
+                        rho,
+                        rho_sum: 0.0,
+                        rho_heads,
+                    })
                 }
-                (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => {
-                    at(Site::KPe).map(|k_pe| deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n))
-                }
+                (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => at(Site::KPe)
+                    .map(|k_pe| Replayed::plain(deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n), 3.0)),
                 _ => None,
             },
             _ => None,

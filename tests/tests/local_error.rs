@@ -1,0 +1,450 @@
+//! The local-error decision rule at reduced precision (issue 44): a simulated bf16/f16 candidate
+//! of the real SmolLM2 — the reference's forward with weights and every op's output rounded to
+//! the compute dtype, as a production engine stores them (accumulation stays wide) — written as a
+//! foreign dump and diffed with default settings. Healthy agrees; planted faults are localized at
+//! their tap and classed: one head × 1.05 and × 1.02 (scale-mismatch, per head, with the fitted
+//! scale), two heads swapped (head-permutation), o_proj's input zeroed, RoPE theta ÷ 10 (rope)
+//! and every norm's eps 1e-2 (config-drift wording). It also prints the calibration figure of the
+//! noise model: the worst healthy local error over u·rho.
+
+use harness::compare::{ActDtype, Baseline, Tolerances, BASELINE_MARGIN};
+use harness::diff::{run_diff_candidate, DiffPlan};
+use harness::dump::Dump;
+use llmdiff_tests::fixtures::smollm2;
+use references::config::ModelConfig;
+use references::dequant::dequantize_to_vec;
+use references::forward::ops;
+use references::GgufFile;
+use reports::DiffRun;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Dt {
+    Bf16,
+    F16,
+}
+
+/// Round to the dtype, nearest even.
+fn round(dt: Dt, x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    match dt {
+        Dt::Bf16 => {
+            let b = x.to_bits();
+            f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
+        }
+        Dt::F16 => f16_round(x),
+    }
+}
+
+/// f32 → nearest f16 value (as f32), normal range only (SmolLM2's activations fit).
+fn f16_round(x: f32) -> f32 {
+    let b = x.to_bits();
+    let exp = ((b >> 23) & 0xFF) as i32 - 127;
+    if exp < -14 {
+        // Subnormal f16: a fixed quantum of 2^-24.
+        let q = 2f32.powi(-24);
+        return (x / q).round_ties_even() * q;
+    }
+    // 10 stored mantissa bits: drop 13.
+    f32::from_bits(b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF)
+}
+
+fn rounded(dt: Dt, v: Vec<f32>) -> Vec<f32> {
+    v.into_iter().map(|x| round(dt, x)).collect()
+}
+
+/// A planted fault.
+#[derive(Clone, Copy, Debug, Default)]
+struct Faults {
+    /// (layer, head, scale) on the attention output.
+    head_scale: Option<(usize, usize, f32)>,
+    /// (layer, a, b): attention output heads a and b exchanged.
+    head_swap: Option<(usize, usize, usize)>,
+    /// o_proj's input (attn_out) zeroed in this layer.
+    zero_attn_out: Option<usize>,
+    /// RoPE theta divided by this in every layer.
+    rope_div: Option<f32>,
+    /// Every RMSNorm's eps.
+    eps: Option<f32>,
+}
+
+/// The simulated candidate's taps: (key, [n, width], values), in execution order.
+fn simulate(file: &GgufFile, tokens: &[u32], dt: Dt, f: Faults) -> Vec<(String, usize, Vec<f32>)> {
+    let c = ModelConfig::from_header(&file.header).unwrap();
+    let (d, hd, nh, nkv, ff) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_dim);
+    let n = tokens.len();
+    let w = |name: &str| {
+        let t = file.tensor(name).unwrap_or_else(|| panic!("no {name}"));
+        rounded(dt, dequantize_to_vec(t.ty, file.tensor_data(t)).unwrap())
+    };
+    let eps = f.eps.unwrap_or(c.rms_eps);
+    let norm = |x: &[f32], wt: &[f32]| {
+        let ones = vec![1f32; d];
+        let h = rounded(dt, ops::rms_norm(x, d, &ones, eps));
+        h.chunks(d)
+            .flat_map(|r| r.iter().zip(wt).map(|(&a, &b)| round(dt, a * b)).collect::<Vec<_>>())
+            .collect::<Vec<f32>>()
+    };
+    let mm = |x: &[f32], wt: &[f32], k: usize, m: usize| rounded(dt, ops::matmul_t(x, n, k, wt, m));
+    let mut out = Vec::new();
+    let emb = w("token_embd.weight");
+    let mut x: Vec<f32> = tokens
+        .iter()
+        .flat_map(|&t| emb[t as usize * d..(t as usize + 1) * d].to_vec())
+        .collect();
+    out.push(("embed".to_string(), d, x.clone()));
+    for l in 0..c.n_layers {
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let key = |s: &str| format!("blk.{l}.{s}");
+        let h = norm(&x, &w(&name("attn_norm")));
+        out.push((key("attn_norm"), d, h.clone()));
+        let mut q = mm(&h, &w(&name("attn_q")), d, nh * hd);
+        let mut k = mm(&h, &w(&name("attn_k")), d, nkv * hd);
+        let v = mm(&h, &w(&name("attn_v")), d, nkv * hd);
+        let base = c.rope_base / f.rope_div.unwrap_or(1.0);
+        for (t, (qt, kt)) in q.chunks_mut(nh * hd).zip(k.chunks_mut(nkv * hd)).enumerate() {
+            ops::rope_norm(qt, hd, 0, t, c.rope_dim, base);
+            ops::rope_norm(kt, hd, 0, t, c.rope_dim, base);
+        }
+        let q = rounded(dt, q);
+        let k = rounded(dt, k);
+        out.push((key("q"), nh * hd, q.clone()));
+        out.push((key("k"), nkv * hd, k.clone()));
+        out.push((key("v"), nkv * hd, v.clone()));
+        let mut a = rounded(
+            dt,
+            ops::causal_attention(&q, &k, &v, n, nh, nkv, hd, hd, 1.0 / (hd as f64).sqrt()),
+        );
+        if let Some((fl, head, s)) = f.head_scale.filter(|h| h.0 == l) {
+            let _ = fl;
+            for row in a.chunks_mut(nh * hd) {
+                for x in &mut row[head * hd..(head + 1) * hd] {
+                    *x = round(dt, *x * s);
+                }
+            }
+        }
+        if let Some((_, ha, hb)) = f.head_swap.filter(|h| h.0 == l) {
+            for row in a.chunks_mut(nh * hd) {
+                for i in 0..hd {
+                    row.swap(ha * hd + i, hb * hd + i);
+                }
+            }
+        }
+        if f.zero_attn_out == Some(l) {
+            a.iter_mut().for_each(|x| *x = 0.0);
+        }
+        out.push((key("attn_out"), nh * hd, a.clone()));
+        let p = mm(&a, &w(&name("attn_output")), nh * hd, d);
+        out.push((key("attn_proj"), d, p.clone()));
+        x = rounded(dt, ops::add(&x, &p));
+        out.push((key("resid_attn"), d, x.clone()));
+        let h = norm(&x, &w(&name("ffn_norm")));
+        out.push((key("ffn_norm"), d, h.clone()));
+        let g = mm(&h, &w(&name("ffn_gate")), d, ff);
+        let u = mm(&h, &w(&name("ffn_up")), d, ff);
+        out.push((key("ffn_gate"), ff, g.clone()));
+        out.push((key("ffn_up"), ff, u.clone()));
+        let act: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| round(dt, round(dt, ops::silu(g as f64) as f32) * u))
+            .collect();
+        let o = mm(&act, &w(&name("ffn_down")), ff, d);
+        out.push((key("ffn_out"), d, o.clone()));
+        x = rounded(dt, ops::add(&x, &o));
+        out.push((key("resid_out"), d, x.clone()));
+    }
+    let h = norm(&x, &w("output_norm.weight"));
+    out.push(("output_norm".to_string(), d, h.clone()));
+    let lw = if c.tied_embeddings { emb } else { w("output.weight") };
+    out.push(("logits".to_string(), c.vocab, mm(&h, &lw[..c.vocab * d], d, c.vocab)));
+    out
+}
+
+/// Writes the taps as a format-1 dump in the dtype, declaring it in the metadata when `declare`.
+fn write_dump(path: &Path, tokens: &[u32], dt: Dt, taps: &[(String, usize, Vec<f32>)], declare: bool) {
+    let n = tokens.len();
+    let mut header = serde_json::Map::new();
+    let mut meta = serde_json::Map::new();
+    meta.insert("llmdiff.format".into(), "1".into());
+    meta.insert("tokens".into(), serde_json::to_string(tokens).unwrap().into());
+    meta.insert("model".into(), "smollm2 (simulated candidate)".into());
+    meta.insert("tp".into(), "1".into());
+    meta.insert("mapping".into(), "{}".into());
+    if declare {
+        let name = if dt == Dt::Bf16 { "bf16" } else { "f16" };
+        meta.insert("llmdiff.compute_dtype".into(), name.into());
+    }
+    header.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    let mut data = Vec::new();
+    for (k, width, v) in taps {
+        let start = data.len();
+        for &x in v {
+            let bits: u16 = match dt {
+                Dt::Bf16 => (x.to_bits() >> 16) as u16,
+                Dt::F16 => half_bits(x),
+            };
+            data.extend_from_slice(&bits.to_le_bytes());
+        }
+        header.insert(
+            k.clone(),
+            serde_json::json!({
+                "dtype": if dt == Dt::Bf16 { "BF16" } else { "F16" },
+                "shape": [n, width],
+                "data_offsets": [start, data.len()],
+            }),
+        );
+    }
+    let h = serde_json::to_string(&serde_json::Value::Object(header)).unwrap();
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(h.as_bytes());
+    bytes.extend_from_slice(&data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The f16 bits of an f16-representable f32.
+fn half_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let a = x.abs();
+    if a == 0.0 {
+        return sign;
+    }
+    let exp = ((b >> 23) & 0xFF) as i32 - 127;
+    if exp < -14 {
+        return sign | (a / 2f32.powi(-24)).round() as u16;
+    }
+    let mant = ((b >> 13) & 0x3FF) as u16;
+    sign | (((exp + 15) as u16) << 10) | mant
+}
+
+const TOKENS: [u32; 12] = [1, 9690, 314, 253, 5356, 28, 2638, 30, 378, 2260, 282, 4238];
+
+fn diff_sim(dir: &Path, name: &str, dt: Dt, f: Faults) -> DiffRun {
+    diff_sim_with(dir, name, dt, f, true, Tolerances::default())
+}
+
+fn diff_sim_with(dir: &Path, name: &str, dt: Dt, f: Faults, declare: bool, tolerances: Tolerances) -> DiffRun {
+    let file = GgufFile::open(smollm2()).unwrap();
+    let taps = simulate(&file, &TOKENS, dt, f);
+    let path: PathBuf = dir.join(format!("{name}.safetensors"));
+    write_dump(&path, &TOKENS, dt, &taps, declare);
+    let dump = Dump::open(&[path]).unwrap();
+    let plan = DiffPlan {
+        file: &file,
+        model_name: "smollm2".into(),
+        tokens: dump.tokens.clone(),
+        engine: engine::EngineOptions::default(),
+        tolerances,
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        decode_steps: 0,
+        repro: String::new(),
+    };
+    run_diff_candidate(&plan, &dump).unwrap()
+}
+
+fn class_at(run: &DiffRun) -> (String, String, String) {
+    let f = run.first_divergence.as_ref().expect("diverged");
+    let d = run.diagnosis.as_ref().expect("diagnosed");
+    (f.tap.clone(), d.class.clone(), d.explanation.clone())
+}
+
+/// Worst healthy local error over u·rho (the noise model's calibration figure), and the row.
+fn worst_ratio(run: &DiffRun) -> (f64, String) {
+    let u = run.dtype.as_ref().unwrap().unit_roundoff;
+    run.taps
+        .iter()
+        .filter_map(|t| t.local.as_ref().map(|l| (l.rel_l2 / (u * l.rho), t.tap.clone())))
+        .fold((0.0, String::new()), |a, b| if b.0 > a.0 { b } else { a })
+}
+
+#[test]
+fn bf16_candidate_healthy_and_faults() {
+    let dir = tempfile::tempdir().unwrap();
+    let healthy = diff_sim(dir.path(), "healthy", Dt::Bf16, Faults::default());
+    let dtype = healthy.dtype.as_ref().unwrap();
+    assert_eq!((dtype.name.as_str(), dtype.source.as_str()), ("bf16", "dump metadata"));
+    let (ratio, at) = worst_ratio(&healthy);
+    let worst_e2e = healthy.taps.iter().map(|t| t.metrics.rel_l2).fold(0f64, f64::max);
+    eprintln!("bf16 healthy: worst local/(u·rho) {ratio:.3} at {at}; worst end-to-end rel_l2 {worst_e2e:.2e}");
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    // Every tap but the embedding's lookup has inputs: all are judged locally.
+    let local = healthy.taps.iter().filter(|t| t.local.is_some()).count();
+    assert_eq!(local, healthy.taps.len(), "every tap of a full dump has a local error");
+    assert!(
+        worst_e2e > 1e-2,
+        "bf16 drifts end to end (worst {worst_e2e:e}), which the old rule flagged"
+    );
+
+    for (scale, name) in [(1.05f32, "head-1.05"), (1.02, "head-1.02")] {
+        let run = diff_sim(
+            dir.path(),
+            name,
+            Dt::Bf16,
+            Faults {
+                head_scale: Some((12, 4, scale)),
+                ..Faults::default()
+            },
+        );
+        let (tap, class, why) = class_at(&run);
+        assert_eq!(
+            (tap.as_str(), class.as_str()),
+            ("blk.12.attn_out", "scale-mismatch"),
+            "{why}"
+        );
+        assert!(why.contains("head 4 is off by a scale of"), "{why}");
+        let fitted = run.head_profile.as_ref().unwrap().heads[4].scale;
+        assert!((fitted - scale as f64).abs() < 5e-3, "fitted {fitted}");
+    }
+
+    let run = diff_sim(
+        dir.path(),
+        "swap",
+        Dt::Bf16,
+        Faults {
+            head_swap: Some((7, 2, 5)),
+            ..Faults::default()
+        },
+    );
+    let (tap, class, why) = class_at(&run);
+    assert_eq!(
+        (tap.as_str(), class.as_str()),
+        ("blk.7.attn_out", "head-permutation"),
+        "{why}"
+    );
+
+    let run = diff_sim(
+        dir.path(),
+        "zero",
+        Dt::Bf16,
+        Faults {
+            zero_attn_out: Some(3),
+            ..Faults::default()
+        },
+    );
+    let (tap, class, why) = class_at(&run);
+    assert_eq!(
+        (tap.as_str(), class.as_str()),
+        ("blk.3.attn_out", "stale-output"),
+        "{why}"
+    );
+
+    let run = diff_sim(
+        dir.path(),
+        "rope",
+        Dt::Bf16,
+        Faults {
+            rope_div: Some(10.0),
+            ..Faults::default()
+        },
+    );
+    let (tap, class, why) = class_at(&run);
+    assert_eq!((tap.as_str(), class.as_str()), ("blk.0.q", "rope"), "{why}");
+
+    let run = diff_sim(
+        dir.path(),
+        "eps",
+        Dt::Bf16,
+        Faults {
+            eps: Some(1e-2),
+            ..Faults::default()
+        },
+    );
+    let (tap, class, why) = class_at(&run);
+    assert_eq!(
+        (tap.as_str(), class.as_str()),
+        ("blk.0.attn_norm", "config-drift"),
+        "{why}"
+    );
+    assert!(why.contains("rms eps"), "{why}");
+}
+
+#[test]
+fn f16_candidate_healthy_agrees_and_a_head_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let healthy = diff_sim(dir.path(), "healthy16", Dt::F16, Faults::default());
+    let (ratio, at) = worst_ratio(&healthy);
+    eprintln!("f16 healthy: worst local/(u·rho) {ratio:.3} at {at}");
+    assert_eq!(healthy.dtype.as_ref().unwrap().name, "f16");
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    let run = diff_sim(
+        dir.path(),
+        "head16",
+        Dt::F16,
+        Faults {
+            head_scale: Some((20, 1, 1.01)),
+            ..Faults::default()
+        },
+    );
+    let (tap, class, why) = class_at(&run);
+    assert_eq!(
+        (tap.as_str(), class.as_str()),
+        ("blk.20.attn_out", "scale-mismatch"),
+        "{why}"
+    );
+}
+
+#[test]
+fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    // No llmdiff.compute_dtype: the tensors' BF16 dtype names it.
+    let healthy = diff_sim_with(
+        dir.path(),
+        "h",
+        Dt::Bf16,
+        Faults::default(),
+        false,
+        Tolerances::default(),
+    );
+    let d = healthy.dtype.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.source.as_str()), ("bf16", "dump tensor dtypes"));
+    assert_eq!(healthy.verdict, "agree");
+    // A healthy baseline: every tap's bound is 3 × its healthy local error.
+    let mut t = Tolerances::default();
+    for row in &healthy.taps {
+        t.add_baseline(
+            &row.tap,
+            Baseline {
+                local: row.local.as_ref().map(|l| l.rel_l2),
+                end_to_end: row.metrics.rel_l2,
+            },
+        );
+    }
+    let again = diff_sim_with(dir.path(), "h2", Dt::Bf16, Faults::default(), false, t.clone());
+    assert_eq!(again.verdict, "agree");
+    let row = again.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
+    let l = row.local.as_ref().unwrap();
+    assert_eq!(l.source, "baseline");
+    let seen = healthy.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
+    let want = (BASELINE_MARGIN * seen.local.as_ref().unwrap().rel_l2).max(5e-5);
+    assert_eq!(l.bound, want);
+    let faulty = Faults {
+        head_scale: Some((12, 4, 1.05)),
+        ..Faults::default()
+    };
+    let run = diff_sim_with(dir.path(), "f", Dt::Bf16, faulty, false, t.clone());
+    assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+    // A pattern loosening every attention output hides it; one for another layer does not.
+    let mut loose = t.clone();
+    loose.set("blk.*.attn_out=0.2").unwrap();
+    let run = diff_sim_with(dir.path(), "f2", Dt::Bf16, faulty, false, loose);
+    assert_ne!(
+        run.first_divergence.as_ref().map(|f| f.tap.as_str()),
+        Some("blk.12.attn_out")
+    );
+    let mut other = t;
+    other.set("blk.1?.q=0.2").unwrap();
+    let run = diff_sim_with(dir.path(), "f3", Dt::Bf16, faulty, false, other);
+    assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+}
