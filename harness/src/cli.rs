@@ -544,17 +544,32 @@ pub struct ServerArgs {
     /// top_logprobs asked of --server per position (vLLM's default cap, --max-logprobs, is 20).
     #[arg(long, default_value_t = 20)]
     pub top_logprobs: usize,
-    /// Per-request timeout for --server, seconds.
+    /// Per-request timeout for --server, seconds, counted from when the request is sent; a request
+    /// sent while others are in flight also gets their share (a server answering one at a time
+    /// works through them first).
     #[arg(long, default_value_t = 120.0, value_parser = positive_seconds)]
     pub timeout: f64,
     /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
     #[arg(long, default_value_t = 3)]
     pub retries: u32,
+    /// Total time limit of the whole run's requests to --server, seconds (retries and backoff
+    /// included; 0: none). Past it the run stops with exit 2.
+    #[arg(long, default_value_t = 900.0, value_parser = non_negative)]
+    pub deadline: f64,
 }
 
 impl ServerArgs {
-    /// The client options, asking for `max_tokens` greedy tokens per prompt.
-    pub fn options(&self, max_tokens: usize) -> crate::server::ServerOptions {
+    /// When the whole run must end, counted from `start` (`None` with `--deadline 0`).
+    pub fn deadline_from(&self, start: std::time::Instant) -> Option<std::time::Instant> {
+        (self.deadline > 0.0)
+            .then(|| std::time::Duration::try_from_secs_f64(self.deadline.min(1e9)).ok())
+            .flatten()
+            .map(|d| start + d)
+    }
+
+    /// The client options, asking for `max_tokens` greedy tokens per prompt, all requests ending
+    /// by `deadline` ([`Self::deadline_from`], taken once per run).
+    pub fn options(&self, max_tokens: usize, deadline: Option<std::time::Instant>) -> crate::server::ServerOptions {
         let (url, basic) = crate::server::split_credentials(&self.server.clone().unwrap_or_default());
         crate::server::ServerOptions {
             url,
@@ -572,6 +587,8 @@ impl ServerArgs {
             retries: self.retries,
             backoff: std::time::Duration::from_millis(500),
             concurrency: self.concurrency.max(1),
+            deadline,
+            deadline_seconds: deadline.map(|_| self.deadline),
         }
     }
 }

@@ -23,12 +23,20 @@ fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 /// Serves up to `max` requests (or until 30 s pass), each answered with `status` and `body`.
 /// Returns the base URL and the count of requests seen.
 fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsize>) {
+    fake_server_slow(status, body, max, None)
+}
+
+/// [`fake_server`] answering one request at a time, each `delay` after it was read (as
+/// llama-cpp-python does: the requests behind it wait); `None` answers at once. With
+/// `Some(Duration::MAX)` it never answers (a hung server): the connections are held open.
+fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duration>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(AtomicUsize::new(0));
     let count = seen.clone();
     std::thread::spawn(move || {
+        let mut held = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         while count.load(Ordering::SeqCst) < max && Instant::now() < deadline {
             let Ok((mut s, _)) = listener.accept() else {
@@ -62,6 +70,14 @@ fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsiz
                 }
             }
             count.fetch_add(1, Ordering::SeqCst);
+            match delay {
+                Some(d) if d == Duration::MAX => {
+                    held.push(s);
+                    continue;
+                }
+                Some(d) => std::thread::sleep(d),
+                None => {}
+            }
             let reply = format!(
                 "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
@@ -207,6 +223,109 @@ fn connection_refused_is_exit_2() {
     let url = refused_url();
     let msg = one_line_error(run(&args(&url, &p, &["--retries", "1"])));
     assert!(msg.contains("connection refused"), "{msg}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Client behaviour: the deadline, queued time, a truncated continuation, reports on exit 2.
+
+/// A hung server (accepts, never answers) costs at most `--deadline`, not (retries + 1) × timeout.
+#[test]
+fn deadline_bounds_a_hung_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, _) = fake_server_slow(200, healthy_body(), 10, Some(Duration::MAX));
+    let t0 = Instant::now();
+    let msg = one_line_error(run(&args(
+        &url,
+        &p,
+        &["--timeout", "60", "--retries", "3", "--deadline", "1.5"],
+    )));
+    let took = t0.elapsed();
+    assert!(msg.contains("--deadline of 1.5 s passed"), "{msg}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(took >= Duration::from_millis(1400), "took {took:?}");
+}
+
+/// Four prompts at once to a server that answers one at a time, 0.5 s each: the fourth waits 2 s,
+/// more than its 0.8 s timeout, but that time was spent queued behind the others: it passes.
+#[test]
+fn time_queued_behind_other_requests_is_not_the_requests_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p4.txt");
+    std::fs::write(&p, "A b c d\nA b c d\nA b c d\nA b c d\n").unwrap();
+    let (url, seen) = fake_server_slow(200, healthy_body(), 4, Some(Duration::from_millis(500)));
+    let code = run(&args(
+        &url,
+        p.to_str().unwrap(),
+        &["--timeout", "0.8", "--retries", "0", "--concurrency", "4"],
+    ))
+    .unwrap();
+    assert_eq!(code, ExitCode::SUCCESS);
+    assert_eq!(seen.load(Ordering::SeqCst), 4);
+    // One request alone slower than its own timeout still times out.
+    let (url, _) = fake_server_slow(200, healthy_body(), 1, Some(Duration::from_millis(1500)));
+    let msg = one_line_error(run(&args(
+        &url,
+        &prompts(dir.path()),
+        &["--timeout", "0.5", "--retries", "0"],
+    )));
+    assert!(msg.contains("prompt 1") && msg.contains("after 1 attempts"), "{msg}");
+}
+
+/// `finish_reason: "length"` with fewer tokens than `--max-new-tokens`: a warning in the report
+/// (JSON `warnings`, HTML), the verdict otherwise unchanged.
+#[test]
+fn truncated_continuation_is_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, _) = fake_server(200, healthy_body(), 1);
+    let out = dir.path().join("run.json");
+    let html = dir.path().join("run.html");
+    let mut v = args(
+        &url,
+        &p,
+        &["--json-out", out.to_str().unwrap(), "--html", html.to_str().unwrap()],
+    );
+    let at = v.iter().position(|a| a == "--max-new-tokens").unwrap();
+    v[at + 1] = "8".into();
+    let code = run(&v).unwrap();
+    assert_eq!(code, ExitCode::SUCCESS);
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let w = doc["warnings"].as_array().expect("warnings");
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].as_str().unwrap().contains("after 4 of the 8 tokens"), "{w:?}");
+    assert!(std::fs::read_to_string(&html)
+        .unwrap()
+        .contains("after 4 of the 8 tokens"));
+    // Asked for exactly what came back: no warning.
+    let (url, _) = fake_server(200, healthy_body(), 1);
+    run(&args(&url, &p, &["--json-out", out.to_str().unwrap()])).unwrap();
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert!(doc.get("warnings").is_none(), "{doc}");
+}
+
+/// `gate --server` that cannot reach the server exits 2 and still writes JUnit (the golden file
+/// as a test error naming the cause) and the HTML report.
+#[test]
+fn gate_writes_junit_and_html_on_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let junit = dir.path().join("j.xml");
+    let html = dir.path().join("g.html");
+    let url = refused_url();
+    let msg = one_line_error(run(&gate_args(
+        &url,
+        &junit,
+        &["--retries", "0", "--html", html.to_str().unwrap()],
+    )));
+    assert!(msg.contains("connection refused"), "{msg}");
+    let xml = std::fs::read_to_string(&junit).expect("JUnit written on exit 2");
+    assert!(xml.contains("errors=\"1\""), "{xml}");
+    assert!(
+        xml.contains("<error message=") && xml.contains("connection refused"),
+        "{xml}"
+    );
+    let page = std::fs::read_to_string(&html).expect("HTML written on exit 2");
+    assert!(page.contains("connection refused"), "html");
 }
 
 /// Opt-in: `LLMDIFF_LIVE_SERVER=1` starts `python -m llama_cpp.server` on the real SmolLM2 and

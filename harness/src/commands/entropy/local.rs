@@ -2,7 +2,7 @@
 //! continuation repetition, a `healthy`/`flat`/`degenerate` verdict, and with
 //! `--against-reference` the KL statistics of the backend against the reference.
 
-use super::shared::{finish, print_summary, thresholds};
+use super::shared::{finish, print_summary, thresholds, Extra};
 use crate::cli::{BackendArg, EntropyArgs};
 use crate::entropy::{
     kld_positions, kld_stats, overall, positions, read_prompts, repetition, tokenize_prompts, top5_recurrence, verdict,
@@ -125,5 +125,5 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         server: None,
         overlap: None,
     };
-    finish(a, &run, || print_summary(&run, tokenizer.as_ref()))
+    finish(a, &run, &Extra::default(), || print_summary(&run, tokenizer.as_ref()))
 }

@@ -4,7 +4,7 @@
 //! tokens with top-k KL statistics, top-k overlap and the first top-1 disagreement. How entries
 //! become positions (alignment, token ids) is [`crate::server_view`]'s.
 
-use super::shared::{finish, print_summary, thresholds};
+use super::shared::{finish, print_summary, thresholds, Extra};
 use crate::cli::EntropyArgs;
 use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
 use crate::logprobs::{log_softmax, top_k};
@@ -67,7 +67,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             _ => bail!("prompt {}: no text and no tokens", i + 1),
         }
     }
-    let opts = a.live.options(a.max_new_tokens);
+    let opts = a.live.options(a.max_new_tokens, a.live.deadline_from(t0));
     eprintln!(
         "{} prompts to {} ({} at a time, top-{})",
         prompts.len(),
@@ -82,6 +82,13 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         .enumerate()
         .map(|(i, (c, &n))| prompt_entries(c, n).with_context(|| format!("prompt {}", i + 1)))
         .collect::<anyhow::Result<_>>()?;
+    let mut extra = Extra::default();
+    for (i, (c, &n)) in completions.iter().zip(&n_prompts).enumerate() {
+        if let Some(w) = c.truncation_warning(n, a.max_new_tokens) {
+            eprintln!("warning: prompt {}: {w}", i + 1);
+            extra.warnings.push(format!("prompt {}: {w}", i + 1));
+        }
+    }
     let (align, v_open, v_shift) = Alignment::detect(&completions, &n_prompts);
     let shifted = align == Alignment::Shifted;
     let alignment = align.name();
@@ -271,7 +278,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         }),
         overlap: overlap_all,
     };
-    finish(a, &run, || {
+    finish(a, &run, &extra, || {
         print_summary(&run, tokenizer.as_ref());
         print_server_summary(&run);
     })

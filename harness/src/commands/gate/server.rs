@@ -81,7 +81,12 @@ pub fn check_servable(path: &Path, g: &Golden) -> anyhow::Result<()> {
 }
 
 /// Gates one golden file against the server.
-pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSuite> {
+pub fn gate_one(
+    path: &Path,
+    g: &Golden,
+    a: &GateArgs,
+    deadline: Option<std::time::Instant>,
+) -> anyhow::Result<GateSuite> {
     let t0 = Instant::now();
     let mut th = g.thresholds.server.clone();
     if let Some(x) = a.kld_threshold {
@@ -91,7 +96,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
         th.min_top1_pct = x;
     }
     let k = a.live.top_logprobs;
-    let opts = a.live.options(g.n_continuation.max(1));
+    let opts = a.live.options(g.n_continuation.max(1), deadline);
     let bodies: Vec<PromptBody> = g
         .prompts
         .iter()
@@ -123,6 +128,19 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
         }
     }
     let (align, _, _) = Alignment::detect(&completions, &n_prompts);
+    // A continuation cut short for length checks fewer greedy tokens than the golden's: said.
+    let warnings: Vec<String> = completions
+        .iter()
+        .zip(&n_prompts)
+        .enumerate()
+        .filter_map(|(i, (c, &n))| {
+            c.truncation_warning(n, g.n_continuation)
+                .map(|w| format!("warning: prompt {}: {w}", i + 1))
+        })
+        .collect();
+    for w in &warnings {
+        eprintln!("{w}");
+    }
     let mut space = TokenSpace::from_texts(g.token_text.iter().map(|(&id, s)| (id, s.clone())), g.vocab);
     let text = |id: u32| g.token_text.get(&id).cloned().unwrap_or_else(|| format!("#{id}"));
     // A control token rendered as empty text (llama-cpp-python) equals any control token.
@@ -347,6 +365,7 @@ pub fn gate_one(path: &Path, g: &Golden, a: &GateArgs) -> anyhow::Result<GateSui
         }
         None => figures,
     };
+    let message = std::iter::once(message).chain(warnings).collect::<Vec<_>>().join("; ");
     Ok(GateSuite {
         golden: path.display().to_string(),
         verdict: if failed.is_empty() { "pass" } else { "fail" }.to_string(),
