@@ -593,6 +593,28 @@ impl ServerArgs {
     }
 }
 
+/// The calibrated verdict of a server against a reference (`entropy --server
+/// --against-reference`, `gate --server`): one rule and one threshold set.
+#[derive(Args, Debug, Clone)]
+pub struct VerdictArgs {
+    /// The floors and band thresholds (default: the committed golden/kld-calibration.json).
+    #[arg(long)]
+    pub kld_calibration: Option<PathBuf>,
+    /// Exit code when the server is in the "precision loss" band (a quantized KV cache or weights:
+    /// a trade-off, not a bug): 0 accepts it, 1 (the default) fails like "broken".
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub precision_loss_exit: u8,
+}
+
+impl VerdictArgs {
+    pub fn calibration(&self) -> anyhow::Result<crate::kld_verdict::Calibration> {
+        match &self.kld_calibration {
+            Some(p) => crate::kld_verdict::Calibration::load(p),
+            None => Ok(crate::kld_verdict::Calibration::committed()),
+        }
+    }
+}
+
 #[derive(Args, Debug)]
 pub struct EntropyArgs {
     /// The GGUF model (optional with --server: then it gives the tokenizer, the vocabulary size
@@ -618,9 +640,17 @@ pub struct EntropyArgs {
     /// A JSON file of thresholds ({"thresholds": {...}} as in golden/entropy-calibration.json).
     #[arg(long)]
     pub thresholds: Option<PathBuf>,
-    /// Override the per-position KLD threshold (nats) of --against-reference.
+    /// Override the per-position KLD threshold (nats) of a local --against-reference run (with
+    /// --server the calibrated verdict decides: see --kld-calibration).
     #[arg(long, value_parser = non_negative)]
     pub kld_threshold: Option<f64>,
+    #[command(flatten)]
+    pub verdict: VerdictArgs,
+    /// With --server --against-reference: a trusted model source (the original GGUF, not the file
+    /// the server loaded) to run as the reference; without it a fault in the deployed file's
+    /// metadata is on both sides and invisible.
+    #[arg(long, requires = "against_reference")]
+    pub trusted_model: Option<PathBuf>,
     /// Write an HTML report (entropy per position, KLD histogram).
     #[arg(long)]
     pub html: Option<PathBuf>,
@@ -656,6 +686,8 @@ pub struct GateArgs {
     /// (default: the golden file's, 90).
     #[arg(long, value_parser = percent)]
     pub min_top1: Option<f64>,
+    #[command(flatten)]
+    pub verdict: VerdictArgs,
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
     pub junit: Option<PathBuf>,

@@ -12,6 +12,7 @@ pub mod entropy;
 pub mod golden;
 pub mod junit;
 pub mod kernel_trace;
+pub mod kld_verdict;
 pub mod logprobs;
 pub mod output;
 pub mod runner;

@@ -638,3 +638,102 @@ fn https_url_is_accepted_by_the_client() {
     let lower = msg.to_lowercase();
     assert!(!lower.contains("scheme"), "the TLS stack is not compiled in: {msg}");
 }
+
+// ------------------------------------------------------------------------------------------------
+// The calibrated verdict of `entropy --server --against-reference`: the fake answers with the
+// golden file's distributions (the reference's own), so the KLD is at rounding level.
+
+/// Runs `entropy SmolLM2 --server --against-reference` on the golden's first prompt against a fake
+/// answering `body`; the exit code and the JSON document.
+fn entropy_against_reference(body: String, extra: &[&str]) -> (ExitCode, Value) {
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.txt");
+    std::fs::write(&p, format!("{}\n", g.prompts[0].text.as_ref().unwrap())).unwrap();
+    let out = dir.path().join("run.json");
+    let (url, _) = fake_server(200, body, 1);
+    let mut v: Vec<String> = [
+        "entropy",
+        llmdiff_tests::fixtures::smollm2().to_str().unwrap(),
+        "--server",
+        &url,
+        "--prompts",
+        p.to_str().unwrap(),
+        "--max-new-tokens",
+        &g.n_continuation.to_string(),
+        "--against-reference",
+        "--json-out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    let code = run(&v).unwrap();
+    (
+        code,
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap(),
+    )
+}
+
+#[test]
+fn against_reference_healthy_is_within_noise() {
+    let (code, doc) = entropy_against_reference(golden_body(Fake::Healthy), &[]);
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["band"], "within_noise", "{v}");
+    assert_eq!(v["cause"], "none", "{v}");
+    assert_eq!(doc["agreement"], "within numeric noise");
+    assert_eq!(code, ExitCode::SUCCESS);
+    // MODEL.gguf may be the deployed file itself: the blind spot is said.
+    assert!(v["blind_spot"].as_str().unwrap().contains("--trusted-model"), "{v}");
+}
+
+/// The server counts one prompt token more than the model's tokenizer: BOS added, broken.
+#[test]
+fn against_reference_names_an_added_bos_from_the_token_count() {
+    let mut body: Value = serde_json::from_str(&golden_body(Fake::Healthy)).unwrap();
+    let n = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    body["usage"]["prompt_tokens"] = json!(n + 1);
+    let (code, doc) = entropy_against_reference(body.to_string(), &[]);
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["cause"], "bos_added", "{v}");
+    assert_eq!(v["band"], "broken", "{v}");
+    assert!(
+        v["evidence"][1].as_str().unwrap().contains("1 prompt token more"),
+        "{v}"
+    );
+    assert_eq!(code, ExitCode::from(1));
+}
+
+/// A calibration whose floor sits far below this run's KLD and whose broken band is out of reach:
+/// precision loss, exit 1 by default and 0 with `--precision-loss-exit 0`.
+#[test]
+fn precision_loss_exit_code_is_configurable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cal = harness::kld_verdict::Calibration::committed();
+    cal.floor.mean = 1e-300;
+    cal.floor.p95 = 1e-300;
+    cal.floor.p99 = 1e-300;
+    cal.thresholds.broken_mean = 1e308;
+    cal.thresholds.broken_p95 = 1e308;
+    cal.thresholds.growth_ratio = 1e308;
+    cal.thresholds.z = 0.0;
+    let path = dir.path().join("cal.json");
+    std::fs::write(&path, serde_json::to_string(&cal).unwrap()).unwrap();
+    let body: Value = serde_json::from_str(&golden_body(Fake::Healthy)).unwrap();
+    // Nudge every listed logprob so the KLD is not exactly zero.
+    let mut b = body.clone();
+    for top in b["choices"][0]["logprobs"]["top_logprobs"].as_array_mut().unwrap() {
+        if let Some(m) = top.as_object_mut() {
+            for (i, (_, lp)) in m.iter_mut().enumerate() {
+                *lp = json!(lp.as_f64().unwrap() - 0.01 * (i % 3) as f64);
+            }
+        }
+    }
+    let c = path.to_str().unwrap();
+    let (code, doc) = entropy_against_reference(b.to_string(), &["--kld-calibration", c]);
+    assert_eq!(doc["kld_verdict"]["band"], "precision_loss", "{}", doc["kld_verdict"]);
+    assert_eq!(code, ExitCode::from(1));
+    let (code, doc) = entropy_against_reference(b.to_string(), &["--kld-calibration", c, "--precision-loss-exit", "0"]);
+    assert_eq!(code, ExitCode::SUCCESS, "{} {}", doc["verdict"], doc["kld_verdict"]);
+}

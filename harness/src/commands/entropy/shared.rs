@@ -59,6 +59,8 @@ pub struct Extra {
     pub kld_verdict: Option<serde_json::Value>,
     /// One line per item for the HTML section (the verdict's headline and evidence).
     pub html_lines: Vec<String>,
+    /// The exit code the verdict asks for when the run is otherwise healthy (`--precision-loss-exit`).
+    pub exit_code: Option<u8>,
 }
 
 impl Extra {
@@ -121,12 +123,14 @@ pub fn finish(
         // A verdict of health or agreement needs at least one compared value.
         anyhow::bail!("no prompt or position was checked: nothing to give a verdict on");
     }
-    let ok = run.verdict == "healthy"
-        && run
-            .agreement
-            .as_deref()
-            .is_none_or(|g| g == "agree" || g == "within numeric noise");
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    // 0 healthy and within noise (or agreeing, locally); precision loss: --precision-loss-exit.
+    let healthy = run.verdict == "healthy";
+    Ok(match run.agreement.as_deref() {
+        _ if !healthy => ExitCode::from(1),
+        None | Some("agree") | Some("within numeric noise") => ExitCode::SUCCESS,
+        Some("precision loss") => ExitCode::from(extra.exit_code.unwrap_or(1)),
+        Some(_) => ExitCode::from(1),
+    })
 }
 
 pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
@@ -186,6 +190,10 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             k.n_positions, k.mean, k.mean_se, k.median, k.p90, k.p99, k.p99_9, k.max
         );
         println!("  same top-1 {:.2} %, RMS Δp {:.3} %", k.same_top1_pct, k.rms_dp_pct);
+        // With --server the calibrated verdict follows (a band, not one position's maximum).
+        if run.server.is_some() {
+            return print_verdict_line(run);
+        }
         // Name the prompt and position of the first one over.
         let first = run
             .prompts
@@ -205,6 +213,10 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             ),
         }
     }
+    print_verdict_line(run);
+}
+
+fn print_verdict_line(run: &EntropyRun) {
     println!(
         "\nverdict: {} over {} prompts, {} positions{}  ({:.1}s)",
         run.verdict,

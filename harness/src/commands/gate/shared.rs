@@ -94,11 +94,15 @@ pub fn print_suite(r: &SuiteResult) {
         }),
         n_pass,
         r.cases.len(),
-        worst.map_or(String::new(), |w| format!(
-            ", worst {} at {:.2} of its tolerance",
-            term(&w.name),
-            w.worst_ratio
-        )),
+        match r.cases.iter().find(|c| !c.passed) {
+            // A failed run's headline names what failed, not the worst of what passed.
+            Some(f) => format!(", first failure: {}", term(&f.name)),
+            None => worst.map_or(String::new(), |w| format!(
+                ", worst {} at {:.2} of its tolerance",
+                term(&w.name),
+                w.worst_ratio
+            )),
+        },
         r.seconds
     );
     if let Some(m) = &r.message {
