@@ -103,7 +103,7 @@ def server_args(case):
 
 def start_server(python, model, extra, port, threads):
     cmd = [python, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", "2048", "--n_threads", str(threads), "--n_threads_batch", str(threads)] + extra
+           "--n_ctx", "2048", "--logits_all", "true", "--n_threads", str(threads), "--n_threads_batch", str(threads)] + extra
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     t0 = time.time()
