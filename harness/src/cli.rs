@@ -651,6 +651,11 @@ pub struct EntropyArgs {
     /// metadata is on both sides and invisible.
     #[arg(long, requires = "against_reference")]
     pub trusted_model: Option<PathBuf>,
+    /// With --server --against-reference: also send each prompt as a one-turn conversation to
+    /// /v1/chat/completions and check the server's prompt against the model's own chat template
+    /// (rendered here) and its answer's logprobs against the reference.
+    #[arg(long, requires = "against_reference")]
+    pub chat: bool,
     /// Write an HTML report (entropy per position, KLD histogram).
     #[arg(long)]
     pub html: Option<PathBuf>,

@@ -2,6 +2,7 @@
 //! classify, entropy/KLD, gate and golden files. Only this crate does CLI and result file I/O.
 
 pub mod capture;
+pub mod chat;
 pub mod cli;
 pub mod commands;
 pub mod compare;

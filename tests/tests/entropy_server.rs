@@ -30,6 +30,14 @@ fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsiz
 /// llama-cpp-python does: the requests behind it wait); `None` answers at once. With
 /// `Some(Duration::MAX)` it never answers (a hung server): the connections are held open.
 fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duration>) -> (String, Arc<AtomicUsize>) {
+    fake_server_routed(status, Arc::new(move |_: &str| body.clone()), max, delay)
+}
+
+/// The body for a request, from its head (request line and headers, lower-cased).
+type Route = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
+/// [`fake_server_slow`] answering each request with `route(head)`.
+fn fake_server_routed(status: u16, route: Route, max: usize, delay: Option<Duration>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -49,6 +57,7 @@ fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duratio
             let mut buf = Vec::new();
             let mut chunk = [0u8; 4096];
             let mut need: Option<usize> = None;
+            let mut head_seen = String::new();
             while let Ok(n) = s.read(&mut chunk) {
                 if n == 0 {
                     break;
@@ -57,6 +66,7 @@ fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duratio
                 if need.is_none() {
                     if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                         let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        head_seen = head.clone();
                         let len = head
                             .lines()
                             .find_map(|l| l.strip_prefix("content-length:"))
@@ -78,6 +88,7 @@ fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duratio
                 Some(d) => std::thread::sleep(d),
                 None => {}
             }
+            let body = route(&head_seen);
             let reply = format!(
                 "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
@@ -736,4 +747,86 @@ fn precision_loss_exit_code_is_configurable() {
     assert_eq!(code, ExitCode::from(1));
     let (code, doc) = entropy_against_reference(b.to_string(), &["--kld-calibration", c, "--precision-loss-exit", "0"]);
     assert_eq!(code, ExitCode::SUCCESS, "{} {}", doc["verdict"], doc["kld_verdict"]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// --chat: the model's own chat template rendered here against the server's prompt token count.
+
+/// The SmolLM2 chat template's token counts for `text`, with and without the generation prompt.
+fn template_counts(text: &str) -> (usize, usize) {
+    let f = references::gguf::GgufFile::open(llmdiff_tests::fixtures::smollm2()).unwrap();
+    let tok = references::tokenizer::Tokenizer::from_gguf(&f.header).unwrap();
+    let Some(references::gguf::MetaValue::String(t)) = f.header.get("tokenizer.chat_template") else {
+        panic!("no chat template")
+    };
+    let with = harness::chat::render(t, text, "", "", true).unwrap();
+    let without = harness::chat::render(t, text, "", "", false).unwrap();
+    (
+        tok.encode(&with, true).unwrap().len(),
+        tok.encode(&without, true).unwrap().len(),
+    )
+}
+
+/// Runs `--chat` against a fake whose chat answer reports `prompt_tokens`; the exit code and the
+/// JSON `chat` findings.
+fn chat_run(prompt_tokens: usize) -> (ExitCode, Value) {
+    let completion = golden_body(Fake::Healthy);
+    let chat = json!({
+        "choices": [{"message": {"role": "assistant", "content": " Paris"},
+            "logprobs": {"content": [
+                {"token": " Paris", "logprob": -0.2, "top_logprobs": [
+                    {"token": " Paris", "logprob": -0.2}, {"token": " the", "logprob": -2.0}]}]}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1}
+    })
+    .to_string();
+    let route: Route = Arc::new(move |head: &str| {
+        if head.starts_with("post /v1/chat/completions") {
+            chat.clone()
+        } else {
+            completion.clone()
+        }
+    });
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.txt");
+    std::fs::write(&p, format!("{}\n", g.prompts[0].text.as_ref().unwrap())).unwrap();
+    let out = dir.path().join("run.json");
+    let (url, seen) = fake_server_routed(200, route, 2, None);
+    let v: Vec<String> = [
+        "entropy",
+        llmdiff_tests::fixtures::smollm2().to_str().unwrap(),
+        "--server",
+        &url,
+        "--prompts",
+        p.to_str().unwrap(),
+        "--max-new-tokens",
+        &g.n_continuation.to_string(),
+        "--against-reference",
+        "--chat",
+        "--json-out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let code = run(&v).unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 2, "one completion, one chat request");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    (code, doc["chat"].clone())
+}
+
+#[test]
+fn chat_template_match_missing_generation_prompt_and_wrong_template() {
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let (with, without) = template_counts(g.prompts[0].text.as_ref().unwrap());
+    assert!(with > without, "{with} {without}");
+    let (_, chat) = chat_run(with);
+    assert_eq!(chat["prompts"][0]["finding"], "matches", "{chat}");
+    assert_eq!(chat["prompts"][0]["template_tokens"], json!(with));
+    let (code, chat) = chat_run(without);
+    assert_eq!(chat["prompts"][0]["finding"], "missing_generation_prompt", "{chat}");
+    assert_eq!(code, ExitCode::from(1));
+    let (code, chat) = chat_run(with + 7);
+    assert_eq!(chat["prompts"][0]["finding"], "wrong_template", "{chat}");
+    assert_eq!(code, ExitCode::from(1));
 }

@@ -27,8 +27,10 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         bail!("MODEL.gguf is required without --server")
     };
     // Validate everything before any forward pass.
-    if a.trusted_model.is_some() {
-        bail!("--trusted-model applies to --server --against-reference (a local run's reference is MODEL.gguf)");
+    if a.trusted_model.is_some() || a.chat {
+        bail!(
+            "--trusted-model and --chat apply to --server --against-reference (a local run's reference is MODEL.gguf)"
+        );
     }
     let prompts = read_prompts(&a.prompts)?;
     let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Reference))?;

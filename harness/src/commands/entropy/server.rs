@@ -292,7 +292,22 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             extra.exit_code = Some(a.verdict.precision_loss_exit);
         }
     }
-    let agreement = verdict.as_ref().map(|v| v.band_name.clone());
+    let mut agreement = verdict.as_ref().map(|v| v.band_name.clone());
+    if a.chat {
+        let (Some(r), Some(tok), Some(f)) = (&reference, &tokenizer, file) else {
+            bail!("--chat needs MODEL.gguf and --against-reference");
+        };
+        let c = chat_check(&prompts, &opts, r, tok, f, &mut space, vocab, k, &calibration)?;
+        for l in &c.lines {
+            eprintln!("chat: {l}");
+        }
+        extra.html_lines.extend(c.lines.iter().map(|l| format!("chat: {l}")));
+        if c.failed {
+            // The chat path is broken even where the completions path is not.
+            agreement = Some("broken".to_string());
+        }
+        extra.chat = Some(c.doc);
+    }
     let overlap_all = reference.as_ref().map(|_| TopkOverlap {
         k,
         overlap_at_k: ov_sum / ov_n.max(1) as f64,
@@ -372,6 +387,128 @@ fn metadata_differences(
             (d != t).then(|| format!("{k}: {} vs {}", show(d), show(t)))
         })
         .collect()
+}
+
+/// What `--chat` found.
+struct ChatOutcome {
+    doc: serde_json::Value,
+    lines: Vec<String>,
+    failed: bool,
+}
+
+/// `--chat`: each text prompt as a one-turn conversation, rendered with the model's chat template
+/// and sent to `/v1/chat/completions`; the server's prompt token count against the rendering's
+/// ([`crate::chat::TemplateFinding`]), and its answer's top-k logprobs against the reference run on
+/// the rendered prompt and the server's answer tokens, judged by the calibrated rule.
+#[allow(clippy::too_many_arguments)]
+fn chat_check(
+    prompts: &[PromptInput],
+    opts: &crate::server::ServerOptions,
+    r: &Reference,
+    tok: &Tokenizer,
+    f: &references::gguf::GgufFile,
+    space: &mut TokenSpace,
+    vocab: usize,
+    k: usize,
+    calibration: &crate::kld_verdict::Calibration,
+) -> anyhow::Result<ChatOutcome> {
+    use crate::chat::{render, send, TemplateFinding};
+    let template = match f.header.get("tokenizer.chat_template") {
+        Some(references::gguf::MetaValue::String(t)) => t.clone(),
+        _ => bail!("--chat: the model has no tokenizer.chat_template"),
+    };
+    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i).ok()).unwrap_or_default().to_string();
+    let (bos_s, eos_s) = (name(tok.bos_id()), name(tok.eos_id()));
+    let bos = tok.bos_id().filter(|_| tok.add_bos());
+    let mut pos_kld = Vec::new();
+    let mut findings = Vec::new();
+    let mut lines = Vec::new();
+    let mut failed = false;
+    for (pi, p) in prompts.iter().enumerate() {
+        let Some(text) = &p.text else { continue };
+        let with_gen = render(&template, text, &bos_s, &eos_s, true)?;
+        let without = render(&template, text, &bos_s, &eos_s, false)?;
+        let ids: Vec<u32> = bos.into_iter().chain(tok.encode(&with_gen, true)?).collect();
+        let n_without = usize::from(bos.is_some()) + tok.encode(&without, true)?.len();
+        let ans = send(opts, text).with_context(|| format!("--chat prompt {}", pi + 1))?;
+        let finding = TemplateFinding::from_counts(ans.prompt_tokens, ids.len(), n_without);
+        if matches!(
+            finding,
+            TemplateFinding::WrongTemplate | TemplateFinding::MissingGenerationPrompt
+        ) {
+            failed = true;
+            lines.push(format!(
+                "prompt {}: {} (server {} prompt tokens; the model's template {}, without the generation prompt {})",
+                pi + 1,
+                finding.describe(),
+                ans.prompt_tokens.unwrap_or(0),
+                ids.len(),
+                n_without
+            ));
+        }
+        // The answer against the reference on the rendered prompt.
+        let answer: Vec<Option<u32>> = ans.entries.iter().map(|e| space.model_id(&e.token)).collect();
+        let known = answer.iter().take_while(|a| a.is_some()).count();
+        let mut seq = ids.clone();
+        seq.extend(answer[..known].iter().flatten());
+        let rows = (ids.len() + known.saturating_sub(1)).min(seq.len());
+        let logits = r.forward(&seq[..rows], &mut NoTap)?;
+        for (j, e) in ans.entries.iter().enumerate().take(known) {
+            let Some(top) = &e.top else { continue };
+            let row = ids.len() + j - 1;
+            if row >= rows {
+                break;
+            }
+            let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
+            let (mut set, mut lps) = (Vec::new(), Vec::new());
+            for (t, lp) in top.iter().take(k) {
+                if let Some(id) = space.model_id(t) {
+                    if !set.contains(&id) {
+                        set.push(id);
+                        lps.push(*lp);
+                    }
+                }
+            }
+            if set.is_empty() {
+                continue;
+            }
+            let ref_top = top_k(&lr, 1)[0].0;
+            pos_kld.push(PosKld {
+                prompt: pi,
+                pos: j,
+                len: known,
+                kld: topk_kld(&set, &lps, row_logprob(&lr)),
+                same_top1: set[0] == ref_top,
+            });
+        }
+        findings.push(serde_json::json!({
+            "prompt": pi + 1,
+            "finding": finding,
+            "server_prompt_tokens": ans.prompt_tokens,
+            "template_tokens": ids.len(),
+            "template_tokens_without_generation_prompt": n_without,
+            "answer": ans.text,
+        }));
+    }
+    if findings.is_empty() {
+        bail!("--chat: no text prompt to send as a conversation");
+    }
+    let verdict = (!pos_kld.is_empty()).then(|| judge(&pos_kld, &Profile::default(), calibration));
+    if let Some(v) = &verdict {
+        lines.push(format!(
+            "answers against the reference on the rendered prompt: {}",
+            v.headline
+        ));
+        failed |= v.band == Band::Broken;
+    }
+    if !failed {
+        lines.push("the server's prompt is the model's chat template on every prompt".into());
+    }
+    Ok(ChatOutcome {
+        doc: serde_json::json!({"prompts": findings, "verdict": verdict}),
+        lines,
+        failed,
+    })
 }
 
 fn print_server_summary(run: &EntropyRun) {

@@ -61,6 +61,8 @@ pub struct Extra {
     pub html_lines: Vec<String>,
     /// The exit code the verdict asks for when the run is otherwise healthy (`--precision-loss-exit`).
     pub exit_code: Option<u8>,
+    /// `--chat`: the template findings and the answers' verdict (JSON key `chat`).
+    pub chat: Option<serde_json::Value>,
 }
 
 impl Extra {
@@ -72,6 +74,9 @@ impl Extra {
             }
             if let Some(k) = &self.kld_verdict {
                 o.insert("kld_verdict".into(), k.clone());
+            }
+            if let Some(c) = &self.chat {
+                o.insert("chat".into(), c.clone());
             }
         }
         Ok(v)
