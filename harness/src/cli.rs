@@ -687,8 +687,8 @@ pub struct GateArgs {
     /// own server take them, llama-cpp-python's does not) instead of their text.
     #[arg(long)]
     pub send_tokens: bool,
-    /// With --server: the least share of positions whose top-1 is the golden's, in percent
-    /// (default: the golden file's, 90).
+    /// With --server: also require this least share of positions whose top-1 is the golden's, in
+    /// percent (without it the calibrated verdict alone decides the agreement case).
     #[arg(long, value_parser = percent)]
     pub min_top1: Option<f64>,
     #[command(flatten)]

@@ -139,6 +139,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--calibration", help="--kld-calibration for llmdiff")
     ap.add_argument("--json-out")
+    ap.add_argument("--no-chat", action="store_true", help="skip --chat")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="llmdiff-faults-")
     rows = []
@@ -154,9 +155,12 @@ def main():
         cal = ["--kld-calibration", a.calibration] if a.calibration else []
         try:
             out = os.path.join(tmp, f"{case}.json")
-            code, so, se, secs = run_llmdiff([a.llmdiff, "entropy", a.model, "--server", url, "--prompts", a.prompts,
+            # A rewritten file is the deployed one: MODEL is it, the original is --trusted-model.
+            trusted = ["--trusted-model", a.model] if rewrite else []
+            chat = [] if a.no_chat else ["--chat"]
+            code, so, se, secs = run_llmdiff([a.llmdiff, "entropy", model, "--server", url, "--prompts", a.prompts,
                                               "--max-new-tokens", str(a.max_new_tokens), "--against-reference",
-                                              "--concurrency", "1", "--json-out", out] + cal)
+                                              "--concurrency", "1", "--json-out", out] + trusted + chat + cal)
             row = {"case": case, "entropy_exit": code, "entropy_seconds": round(secs, 1)}
             if os.path.exists(out):
                 doc = json.load(open(out))
@@ -171,6 +175,9 @@ def main():
                     "growth": v.get("growth"), "evidence": v.get("evidence"),
                     "same_top1_pct": doc["kld"]["same_top1_pct"] if doc.get("kld") else None,
                     "warnings": doc.get("warnings", []),
+                    "metadata_differences": v.get("metadata_differences"),
+                    "chat": [p["finding"] for p in (doc.get("chat") or {}).get("prompts", [])],
+                    "chat_verdict": ((doc.get("chat") or {}).get("verdict") or {}).get("headline"),
                 })
             else:
                 row["error"] = se.strip().splitlines()[-1:] if se.strip() else so[-300:]

@@ -373,6 +373,18 @@ pub fn gate_one(
             }
         ),
     }];
+    let mut agreement = agreement;
+    if a.min_top1.is_some() {
+        // Asked for explicitly: the share of positions with the golden's top-1 as well.
+        agreement.push(Check {
+            item: "same top-1".into(),
+            ratio: crate::golden::ratio(100.0 - kld.same_top1_pct, 100.0 - th.min_top1_pct),
+            detail: format!(
+                "same top-1 at {:.1} % of positions (≥ {} %)",
+                kld.same_top1_pct, th.min_top1_pct
+            ),
+        });
+    }
     cases.push(case_of("agreement".into(), agreement, false));
 
     let failed: Vec<&reports::GateCase> = cases.iter().filter(|c| !c.passed).collect();
