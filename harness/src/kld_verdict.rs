@@ -209,6 +209,8 @@ pub struct Verdict {
     pub p95: f64,
     pub p99: f64,
     pub max: f64,
+    /// Where the largest single KLD is: 1-based prompt, position (reported, never decisive).
+    pub max_at: (usize, usize),
     /// mean (less z·SE), p95 and p99 as multiples of the floor.
     pub mean_x_floor: f64,
     pub p95_x_floor: f64,
@@ -287,6 +289,8 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
     let g = growth(pos);
     let noise = mx <= t.noise_mean && p99x <= t.noise_p99;
     let mut evidence = Vec::new();
+    let worst = pos.iter().max_by(|a, b| a.kld.total_cmp(&b.kld));
+    let max_at = worst.map_or((0, 0), |w| (w.prompt + 1, w.pos));
 
     // The causes, strongest evidence first.
     let shifts: Vec<i64> = profile.prompt_token_shift.iter().flatten().copied().collect();
@@ -386,6 +390,7 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
         p95,
         p99,
         max,
+        max_at,
         mean_x_floor: mx,
         p95_x_floor: p95x,
         p99_x_floor: p99x,

@@ -193,7 +193,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 let mut set = Vec::new();
                 let mut lps = Vec::new();
                 for (s, lp) in top.iter().take(k) {
-                    if let Some(id) = space.model_id(s) {
+                    if let Some(id) = space.listed_id(s) {
                         if !set.contains(&id) {
                             set.push(id);
                             lps.push(*lp);
@@ -462,7 +462,7 @@ fn chat_check(
             let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
             let (mut set, mut lps) = (Vec::new(), Vec::new());
             for (t, lp) in top.iter().take(k) {
-                if let Some(id) = space.model_id(t) {
+                if let Some(id) = space.listed_id(t) {
                     if !set.contains(&id) {
                         set.push(id);
                         lps.push(*lp);

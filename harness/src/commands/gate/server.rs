@@ -206,6 +206,8 @@ pub fn gate_one(
                 let id = match control.max_by(|&a, &b| golden_logprob(golden, a).total_cmp(&golden_logprob(golden, b)))
                 {
                     Some(c) if s.is_empty() => c,
+                    // An ambiguous key (see server_view::AMBIGUOUS_LISTED) is left out.
+                    _ if space.model_id(s).is_some() && space.listed_id(s).is_none() => continue,
                     _ => space.id(s),
                 };
                 if !server.iter().any(|x| x.0 == id) {
