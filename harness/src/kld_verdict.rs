@@ -184,7 +184,7 @@ impl Cause {
             Cause::BosAdded => "BOS added (the server prepends a BOS token the model does not expect)",
             Cause::BosDropped => "BOS dropped (the server omits the BOS token the model expects)",
             Cause::GrowsWithPosition => {
-                "KLD grows with position: RoPE frequency base or scale, the KV cache, or context handling"
+                "position-dependent (KLD clean at position 0 or growing with position): RoPE frequency base or scale, the KV cache, or context handling"
             }
             Cause::FlatOrDegenerate => "flat or degenerate distributions: a norm (epsilon) or numeric fault",
             Cause::UniformShift => {
@@ -287,6 +287,17 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
     let mean_lo = (mean - t.z * se).max(0.0);
     let (mx, p95x, p99x) = (mean_lo / f.mean, p95 / f.p95, p99 / f.p99);
     let g = growth(pos);
+    // Position 0 (the distribution after the first token) is the one RoPE leaves unrotated at
+    // any base or scale; a weight, norm or V-cache fault reaches it like every other position.
+    let mean_of = |f: &dyn Fn(&PosKld) -> bool| {
+        let v: Vec<f64> = pos.iter().filter(|p| f(p)).map(|p| p.kld).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let (m0, m_rest) = (mean_of(&|p| p.pos == 0), mean_of(&|p| p.pos > 0));
+    let pos0_clean = match (m0, m_rest) {
+        (Some(a), Some(b)) => a * 5.0 <= b && a <= f.p95,
+        _ => false,
+    };
     let noise = mx <= t.noise_mean && p99x <= t.noise_p99;
     let mut evidence = Vec::new();
     let worst = pos.iter().max_by(|a, b| a.kld.total_cmp(&b.kld));
@@ -314,7 +325,15 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
             pos0.len()
         ));
     } else if !noise {
-        if g.is_finite() && g >= t.growth_ratio {
+        if pos0_clean {
+            cause = Cause::GrowsWithPosition;
+            evidence.push(format!(
+                "position 0, which RoPE leaves unrotated at any base or scale, is at the noise level (mean KLD {:.4}, within the floor's p95) while the later positions average {:.4}: {:.0}× higher",
+                m0.unwrap_or(0.0),
+                m_rest.unwrap_or(0.0),
+                m_rest.unwrap_or(0.0) / m0.unwrap_or(0.0).max(1e-9)
+            ));
+        } else if g.is_finite() && g >= t.growth_ratio {
             cause = Cause::GrowsWithPosition;
             evidence.push(format!(
                 "mean KLD in the last third of the prompts' positions is {g:.1}× that in the first third (over {:.1}× points to position)",
@@ -475,6 +494,26 @@ mod tests {
             &c,
         );
         assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
+        assert_eq!(v.band, Band::Broken);
+    }
+
+    #[test]
+    fn clean_position_0_points_to_rope() {
+        let c = cal();
+        let m = c.floor.mean;
+        let v = judge(
+            &make(20, 20, |p, i| {
+                if i == 0 {
+                    spread(m, p, i)
+                } else {
+                    50.0 * spread(m, p, i)
+                }
+            }),
+            &Profile::default(),
+            &c,
+        );
+        assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
+        assert!(v.evidence[1].contains("position 0"), "{:?}", v.evidence);
         assert_eq!(v.band, Band::Broken);
     }
 

@@ -253,3 +253,20 @@ pub fn prompt_entropy(
     pe.reasons = reasons;
     pe
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listed_key_shared_with_a_partial_token_is_left_out() {
+        let s = TokenSpace::from_texts(
+            [(1, " ".to_string()), (2, " \u{fffd}".to_string()), (3, "a".to_string())],
+            10,
+        );
+        // The echoed token is the space token; as a top-k key its logprob may be the byte token's.
+        assert_eq!(s.model_id(" "), Some(1));
+        assert_eq!(s.listed_id(" "), None);
+        assert_eq!(s.listed_id("a"), Some(3));
+    }
+}

@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--calibration", help="--kld-calibration for llmdiff")
     ap.add_argument("--json-out")
     ap.add_argument("--no-chat", action="store_true", help="skip --chat")
+    ap.add_argument("--top-logprobs", type=int, default=20)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="llmdiff-faults-")
     rows = []
@@ -160,7 +161,8 @@ def main():
             chat = [] if a.no_chat else ["--chat"]
             code, so, se, secs = run_llmdiff([a.llmdiff, "entropy", model, "--server", url, "--prompts", a.prompts,
                                               "--max-new-tokens", str(a.max_new_tokens), "--against-reference",
-                                              "--concurrency", "1", "--json-out", out] + trusted + chat + cal)
+                                              "--concurrency", "1", "--top-logprobs", str(a.top_logprobs),
+                                              "--json-out", out] + trusted + chat + cal)
             row = {"case": case, "entropy_exit": code, "entropy_seconds": round(secs, 1)}
             if os.path.exists(out):
                 doc = json.load(open(out))
