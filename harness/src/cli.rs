@@ -568,17 +568,32 @@ pub struct ServerArgs {
     /// top_logprobs asked of --server per position (vLLM's default cap, --max-logprobs, is 20).
     #[arg(long, default_value_t = 20)]
     pub top_logprobs: usize,
-    /// Per-request timeout for --server, seconds.
+    /// Per-request timeout for --server, seconds, counted from when the request is sent; a request
+    /// sent while others are in flight also gets their share (a server answering one at a time
+    /// works through them first).
     #[arg(long, default_value_t = 120.0, value_parser = positive_seconds)]
     pub timeout: f64,
     /// Retries (exponential backoff from 0.5 s) on connection errors, 429 and 5xx.
     #[arg(long, default_value_t = 3)]
     pub retries: u32,
+    /// Total time limit of the whole run's requests to --server, seconds (retries and backoff
+    /// included; 0: none). Past it the run stops with exit 2.
+    #[arg(long, default_value_t = 900.0, value_parser = non_negative)]
+    pub deadline: f64,
 }
 
 impl ServerArgs {
-    /// The client options, asking for `max_tokens` greedy tokens per prompt.
-    pub fn options(&self, max_tokens: usize) -> crate::server::ServerOptions {
+    /// When the whole run must end, counted from `start` (`None` with `--deadline 0`).
+    pub fn deadline_from(&self, start: std::time::Instant) -> Option<std::time::Instant> {
+        (self.deadline > 0.0)
+            .then(|| std::time::Duration::try_from_secs_f64(self.deadline.min(1e9)).ok())
+            .flatten()
+            .map(|d| start + d)
+    }
+
+    /// The client options, asking for `max_tokens` greedy tokens per prompt, all requests ending
+    /// by `deadline` ([`Self::deadline_from`], taken once per run).
+    pub fn options(&self, max_tokens: usize, deadline: Option<std::time::Instant>) -> crate::server::ServerOptions {
         let (url, basic) = crate::server::split_credentials(&self.server.clone().unwrap_or_default());
         crate::server::ServerOptions {
             url,
@@ -596,6 +611,30 @@ impl ServerArgs {
             retries: self.retries,
             backoff: std::time::Duration::from_millis(500),
             concurrency: self.concurrency.max(1),
+            deadline,
+            deadline_seconds: deadline.map(|_| self.deadline),
+        }
+    }
+}
+
+/// The calibrated verdict of a server against a reference (`entropy --server
+/// --against-reference`, `gate --server`): one rule and one threshold set.
+#[derive(Args, Debug, Clone)]
+pub struct VerdictArgs {
+    /// The floors and band thresholds (default: the committed golden/kld-calibration.json).
+    #[arg(long)]
+    pub kld_calibration: Option<PathBuf>,
+    /// Exit code when the server is in the "precision loss" band (a quantized KV cache or weights:
+    /// a trade-off, not a bug): 0 accepts it, 1 (the default) fails like "broken".
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub precision_loss_exit: u8,
+}
+
+impl VerdictArgs {
+    pub fn calibration(&self) -> anyhow::Result<crate::kld_verdict::Calibration> {
+        match &self.kld_calibration {
+            Some(p) => crate::kld_verdict::Calibration::load(p),
+            None => Ok(crate::kld_verdict::Calibration::committed()),
         }
     }
 }
@@ -625,9 +664,22 @@ pub struct EntropyArgs {
     /// A JSON file of thresholds ({"thresholds": {...}} as in golden/entropy-calibration.json).
     #[arg(long)]
     pub thresholds: Option<PathBuf>,
-    /// Override the per-position KLD threshold (nats) of --against-reference.
+    /// Override the per-position KLD threshold (nats) of a local --against-reference run (with
+    /// --server the calibrated verdict decides: see --kld-calibration).
     #[arg(long, value_parser = non_negative)]
     pub kld_threshold: Option<f64>,
+    #[command(flatten)]
+    pub verdict: VerdictArgs,
+    /// With --server --against-reference: a trusted model source (the original GGUF, not the file
+    /// the server loaded) to run as the reference; without it a fault in the deployed file's
+    /// metadata is on both sides and invisible.
+    #[arg(long, requires = "against_reference")]
+    pub trusted_model: Option<PathBuf>,
+    /// With --server --against-reference: also send each prompt as a one-turn conversation to
+    /// /v1/chat/completions and check the server's prompt against the model's own chat template
+    /// (rendered here) and its answer's logprobs against the reference.
+    #[arg(long, requires = "against_reference")]
+    pub chat: bool,
     /// Write an HTML report (entropy per position, KLD histogram).
     #[arg(long)]
     pub html: Option<PathBuf>,
@@ -659,10 +711,12 @@ pub struct GateArgs {
     /// own server take them, llama-cpp-python's does not) instead of their text.
     #[arg(long)]
     pub send_tokens: bool,
-    /// With --server: the least share of positions whose top-1 is the golden's, in percent
-    /// (default: the golden file's, 90).
+    /// With --server: also require this least share of positions whose top-1 is the golden's, in
+    /// percent (without it the calibrated verdict alone decides the agreement case).
     #[arg(long, value_parser = percent)]
     pub min_top1: Option<f64>,
+    #[command(flatten)]
+    pub verdict: VerdictArgs,
     /// Write a JUnit XML report (one testcase per tap group and per prompt).
     #[arg(long)]
     pub junit: Option<PathBuf>,

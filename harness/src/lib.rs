@@ -2,6 +2,7 @@
 //! classify, entropy/KLD, gate and golden files. Only this crate does CLI and result file I/O.
 
 pub mod capture;
+pub mod chat;
 pub mod cli;
 pub mod commands;
 pub mod compare;
@@ -12,6 +13,7 @@ pub mod entropy;
 pub mod golden;
 pub mod junit;
 pub mod kernel_trace;
+pub mod kld_verdict;
 pub mod logprobs;
 pub mod noise;
 pub mod output;

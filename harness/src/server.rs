@@ -7,12 +7,18 @@
 //! The client is `ureq` 2: blocking (no async runtime for a handful of requests) and small, with
 //! its `tls` feature: rustls (pure Rust, no system OpenSSL) with the webpki root certificates, so
 //! `https://` deployments work on any machine.
+//!
+//! Time limits: `timeout` is each request's own, counted from when it is sent; a request sent while
+//! `k - 1` others are already in flight gets `k × timeout`, since a server that serves one request
+//! at a time (llama-cpp-python) works through those first and the time queued behind them is not
+//! the request's own. The optional `deadline` bounds the whole run: every request's limit, every
+//! retry and every backoff stops there, so a hung server costs at most the deadline.
 
 use anyhow::{anyhow, bail};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How to reach the server.
 #[derive(Clone, Debug)]
@@ -32,6 +38,10 @@ pub struct ServerOptions {
     /// First backoff; doubled on each retry.
     pub backoff: Duration,
     pub concurrency: usize,
+    /// The end of the whole run (`--deadline`): no request, retry or backoff goes past it.
+    pub deadline: Option<Instant>,
+    /// Seconds of the `--deadline` the user gave (for messages).
+    pub deadline_seconds: Option<f64>,
 }
 
 /// What a prompt is sent as.
@@ -60,6 +70,30 @@ pub struct Completion {
     pub text: String,
     pub entries: Vec<Entry>,
     pub prompt_tokens: Option<usize>,
+    /// `choices[0].finish_reason` (`"length"`, `"stop"`, …) when the server gives it.
+    pub finish_reason: Option<String>,
+    /// `usage.completion_tokens` when the server gives it.
+    pub completion_tokens: Option<usize>,
+}
+
+impl Completion {
+    /// A warning when the continuation stopped for length before `asked` tokens: the server's
+    /// context (or its own `max_tokens` cap) cut it short, so fewer greedy tokens were checked
+    /// than `--max-new-tokens` asked. `n_prompt` is the prompt's entry count, to count the
+    /// continuation when `usage.completion_tokens` is missing.
+    pub fn truncation_warning(&self, n_prompt: usize, asked: usize) -> Option<String> {
+        if self.finish_reason.as_deref() != Some("length") || asked == 0 {
+            return None;
+        }
+        let got = self
+            .completion_tokens
+            .unwrap_or_else(|| self.entries.len().saturating_sub(n_prompt));
+        (got < asked).then(|| {
+            format!(
+                "the continuation stopped for length after {got} of the {asked} tokens asked (finish_reason \"length\": the server's context or its max_tokens cap cut it short); only {got} greedy tokens were checked"
+            )
+        })
+    }
 }
 
 /// `url` without its `user:password@` part, and that part. The URL is the one form shown or
@@ -239,15 +273,18 @@ pub fn parse_completion(body: &str) -> anyhow::Result<Completion> {
     if entries.iter().all(|e| e.top.is_none()) {
         bail!("the response's top_logprobs are all null");
     }
-    let prompt_tokens = v
-        .get("usage")
-        .and_then(|u| u.get("prompt_tokens"))
-        .and_then(Value::as_u64)
-        .map(|x| x as usize);
+    let usage = |k: &str| {
+        v.get("usage")
+            .and_then(|u| u.get(k))
+            .and_then(Value::as_u64)
+            .map(|x| x as usize)
+    };
     Ok(Completion {
         text,
         entries,
-        prompt_tokens,
+        prompt_tokens: usage("prompt_tokens"),
+        finish_reason: choice.get("finish_reason").and_then(Value::as_str).map(str::to_string),
+        completion_tokens: usage("completion_tokens"),
     })
 }
 
@@ -312,17 +349,59 @@ fn one_line(s: &str, max: usize) -> String {
     }
 }
 
-fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> Result<Completion, Attempt> {
+/// The time left before the deadline (`None`: no deadline), zero once it has passed.
+fn left(o: &ServerOptions) -> Option<Duration> {
+    o.deadline.map(|d| d.saturating_duration_since(Instant::now()))
+}
+
+/// The error once the deadline has passed.
+fn deadline_error(o: &ServerOptions, last: &str) -> String {
+    format!(
+        "the --deadline of {} s passed{}",
+        o.deadline_seconds.unwrap_or(0.0),
+        if last.is_empty() {
+            String::new()
+        } else {
+            format!(" (last attempt: {last})")
+        }
+    )
+}
+
+/// The limit of one request sent while `ahead` others are in flight: its own `timeout` plus one
+/// `timeout` per request ahead of it (a server serving one at a time answers those first), cut at
+/// the deadline.
+pub fn request_limit(o: &ServerOptions, ahead: usize) -> Duration {
+    let own = o.timeout.saturating_mul(u32::try_from(ahead + 1).unwrap_or(u32::MAX));
+    match left(o) {
+        Some(l) => own.min(l),
+        None => own,
+    }
+}
+
+fn attempt(
+    agent: &ureq::Agent,
+    o: &ServerOptions,
+    url: &str,
+    body: &Value,
+    in_flight: &AtomicUsize,
+) -> Result<Completion, Attempt> {
     let mut url = url.to_string();
     let mut hops = 0;
     let sent = loop {
-        let mut req = agent.post(&url).set("Content-Type", "application/json");
+        let ahead = in_flight.fetch_add(1, Ordering::SeqCst);
+        let limit = request_limit(o, ahead);
+        if limit.is_zero() {
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(Attempt::Fatal(deadline_error(o, "")));
+        }
+        let mut req = agent.post(&url).timeout(limit).set("Content-Type", "application/json");
         if let Some(k) = &o.api_key {
             req = req.set("Authorization", &format!("Bearer {k}"));
         } else if let Some(b) = &o.basic {
             req = req.set("Authorization", &format!("Basic {}", base64(b.as_bytes())));
         }
         let r = req.send_string(&body.to_string());
+        in_flight.fetch_sub(1, Ordering::SeqCst);
         // Redirects are followed here, not by ureq: only within the origin the credentials and
         // the API key were given for (a 307/308 keeps the POST and its body).
         match &r {
@@ -385,16 +464,24 @@ fn attempt(agent: &ureq::Agent, o: &ServerOptions, url: &str, body: &Value) -> R
     }
 }
 
-/// Sends one prompt with retries.
-fn complete_one(agent: &ureq::Agent, o: &ServerOptions, prompt: &PromptBody) -> anyhow::Result<Completion> {
+/// Sends one prompt with retries, none past the deadline.
+fn complete_one(
+    agent: &ureq::Agent,
+    o: &ServerOptions,
+    prompt: &PromptBody,
+    in_flight: &AtomicUsize,
+) -> anyhow::Result<Completion> {
     let url = endpoint(&o.url);
     let body = request_body(o, prompt);
     let mut wait = o.backoff;
     let mut tries = 0u32;
     loop {
-        match attempt(agent, o, &url, &body) {
+        match attempt(agent, o, &url, &body, in_flight) {
             Ok(c) => return Ok(c),
             Err(Attempt::Fatal(m)) => bail!("{url}: {m}"),
+            Err(Attempt::Retry(m)) if left(o).is_some_and(|l| l <= wait) => {
+                bail!("{url}: {} after {} attempts", deadline_error(o, &m), tries + 1)
+            }
             Err(Attempt::Retry(m)) if tries >= o.retries => {
                 bail!("{url}: {m} (after {} attempts)", tries + 1)
             }
@@ -413,12 +500,13 @@ pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result
     if !(o.url.starts_with("http://") || o.url.starts_with("https://")) {
         bail!("--server {}: expected an http:// or https:// URL", o.url);
     }
+    // The overall limit is set per request (see [`request_limit`]).
     let agent = ureq::AgentBuilder::new()
         .redirects(0)
         .timeout_connect(o.timeout.min(Duration::from_secs(10)))
-        .timeout(o.timeout)
         .build();
     let next = AtomicUsize::new(0);
+    let in_flight = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<anyhow::Result<Completion>>>> =
         Mutex::new((0..prompts.len()).map(|_| None).collect());
     let workers = o.concurrency.clamp(1, prompts.len().max(1));
@@ -429,7 +517,7 @@ pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result
                 if i >= prompts.len() {
                     break;
                 }
-                let r = complete_one(&agent, o, &prompts[i]);
+                let r = complete_one(&agent, o, &prompts[i], &in_flight);
                 let failed = r.is_err();
                 if let Ok(mut g) = results.lock() {
                     g[i] = Some(r);

@@ -29,6 +29,9 @@ pub struct TokenSpace {
     base: u32,
 }
 
+/// Why a listed token text is left out of a top-k comparison.
+pub const AMBIGUOUS_LISTED: &str = "a top-k key that is the text of a whole token and also of a token holding part of a UTF-8 sequence (servers decode with errors ignored) may carry either one's logprob (a JSON object keeps one per key): left out of the comparison on both sides";
+
 /// Python's `decode("utf-8", errors="ignore")` drops what ours turns into U+FFFD.
 fn norm(s: &str) -> String {
     s.replace('\u{fffd}', "")
@@ -70,6 +73,16 @@ impl TokenSpace {
             Some(id) => *id,
             None => self.partial.get(&norm(s)).copied().flatten(),
         }
+    }
+
+    /// The model's id of a text listed as a top-k key, when its logprob can be trusted to be that
+    /// token's: `None` also where a partial-UTF-8 token reads the same with its U+FFFD dropped
+    /// (llama-cpp-python's `" "` key held a byte token's −8.9 where the space token had −0.28).
+    pub fn listed_id(&self, s: &str) -> Option<u32> {
+        if self.by_str.get(s).is_some_and(|id| id.is_some()) && self.partial.contains_key(&norm(s)) {
+            return None;
+        }
+        self.model_id(s)
     }
 
     /// A model id, or an interned one.
@@ -239,4 +252,21 @@ pub fn prompt_entropy(
     pe.verdict = v;
     pe.reasons = reasons;
     pe
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listed_key_shared_with_a_partial_token_is_left_out() {
+        let s = TokenSpace::from_texts(
+            [(1, " ".to_string()), (2, " \u{fffd}".to_string()), (3, "a".to_string())],
+            10,
+        );
+        // The echoed token is the space token; as a top-k key its logprob may be the byte token's.
+        assert_eq!(s.model_id(" "), Some(1));
+        assert_eq!(s.listed_id(" "), None);
+        assert_eq!(s.listed_id("a"), Some(3));
+    }
 }

@@ -23,12 +23,28 @@ fn run(args: &[String]) -> anyhow::Result<ExitCode> {
 /// Serves up to `max` requests (or until 30 s pass), each answered with `status` and `body`.
 /// Returns the base URL and the count of requests seen.
 fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsize>) {
+    fake_server_slow(status, body, max, None)
+}
+
+/// [`fake_server`] answering one request at a time, each `delay` after it was read (as
+/// llama-cpp-python does: the requests behind it wait); `None` answers at once. With
+/// `Some(Duration::MAX)` it never answers (a hung server): the connections are held open.
+fn fake_server_slow(status: u16, body: String, max: usize, delay: Option<Duration>) -> (String, Arc<AtomicUsize>) {
+    fake_server_routed(status, Arc::new(move |_: &str| body.clone()), max, delay)
+}
+
+/// The body for a request, from its head (request line and headers, lower-cased).
+type Route = Arc<dyn Fn(&str) -> String + Send + Sync>;
+
+/// [`fake_server_slow`] answering each request with `route(head)`.
+fn fake_server_routed(status: u16, route: Route, max: usize, delay: Option<Duration>) -> (String, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.set_nonblocking(true).unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let seen = Arc::new(AtomicUsize::new(0));
     let count = seen.clone();
     std::thread::spawn(move || {
+        let mut held = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(30);
         while count.load(Ordering::SeqCst) < max && Instant::now() < deadline {
             let Ok((mut s, _)) = listener.accept() else {
@@ -41,6 +57,7 @@ fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsiz
             let mut buf = Vec::new();
             let mut chunk = [0u8; 4096];
             let mut need: Option<usize> = None;
+            let mut head_seen = String::new();
             while let Ok(n) = s.read(&mut chunk) {
                 if n == 0 {
                     break;
@@ -49,6 +66,7 @@ fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsiz
                 if need.is_none() {
                     if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
                         let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        head_seen = head.clone();
                         let len = head
                             .lines()
                             .find_map(|l| l.strip_prefix("content-length:"))
@@ -62,6 +80,15 @@ fn fake_server(status: u16, body: String, max: usize) -> (String, Arc<AtomicUsiz
                 }
             }
             count.fetch_add(1, Ordering::SeqCst);
+            match delay {
+                Some(d) if d == Duration::MAX => {
+                    held.push(s);
+                    continue;
+                }
+                Some(d) => std::thread::sleep(d),
+                None => {}
+            }
+            let body = route(&head_seen);
             let reply = format!(
                 "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
@@ -207,6 +234,109 @@ fn connection_refused_is_exit_2() {
     let url = refused_url();
     let msg = one_line_error(run(&args(&url, &p, &["--retries", "1"])));
     assert!(msg.contains("connection refused"), "{msg}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// Client behaviour: the deadline, queued time, a truncated continuation, reports on exit 2.
+
+/// A hung server (accepts, never answers) costs at most `--deadline`, not (retries + 1) × timeout.
+#[test]
+fn deadline_bounds_a_hung_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, _) = fake_server_slow(200, healthy_body(), 10, Some(Duration::MAX));
+    let t0 = Instant::now();
+    let msg = one_line_error(run(&args(
+        &url,
+        &p,
+        &["--timeout", "60", "--retries", "3", "--deadline", "1.5"],
+    )));
+    let took = t0.elapsed();
+    assert!(msg.contains("--deadline of 1.5 s passed"), "{msg}");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert!(took >= Duration::from_millis(1400), "took {took:?}");
+}
+
+/// Four prompts at once to a server that answers one at a time, 0.5 s each: the fourth waits 2 s,
+/// more than its 0.8 s timeout, but that time was spent queued behind the others: it passes.
+#[test]
+fn time_queued_behind_other_requests_is_not_the_requests_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p4.txt");
+    std::fs::write(&p, "A b c d\nA b c d\nA b c d\nA b c d\n").unwrap();
+    let (url, seen) = fake_server_slow(200, healthy_body(), 4, Some(Duration::from_millis(500)));
+    let code = run(&args(
+        &url,
+        p.to_str().unwrap(),
+        &["--timeout", "0.8", "--retries", "0", "--concurrency", "4"],
+    ))
+    .unwrap();
+    assert_eq!(code, ExitCode::SUCCESS);
+    assert_eq!(seen.load(Ordering::SeqCst), 4);
+    // One request alone slower than its own timeout still times out.
+    let (url, _) = fake_server_slow(200, healthy_body(), 1, Some(Duration::from_millis(1500)));
+    let msg = one_line_error(run(&args(
+        &url,
+        &prompts(dir.path()),
+        &["--timeout", "0.5", "--retries", "0"],
+    )));
+    assert!(msg.contains("prompt 1") && msg.contains("after 1 attempts"), "{msg}");
+}
+
+/// `finish_reason: "length"` with fewer tokens than `--max-new-tokens`: a warning in the report
+/// (JSON `warnings`, HTML), the verdict otherwise unchanged.
+#[test]
+fn truncated_continuation_is_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts(dir.path());
+    let (url, _) = fake_server(200, healthy_body(), 1);
+    let out = dir.path().join("run.json");
+    let html = dir.path().join("run.html");
+    let mut v = args(
+        &url,
+        &p,
+        &["--json-out", out.to_str().unwrap(), "--html", html.to_str().unwrap()],
+    );
+    let at = v.iter().position(|a| a == "--max-new-tokens").unwrap();
+    v[at + 1] = "8".into();
+    let code = run(&v).unwrap();
+    assert_eq!(code, ExitCode::SUCCESS);
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let w = doc["warnings"].as_array().expect("warnings");
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].as_str().unwrap().contains("after 4 of the 8 tokens"), "{w:?}");
+    assert!(std::fs::read_to_string(&html)
+        .unwrap()
+        .contains("after 4 of the 8 tokens"));
+    // Asked for exactly what came back: no warning.
+    let (url, _) = fake_server(200, healthy_body(), 1);
+    run(&args(&url, &p, &["--json-out", out.to_str().unwrap()])).unwrap();
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert!(doc.get("warnings").is_none(), "{doc}");
+}
+
+/// `gate --server` that cannot reach the server exits 2 and still writes JUnit (the golden file
+/// as a test error naming the cause) and the HTML report.
+#[test]
+fn gate_writes_junit_and_html_on_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let junit = dir.path().join("j.xml");
+    let html = dir.path().join("g.html");
+    let url = refused_url();
+    let msg = one_line_error(run(&gate_args(
+        &url,
+        &junit,
+        &["--retries", "0", "--html", html.to_str().unwrap()],
+    )));
+    assert!(msg.contains("connection refused"), "{msg}");
+    let xml = std::fs::read_to_string(&junit).expect("JUnit written on exit 2");
+    assert!(xml.contains("errors=\"1\""), "{xml}");
+    assert!(
+        xml.contains("<error message=") && xml.contains("connection refused"),
+        "{xml}"
+    );
+    let page = std::fs::read_to_string(&html).expect("HTML written on exit 2");
+    assert!(page.contains("connection refused"), "html");
 }
 
 /// Opt-in: `LLMDIFF_LIVE_SERVER=1` starts `python -m llama_cpp.server` on the real SmolLM2 and
@@ -518,4 +648,185 @@ fn https_url_is_accepted_by_the_client() {
     );
     let lower = msg.to_lowercase();
     assert!(!lower.contains("scheme"), "the TLS stack is not compiled in: {msg}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// The calibrated verdict of `entropy --server --against-reference`: the fake answers with the
+// golden file's distributions (the reference's own), so the KLD is at rounding level.
+
+/// Runs `entropy SmolLM2 --server --against-reference` on the golden's first prompt against a fake
+/// answering `body`; the exit code and the JSON document.
+fn entropy_against_reference(body: String, extra: &[&str]) -> (ExitCode, Value) {
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.txt");
+    std::fs::write(&p, format!("{}\n", g.prompts[0].text.as_ref().unwrap())).unwrap();
+    let out = dir.path().join("run.json");
+    let (url, _) = fake_server(200, body, 1);
+    let mut v: Vec<String> = [
+        "entropy",
+        llmdiff_tests::fixtures::smollm2().to_str().unwrap(),
+        "--server",
+        &url,
+        "--prompts",
+        p.to_str().unwrap(),
+        "--max-new-tokens",
+        &g.n_continuation.to_string(),
+        "--against-reference",
+        "--json-out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    let code = run(&v).unwrap();
+    (
+        code,
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap(),
+    )
+}
+
+#[test]
+fn against_reference_healthy_is_within_noise() {
+    let (code, doc) = entropy_against_reference(golden_body(Fake::Healthy), &[]);
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["band"], "within_noise", "{v}");
+    assert_eq!(v["cause"], "none", "{v}");
+    assert_eq!(doc["agreement"], "within numeric noise");
+    assert_eq!(code, ExitCode::SUCCESS);
+    // MODEL.gguf may be the deployed file itself: the blind spot is said.
+    assert!(v["blind_spot"].as_str().unwrap().contains("--trusted-model"), "{v}");
+}
+
+/// The server counts one prompt token more than the model's tokenizer: BOS added, broken.
+#[test]
+fn against_reference_names_an_added_bos_from_the_token_count() {
+    let mut body: Value = serde_json::from_str(&golden_body(Fake::Healthy)).unwrap();
+    let n = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    body["usage"]["prompt_tokens"] = json!(n + 1);
+    let (code, doc) = entropy_against_reference(body.to_string(), &[]);
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["cause"], "bos_added", "{v}");
+    assert_eq!(v["band"], "broken", "{v}");
+    assert!(
+        v["evidence"][1].as_str().unwrap().contains("1 prompt token more"),
+        "{v}"
+    );
+    assert_eq!(code, ExitCode::from(1));
+}
+
+/// A calibration whose floor sits far below this run's KLD and whose broken band is out of reach:
+/// precision loss, exit 1 by default and 0 with `--precision-loss-exit 0`.
+#[test]
+fn precision_loss_exit_code_is_configurable() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cal = harness::kld_verdict::Calibration::committed();
+    cal.floor.mean = 1e-300;
+    cal.floor.p95 = 1e-300;
+    cal.floor.p99 = 1e-300;
+    cal.thresholds.broken_mean = 1e308;
+    cal.thresholds.broken_p95 = 1e308;
+    cal.thresholds.growth_ratio = 1e308;
+    cal.thresholds.z = 0.0;
+    let path = dir.path().join("cal.json");
+    std::fs::write(&path, serde_json::to_string(&cal).unwrap()).unwrap();
+    let body: Value = serde_json::from_str(&golden_body(Fake::Healthy)).unwrap();
+    // Nudge every listed logprob so the KLD is not exactly zero.
+    let mut b = body.clone();
+    for top in b["choices"][0]["logprobs"]["top_logprobs"].as_array_mut().unwrap() {
+        if let Some(m) = top.as_object_mut() {
+            for (i, (_, lp)) in m.iter_mut().enumerate() {
+                *lp = json!(lp.as_f64().unwrap() - 0.01 * (i % 3) as f64);
+            }
+        }
+    }
+    let c = path.to_str().unwrap();
+    let (code, doc) = entropy_against_reference(b.to_string(), &["--kld-calibration", c]);
+    assert_eq!(doc["kld_verdict"]["band"], "precision_loss", "{}", doc["kld_verdict"]);
+    assert_eq!(code, ExitCode::from(1));
+    let (code, doc) = entropy_against_reference(b.to_string(), &["--kld-calibration", c, "--precision-loss-exit", "0"]);
+    assert_eq!(code, ExitCode::SUCCESS, "{} {}", doc["verdict"], doc["kld_verdict"]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// --chat: the model's own chat template rendered here against the server's prompt token count.
+
+/// The SmolLM2 chat template's token counts for `text`, with and without the generation prompt.
+fn template_counts(text: &str) -> (usize, usize) {
+    let f = references::gguf::GgufFile::open(llmdiff_tests::fixtures::smollm2()).unwrap();
+    let tok = references::tokenizer::Tokenizer::from_gguf(&f.header).unwrap();
+    let Some(references::gguf::MetaValue::String(t)) = f.header.get("tokenizer.chat_template") else {
+        panic!("no chat template")
+    };
+    let with = harness::chat::render(t, text, "", "", true).unwrap();
+    let without = harness::chat::render(t, text, "", "", false).unwrap();
+    (
+        tok.encode(&with, true).unwrap().len(),
+        tok.encode(&without, true).unwrap().len(),
+    )
+}
+
+/// Runs `--chat` against a fake whose chat answer reports `prompt_tokens`; the exit code and the
+/// JSON `chat` findings.
+fn chat_run(prompt_tokens: usize) -> (ExitCode, Value) {
+    let completion = golden_body(Fake::Healthy);
+    let chat = json!({
+        "choices": [{"message": {"role": "assistant", "content": " Paris"},
+            "logprobs": {"content": [
+                {"token": " Paris", "logprob": -0.2, "top_logprobs": [
+                    {"token": " Paris", "logprob": -0.2}, {"token": " the", "logprob": -2.0}]}]}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1}
+    })
+    .to_string();
+    let route: Route = Arc::new(move |head: &str| {
+        if head.starts_with("post /v1/chat/completions") {
+            chat.clone()
+        } else {
+            completion.clone()
+        }
+    });
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("p.txt");
+    std::fs::write(&p, format!("{}\n", g.prompts[0].text.as_ref().unwrap())).unwrap();
+    let out = dir.path().join("run.json");
+    let (url, seen) = fake_server_routed(200, route, 2, None);
+    let v: Vec<String> = [
+        "entropy",
+        llmdiff_tests::fixtures::smollm2().to_str().unwrap(),
+        "--server",
+        &url,
+        "--prompts",
+        p.to_str().unwrap(),
+        "--max-new-tokens",
+        &g.n_continuation.to_string(),
+        "--against-reference",
+        "--chat",
+        "--json-out",
+        out.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let code = run(&v).unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 2, "one completion, one chat request");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    (code, doc["chat"].clone())
+}
+
+#[test]
+fn chat_template_match_missing_generation_prompt_and_wrong_template() {
+    let g = harness::golden::read_golden(&golden_path()).unwrap();
+    let (with, without) = template_counts(g.prompts[0].text.as_ref().unwrap());
+    assert!(with > without, "{with} {without}");
+    let (_, chat) = chat_run(with);
+    assert_eq!(chat["prompts"][0]["finding"], "matches", "{chat}");
+    assert_eq!(chat["prompts"][0]["template_tokens"], json!(with));
+    let (code, chat) = chat_run(without);
+    assert_eq!(chat["prompts"][0]["finding"], "missing_generation_prompt", "{chat}");
+    assert_eq!(code, ExitCode::from(1));
+    let (code, chat) = chat_run(with + 7);
+    assert_eq!(chat["prompts"][0]["finding"], "wrong_template", "{chat}");
+    assert_eq!(code, ExitCode::from(1));
 }

@@ -2,7 +2,7 @@
 //! continuation repetition, a `healthy`/`flat`/`degenerate` verdict, and with
 //! `--against-reference` the KL statistics of the backend against the reference.
 
-use super::shared::{finish, print_summary, thresholds};
+use super::shared::{finish, print_summary, thresholds, Extra};
 use crate::cli::{BackendArg, EntropyArgs};
 use crate::entropy::{
     kld_positions, kld_stats, overall, positions, read_prompts, repetition, tokenize_prompts, top5_recurrence, verdict,
@@ -27,6 +27,11 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         bail!("MODEL.gguf is required without --server")
     };
     // Validate everything before any forward pass.
+    if a.trusted_model.is_some() || a.chat {
+        bail!(
+            "--trusted-model and --chat apply to --server --against-reference (a local run's reference is MODEL.gguf)"
+        );
+    }
     let prompts = read_prompts(&a.prompts)?;
     let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Reference))?;
     let thresholds = thresholds(a)?;
@@ -125,5 +130,5 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         server: None,
         overlap: None,
     };
-    finish(a, &run, || print_summary(&run, tokenizer.as_ref()))
+    finish(a, &run, &Extra::default(), || print_summary(&run, tokenizer.as_ref()))
 }

@@ -4,9 +4,10 @@
 //! tokens with top-k KL statistics, top-k overlap and the first top-1 disagreement. How entries
 //! become positions (alignment, token ids) is [`crate::server_view`]'s.
 
-use super::shared::{finish, print_summary, thresholds};
+use super::shared::{finish, print_summary, thresholds, Extra};
 use crate::cli::EntropyArgs;
 use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
+use crate::kld_verdict::{judge, Band, PosKld, Profile};
 use crate::logprobs::{log_softmax, top_k};
 use crate::output::open_model;
 use crate::server::{complete_all, PromptBody};
@@ -37,14 +38,22 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         bail!("--against-reference with --server needs MODEL.gguf");
     }
     let thresholds = thresholds(a)?;
-    let file = a.model.as_ref().map(|m| open_model(m)).transpose()?;
-    let config = file.as_ref().map(|f| ModelConfig::from_header(&f.header)).transpose()?;
+    let calibration = a.verdict.calibration()?;
+    let deployed = a.model.as_ref().map(|m| open_model(m)).transpose()?;
+    let trusted = a.trusted_model.as_ref().map(|m| open_model(m)).transpose()?;
+    // The reference side (tokenizer, BOS, forward pass): the trusted source when given.
+    let file = trusted.as_ref().or(deployed.as_ref());
+    let metadata_diff = match (&deployed, &trusted) {
+        (Some(d), Some(t)) => metadata_differences(&d.header, &t.header),
+        _ => Vec::new(),
+    };
+    let config = file.map(|f| ModelConfig::from_header(&f.header)).transpose()?;
     let vocab = match (&config, a.vocab) {
         (Some(c), _) => c.vocab,
         (None, Some(v)) if v > 0 => v,
         _ => bail!("--server without MODEL.gguf needs --vocab N (the vocabulary size)"),
     };
-    let tokenizer = file.as_ref().and_then(|f| Tokenizer::from_gguf(&f.header).ok());
+    let tokenizer = file.and_then(|f| Tokenizer::from_gguf(&f.header).ok());
     // What each prompt is sent as, and how long it is in characters of the echoed text.
     let mut bodies = Vec::with_capacity(prompts.len());
     let mut prompt_chars = Vec::with_capacity(prompts.len());
@@ -67,7 +76,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             _ => bail!("prompt {}: no text and no tokens", i + 1),
         }
     }
-    let opts = a.live.options(a.max_new_tokens);
+    let opts = a.live.options(a.max_new_tokens, a.live.deadline_from(t0));
     eprintln!(
         "{} prompts to {} ({} at a time, top-{})",
         prompts.len(),
@@ -82,6 +91,13 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         .enumerate()
         .map(|(i, (c, &n))| prompt_entries(c, n).with_context(|| format!("prompt {}", i + 1)))
         .collect::<anyhow::Result<_>>()?;
+    let mut extra = Extra::default();
+    for (i, (c, &n)) in completions.iter().zip(&n_prompts).enumerate() {
+        if let Some(w) = c.truncation_warning(n, a.max_new_tokens) {
+            eprintln!("warning: prompt {}: {w}", i + 1);
+            extra.warnings.push(format!("prompt {}: {w}", i + 1));
+        }
+    }
     let (align, v_open, v_shift) = Alignment::detect(&completions, &n_prompts);
     let shifted = align == Alignment::Shifted;
     let alignment = align.name();
@@ -91,7 +107,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
 
     let mut space = TokenSpace::new(tokenizer.as_ref(), vocab);
     let bos = tokenizer.as_ref().filter(|t| t.add_bos()).and_then(|t| t.bos_id());
-    let reference = match (&file, a.against_reference) {
+    let reference = match (file, a.against_reference) {
         (Some(f), true) => Some(Reference::new(f)?),
         _ => None,
     };
@@ -100,6 +116,11 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let mut all_kld: Vec<KldPosition> = Vec::new();
     let (mut ov_sum, mut jac_sum, mut ov_n) = (0.0, 0.0, 0usize);
     let mut first_dis: Option<TokenDisagreement> = None;
+    let mut profile = Profile {
+        reference_is_deployed_file: trusted.is_none(),
+        ..Profile::default()
+    };
+    let mut pos_kld: Vec<PosKld> = Vec::new();
     for (pi, ((p, c), &np)) in prompts.iter().zip(&completions).zip(&n_prompts).enumerate() {
         // The server's token sequence (without BOS) as ids.
         let ids: Vec<u32> = c.entries.iter().map(|e| space.id(&e.token)).collect();
@@ -127,8 +148,12 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                     bad.token
                 );
             }
+            let mut shift = None;
             if let (Some(tok), Some(text)) = (&tokenizer, &p.text) {
                 let ours = tok.encode(text, false)?;
+                // What the server should count: the prompt's tokens and the BOS the model expects.
+                let expected = ours.len() + usize::from(bos.is_some());
+                shift = c.prompt_tokens.map(|n| n as i64 - expected as i64);
                 if ours != ids[..np] {
                     eprintln!(
                         "  prompt {}: our tokenization differs from the server's ({} vs {} tokens); using the server's",
@@ -151,7 +176,9 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 .max()
                 .unwrap_or(0)
                 .min(full.len());
+            profile.prompt_token_shift.push(shift);
             let ref_logits = r.forward(&full[..rows_needed], &mut NoTap)?;
+            let first_pos = pos_kld.len();
             let mut pos = Vec::new();
             let (mut os, mut js, mut on) = (0.0, 0.0, 0usize);
             for (i, e) in c.entries.iter().enumerate() {
@@ -166,7 +193,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 let mut set = Vec::new();
                 let mut lps = Vec::new();
                 for (s, lp) in top.iter().take(k) {
-                    if let Some(id) = space.model_id(s) {
+                    if let Some(id) = space.listed_id(s) {
                         if !set.contains(&id) {
                             set.push(id);
                             lps.push(*lp);
@@ -203,12 +230,22 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                         .map(|t| t.1)
                         .or(if shifted { None } else { e.logprob })
                 });
+                let kld_here = topk_kld(&set, &lps, row_logprob(&lr));
+                pos_kld.push(PosKld {
+                    prompt: pi,
+                    // The index in the server's own sequence (BOS, when the model adds one, is 0).
+                    pos: row,
+                    len: rows_needed,
+                    kld: kld_here,
+                    same_top1: same,
+                });
                 pos.push(KldPosition {
-                    kld: topk_kld(&set, &lps, row_logprob(&lr)),
+                    kld: kld_here,
                     same_top1: same,
                     dp: next.zip(server_next).map(|(id, ls)| ls.exp() - lr[id as usize].exp()),
                 });
             }
+            debug_assert!(pos_kld[first_pos..].iter().all(|p| p.len == rows_needed));
             kld = Some(kld_stats(&pos, thresholds.kld_position));
             all_kld.extend(pos);
             p_overlap = Some(TopkOverlap {
@@ -232,12 +269,45 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         );
         pe.kld = kld;
         pe.overlap = p_overlap;
+        profile.entropy_verdicts.push(pe.verdict.clone());
         out.push(pe);
     }
     let kld = reference.as_ref().map(|_| kld_stats(&all_kld, thresholds.kld_position));
-    let agreement = kld
-        .as_ref()
-        .map(|k| if k.first_over.is_none() { "agree" } else { "diverged" }.to_string());
+    // The calibrated verdict: the distribution of per-position KLD against the healthy floor.
+    let verdict = reference.as_ref().map(|_| judge(&pos_kld, &profile, &calibration));
+    if let Some(v) = &verdict {
+        extra.html_lines.push(v.headline.clone());
+        extra.html_lines.extend(v.evidence.iter().cloned());
+        extra.html_lines.extend(v.blind_spot.iter().cloned());
+        if !metadata_diff.is_empty() {
+            extra.html_lines.push(format!(
+                "the deployed file's metadata differs from --trusted-model's: {}",
+                metadata_diff.join("; ")
+            ));
+        }
+        let mut doc = serde_json::to_value(v)?;
+        doc["metadata_differences"] = serde_json::json!(metadata_diff);
+        extra.kld_verdict = Some(doc);
+        if v.band == Band::PrecisionLoss {
+            extra.exit_code = Some(a.verdict.precision_loss_exit);
+        }
+    }
+    let mut agreement = verdict.as_ref().map(|v| v.band_name.clone());
+    if a.chat {
+        let (Some(r), Some(tok), Some(f)) = (&reference, &tokenizer, file) else {
+            bail!("--chat needs MODEL.gguf and --against-reference");
+        };
+        let c = chat_check(&prompts, &opts, r, tok, f, &mut space, vocab, k, &calibration)?;
+        for l in &c.lines {
+            eprintln!("chat: {l}");
+        }
+        extra.html_lines.extend(c.lines.iter().map(|l| format!("chat: {l}")));
+        if c.failed {
+            // The chat path is broken even where the completions path is not.
+            agreement = Some("broken".to_string());
+        }
+        extra.chat = Some(c.doc);
+    }
     let overlap_all = reference.as_ref().map(|_| TopkOverlap {
         k,
         overlap_at_k: ov_sum / ov_n.max(1) as f64,
@@ -271,9 +341,173 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         }),
         overlap: overlap_all,
     };
-    finish(a, &run, || {
+    finish(a, &run, &extra, || {
         print_summary(&run, tokenizer.as_ref());
         print_server_summary(&run);
+        if let Some(v) = &verdict {
+            println!("\n  {}", v.headline);
+            for e in &v.evidence {
+                println!("    {}", crate::output::term(e));
+            }
+            for m in &metadata_diff {
+                println!(
+                    "    the deployed file differs from --trusted-model: {}",
+                    crate::output::term(m)
+                );
+            }
+            if let Some(b) = &v.blind_spot {
+                println!("    note: {b}");
+            }
+        }
+    })
+}
+
+/// The scalar metadata keys whose values differ between the deployed file and the trusted one
+/// (`key: deployed vs trusted`), arrays (vocabularies) left out: a metadata fault named directly.
+fn metadata_differences(
+    deployed: &references::gguf::GgufHeader,
+    trusted: &references::gguf::GgufHeader,
+) -> Vec<String> {
+    use references::gguf::MetaValue;
+    let scalar = |v: &MetaValue| !matches!(v, MetaValue::Array { .. });
+    let show = |v: Option<&MetaValue>| v.map_or("(absent)".to_string(), |v| crate::output::meta_json(v, 8).to_string());
+    let mut keys: Vec<&str> = deployed
+        .metadata
+        .iter()
+        .chain(&trusted.metadata)
+        .filter(|(_, v)| scalar(v))
+        .map(|(k, _)| k.as_str())
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| *k != "general.name" && !k.starts_with("general.file"))
+        .filter_map(|k| {
+            let (d, t) = (deployed.get(k), trusted.get(k));
+            (d != t).then(|| format!("{k}: {} vs {}", show(d), show(t)))
+        })
+        .collect()
+}
+
+/// What `--chat` found.
+struct ChatOutcome {
+    doc: serde_json::Value,
+    lines: Vec<String>,
+    failed: bool,
+}
+
+/// `--chat`: each text prompt as a one-turn conversation, rendered with the model's chat template
+/// and sent to `/v1/chat/completions`; the server's prompt token count against the rendering's
+/// ([`crate::chat::TemplateFinding`]), and its answer's top-k logprobs against the reference run on
+/// the rendered prompt and the server's answer tokens, judged by the calibrated rule.
+#[allow(clippy::too_many_arguments)]
+fn chat_check(
+    prompts: &[PromptInput],
+    opts: &crate::server::ServerOptions,
+    r: &Reference,
+    tok: &Tokenizer,
+    f: &references::gguf::GgufFile,
+    space: &mut TokenSpace,
+    vocab: usize,
+    k: usize,
+    calibration: &crate::kld_verdict::Calibration,
+) -> anyhow::Result<ChatOutcome> {
+    use crate::chat::{render, send, TemplateFinding};
+    let template = match f.header.get("tokenizer.chat_template") {
+        Some(references::gguf::MetaValue::String(t)) => t.clone(),
+        _ => bail!("--chat: the model has no tokenizer.chat_template"),
+    };
+    let name = |id: Option<u32>| id.and_then(|i| tok.token_str(i).ok()).unwrap_or_default().to_string();
+    let (bos_s, eos_s) = (name(tok.bos_id()), name(tok.eos_id()));
+    let bos = tok.bos_id().filter(|_| tok.add_bos());
+    let mut pos_kld = Vec::new();
+    let mut findings = Vec::new();
+    let mut lines = Vec::new();
+    let mut failed = false;
+    for (pi, p) in prompts.iter().enumerate() {
+        let Some(text) = &p.text else { continue };
+        let with_gen = render(&template, text, &bos_s, &eos_s, true)?;
+        let without = render(&template, text, &bos_s, &eos_s, false)?;
+        let ids: Vec<u32> = bos.into_iter().chain(tok.encode(&with_gen, true)?).collect();
+        let n_without = usize::from(bos.is_some()) + tok.encode(&without, true)?.len();
+        let ans = send(opts, text).with_context(|| format!("--chat prompt {}", pi + 1))?;
+        let finding = TemplateFinding::from_counts(ans.prompt_tokens, ids.len(), n_without);
+        if matches!(
+            finding,
+            TemplateFinding::WrongTemplate | TemplateFinding::MissingGenerationPrompt
+        ) {
+            failed = true;
+            lines.push(format!(
+                "prompt {}: {} (server {} prompt tokens; the model's template {}, without the generation prompt {})",
+                pi + 1,
+                finding.describe(),
+                ans.prompt_tokens.unwrap_or(0),
+                ids.len(),
+                n_without
+            ));
+        }
+        // The answer against the reference on the rendered prompt.
+        let answer: Vec<Option<u32>> = ans.entries.iter().map(|e| space.model_id(&e.token)).collect();
+        let known = answer.iter().take_while(|a| a.is_some()).count();
+        let mut seq = ids.clone();
+        seq.extend(answer[..known].iter().flatten());
+        let rows = (ids.len() + known.saturating_sub(1)).min(seq.len());
+        let logits = r.forward(&seq[..rows], &mut NoTap)?;
+        for (j, e) in ans.entries.iter().enumerate().take(known) {
+            let Some(top) = &e.top else { continue };
+            let row = ids.len() + j - 1;
+            if row >= rows {
+                break;
+            }
+            let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
+            let (mut set, mut lps) = (Vec::new(), Vec::new());
+            for (t, lp) in top.iter().take(k) {
+                if let Some(id) = space.listed_id(t) {
+                    if !set.contains(&id) {
+                        set.push(id);
+                        lps.push(*lp);
+                    }
+                }
+            }
+            if set.is_empty() {
+                continue;
+            }
+            let ref_top = top_k(&lr, 1)[0].0;
+            pos_kld.push(PosKld {
+                prompt: pi,
+                pos: j,
+                len: known,
+                kld: topk_kld(&set, &lps, row_logprob(&lr)),
+                same_top1: set[0] == ref_top,
+            });
+        }
+        findings.push(serde_json::json!({
+            "prompt": pi + 1,
+            "finding": finding,
+            "server_prompt_tokens": ans.prompt_tokens,
+            "template_tokens": ids.len(),
+            "template_tokens_without_generation_prompt": n_without,
+            "answer": ans.text,
+        }));
+    }
+    if findings.is_empty() {
+        bail!("--chat: no text prompt to send as a conversation");
+    }
+    let verdict = (!pos_kld.is_empty()).then(|| judge(&pos_kld, &Profile::default(), calibration));
+    if let Some(v) = &verdict {
+        lines.push(format!(
+            "answers against the reference on the rendered prompt: {}",
+            v.headline
+        ));
+        failed |= v.band == Band::Broken;
+    }
+    if !failed {
+        lines.push("the server's prompt is the model's chat template on every prompt".into());
+    }
+    Ok(ChatOutcome {
+        doc: serde_json::json!({"prompts": findings, "verdict": verdict}),
+        lines,
+        failed,
     })
 }
 

@@ -49,27 +49,93 @@ pub fn check_thresholds(t: &EntropyThresholds) -> Result<(), String> {
     Ok(())
 }
 
+/// What a run reports beside its [`EntropyRun`] document: warnings (a continuation cut short for
+/// length) and, with `--against-reference`, the calibrated verdict. They go into the JSON as the
+/// top-level keys `warnings` and `kld_verdict`, and into the HTML report as a section under the
+/// title.
+#[derive(Default)]
+pub struct Extra {
+    pub warnings: Vec<String>,
+    pub kld_verdict: Option<serde_json::Value>,
+    /// One line per item for the HTML section (the verdict's headline and evidence).
+    pub html_lines: Vec<String>,
+    /// The exit code the verdict asks for when the run is otherwise healthy (`--precision-loss-exit`).
+    pub exit_code: Option<u8>,
+    /// `--chat`: the template findings and the answers' verdict (JSON key `chat`).
+    pub chat: Option<serde_json::Value>,
+}
+
+impl Extra {
+    fn json(&self, run: &EntropyRun) -> anyhow::Result<serde_json::Value> {
+        let mut v = serde_json::to_value(run)?;
+        if let Some(o) = v.as_object_mut() {
+            if !self.warnings.is_empty() {
+                o.insert("warnings".into(), serde_json::json!(self.warnings));
+            }
+            if let Some(k) = &self.kld_verdict {
+                o.insert("kld_verdict".into(), k.clone());
+            }
+            if let Some(c) = &self.chat {
+                o.insert("chat".into(), c.clone());
+            }
+        }
+        Ok(v)
+    }
+
+    /// The report page with this section after its title.
+    fn html(&self, page: String) -> String {
+        let lines: Vec<&String> = self.html_lines.iter().chain(&self.warnings).collect();
+        if lines.is_empty() {
+            return page;
+        }
+        let items: String = lines
+            .iter()
+            .map(|l| format!("<li>{}</li>", crate::junit::escape(l)))
+            .collect();
+        let section = format!("<section id=verdict-notes><ul>{items}</ul></section>");
+        match page.find("</h1>") {
+            Some(at) => format!("{}{section}{}", &page[..at + 5], &page[at + 5..]),
+            None => page,
+        }
+    }
+}
+
 /// Writes `--json-out` and `--html`, prints the JSON or the human summary, and maps the verdict to
 /// the exit code (0 healthy and agreeing, 1 otherwise). Shared by the local and `--server` checks.
-pub fn finish(a: &EntropyArgs, run: &EntropyRun, print_human: impl FnOnce()) -> anyhow::Result<ExitCode> {
+pub fn finish(
+    a: &EntropyArgs,
+    run: &EntropyRun,
+    extra: &Extra,
+    print_human: impl FnOnce(),
+) -> anyhow::Result<ExitCode> {
+    let doc = extra.json(run)?;
     if let Some(p) = &a.json_out {
-        write_atomic(p, serde_json::to_string_pretty(run)?.as_bytes())?;
+        write_atomic(p, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     if let Some(p) = &a.html {
-        write_atomic(p, reports::render_entropy(run).as_bytes())?;
+        write_atomic(p, extra.html(reports::render_entropy(run)).as_bytes())?;
         eprintln!("report: {}", p.display());
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(run)?);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_human();
+        for w in &extra.warnings {
+            println!("  warning: {}", term(w));
+        }
     }
     if run.prompts.is_empty() || run.kld.as_ref().is_some_and(|k| k.n_positions == 0) {
         // A verdict of health or agreement needs at least one compared value.
         anyhow::bail!("no prompt or position was checked: nothing to give a verdict on");
     }
-    let ok = run.verdict == "healthy" && run.agreement.as_deref() != Some("diverged");
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    // 0 healthy and within noise (or agreeing, locally); precision loss: --precision-loss-exit.
+    let healthy = run.verdict == "healthy";
+    Ok(match run.agreement.as_deref() {
+        _ if !healthy => ExitCode::from(1),
+        None | Some("agree") | Some("within numeric noise") => ExitCode::SUCCESS,
+        Some("precision loss") => ExitCode::from(extra.exit_code.unwrap_or(1)),
+        Some(_) => ExitCode::from(1),
+    })
 }
 
 pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
@@ -129,6 +195,10 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             k.n_positions, k.mean, k.mean_se, k.median, k.p90, k.p99, k.p99_9, k.max
         );
         println!("  same top-1 {:.2} %, RMS Δp {:.3} %", k.same_top1_pct, k.rms_dp_pct);
+        // With --server the calibrated verdict follows (a band, not one position's maximum).
+        if run.server.is_some() {
+            return print_verdict_line(run);
+        }
         // Name the prompt and position of the first one over.
         let first = run
             .prompts
@@ -148,6 +218,10 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             ),
         }
     }
+    print_verdict_line(run);
+}
+
+fn print_verdict_line(run: &EntropyRun) {
     println!(
         "\nverdict: {} over {} prompts, {} positions{}  ({:.1}s)",
         run.verdict,

@@ -1,5 +1,6 @@
 //! `llmdiff gate`: re-run what each golden file describes, compare every tap and position within
 //! the recorded thresholds, print a summary, and write JUnit XML. Exit 0 pass, 1 fail, 2 bad input.
+//! JUnit and HTML are written on exit 2 as well, the failing golden file as a test error.
 //! Two modes, siblings that share [`shared`]: a local run ([`local`]) or, with `--server URL`, a
 //! live deployment ([`server`]); the outputs (summary, `--json`, `--junit`, `--html`) are the same.
 
@@ -40,22 +41,52 @@ pub fn run(a: &GateArgs) -> anyhow::Result<ExitCode> {
             server::check_servable(path, g)?;
         }
     }
+    let deadline = a.live.deadline_from(std::time::Instant::now());
     let mut results = Vec::new();
-    for (path, g) in a.golden.iter().zip(&goldens) {
-        results.push(if server {
-            server::gate_one(path, g, a)?
+    // A golden file that cannot be gated (the server unreachable, past the deadline, a malformed
+    // answer) stops the run with exit 2, but the JUnit and HTML reports are still written: that
+    // golden file as a test error, the ones before it with their results.
+    let mut error: Option<(usize, anyhow::Error)> = None;
+    for (i, (path, g)) in a.golden.iter().zip(&goldens).enumerate() {
+        let r = if server {
+            server::gate_one(path, g, a, deadline)
         } else {
-            local::gate_one(path, g, &a.engine)?
-        });
+            local::gate_one(path, g, &a.engine)
+        };
+        match r {
+            Ok(s) => results.push(s),
+            Err(e) => {
+                error = Some((i, e));
+                break;
+            }
+        }
     }
-    let suites: Vec<Suite> = results.iter().map(to_junit).collect();
+    let mut suites: Vec<Suite> = results.iter().map(to_junit).collect();
+    let mut shown = results.clone();
+    if let Some((i, e)) = &error {
+        let path = &a.golden[*i];
+        let msg = format!("{e:#}").replace('\n', " ");
+        let mut s = shared::error_suite(path, &msg);
+        s.backend = match &a.live.server {
+            Some(u) => format!("server {}", crate::server::redact_url(u)),
+            None => "local".to_string(),
+        };
+        suites.push(to_junit(&s));
+        if let Some(last) = suites.last_mut() {
+            last.error = Some(msg);
+        }
+        shown.push(s);
+    }
     if let Some(p) = &a.junit {
         write_atomic(p, crate::junit::render(&suites).as_bytes())?;
         eprintln!("junit: {}", p.display());
     }
     if let Some(p) = &a.html {
-        write_atomic(p, reports::render_gate(&results).as_bytes())?;
+        write_atomic(p, reports::render_gate(&shown).as_bytes())?;
         eprintln!("report: {}", p.display());
+    }
+    if let Some((_, e)) = error {
+        return Err(e);
     }
     let pass = results.iter().all(|r| r.verdict == "pass");
     if a.json {

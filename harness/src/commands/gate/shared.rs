@@ -23,6 +23,21 @@ pub fn case_of(name: String, checks: Vec<Check>, skipped: bool) -> CaseResult {
     }
 }
 
+/// The suite of a golden file that could not be gated: no cases, verdict `"error"`, the error
+/// as its message (JUnit: an `<error>`; the HTML report: FAIL with the message).
+pub fn error_suite(path: &Path, msg: &str) -> SuiteResult {
+    SuiteResult {
+        golden: path.display().to_string(),
+        verdict: "error".to_string(),
+        backend: String::new(),
+        tp: 1,
+        message: Some(format!("error (exit 2): {msg}")),
+        cases: Vec::new(),
+        seconds: 0.0,
+        server: None,
+    }
+}
+
 pub fn to_junit(r: &SuiteResult) -> Suite {
     let suite = Path::new(&r.golden)
         .file_stem()
@@ -79,11 +94,15 @@ pub fn print_suite(r: &SuiteResult) {
         }),
         n_pass,
         r.cases.len(),
-        worst.map_or(String::new(), |w| format!(
-            ", worst {} at {:.2} of its tolerance",
-            term(&w.name),
-            w.worst_ratio
-        )),
+        match r.cases.iter().find(|c| !c.passed) {
+            // A failed run's headline names what failed, not the worst of what passed.
+            Some(f) => format!(", first failure: {}", term(&f.name)),
+            None => worst.map_or(String::new(), |w| format!(
+                ", worst {} at {:.2} of its tolerance",
+                term(&w.name),
+                w.worst_ratio
+            )),
+        },
         r.seconds
     );
     if let Some(m) = &r.message {
