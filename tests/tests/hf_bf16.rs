@@ -8,16 +8,10 @@
 //!   the compute dtype and `llmdiff.compute_dtype` names it, the decoded values are representable
 //!   in that dtype, the embedding is the fp32 dump's rounded to it, and each fault dump differs
 //!   from the healthy one exactly where and how the fault was planted (bit-identical before it).
-//! - The verdicts at default settings (`#[ignore]` until issue 44's local-error rule lands):
-//!   healthy agrees, each fault is localized at its tap with its class named, and a head scaled
-//!   by 1.02 is found in bf16 without a false positive on the healthy dump.
-//!
-//! What the harness must read for the ignored tests (the dump format stays "1"; today's
-//! `harness/src/dump.rs` already accepts BF16/F16 tensors and ignores unknown metadata keys):
-//! the `__metadata__` key `llmdiff.compute_dtype`, one of `f32`, `bf16`, `f16` (the model's
-//! compute dtype as the adapter saw it), and each tensor's own dtype from its safetensors header
-//! entry (`F32`, `BF16` or `F16`). A dump without the key (older adapters) is f32 unless the
-//! values say otherwise.
+//! - The verdicts at default settings: healthy agrees, each fault is localized at its tap with
+//!   its class named, and a head scaled by 1.02 is found in bf16 without a false positive on the
+//!   healthy dump. The dtype comes from the dump's `llmdiff.compute_dtype` metadata key and each
+//!   tensor's safetensors dtype (`harness/src/dump.rs`).
 
 use llmdiff_tests::fixtures::{golden, smollm2};
 use references::gguf::GgufFile;
@@ -373,7 +367,6 @@ fn explanation(run: &Value) -> &str {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn healthy_bf16_and_f16_agree_at_default_settings() {
     for dt in BOTH {
         let run = diff_default(dt, "healthy");
@@ -410,7 +403,6 @@ fn localized(dt: Dt, name: &str, tap: &str, classes: &[&str]) -> Value {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn zeroed_attention_output_is_localized_in_low_precision() {
     for dt in BOTH {
         localized(dt, "attn-zero", "blk.1.attn_out", &["stale-output"]);
@@ -418,7 +410,6 @@ fn zeroed_attention_output_is_localized_in_low_precision() {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn swapped_heads_are_a_head_permutation_in_low_precision() {
     for dt in BOTH {
         localized(dt, "head-swap", "blk.1.attn_out", &["head-permutation"]);
@@ -426,7 +417,6 @@ fn swapped_heads_are_a_head_permutation_in_low_precision() {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn one_head_scaled_is_a_per_head_scale_mismatch() {
     // 1.02 is the issue's goal for the smallest scale detectable in bf16 without a false
     // positive (the healthy test above is the other half of that claim).
@@ -443,7 +433,6 @@ fn one_head_scaled_is_a_per_head_scale_mismatch() {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn rope_base_divided_by_ten_is_rope() {
     for dt in BOTH {
         localized(dt, "rope-theta-div10", "blk.0.q", &["rope"]);
@@ -451,7 +440,6 @@ fn rope_base_divided_by_ten_is_rope() {
 }
 
 #[test]
-#[ignore = "needs issue 44's local-error rule (branch prec)"]
 fn rms_eps_drift_is_named_at_the_first_norm() {
     for dt in BOTH {
         let run = diff_default(dt, "rms-eps-1e-2");
