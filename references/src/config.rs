@@ -88,7 +88,7 @@ pub struct FamilyExtras {
     pub sliding_window: Option<usize>,
     /// Per layer: true for a sliding-window (local) layer.
     pub swa_layers: Vec<bool>,
-    /// RoPE base of the sliding-window layers (gemma3's local base).
+    /// RoPE base of the sliding-window layers (gemma3's local base; 0 without a window).
     pub rope_base_swa: f32,
     /// Attention-score soft-capping `c·tanh(s/c)` (gemma2).
     pub attn_softcap: Option<f32>,
@@ -440,10 +440,7 @@ fn family_extras(
     n_heads: usize,
     rope_base: f32,
 ) -> Result<FamilyExtras, ConfigError> {
-    let mut f = FamilyExtras {
-        rope_base_swa: rope_base,
-        ..FamilyExtras::default()
-    };
+    let mut f = FamilyExtras::default();
     let cap = |k: &str| -> Result<Option<f32>, ConfigError> {
         let v = m.f32_or(k, 0.0)?;
         if v < 0.0 {
