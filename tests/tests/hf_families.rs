@@ -106,6 +106,56 @@ fn qwen3_matches_hf_fp32() {
     assert_far("qwen3", "RMS eps 1e-1 (q/k norms and block norms)", |c| c.rms_eps = 0.1);
 }
 
+/// A copy of `family`'s fixture without the tensors `drop` names, opened.
+fn without(family: &str, drop: impl Fn(&str) -> bool, dir: &std::path::Path) -> GgufFile {
+    use references::writer::{GgufWriter, TensorSpec};
+    let file = open(family);
+    let path = dir.join(format!("{family}-stripped.gguf"));
+    let kept: Vec<_> = file.tensors().iter().filter(|t| !drop(&t.name)).collect();
+    assert!(kept.len() < file.tensors().len(), "{family}: nothing dropped");
+    let specs = kept.iter().map(|t| TensorSpec::new(&t.name, t.ty, &t.ne)).collect();
+    let out = std::fs::File::create(&path).unwrap();
+    let mut w = GgufWriter::new(std::io::BufWriter::new(out), file.metadata(), specs).unwrap();
+    for t in &kept {
+        w.write_tensor(file.tensor_data(t)).unwrap();
+    }
+    w.finish().unwrap();
+    GgufFile::open(&path).unwrap()
+}
+
+/// qwen3's and gemma3's q/k norms are required (as llama.cpp's loader requires them): a file
+/// without them is an error naming the tensor, not a silently different model.
+#[test]
+fn missing_qk_norms_are_an_error_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    for family in ["qwen3", "qwen3moe", "gemma3"] {
+        let file = without(family, |n| n.ends_with("attn_q_norm.weight"), dir.path());
+        let e = Reference::new(&file)
+            .unwrap()
+            .forward(&[1, 2], &mut NoTap)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("blk.0.attn_q_norm.weight"), "{family}: {e}");
+    }
+    // qwen2 without its biases is far from HF (they are used when present).
+    let file = without("qwen2", |n| n.ends_with(".bias"), dir.path());
+    let r = Reference::new(&file).unwrap();
+    let (tokens, hf) = hf_cases("qwen2").swap_remove(1);
+    let logits = r.forward(&tokens, &mut NoTap).unwrap();
+    let vocab = logits.len() / tokens.len();
+    let worst = logits
+        .chunks(vocab)
+        .zip(hf.as_array().unwrap())
+        .flat_map(|(row, hf)| {
+            let lp = log_softmax(row);
+            let hf: Vec<f64> = hf.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+            lp.into_iter().zip(hf).map(|(a, b)| (a - b).abs()).collect::<Vec<_>>()
+        })
+        .fold(0f64, f64::max);
+    eprintln!("qwen2 without q/k/v biases: worst |dlogprob| {worst:.2e}");
+    assert!(worst > 0.05, "{worst}");
+}
+
 #[test]
 fn qwen3moe_matches_hf_fp32() {
     assert_matches_hf("qwen3moe", Arch::Qwen3Moe);

@@ -10,6 +10,7 @@
 //! Taps: `attn_proj` and `ffn_out` are the post-normed outputs, the values added to the residual.
 
 use super::{emit, emit_weight, linear, ops, ForwardError, Reference};
+use crate::config::Arch;
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
 pub(super) fn layer(
@@ -53,7 +54,8 @@ pub(super) fn layer(
     let mut k = linear(&h, n, &wk);
     let v = linear(&h, n, &wv);
     for (s, y) in [("attn_q_norm", &mut q), ("attn_k_norm", &mut k)] {
-        if r.file.tensor(&name(s)).is_some() {
+        // gemma3 requires its q/k norms (as llama.cpp's loader); gemma2 has none.
+        if c.arch == Arch::Gemma3 || r.file.tensor(&name(s)).is_some() {
             *y = ops::rms_norm(y, hd, &r.vector(&name(s), hd)?, c.rms_eps);
         }
     }

@@ -5,6 +5,7 @@
 //! renormalised. [`gqa_block`] is shared with glm4moe, which adds partial rotary and a shared expert.
 
 use super::{dense_ffn, emit, emit_weight, linear, ops, ForwardError, Reference};
+use crate::config::Arch;
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
 pub(super) fn layer(
@@ -30,12 +31,14 @@ fn add_bias(r: &Reference, name: &str, y: &mut [f32], width: usize) -> Result<()
     Ok(())
 }
 
-/// Per-head RMSNorm of `y` (`[n, heads·hd]`) by `name` (`[hd]`), when the file has it.
+/// Per-head RMSNorm of `y` (`[n, heads·hd]`) by `name` (`[hd]`), when the file has it or the
+/// architecture requires it (qwen3, qwen3moe: as llama.cpp's loader, a missing norm is an error).
 fn head_norm(r: &Reference, name: &str, y: Vec<f32>, hd: usize) -> Result<Vec<f32>, ForwardError> {
-    match r.file.tensor(name) {
-        Some(_) => Ok(ops::rms_norm(&y, hd, &r.vector(name, hd)?, r.config.rms_eps)),
-        None => Ok(y),
+    let required = matches!(r.config.arch, Arch::Qwen3 | Arch::Qwen3Moe);
+    if r.file.tensor(name).is_none() && !required {
+        return Ok(y);
     }
+    Ok(ops::rms_norm(&y, hd, &r.vector(name, hd)?, r.config.rms_eps))
 }
 
 /// The GQA block of qwen2/3, qwen3moe and glm4moe: the optional parts (q/k/v biases, q/k norms,
