@@ -380,6 +380,29 @@ impl ModelConfig {
         })
     }
 
+    /// The paths a run of `n_tokens` cannot exercise, one sentence each, so a healthy verdict is
+    /// not mistaken for coverage: a sliding window the sequence never exceeds, MoE layers the
+    /// model never reaches (every layer a leading dense one). Empty when every path runs.
+    pub fn coverage_warnings(&self, n_tokens: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(w) = self.family.sliding_window {
+            if n_tokens <= w && self.family.swa_layers.iter().any(|&s| s) {
+                out.push(format!(
+                    "{n_tokens} tokens are within the sliding window of {w}: the sliding-window layers ran as full attention"
+                ));
+            }
+        }
+        if let Some(m) = &self.moe {
+            if m.n_dense_lead >= self.n_layers {
+                out.push(format!(
+                    "all {} layers are leading dense layers: no MoE layer was run",
+                    self.n_layers
+                ));
+            }
+        }
+        out
+    }
+
     /// True when layer `layer_idx` routes through experts.
     pub fn is_moe_layer(&self, layer_idx: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| layer_idx >= m.n_dense_lead)

@@ -249,3 +249,72 @@ fn engine_refuses_the_new_families_naming_what_works() {
         );
     }
 }
+
+/// gpt-oss ships its experts in MXFP4: the fixture's expert tensors quantized to MXFP4 run
+/// through the same reference (the stacked 3-D tensors sliced per expert, each row decoded by the
+/// reference dequantizer) and give bit for bit the logits of the same weights stored as their
+/// exact f32 decoding.
+#[test]
+fn gpt_oss_mxfp4_experts_run_as_their_f32_decoding() {
+    use references::dequant::dequantize_to_vec;
+    use references::quant::quantize;
+    use references::writer::{GgufWriter, TensorSpec};
+    use references::GgmlType;
+    let file = open("gpt-oss");
+    let dir = tempfile::tempdir().unwrap();
+    let write = |path: &std::path::Path, mxfp4: bool| {
+        let mut specs = Vec::new();
+        let mut blobs = Vec::new();
+        for t in file.tensors() {
+            let data = file.tensor_data(t);
+            if t.name.ends_with("_exps.weight") {
+                assert_eq!(t.ty, GgmlType::F32);
+                let f: Vec<f32> = dequantize_to_vec(t.ty, data).unwrap();
+                let q = quantize(GgmlType::MXFP4, &f).unwrap();
+                if mxfp4 {
+                    specs.push(TensorSpec::new(&t.name, GgmlType::MXFP4, &t.ne));
+                    blobs.push(q);
+                } else {
+                    let back = dequantize_to_vec(GgmlType::MXFP4, &q).unwrap();
+                    specs.push(TensorSpec::new(&t.name, GgmlType::F32, &t.ne));
+                    blobs.push(back.iter().flat_map(|v| v.to_le_bytes()).collect());
+                }
+            } else {
+                specs.push(TensorSpec::new(&t.name, t.ty, &t.ne));
+                blobs.push(data.to_vec());
+            }
+        }
+        let out = std::fs::File::create(path).unwrap();
+        let mut w = GgufWriter::new(std::io::BufWriter::new(out), file.metadata(), specs).unwrap();
+        for b in &blobs {
+            w.write_tensor(b).unwrap();
+        }
+        w.finish().unwrap();
+        GgufFile::open(path).unwrap()
+    };
+    let q = write(&dir.path().join("mxfp4.gguf"), true);
+    let f = write(&dir.path().join("decoded.gguf"), false);
+    assert!(q.tensors().iter().any(|t| t.ty == GgmlType::MXFP4));
+    let tokens = hf_cases("gpt-oss").swap_remove(0).0;
+    let lq = Reference::new(&q).unwrap().forward(&tokens, &mut NoTap).unwrap();
+    let lf = Reference::new(&f).unwrap().forward(&tokens, &mut NoTap).unwrap();
+    assert_eq!(lq, lf, "MXFP4 experts and their f32 decoding");
+    let orig = Reference::new(&file).unwrap().forward(&tokens, &mut NoTap).unwrap();
+    assert_ne!(lq, orig, "the MXFP4 rounding changed some weight");
+}
+
+/// A run that cannot exercise a path says so: the fixtures' 81 positions pass their windows,
+/// 4 tokens do not; a model whose layers are all leading dense ones never reaches an expert.
+#[test]
+fn coverage_warnings_name_the_unexercised_paths() {
+    for family in ["gemma2", "gemma3", "gpt-oss"] {
+        let c = Reference::new(&open(family)).unwrap().config;
+        assert!(c.coverage_warnings(16).is_empty(), "{family}");
+        let w = c.coverage_warnings(4);
+        assert!(w.len() == 1 && w[0].contains("sliding window of 4"), "{family}: {w:?}");
+    }
+    let mut c = Reference::new(&open("glm4moe")).unwrap().config;
+    assert!(c.coverage_warnings(16).is_empty());
+    c.moe.as_mut().unwrap().n_dense_lead = c.n_layers;
+    assert!(c.coverage_warnings(16)[0].contains("no MoE layer"));
+}
