@@ -141,6 +141,15 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
 
 /// Refuses configs whose dims would make a kernel divide by zero or index nothing.
 fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
+    if !matches!(
+        c.arch,
+        references::config::Arch::Llama | references::config::Arch::Deepseek2
+    ) {
+        return Err(EngineError::Unsupported(format!(
+            "the TP engine does not run {} models yet; for them use `--backend reference`, `--candidate` or `entropy --server`",
+            c.arch.name()
+        )));
+    }
     let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
     match &c.mla {
         None => zero.push(("head dim (embedding_length / head_count)", c.head_dim)),

@@ -99,6 +99,110 @@ const DEEPSEEK2_USED: &[&str] = &[
     "vocab_size",
 ];
 
+/// `{arch}.` keys the qwen2/qwen3 references read (dense GQA, NeoX RoPE).
+const QWEN_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "vocab_size",
+];
+
+/// `{arch}.` keys the qwen3moe reference reads (qwen3 plus softmax-routed experts).
+const QWEN3MOE_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_weights_scale",
+    "vocab_size",
+];
+
+/// `{arch}.` keys the glm4moe reference reads (partial rotary, sigmoid routing, shared expert).
+const GLM4MOE_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "leading_dense_block_count",
+    "expert_count",
+    "expert_used_count",
+    "expert_shared_count",
+    "expert_feed_forward_length",
+    "expert_weights_scale",
+    "expert_weights_norm",
+    "expert_gating_func",
+    "expert_group_count",
+    "expert_group_used_count",
+    "nextn_predict_layers",
+    "vocab_size",
+];
+
+/// `{arch}.` keys the gemma2/gemma3 references read.
+const GEMMA_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "rope.dimension_count",
+    "vocab_size",
+];
+
+/// `{arch}.` keys the gpt-oss reference reads (sinks, alternating windows, biased experts).
+const GPT_OSS_USED: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "rope.dimension_count",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "vocab_size",
+];
+
 /// `{arch}.` keys knowingly ignored, per architecture, with the reason.
 const LLAMA_SKIPPED: &[(&str, &str)] = &[
     (
@@ -134,6 +238,92 @@ const OTHER_USED: &[&str] = &[
     "tokenizer.ggml.padding_token_id",
     "tokenizer.ggml.add_bos_token",
     "tokenizer.ggml.add_space_prefix",
+];
+
+/// Per-block tensors of qwen2 (q/k/v biases), qwen3 (q/k norms) and qwen3moe (experts).
+const QWEN_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+    "ffn_gate_inp.weight",
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+];
+/// glm4moe: its pre-FFN norm is `post_attention_norm` (HF's post_attention_layernorm).
+const GLM4MOE_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+    "attn_output.weight",
+    "post_attention_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+    "ffn_gate_inp.weight",
+    "exp_probs_b.bias",
+    "ffn_gate_exps.weight",
+    "ffn_up_exps.weight",
+    "ffn_down_exps.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
+];
+/// gemma2/gemma3: pre and post norms around attention and FFN; gemma3's q/k norms.
+const GEMMA_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+    "attn_output.weight",
+    "post_attention_norm.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+    "post_ffw_norm.weight",
+];
+
+/// gpt-oss: biases everywhere, attention sinks, the pre-FFN norm as `post_attention_norm`.
+const GPT_OSS_BLOCK_TENSORS: &[&str] = &[
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "attn_output.weight",
+    "attn_output.bias",
+    "attn_sinks.weight",
+    "post_attention_norm.weight",
+    "ffn_gate_inp.weight",
+    "ffn_gate_inp.bias",
+    "ffn_gate_exps.weight",
+    "ffn_gate_exps.bias",
+    "ffn_up_exps.weight",
+    "ffn_up_exps.bias",
+    "ffn_down_exps.weight",
+    "ffn_down_exps.bias",
 ];
 
 /// Per-block tensors (`blk.N.{name}`) each architecture uses.
@@ -182,6 +372,13 @@ pub fn arch_of(h: &GgufHeader) -> Result<Arch, ConfigError> {
     match name {
         "llama" => Ok(Arch::Llama),
         "deepseek2" => Ok(Arch::Deepseek2),
+        "qwen2" => Ok(Arch::Qwen2),
+        "qwen3" => Ok(Arch::Qwen3),
+        "qwen3moe" => Ok(Arch::Qwen3Moe),
+        "glm4moe" => Ok(Arch::Glm4Moe),
+        "gemma2" => Ok(Arch::Gemma2),
+        "gemma3" => Ok(Arch::Gemma3),
+        "gpt-oss" => Ok(Arch::GptOss),
         other => Err(ConfigError::UnsupportedArch(other.to_string())),
     }
 }
@@ -195,6 +392,11 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     let (used, skipped) = match arch {
         Arch::Llama => (LLAMA_USED, LLAMA_SKIPPED),
         Arch::Deepseek2 => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
+        Arch::Qwen2 | Arch::Qwen3 => (QWEN_USED, &[][..]),
+        Arch::Qwen3Moe => (QWEN3MOE_USED, &[][..]),
+        Arch::Glm4Moe => (GLM4MOE_USED, DEEPSEEK2_SKIPPED),
+        Arch::Gemma2 | Arch::Gemma3 => (GEMMA_USED, &[][..]),
+        Arch::GptOss => (GPT_OSS_USED, &[][..]),
     };
     if let Some((_, why)) = skipped.iter().find(|(k, _)| *k == suffix) {
         return Role::Skipped(why);
@@ -268,6 +470,12 @@ pub fn classify_tensor(arch: Arch, block_count: usize, n_layers: usize, name: &s
     let block = match arch {
         Arch::Llama => LLAMA_BLOCK_TENSORS,
         Arch::Deepseek2 => DEEPSEEK2_BLOCK_TENSORS,
+        // The dense qwens stop before the router and experts.
+        Arch::Qwen2 | Arch::Qwen3 => &QWEN_BLOCK_TENSORS[..14],
+        Arch::Qwen3Moe => QWEN_BLOCK_TENSORS,
+        Arch::Glm4Moe => GLM4MOE_BLOCK_TENSORS,
+        Arch::Gemma2 | Arch::Gemma3 => GEMMA_BLOCK_TENSORS,
+        Arch::GptOss => GPT_OSS_BLOCK_TENSORS,
     };
     if block.contains(&tail) {
         return Role::Used;
@@ -293,7 +501,7 @@ pub fn layer_counts(h: &GgufHeader, arch: Arch) -> (usize, usize) {
             .map_or(0, |v| v.min(u32::MAX as u64) as usize)
     };
     let blocks = get("block_count");
-    let nextn = if arch == Arch::Deepseek2 {
+    let nextn = if matches!(arch, Arch::Deepseek2 | Arch::Glm4Moe) {
         get("nextn_predict_layers")
     } else {
         0

@@ -1,4 +1,6 @@
-//! Model hyper-parameters read from GGUF metadata: the llama family and deepseek2 (MLA + MoE).
+//! Model hyper-parameters read from GGUF metadata: the llama family, deepseek2 (MLA + MoE) and
+//! the GQA/MoE families (qwen2, qwen3, qwen3moe, glm4moe, gemma2, gemma3, gpt-oss; their extras in
+//! [`FamilyExtras`]).
 //! Both the reference and the engine build their models from a [`ModelConfig`], so a
 //! `config-drift` fault is a deliberate difference between two of these, never an accident.
 
@@ -68,6 +70,41 @@ impl RopeScaling {
     }
 }
 
+/// What the GQA/MoE families add beyond llama's block (all off for llama and deepseek2).
+///
+/// Values llama.cpp's loader fixes that are not in the file, taken as it takes them (llama.cpp
+/// as vendored by llama-cpp-python 0.3.36, `src/models/{gemma2,gemma3,qwen3moe}.cpp`):
+/// - gemma2/gemma3 attention scale: 1/√head_dim, except 1/√(d_model / n_heads) for the 27B
+///   models (46 gemma2 layers, 62 gemma3 layers);
+/// - gemma2's sliding-window layers: every 2nd, starting with layer 0 (`il % 2 < 1`);
+///   gemma3's: all but every 6th (`il % 6 < 5`); a window of 4096 when gemma2's file has none;
+/// - gemma3's local RoPE base: `rope.freq_base_swa`, else `rope.freq_base`;
+/// - gpt-oss's sliding-window layers: every 2nd, starting with layer 0; its clamped SwiGLU's
+///   α = 1.702 and limit 7 (llama.cpp's `LLM_FFN_SWIGLU_OAI_MOE`);
+/// - qwen3moe renormalises its top-k routing weights (`norm_topk_prob`) unconditionally.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FamilyExtras {
+    /// Sliding-window length: a layer marked in `swa_layers` masks keys with q − k ≥ window.
+    pub sliding_window: Option<usize>,
+    /// Per layer: true for a sliding-window (local) layer.
+    pub swa_layers: Vec<bool>,
+    /// RoPE base of the sliding-window layers (gemma3's local base; 0 without a window).
+    pub rope_base_swa: f32,
+    /// Attention-score soft-capping `c·tanh(s/c)` (gemma2).
+    pub attn_softcap: Option<f32>,
+    /// Final-logit soft-capping `c·tanh(z/c)` (gemma2, gemma3 when set).
+    pub final_softcap: Option<f32>,
+    /// Attention scale when it is not 1/√head_dim (gemma 27B).
+    pub attn_scale: Option<f64>,
+}
+
+impl FamilyExtras {
+    /// True when layer `l` is a sliding-window layer.
+    pub fn is_swa(&self, l: usize) -> bool {
+        self.sliding_window.is_some() && self.swa_layers.get(l).copied().unwrap_or(false)
+    }
+}
+
 /// Everything a forward pass needs to know about a model's shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -92,6 +129,8 @@ pub struct ModelConfig {
     pub yarn: Option<YarnConfig>,
     /// Llama-family frequency scaling (linear, `rope_freqs`); default for deepseek2.
     pub rope_scaling: RopeScaling,
+    /// The GQA/MoE families' extras (default for llama and deepseek2).
+    pub family: FamilyExtras,
 }
 
 struct Meta<'a> {
@@ -148,8 +187,8 @@ impl ModelConfig {
         let block_count = m.usize("block_count")?;
         // deepseek2 files may append the MTP/nextn block(s) after the model's layers.
         let nextn = match arch {
-            Arch::Deepseek2 => m.usize_opt("nextn_predict_layers")?.unwrap_or(0),
-            Arch::Llama => 0,
+            Arch::Deepseek2 | Arch::Glm4Moe => m.usize_opt("nextn_predict_layers")?.unwrap_or(0),
+            _ => 0,
         };
         if nextn >= block_count && block_count > 0 {
             return Err(ConfigError::Bad {
@@ -191,10 +230,10 @@ impl ModelConfig {
             });
         }
         let head_dim = match m.usize_opt("attention.key_length")? {
-            Some(k) if arch == Arch::Llama => k,
+            Some(k) if arch != Arch::Deepseek2 => k,
             _ => d_model / n_heads,
         };
-        if arch == Arch::Llama {
+        if arch != Arch::Deepseek2 {
             if let Some(v) = m.usize_opt("attention.value_length")? {
                 if v != head_dim {
                     return Err(ConfigError::Bad {
@@ -210,7 +249,27 @@ impl ModelConfig {
         let tied_embeddings = h.tensor("output.weight").is_none();
 
         let (mla, moe, rope_dim) = match arch {
-            Arch::Llama => (None, None, m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim)),
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma2 | Arch::Gemma3 => {
+                (None, None, m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim))
+            }
+            // qwen3moe: llama.cpp's graph passes norm_w = true (norm_topk_prob) unconditionally.
+            Arch::Qwen3Moe => (
+                None,
+                moe_config(&m, Gating::Softmax, true)?,
+                m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim),
+            ),
+            // gpt-oss: its routing (softmax over the top-k logits) is gpt_oss.rs' own.
+            Arch::GptOss => (
+                None,
+                moe_config(&m, Gating::Softmax, false)?,
+                m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim),
+            ),
+            // glm4moe: sigmoid gating unless the file says otherwise (llama.cpp's loader).
+            Arch::Glm4Moe => (
+                None,
+                moe_config(&m, Gating::Sigmoid, false)?,
+                m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim),
+            ),
             Arch::Deepseek2 => {
                 let qk_rope = m.usize("rope.dimension_count")?;
                 let qk_head = match m.usize_opt("attention.key_length_mla")? {
@@ -236,42 +295,7 @@ impl ModelConfig {
                     qk_rope,
                     v_head_dim,
                 };
-                let n_experts = m.usize_opt("expert_count")?.unwrap_or(0);
-                let moe = if n_experts > 0 {
-                    let gating = match m.usize_opt("expert_gating_func")? {
-                        None | Some(1) => Gating::Softmax,
-                        Some(2) => Gating::Sigmoid,
-                        Some(g) => {
-                            return Err(ConfigError::Bad {
-                                key: m.key("expert_gating_func"),
-                                msg: format!("unknown gating {g}"),
-                            })
-                        }
-                    };
-                    let n_used = m.usize("expert_used_count")?;
-                    let n_groups = m.usize_opt("expert_group_count")?.unwrap_or(1).max(1);
-                    let n_groups_used = m.usize_opt("expert_group_used_count")?.unwrap_or(n_groups).max(1);
-                    if n_used == 0 || n_used > n_experts || n_experts % n_groups != 0 || n_groups_used > n_groups {
-                        return Err(ConfigError::Bad {
-                            key: m.key("expert_used_count"),
-                            msg: format!("{n_used} of {n_experts} experts in {n_groups_used}/{n_groups} groups is not a valid routing"),
-                        });
-                    }
-                    Some(MoeConfig {
-                        n_experts,
-                        n_used,
-                        n_shared: m.usize_opt("expert_shared_count")?.unwrap_or(0),
-                        expert_ffn: m.usize("expert_feed_forward_length")?,
-                        n_dense_lead: m.usize_opt("leading_dense_block_count")?.unwrap_or(0),
-                        weights_scale: m.f32_or("expert_weights_scale", 1.0)?,
-                        weights_norm: matches!(m.opt("expert_weights_norm"), Some(MetaValue::Bool(true))),
-                        gating,
-                        n_groups,
-                        n_groups_used,
-                    })
-                } else {
-                    None
-                };
+                let moe = moe_config(&m, Gating::Softmax, false)?;
                 (Some(mla), moe, qk_rope)
             }
         };
@@ -327,12 +351,13 @@ impl ModelConfig {
             }
             rope_scaling.freq_factors = true;
         }
-        if arch == Arch::Llama && (rope_dim % 2 != 0 || rope_dim > head_dim) {
+        if arch != Arch::Deepseek2 && (rope_dim % 2 != 0 || rope_dim > head_dim) {
             return Err(ConfigError::Bad {
                 key: m.key("rope.dimension_count"),
                 msg: format!("{rope_dim} is odd or larger than the head"),
             });
         }
+        let family = family_extras(&m, arch, n_layers, d_model, n_heads, rope_base)?;
         Ok(ModelConfig {
             arch,
             n_layers,
@@ -351,11 +376,125 @@ impl ModelConfig {
             moe,
             yarn,
             rope_scaling,
+            family,
         })
+    }
+
+    /// The paths a run of `n_tokens` cannot exercise, one sentence each, so a healthy verdict is
+    /// not mistaken for coverage: a sliding window the sequence never exceeds, MoE layers the
+    /// model never reaches (every layer a leading dense one). Empty when every path runs.
+    pub fn coverage_warnings(&self, n_tokens: usize) -> Vec<String> {
+        let mut out = Vec::new();
+        if let Some(w) = self.family.sliding_window {
+            if n_tokens <= w && self.family.swa_layers.iter().any(|&s| s) {
+                out.push(format!(
+                    "{n_tokens} tokens are within the sliding window of {w}: the sliding-window layers ran as full attention"
+                ));
+            }
+        }
+        if let Some(m) = &self.moe {
+            if m.n_dense_lead >= self.n_layers {
+                out.push(format!(
+                    "all {} layers are leading dense layers: no MoE layer was run",
+                    self.n_layers
+                ));
+            }
+        }
+        out
     }
 
     /// True when layer `layer_idx` routes through experts.
     pub fn is_moe_layer(&self, layer_idx: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| layer_idx >= m.n_dense_lead)
     }
+}
+
+/// The MoE block of a file (`None` without `expert_count`), with the gating and top-k
+/// renormalisation the architecture's loader defaults to.
+fn moe_config(m: &Meta, default_gating: Gating, force_norm: bool) -> Result<Option<MoeConfig>, ConfigError> {
+    let n_experts = m.usize_opt("expert_count")?.unwrap_or(0);
+    let moe = if n_experts > 0 {
+        let gating = match m.usize_opt("expert_gating_func")? {
+            None => default_gating,
+            Some(1) => Gating::Softmax,
+            Some(2) => Gating::Sigmoid,
+            Some(g) => {
+                return Err(ConfigError::Bad {
+                    key: m.key("expert_gating_func"),
+                    msg: format!("unknown gating {g}"),
+                })
+            }
+        };
+        let n_used = m.usize("expert_used_count")?;
+        let n_groups = m.usize_opt("expert_group_count")?.unwrap_or(1).max(1);
+        let n_groups_used = m.usize_opt("expert_group_used_count")?.unwrap_or(n_groups).max(1);
+        if n_used == 0 || n_used > n_experts || n_experts % n_groups != 0 || n_groups_used > n_groups {
+            return Err(ConfigError::Bad {
+                key: m.key("expert_used_count"),
+                msg: format!(
+                    "{n_used} of {n_experts} experts in {n_groups_used}/{n_groups} groups is not a valid routing"
+                ),
+            });
+        }
+        Some(MoeConfig {
+            n_experts,
+            n_used,
+            n_shared: m.usize_opt("expert_shared_count")?.unwrap_or(0),
+            expert_ffn: m.usize("expert_feed_forward_length")?,
+            n_dense_lead: m.usize_opt("leading_dense_block_count")?.unwrap_or(0),
+            weights_scale: m.f32_or("expert_weights_scale", 1.0)?,
+            weights_norm: force_norm || matches!(m.opt("expert_weights_norm"), Some(MetaValue::Bool(true))),
+            gating,
+            n_groups,
+            n_groups_used,
+        })
+    } else {
+        None
+    };
+    Ok(moe)
+}
+
+/// [`FamilyExtras`] of a file: sliding windows, soft-capping and gemma's attention scale.
+fn family_extras(
+    m: &Meta,
+    arch: Arch,
+    n_layers: usize,
+    d_model: usize,
+    n_heads: usize,
+    rope_base: f32,
+) -> Result<FamilyExtras, ConfigError> {
+    let mut f = FamilyExtras::default();
+    let cap = |k: &str| -> Result<Option<f32>, ConfigError> {
+        let v = m.f32_or(k, 0.0)?;
+        if v < 0.0 {
+            return Err(ConfigError::Bad {
+                key: m.key(k),
+                msg: format!("{v} must be >= 0"),
+            });
+        }
+        Ok((v > 0.0).then_some(v))
+    };
+    let (period, big_layers) = match arch {
+        Arch::Gemma2 => (2, 46),
+        Arch::Gemma3 => (6, 62),
+        Arch::GptOss => (2, 0),
+        _ => return Ok(f),
+    };
+    let window = match (arch, m.usize_opt("attention.sliding_window")?) {
+        (Arch::Gemma2, None) => Some(4096),
+        (_, w) => w.filter(|&w| w > 0),
+    };
+    if window.is_some() {
+        f.sliding_window = window;
+        f.swa_layers = (0..n_layers).map(|l| l % period < period - 1).collect();
+        f.rope_base_swa = m.f32_or("rope.freq_base_swa", rope_base)?;
+    }
+    if arch == Arch::Gemma2 {
+        f.attn_softcap = cap("attn_logit_softcapping")?;
+    }
+    f.final_softcap = cap("final_logit_softcapping")?;
+    if n_layers == big_layers {
+        f.attn_scale = Some(1.0 / ((d_model / n_heads) as f64).sqrt());
+    }
+    Ok(f)
 }

@@ -1,6 +1,19 @@
 //! The tap protocol: the one key type that names every probe point ([`TapKey`]), its printed
 //! form, and the two-phase [`Tap`] trait (`wants`, then `record`) that both the engine and the
 //! reference call, as ggml's eval callback does.
+//!
+//! **RoPE order per family** (what `q`/`k` taps hold, so candidate dumps compare without
+//! guesswork): llama/mistral GGUFs rotate llama.cpp's NORM pairs (2i, 2i+1): the converter
+//! permuted HF's q/k rows so that these pairs are HF's halves; deepseek2's MLA rope part is NORM
+//! pairs too. qwen2, qwen3, qwen3moe, glm4moe (its first `rope.dimension_count` values of each
+//! head only), gemma2 and gemma3 rotate NeoX halves (i, i + rope_dim/2), the q/k rows stored as
+//! HF has them, in both GGUF and HF-folder form.
+//!
+//! **Family sites:** qwen2/glm4moe's `q`/`k`/`v` include their biases; qwen3/qwen3moe/gemma3's
+//! `q`/`k` are after the per-head RMSNorm and RoPE. Gemma: `embed` is after the √d_model scale,
+//! `attn_proj` and `ffn_out` are after the post-attention / post-FFN norms (the values added to
+//! the residual), `ffn_gate`/`ffn_up` feed GELU-tanh, and `logits` are after the final-logit
+//! soft-capping (gemma2's attention soft-capping happens inside `attn_out`).
 
 use std::fmt;
 use std::str::FromStr;

@@ -1,6 +1,6 @@
 //! Nothing silently ignored: every tensor and every `{arch}.*` metadata key of every supported
-//! fixture (the synth presets, the real SmolLM2, the DeepSeek-V3 and Llama 3.1 conversions by
-//! llama.cpp's converter) is either used or knowingly skipped; an unknown one is refused, naming
+//! fixture (the synth presets, the real SmolLM2, the DeepSeek-V3, Llama 3.1, qwen2, qwen3,
+//! qwen3moe, glm4moe, gemma2, gemma3 and gpt-oss conversions by llama.cpp's converter) is either used or knowingly skipped; an unknown one is refused, naming
 //! it, unless `--allow-unknown` names it.
 
 use llmdiff_tests::fixtures::{golden, smollm2};
@@ -62,8 +62,18 @@ fn smollm2_is_fully_listed() {
 }
 
 #[test]
-fn converted_deepseek_v3_and_llama31_are_fully_listed() {
-    for f in ["deepseek-v3-tiny.f32.gguf", "llama31-tiny.f32.gguf"] {
+fn converted_fixtures_are_fully_listed() {
+    for f in [
+        "deepseek-v3-tiny.f32.gguf",
+        "llama31-tiny.f32.gguf",
+        "qwen2-tiny.f32.gguf",
+        "qwen3-tiny.f32.gguf",
+        "qwen3moe-tiny.f32.gguf",
+        "glm4moe-tiny.f32.gguf",
+        "gemma2-tiny.f32.gguf",
+        "gemma3-tiny.f32.gguf",
+        "gpt-oss-tiny.f32.gguf",
+    ] {
         assert_all_listed(&GgufFile::open(golden(f)).unwrap(), f);
     }
 }
@@ -101,7 +111,7 @@ fn an_unknown_key_or_tensor_is_refused_by_name() {
 fn unsupported_architecture_is_said_once() {
     let file = GgufFile::open(golden("llama31-tiny.f32.gguf")).unwrap();
     let mut h = file.header.clone();
-    h.metadata[0] = ("general.architecture".into(), MetaValue::String("qwen2".into()));
+    h.metadata[0] = ("general.architecture".into(), MetaValue::String("falcon".into()));
     assert_eq!(h.metadata[0].0, "general.architecture");
     let e = references::forward::ForwardError::from(ModelConfig::from_header(&h).unwrap_err());
     let chain = format!("{:#}", anyhow::Error::from(e));

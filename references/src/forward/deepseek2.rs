@@ -239,7 +239,7 @@ fn expert<'a>(r: &Reference<'a>, l: usize, e: usize, d: usize, eff: usize) -> Re
     ])
 }
 
-fn moe_ffn(
+pub(super) fn moe_ffn(
     r: &Reference,
     l: usize,
     moe: &MoeConfig,

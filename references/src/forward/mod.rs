@@ -1,5 +1,6 @@
-//! Reference forward passes for `llama` and `deepseek2` (MLA + MoE): one sequence, all
-//! positions at once, tapping every site in execution order.
+//! Reference forward passes for `llama`, `deepseek2` (MLA + MoE) and the GQA/MoE families
+//! (`qwen2`, `qwen3`, `qwen3moe`, `glm4moe`, `gemma2`, `gemma3`, `gpt-oss`; one file each, glm4moe reusing
+//! qwen's block): one sequence, all positions at once, tapping every site in execution order.
 //!
 //! Obviously correct before fast: f32 storage, f64 accumulation in dot products, norms and
 //! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
@@ -7,8 +8,12 @@
 //! so peak memory is the activations plus about one layer of the file, never the model in f32.
 
 mod deepseek2;
+mod gemma;
+mod glm4moe;
+mod gpt_oss;
 mod llama;
 pub mod ops;
+mod qwen;
 pub mod replay;
 
 use crate::config::{Arch, ModelConfig};
@@ -111,11 +116,20 @@ impl<'a> Reference<'a> {
         }
         let n = tokens.len();
         let mut x = self.embed(tokens)?;
+        if c.arch.is_gemma() {
+            // Gemma scales the embeddings by √d_model (the embed tap shows the scaled rows).
+            let s = (c.d_model as f64).sqrt();
+            x.iter_mut().for_each(|v| *v = (*v as f64 * s) as f32);
+        }
         emit(tap, TapKey::global(Site::Embed), &x, n);
         for layer_idx in 0..c.n_layers {
             x = match c.arch {
                 Arch::Llama => llama::layer(self, layer_idx, x, n, tap)?,
                 Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap)?,
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => qwen::layer(self, layer_idx, x, n, tap)?,
+                Arch::Glm4Moe => glm4moe::layer(self, layer_idx, x, n, tap)?,
+                Arch::Gemma2 | Arch::Gemma3 => gemma::layer(self, layer_idx, x, n, tap)?,
+                Arch::GptOss => gpt_oss::layer(self, layer_idx, x, n, tap)?,
             };
             let prefix = format!("blk.{layer_idx}.");
             self.file
@@ -126,7 +140,13 @@ impl<'a> Reference<'a> {
         }
         let h = ops::rms_norm(&x, c.d_model, &self.vector("output_norm.weight", c.d_model)?, c.rms_eps);
         emit(tap, TapKey::global(Site::OutputNorm), &h, n);
-        let logits = self.logits(&h, n)?;
+        let mut logits = self.logits(&h, n)?;
+        if let Some(cap) = c.family.final_softcap {
+            // Gemma's final-logit soft-capping (the logits tap shows the capped values).
+            logits
+                .iter_mut()
+                .for_each(|z| *z = ops::softcap(*z as f64, cap as f64) as f32);
+        }
         emit(tap, TapKey::global(Site::Logits), &logits, n);
         Ok(logits)
     }

@@ -252,6 +252,41 @@ pub fn rope_norm_scaled(
     }
 }
 
+/// RoPE, NeoX style (qwen, gemma, glm4moe, gpt-oss), in place on one row of heads: in each
+/// `head_dim` chunk, the first `n_dims` values rotate as halves, pair (i, i + n_dims/2) by
+/// pos·base^(−2i/n_dims); the rest of the head is left alone (glm4moe's partial rotary).
+pub fn rope_neox(row: &mut [f32], head_dim: usize, pos: usize, n_dims: usize, base: f32) {
+    let half = n_dims / 2;
+    let angles: Vec<(f64, f64)> = (0..half)
+        .map(|i| (pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64)).sin_cos())
+        .collect();
+    for head in row.chunks_mut(head_dim) {
+        for (i, &(sin, cos)) in angles.iter().enumerate() {
+            let (x0, x1) = (head[i] as f64, head[i + half] as f64);
+            head[i] = (x0 * cos - x1 * sin) as f32;
+            head[i + half] = (x0 * sin + x1 * cos) as f32;
+        }
+    }
+}
+
+/// Soft-capping `cap·tanh(x/cap)` (gemma2's attention scores and final logits).
+pub fn softcap(x: f64, cap: f64) -> f64 {
+    cap * (x / cap).tanh()
+}
+
+/// GELU, tanh approximation (gemma's `gelu_pytorch_tanh`).
+pub fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// gelu_tanh(gate) · up, elementwise (gemma's GeGLU FFN).
+pub fn geglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| (gelu_tanh(g as f64) * u as f64) as f32)
+        .collect()
+}
+
 /// Softmax in place over f64 scores.
 pub fn softmax(s: &mut [f64]) {
     let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -284,6 +319,7 @@ pub fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
 /// Causal multi-head attention over one sequence.
 /// `q [n, H·dk]`, `k [n, KVh·dk]`, `v [n, KVh·dv]`; query head h reads kv head h / (H / KVh).
 /// Returns `[n, H·dv]`.
+#[allow(clippy::too_many_arguments)]
 pub fn causal_attention(
     q: &[f32],
     k: &[f32],
@@ -295,21 +331,64 @@ pub fn causal_attention(
     dv: usize,
     scale: f64,
 ) -> Vec<f32> {
+    causal_attention_masked(q, k, v, n, n_heads, n_kv_heads, dk, dv, scale, AttnMask::default())
+}
+
+/// What [`causal_attention_masked`] adds to plain causal attention.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnMask<'a> {
+    /// Sliding window: position t attends to keys s with t − s < window.
+    pub window: Option<usize>,
+    /// Scores soft-capped `c·tanh(s/c)` after scaling, before the mask and softmax (gemma2).
+    pub softcap: Option<f64>,
+    /// Attention sinks, one logit per query head (gpt-oss): a key-less column in each head's
+    /// softmax that takes probability mass and contributes no value.
+    pub sinks: Option<&'a [f32]>,
+}
+
+/// [`causal_attention`] with a sliding window and score soft-capping.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_masked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f64,
+    mask: AttnMask,
+) -> Vec<f32> {
     let group = n_heads / n_kv_heads;
     let mut out = vec![0f32; n * n_heads * dv];
     out.par_chunks_mut(n_heads * dv).enumerate().for_each(|(t, out_t)| {
-        let mut scores = vec![0f64; t + 1];
+        let first = mask.window.map_or(0, |w| (t + 1).saturating_sub(w.max(1)));
+        let mut scores = vec![0f64; t + 1 - first];
         let mut acc = vec![0f64; dv];
         for h in 0..n_heads {
             let kvh = h / group;
             let qh = &q[(t * n_heads + h) * dk..(t * n_heads + h + 1) * dk];
-            for (s, score) in scores.iter_mut().enumerate() {
+            for (i, score) in scores.iter_mut().enumerate() {
+                let s = first + i;
                 let kh = &k[(s * n_kv_heads + kvh) * dk..(s * n_kv_heads + kvh + 1) * dk];
                 *score = dot64(qh, kh) * scale;
+                if let Some(c) = mask.softcap {
+                    *score = softcap(*score, c);
+                }
             }
-            softmax(&mut scores);
+            match mask.sinks {
+                None => softmax(&mut scores),
+                Some(sinks) => {
+                    let sink = sinks[h] as f64;
+                    let max = scores.iter().copied().fold(sink, f64::max);
+                    let sum = scores.iter().map(|s| (s - max).exp()).sum::<f64>() + (sink - max).exp();
+                    scores.iter_mut().for_each(|s| *s = (*s - max).exp() / sum);
+                }
+            }
             acc.iter_mut().for_each(|a| *a = 0.0);
-            for (s, &p) in scores.iter().enumerate() {
+            for (i, &p) in scores.iter().enumerate() {
+                let s = first + i;
                 let vh = &v[(s * n_kv_heads + kvh) * dv..(s * n_kv_heads + kvh + 1) * dv];
                 for (a, &x) in acc.iter_mut().zip(vh) {
                     *a += p * x as f64;
@@ -409,6 +488,39 @@ mod tests {
         let mut z = vec![1.0f32, 2.0];
         rope_norm(&mut z, 2, 0, 0, 2, 10000.0);
         assert_eq!(z, vec![1.0, 2.0]);
+    }
+
+    #[test]
+    fn neox_rotates_halves() {
+        // One head of 6, 4 rotated: pairs (0, 2) at angle 3 and (1, 3) at 3/100; 4 and 5 untouched.
+        let mut v = vec![1.0f32, 1.0, 0.0, 0.0, 7.0, 8.0];
+        rope_neox(&mut v, 6, 3, 4, 10000.0);
+        assert!((v[0] - 3f32.cos()).abs() < 1e-6 && (v[2] - 3f32.sin()).abs() < 1e-6);
+        assert!((v[1] - 0.03f32.cos()).abs() < 1e-6 && (v[3] - 0.03f32.sin()).abs() < 1e-6);
+        assert_eq!(&v[4..], &[7.0, 8.0]);
+    }
+
+    #[test]
+    fn window_of_one_copies_each_value() {
+        let (q, k) = (vec![0.3f32, -0.2, 0.5], vec![0.1f32, 0.4, -0.7]);
+        let v = vec![1.5f32, -2.0, 4.0];
+        let mask = AttnMask {
+            window: Some(1),
+            softcap: Some(1.0),
+            sinks: None,
+        };
+        // A sink of logit 0 beside one key of logit 0 halves that key's weight.
+        let sinks = [0.0f32];
+        let half = AttnMask {
+            sinks: Some(&sinks),
+            ..AttnMask::default()
+        };
+        assert_eq!(
+            causal_attention_masked(&[0.0], &[0.0], &[3.0], 1, 1, 1, 1, 1, 1.0, half),
+            vec![1.5]
+        );
+        assert_eq!(causal_attention_masked(&q, &k, &v, 3, 1, 1, 1, 1, 1.0, mask), v);
+        assert!((softcap(100.0, 5.0) - 5.0).abs() < 1e-9 && (gelu_tanh(0.0)).abs() < 1e-12);
     }
 
     #[test]

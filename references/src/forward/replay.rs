@@ -216,6 +216,13 @@ impl Reference<'_> {
                 _ => None,
             });
         };
+        // The GQA/MoE families share only the residual adds and the attention norm with the
+        // llama/deepseek2 ops below (their FFN norm, post-norms, biases and RoPE differ).
+        if !matches!(c.arch, Arch::Llama | Arch::Deepseek2)
+            && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
+        {
+            return Ok(None);
+        }
         let at = |s: Site| inputs(&TapKey::layer(l, s));
         let resid_in = || {
             if l == 0 {
