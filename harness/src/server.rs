@@ -8,10 +8,11 @@
 //! its `tls` feature: rustls (pure Rust, no system OpenSSL) with the webpki root certificates, so
 //! `https://` deployments work on any machine.
 //!
-//! Time limits: `timeout` is each request's own, counted from when it is sent; a request sent while
-//! `k - 1` others are already in flight gets `k × timeout`, since a server that serves one request
-//! at a time (llama-cpp-python) works through those first and the time queued behind them is not
-//! the request's own. The optional `deadline` bounds the whole run: every request's limit, every
+//! Time limits: `timeout` is each request's own, counted from when it is sent (not from when it
+//! was queued in the client); with `k` requests in flight at once (the concurrency, at most the
+//! prompt count) each gets `k × timeout`, since a server that serves one request at a time
+//! (llama-cpp-python) may answer every other one of ours first, in any order, and the time queued
+//! behind them is not the request's own. The optional `deadline` bounds the whole run: every request's limit, every
 //! retry and every backoff stops there, so a hung server costs at most the deadline.
 
 use anyhow::{anyhow, bail};
@@ -367,11 +368,11 @@ fn deadline_error(o: &ServerOptions, last: &str) -> String {
     )
 }
 
-/// The limit of one request sent while `ahead` others are in flight: its own `timeout` plus one
-/// `timeout` per request ahead of it (a server serving one at a time answers those first), cut at
-/// the deadline.
-pub fn request_limit(o: &ServerOptions, ahead: usize) -> Duration {
-    let own = o.timeout.saturating_mul(u32::try_from(ahead + 1).unwrap_or(u32::MAX));
+/// The limit of one request while `workers` of ours are in flight at once: its own `timeout` plus
+/// one `timeout` per other request (a server serving one at a time may answer all of those first;
+/// which ones it takes first is its choice, not the send order), cut at the deadline.
+pub fn request_limit(o: &ServerOptions, workers: usize) -> Duration {
+    let own = o.timeout.saturating_mul(u32::try_from(workers.max(1)).unwrap_or(u32::MAX));
     match left(o) {
         Some(l) => own.min(l),
         None => own,
@@ -383,15 +384,13 @@ fn attempt(
     o: &ServerOptions,
     url: &str,
     body: &Value,
-    in_flight: &AtomicUsize,
+    workers: usize,
 ) -> Result<Completion, Attempt> {
     let mut url = url.to_string();
     let mut hops = 0;
     let sent = loop {
-        let ahead = in_flight.fetch_add(1, Ordering::SeqCst);
-        let limit = request_limit(o, ahead);
+        let limit = request_limit(o, workers);
         if limit.is_zero() {
-            in_flight.fetch_sub(1, Ordering::SeqCst);
             return Err(Attempt::Fatal(deadline_error(o, "")));
         }
         let mut req = agent.post(&url).timeout(limit).set("Content-Type", "application/json");
@@ -401,7 +400,6 @@ fn attempt(
             req = req.set("Authorization", &format!("Basic {}", base64(b.as_bytes())));
         }
         let r = req.send_string(&body.to_string());
-        in_flight.fetch_sub(1, Ordering::SeqCst);
         // Redirects are followed here, not by ureq: only within the origin the credentials and
         // the API key were given for (a 307/308 keeps the POST and its body).
         match &r {
@@ -469,14 +467,14 @@ fn complete_one(
     agent: &ureq::Agent,
     o: &ServerOptions,
     prompt: &PromptBody,
-    in_flight: &AtomicUsize,
+    workers: usize,
 ) -> anyhow::Result<Completion> {
     let url = endpoint(&o.url);
     let body = request_body(o, prompt);
     let mut wait = o.backoff;
     let mut tries = 0u32;
     loop {
-        match attempt(agent, o, &url, &body, in_flight) {
+        match attempt(agent, o, &url, &body, workers) {
             Ok(c) => return Ok(c),
             Err(Attempt::Fatal(m)) => bail!("{url}: {m}"),
             Err(Attempt::Retry(m)) if left(o).is_some_and(|l| l <= wait) => {
@@ -506,7 +504,6 @@ pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result
         .timeout_connect(o.timeout.min(Duration::from_secs(10)))
         .build();
     let next = AtomicUsize::new(0);
-    let in_flight = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<anyhow::Result<Completion>>>> =
         Mutex::new((0..prompts.len()).map(|_| None).collect());
     let workers = o.concurrency.clamp(1, prompts.len().max(1));
@@ -517,7 +514,7 @@ pub fn complete_all(o: &ServerOptions, prompts: &[PromptBody]) -> anyhow::Result
                 if i >= prompts.len() {
                     break;
                 }
-                let r = complete_one(&agent, o, &prompts[i], &in_flight);
+                let r = complete_one(&agent, o, &prompts[i], workers);
                 let failed = r.is_err();
                 if let Ok(mut g) = results.lock() {
                     g[i] = Some(r);
