@@ -129,6 +129,18 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Refuses the architectures the TP engine does not run yet (the DSA families: their lightning
+/// indexer and sparse attention are in the reference only), naming what works instead.
+pub fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
+    if c.indexer.is_some() {
+        return Err(EngineError::Unsupported(format!(
+            "the TP engine does not run {} (DSA sparse attention) yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
+            c.arch.name()
+        )));
+    }
+    Ok(())
+}
+
 /// Refuses configs whose dims would make a kernel divide by zero or index nothing.
 fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
     let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
@@ -211,6 +223,7 @@ impl Engine {
     /// Loads `file` sharded over `opts.tp` ranks, with `opts.faults` injected.
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let config = ModelConfig::from_header(&file.header)?;
+        check_arch(&config)?;
         check_shapes(&config)?;
         let backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),

@@ -15,6 +15,7 @@ pub mod kernel_trace;
 pub mod logprobs;
 pub mod output;
 pub mod runner;
+pub mod selection;
 pub mod server;
 pub mod server_view;
 pub mod slice;

@@ -8,7 +8,7 @@ pub enum ConfigError {
     Missing(String),
     #[error("metadata key {key}: {msg}")]
     Bad { key: String, msg: String },
-    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2 and other dense GQA models in the llama layout) and deepseek2 (DeepSeek-V2/V3-style MLA + MoE)")]
+    #[error("unsupported architecture {0:?}: llmdiff runs llama (Llama 2/3/3.1+, SmolLM2 and other dense GQA models in the llama layout) deepseek2 (DeepSeek-V2/V3-style MLA + MoE), deepseek32 (DeepSeek-V3.2) and glm-dsa (GLM-5)")]
     UnsupportedArch(String),
     #[error("unknown {what} {name:?} in a {arch} file{note}: llmdiff cannot tell whether it changes the model (--allow-unknown {name} runs anyway, at your risk)")]
     Unknown {
@@ -24,6 +24,11 @@ pub enum ConfigError {
 pub enum Arch {
     Llama,
     Deepseek2,
+    /// DeepSeek-V3.2: deepseek2's MLA + MoE plus the DSA lightning indexer (NeoX-RoPE indexer).
+    Deepseek32,
+    /// GLM-5 (`glm-dsa`): as deepseek32 with an interleaved-RoPE indexer and `shared` indexer
+    /// layers that reuse the previous `full` layer's selection.
+    GlmDsa,
 }
 
 impl Arch {
@@ -31,6 +36,18 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Deepseek2 => "deepseek2",
+            Arch::Deepseek32 => "deepseek32",
+            Arch::GlmDsa => "glm-dsa",
         }
+    }
+
+    /// True for the MLA + MoE families (deepseek2 and the DSA ones built on it).
+    pub fn is_mla(self) -> bool {
+        matches!(self, Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa)
+    }
+
+    /// True for the families with the DSA lightning indexer.
+    pub fn has_indexer(self) -> bool {
+        matches!(self, Arch::Deepseek32 | Arch::GlmDsa)
     }
 }

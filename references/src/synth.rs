@@ -66,6 +66,7 @@ fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: us
         moe: None,
         yarn: None,
         rope_scaling: Default::default(),
+        indexer: None,
     }
 }
 
@@ -173,6 +174,7 @@ pub fn deepseek2(
         moe: Some(moe),
         yarn: None,
         rope_scaling: Default::default(),
+        indexer: None,
     }
 }
 

@@ -1,5 +1,6 @@
-//! Reference forward passes for `llama` and `deepseek2` (MLA + MoE): one sequence, all
-//! positions at once, tapping every site in execution order.
+//! Reference forward passes for `llama`, `deepseek2` (MLA + MoE) and the DSA families
+//! `deepseek32` / `glm-dsa` (deepseek2 plus the lightning indexer and sparse attention, `dsa.rs`):
+//! one sequence, all positions at once, tapping every site in execution order.
 //!
 //! Obviously correct before fast: f32 storage, f64 accumulation in dot products, norms and
 //! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
@@ -7,6 +8,7 @@
 //! so peak memory is the activations plus about one layer of the file, never the model in f32.
 
 mod deepseek2;
+pub mod dsa;
 mod llama;
 pub mod ops;
 pub mod replay;
@@ -111,11 +113,13 @@ impl<'a> Reference<'a> {
         }
         let n = tokens.len();
         let mut x = self.embed(tokens)?;
+        let mut dsa_state = dsa::DsaState::default();
         emit(tap, TapKey::global(Site::Embed), &x, n);
         for layer_idx in 0..c.n_layers {
             x = match c.arch {
                 Arch::Llama => llama::layer(self, layer_idx, x, n, tap)?,
-                Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap)?,
+                Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap, None)?,
+                Arch::Deepseek32 | Arch::GlmDsa => deepseek2::layer(self, layer_idx, x, n, tap, Some(&mut dsa_state))?,
             };
             let prefix = format!("blk.{layer_idx}.");
             self.file

@@ -85,7 +85,16 @@ impl Reference<'_> {
                     ))
                 }
                 (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => {
-                    at(Site::KPe).map(|k_pe| deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n))
+                    at(Site::KPe).map(|k_pe| deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n, None))
+                }
+                // DSA: the attention is replayed on the recorded selection (the candidate's own
+                // indices), so it is judged apart from the indexer.
+                (Arch::Deepseek32 | Arch::GlmDsa, Some(q), Some(k_nope), Some(v)) => {
+                    match (at(Site::KPe), at(Site::IndexerTopk)) {
+                        (Some(k_pe), Some(sel)) => super::dsa::selection_from_tap(&sel, n)
+                            .map(|keys| deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n, Some(&keys))),
+                        _ => None,
+                    }
                 }
                 _ => None,
             },
