@@ -385,7 +385,8 @@ mod tests {
     #[test]
     fn taps_parse_with_padding() {
         // n = 3, top_k 2: scores [3, 3] row-major with zeros past the query.
-        let sc = [1.0, 0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 1.0, 2.0];
+        // Row 2: key 2 (2.9) is far above the cut-off 1.45, key 1 (0.0) far below.
+        let sc = [1.0, 0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 0.0, 2.9];
         let ok = compare_taps(&sc, &[0.0, -1.0, 0.0, 1.0, 0.0, 2.0], 3, 2, &Rule::default());
         assert!(ok.agrees);
         let bad = compare_taps(&sc, &[0.0, -1.0, 0.0, 1.0, 0.0, 1.0], 3, 2, &Rule::default());
