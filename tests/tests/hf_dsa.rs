@@ -18,7 +18,7 @@ use serde_json::Value;
 /// with the indexer's top_k replaced by `top_k` when given.
 fn compare(model: &str, golden_file: &str, field: &str, top_k: Option<usize>) -> (f64, usize, usize) {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(golden(golden_file)).unwrap()).unwrap();
-    let file = GgufFile::open(&golden(model)).unwrap();
+    let file = GgufFile::open(golden(model)).unwrap();
     let mut r = Reference::new(&file).unwrap();
     if let Some(k) = top_k {
         r.config.indexer.as_mut().unwrap().top_k = k;
@@ -86,12 +86,12 @@ fn glm_dsa_tiny_reference_matches_hf_fp32_sparse_and_dense() {
 
 #[test]
 fn dsa_configs_read_the_indexer_and_its_layer_types() {
-    let f = GgufFile::open(&golden("glm-dsa-tiny.f32.gguf")).unwrap();
+    let f = GgufFile::open(golden("glm-dsa-tiny.f32.gguf")).unwrap();
     let ix = Reference::new(&f).unwrap().config.indexer.unwrap();
     assert_eq!((ix.n_heads, ix.head_dim, ix.top_k), (8, 32, 3));
     assert_eq!(ix.full, vec![true, false, true, false]);
     assert!(!ix.rope_neox, "glm-dsa's indexer RoPE is interleaved");
-    let f = GgufFile::open(&golden("deepseek32-tiny.f32.gguf")).unwrap();
+    let f = GgufFile::open(golden("deepseek32-tiny.f32.gguf")).unwrap();
     let ix = Reference::new(&f).unwrap().config.indexer.unwrap();
     assert_eq!(ix.top_k, 4);
     assert!(ix.full.iter().all(|&x| x) && ix.rope_neox);
@@ -102,7 +102,7 @@ fn dsa_configs_read_the_indexer_and_its_layer_types() {
 /// selection agrees, one shifted by a key diverges.
 #[test]
 fn indexer_taps_and_the_selection_rule_on_them() {
-    let f = GgufFile::open(&golden("glm-dsa-tiny.f32.gguf")).unwrap();
+    let f = GgufFile::open(golden("glm-dsa-tiny.f32.gguf")).unwrap();
     let r = Reference::new(&f).unwrap();
     let tokens: Vec<u32> = (0..20u32).map(|i| (i * 37 + 5) % 400).collect();
     let n = tokens.len();
@@ -131,7 +131,7 @@ fn indexer_taps_and_the_selection_rule_on_them() {
 
 #[test]
 fn the_engine_refuses_dsa_models_in_one_line_naming_what_works() {
-    let f = GgufFile::open(&golden("glm-dsa-tiny.f32.gguf")).unwrap();
+    let f = GgufFile::open(golden("glm-dsa-tiny.f32.gguf")).unwrap();
     let err = match engine::engine::Engine::load(&f, engine::engine::EngineOptions::default()) {
         Ok(_) => panic!("the engine loaded a glm-dsa model"),
         Err(e) => e.to_string(),
