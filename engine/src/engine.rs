@@ -139,17 +139,22 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// Refuses the architectures the TP engine does not run yet (all but llama and deepseek2: the
+/// GQA/MoE families and the DSA ones are in the reference only), naming what works instead.
+fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
+    use references::config::Arch;
+    if matches!(c.arch, Arch::Llama | Arch::Deepseek2) {
+        return Ok(());
+    }
+    let what = if c.indexer.is_some() { " (DSA sparse attention)" } else { "" };
+    Err(EngineError::Unsupported(format!(
+        "the TP engine does not run {}{what} yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
+        c.arch.name()
+    )))
+}
+
 /// Refuses configs whose dims would make a kernel divide by zero or index nothing.
 fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
-    if !matches!(
-        c.arch,
-        references::config::Arch::Llama | references::config::Arch::Deepseek2
-    ) {
-        return Err(EngineError::Unsupported(format!(
-            "the TP engine does not run {} models yet; for them use `--backend reference`, `--candidate` or `entropy --server`",
-            c.arch.name()
-        )));
-    }
     let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
     match &c.mla {
         None => zero.push(("head dim (embedding_length / head_count)", c.head_dim)),
@@ -239,6 +244,7 @@ impl Engine {
     /// Loads `file` sharded over `opts.tp` ranks, with `opts.faults` injected.
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let config = ModelConfig::from_header(&file.header)?;
+        check_arch(&config)?;
         check_shapes(&config)?;
         let mut backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),

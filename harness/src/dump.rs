@@ -268,6 +268,7 @@ impl Dump {
                 .is_some_and(|l| c.moe.as_ref().is_some_and(|m| l as usize >= m.n_dense_lead));
             let has = match key.site {
                 Site::QA | Site::KvLatent | Site::KPe => mla,
+                Site::IndexerScore | Site::IndexerTopk => c.indexer.is_some(),
                 Site::MoeLogits | Site::MoeTopk => moe_layer,
                 Site::FfnGate | Site::FfnUp => !moe_layer,
                 _ => true,

@@ -18,6 +18,7 @@ pub mod logprobs;
 pub mod noise;
 pub mod output;
 pub mod runner;
+pub mod selection;
 pub mod server;
 pub mod server_view;
 pub mod slice;

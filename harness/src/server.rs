@@ -372,7 +372,9 @@ fn deadline_error(o: &ServerOptions, last: &str) -> String {
 /// one `timeout` per other request (a server serving one at a time may answer all of those first;
 /// which ones it takes first is its choice, not the send order), cut at the deadline.
 pub fn request_limit(o: &ServerOptions, workers: usize) -> Duration {
-    let own = o.timeout.saturating_mul(u32::try_from(workers.max(1)).unwrap_or(u32::MAX));
+    let own = o
+        .timeout
+        .saturating_mul(u32::try_from(workers.max(1)).unwrap_or(u32::MAX));
     match left(o) {
         Some(l) => own.min(l),
         None => own,

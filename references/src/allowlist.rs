@@ -203,6 +203,23 @@ const GPT_OSS_USED: &[&str] = &[
     "vocab_size",
 ];
 
+/// deepseek32 / glm-dsa: deepseek2's keys plus the DSA indexer's.
+const DSA_EXTRA_USED: &[&str] = &[
+    "attention.indexer.head_count",
+    "attention.indexer.key_length",
+    "attention.indexer.top_k",
+    "attention.indexer.types",
+];
+
+/// The DSA indexer's tensors (glm-dsa's `shared` indexer layers carry none).
+const DSA_BLOCK_TENSORS: &[&str] = &[
+    "indexer.k_norm.weight",
+    "indexer.k_norm.bias",
+    "indexer.proj.weight",
+    "indexer.attn_k.weight",
+    "indexer.attn_q_b.weight",
+];
+
 /// `{arch}.` keys knowingly ignored, per architecture, with the reason.
 const LLAMA_SKIPPED: &[(&str, &str)] = &[
     (
@@ -379,6 +396,8 @@ pub fn arch_of(h: &GgufHeader) -> Result<Arch, ConfigError> {
         "gemma2" => Ok(Arch::Gemma2),
         "gemma3" => Ok(Arch::Gemma3),
         "gpt-oss" => Ok(Arch::GptOss),
+        "deepseek32" => Ok(Arch::Deepseek32),
+        "glm-dsa" => Ok(Arch::GlmDsa),
         other => Err(ConfigError::UnsupportedArch(other.to_string())),
     }
 }
@@ -391,13 +410,16 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     };
     let (used, skipped) = match arch {
         Arch::Llama => (LLAMA_USED, LLAMA_SKIPPED),
-        Arch::Deepseek2 => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
+        Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
         Arch::Qwen2 | Arch::Qwen3 => (QWEN_USED, &[][..]),
         Arch::Qwen3Moe => (QWEN3MOE_USED, &[][..]),
         Arch::Glm4Moe => (GLM4MOE_USED, DEEPSEEK2_SKIPPED),
         Arch::Gemma2 | Arch::Gemma3 => (GEMMA_USED, &[][..]),
         Arch::GptOss => (GPT_OSS_USED, &[][..]),
     };
+    if arch.has_indexer() && DSA_EXTRA_USED.contains(&suffix) {
+        return Role::Used;
+    }
     if let Some((_, why)) = skipped.iter().find(|(k, _)| *k == suffix) {
         return Role::Skipped(why);
     }
@@ -407,7 +429,7 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     // deepseek2's YaRN: the reference applies its attention scale (mscale, from the factor and
     // the log multiplier) but not its frequency interpolation, so a scaling type other than
     // "none" is not honoured (one `--allow-unknown deepseek2.rope.scaling.type` runs it anyway).
-    if arch == Arch::Deepseek2 && suffix.starts_with("rope.scaling.") {
+    if arch.is_mla() && suffix.starts_with("rope.scaling.") {
         return match suffix {
             "rope.scaling.type" if value.as_str() == Some("none") => Role::Used,
             "rope.scaling.type" => {
@@ -469,7 +491,7 @@ pub fn classify_tensor(arch: Arch, block_count: usize, n_layers: usize, name: &s
     }
     let block = match arch {
         Arch::Llama => LLAMA_BLOCK_TENSORS,
-        Arch::Deepseek2 => DEEPSEEK2_BLOCK_TENSORS,
+        Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa => DEEPSEEK2_BLOCK_TENSORS,
         // The dense qwens stop before the router and experts.
         Arch::Qwen2 | Arch::Qwen3 => &QWEN_BLOCK_TENSORS[..14],
         Arch::Qwen3Moe => QWEN_BLOCK_TENSORS,
@@ -477,10 +499,10 @@ pub fn classify_tensor(arch: Arch, block_count: usize, n_layers: usize, name: &s
         Arch::Gemma2 | Arch::Gemma3 => GEMMA_BLOCK_TENSORS,
         Arch::GptOss => GPT_OSS_BLOCK_TENSORS,
     };
-    if block.contains(&tail) {
+    if block.contains(&tail) || (arch.has_indexer() && DSA_BLOCK_TENSORS.contains(&tail)) {
         return Role::Used;
     }
-    if arch == Arch::Deepseek2 && tail == "attn_kv_b.weight" {
+    if arch.is_mla() && tail == "attn_kv_b.weight" {
         return Role::Skipped("the same weights as attn_k_b and attn_v_b, which are used");
     }
     Role::Unknown("")
@@ -501,7 +523,7 @@ pub fn layer_counts(h: &GgufHeader, arch: Arch) -> (usize, usize) {
             .map_or(0, |v| v.min(u32::MAX as u64) as usize)
     };
     let blocks = get("block_count");
-    let nextn = if matches!(arch, Arch::Deepseek2 | Arch::Glm4Moe) {
+    let nextn = if arch.is_mla() || arch == Arch::Glm4Moe {
         get("nextn_predict_layers")
     } else {
         0

@@ -42,6 +42,24 @@ pub struct MoeConfig {
     pub n_groups_used: usize,
 }
 
+/// The DSA lightning indexer (deepseek32, glm-dsa): per query, score every causal key with
+/// `Σ_h w_h·relu(q_h·k)` (q from q_b on the normed q_a, one LayerNorm'd key per token, w from
+/// weights_proj, scaled 1/sqrt(head_dim·n_heads)) and attend only to the `top_k` best.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexerConfig {
+    pub n_heads: usize,
+    pub head_dim: usize,
+    pub top_k: usize,
+    /// Per layer: true for a `full` indexer layer, false for a `shared` one that reuses the
+    /// previous full layer's selection (GLM-5.x; all full when the file has no types array).
+    pub full: Vec<bool>,
+    /// RoPE on the first rope-dim entries of each indexer head: NeoX halves (deepseek32) or
+    /// interleaved pairs (glm-dsa), as llama-cpp-python 0.3.36's vendored llama.cpp builds them.
+    pub rope_neox: bool,
+    /// The key LayerNorm's epsilon (1e-6, HF's value; llama.cpp's deepseek32 loader fixes it too).
+    pub k_norm_eps: f32,
+}
+
 /// YaRN rope scaling (DeepSeek-V2/V3 long-context variants).
 #[derive(Clone, Debug, PartialEq)]
 pub struct YarnConfig {
@@ -131,6 +149,8 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// The GQA/MoE families' extras (default for llama and deepseek2).
     pub family: FamilyExtras,
+    /// The DSA indexer (deepseek32, glm-dsa); `None` for the other families.
+    pub indexer: Option<IndexerConfig>,
 }
 
 struct Meta<'a> {
@@ -187,7 +207,9 @@ impl ModelConfig {
         let block_count = m.usize("block_count")?;
         // deepseek2 files may append the MTP/nextn block(s) after the model's layers.
         let nextn = match arch {
-            Arch::Deepseek2 | Arch::Glm4Moe => m.usize_opt("nextn_predict_layers")?.unwrap_or(0),
+            Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa | Arch::Glm4Moe => {
+                m.usize_opt("nextn_predict_layers")?.unwrap_or(0)
+            }
             _ => 0,
         };
         if nextn >= block_count && block_count > 0 {
@@ -270,7 +292,7 @@ impl ModelConfig {
                 moe_config(&m, Gating::Sigmoid, false)?,
                 m.usize_opt("rope.dimension_count")?.unwrap_or(head_dim),
             ),
-            Arch::Deepseek2 => {
+            Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa => {
                 let qk_rope = m.usize("rope.dimension_count")?;
                 let qk_head = match m.usize_opt("attention.key_length_mla")? {
                     Some(k) => k,
@@ -295,7 +317,13 @@ impl ModelConfig {
                     qk_rope,
                     v_head_dim,
                 };
-                let moe = moe_config(&m, Gating::Softmax, false)?;
+                // llama.cpp's glm-dsa loader defaults to sigmoid gating.
+                let gating = if arch == Arch::GlmDsa {
+                    Gating::Sigmoid
+                } else {
+                    Gating::Softmax
+                };
+                let moe = moe_config(&m, gating, false)?;
                 (Some(mla), moe, qk_rope)
             }
         };
@@ -315,7 +343,7 @@ impl ModelConfig {
         let mut rope_scaling = RopeScaling::default();
         let yarn = match (scaling_type, arch) {
             (None | Some("none"), _) => None,
-            (Some("yarn"), Arch::Deepseek2) => Some(YarnConfig {
+            (Some("yarn"), a) if a.is_mla() => Some(YarnConfig {
                 factor: m.f32_or("rope.scaling.factor", 1.0)?,
                 original_context: m
                     .usize_opt("rope.scaling.original_context_length")?
@@ -358,6 +386,11 @@ impl ModelConfig {
             });
         }
         let family = family_extras(&m, arch, n_layers, d_model, n_heads, rope_base)?;
+        let indexer = if arch.has_indexer() {
+            Some(indexer_config(&m, arch, n_layers, rope_dim)?)
+        } else {
+            None
+        };
         Ok(ModelConfig {
             arch,
             n_layers,
@@ -377,6 +410,7 @@ impl ModelConfig {
             yarn,
             rope_scaling,
             family,
+            indexer,
         })
     }
 
@@ -407,6 +441,53 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, layer_idx: usize) -> bool {
         self.moe.as_ref().is_some_and(|m| layer_idx >= m.n_dense_lead)
     }
+}
+
+/// The DSA indexer of a deepseek32 / glm-dsa file (`{arch}.attention.indexer.*`).
+fn indexer_config(m: &Meta, arch: Arch, n_layers: usize, rope_dim: usize) -> Result<IndexerConfig, ConfigError> {
+    let n_heads = m.usize("attention.indexer.head_count")?;
+    let head_dim = m.usize("attention.indexer.key_length")?;
+    let top_k = m.usize("attention.indexer.top_k")?;
+    if n_heads == 0 || top_k == 0 || head_dim < rope_dim {
+        return Err(ConfigError::Bad {
+            key: m.key("attention.indexer.key_length"),
+            msg: format!("{n_heads} heads of {head_dim} (rope {rope_dim}), top_k {top_k}: not a valid indexer"),
+        });
+    }
+    let full = match m.opt("attention.indexer.types") {
+        None => vec![true; n_layers],
+        Some(v) => {
+            let bad = |msg: String| ConfigError::Bad {
+                key: m.key("attention.indexer.types"),
+                msg,
+            };
+            let items = v.as_array().ok_or_else(|| bad(format!("expected an array, got {v}")))?;
+            let mut full = Vec::with_capacity(n_layers);
+            for it in items.iter().take(n_layers) {
+                full.push(match it {
+                    MetaValue::Bool(b) => *b,
+                    other => other.as_u64().ok_or_else(|| bad(format!("bad entry {other}")))? != 0,
+                });
+            }
+            if full.len() < n_layers {
+                return Err(bad(format!("{} entries for {n_layers} layers", full.len())));
+            }
+            if full.first() == Some(&false) {
+                return Err(bad(
+                    "layer 0 is `shared`: there is no earlier full layer to reuse".into()
+                ));
+            }
+            full
+        }
+    };
+    Ok(IndexerConfig {
+        n_heads,
+        head_dim,
+        top_k,
+        full,
+        rope_neox: arch == Arch::Deepseek32,
+        k_norm_eps: 1e-6,
+    })
 }
 
 /// The MoE block of a file (`None` without `expert_count`), with the gating and top-k

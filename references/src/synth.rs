@@ -67,6 +67,7 @@ fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: us
         yarn: None,
         rope_scaling: Default::default(),
         family: Default::default(),
+        indexer: None,
     }
 }
 
@@ -175,6 +176,7 @@ pub fn deepseek2(
         yarn: None,
         rope_scaling: Default::default(),
         family: Default::default(),
+        indexer: None,
     }
 }
 

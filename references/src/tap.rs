@@ -127,6 +127,17 @@ pub enum Site {
     AttnNorm,
     /// MLA: q_a projection output before its norm `[n, q_lora]`.
     QA,
+    /// DSA lightning indexer (deepseek32, glm-dsa `full` layers): the index score of every key
+    /// for every query `[n, n]`, row t = query t, column s = key s, `Σ_h w_h·relu(q_h·k_s)` with
+    /// w = weights_proj(x)/sqrt(head_dim·n_heads); keys after the query (s > t) hold 0 (not
+    /// scored). Indexer RoPE (on the first rope-dim entries of each head; q_b's heads and the
+    /// key are `[rope | nope]`): NeoX halves for deepseek32, interleaved pairs for glm-dsa, as
+    /// llama-cpp-python 0.3.36's vendored llama.cpp builds them.
+    IndexerScore,
+    /// DSA: the key positions query t attends to, ascending, as f32 `[n, top_k]`; rows of
+    /// queries with fewer than top_k causal keys are padded with −1. A glm-dsa `shared` layer
+    /// records the selection it reuses from the previous `full` layer.
+    IndexerTopk,
     /// Queries after RoPE: llama `[n, H·hd]`; MLA `[n, H·(nope+rope)]`, per head `[q_nope | q_pe]`.
     Q,
     /// MLA: the latent after kv_a_norm `[n, kv_lora]`.
@@ -166,10 +177,12 @@ pub enum Site {
 
 impl Site {
     /// Every activation site (weights excluded), in execution order.
-    pub const ACTIVATIONS: [Site; 20] = [
+    pub const ACTIVATIONS: [Site; 22] = [
         Site::Embed,
         Site::AttnNorm,
         Site::QA,
+        Site::IndexerScore,
+        Site::IndexerTopk,
         Site::Q,
         Site::KvLatent,
         Site::KPe,
@@ -203,6 +216,8 @@ impl Site {
             Site::Weight(_) => "w",
             Site::AttnNorm => "attn_norm",
             Site::QA => "q_a",
+            Site::IndexerScore => "indexer_score",
+            Site::IndexerTopk => "indexer_topk",
             Site::Q => "q",
             Site::KvLatent => "kv_latent",
             Site::KPe => "k_pe",

@@ -6,19 +6,21 @@ use super::{dense_ffn, emit, emit_weight, linear, ops, swiglu_ffn, ForwardError,
 use crate::config::{Gating, MoeConfig};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
 
+/// One block; `dsa` is the DSA indexer state for deepseek32 / glm-dsa (`None` for deepseek2).
 pub(super) fn layer(
     r: &Reference,
     l: usize,
     x: Vec<f32>,
     n: usize,
     tap: &mut dyn Tap,
+    dsa: Option<&mut super::dsa::DsaState>,
 ) -> Result<Vec<f32>, ForwardError> {
     let c = &r.config;
     let d = c.d_model;
     let name = |s: &str| format!("blk.{l}.{s}.weight");
     let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
     emit(tap, TapKey::layer(l, Site::AttnNorm), &h, n);
-    let attn = mla(r, l, &h, n, tap)?;
+    let attn = mla(r, l, &h, n, tap, dsa)?;
     let wo = r.matrix(&name("attn_output"), d, attn.len() / n)?;
     emit_weight(tap, l, WeightKind::O, &wo);
     let proj = linear(&attn, n, &wo);
@@ -68,7 +70,14 @@ pub fn reassemble_kv_b(
 }
 
 /// Multi-head latent attention; returns the attention output `[n, H·v]` (before o_proj).
-fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+fn mla(
+    r: &Reference,
+    l: usize,
+    h: &[f32],
+    n: usize,
+    tap: &mut dyn Tap,
+    mut dsa: Option<&mut super::dsa::DsaState>,
+) -> Result<Vec<f32>, ForwardError> {
     let c = &r.config;
     let m = c.mla.as_ref().expect("deepseek2 has MLA");
     let (d, nh) = (c.d_model, c.n_heads);
@@ -77,7 +86,8 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
     let name = |s: &str| format!("blk.{l}.{s}.weight");
     let key = |s: Site| TapKey::layer(l, s);
 
-    // Queries.
+    // Queries (and, for the DSA families, the indexer's selection from the normed q_a).
+    let mut selection = None;
     let mut q = match m.q_lora_rank {
         Some(ql) => {
             let wqa = r.matrix(&name("attn_q_a"), ql, d)?;
@@ -87,6 +97,9 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
             let qa = linear(h, n, &wqa);
             emit(tap, key(Site::QA), &qa, n);
             let qa = ops::rms_norm(&qa, ql, &r.vector(&name("attn_q_a_norm"), ql)?, c.rms_eps);
+            if let Some(state) = dsa.as_deref_mut() {
+                selection = Some(super::dsa::select(r, l, h, &qa, n, tap, state)?);
+            }
             linear(&qa, n, &wqb)
         }
         None => {
@@ -131,13 +144,20 @@ fn mla(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
     emit(tap, key(Site::K), &k_nope, n);
     emit(tap, key(Site::V), &v, n);
 
-    let attn = mla_attention(c, &q, &k_nope, &k_pe, &v, n);
+    if dsa.is_some() && selection.is_none() {
+        return Err(ForwardError::BadTensor {
+            name: name("attn_q_a"),
+            msg: "the DSA indexer needs q_a (q_lora_rank)".into(),
+        });
+    }
+    let attn = mla_attention(c, &q, &k_nope, &k_pe, &v, n, selection.as_deref());
     emit(tap, key(Site::AttnOut), &attn, n);
     Ok(attn)
 }
 
 /// MLA attention from roped `q [n, H·(nope+rope)]`, `k_nope [n, H·nope]`, the shared roped
-/// `k_pe [n, rope]` and `v [n, H·v]`: score = (q_nope·k_nope + q_pe·k_pe)·scale.
+/// `k_pe [n, rope]` and `v [n, H·v]`: score = (q_nope·k_nope + q_pe·k_pe)·scale, over every
+/// causal key, or over only `keys[t]` for query t (the DSA indexer's selection).
 pub(crate) fn mla_attention(
     c: &crate::config::ModelConfig,
     q: &[f32],
@@ -145,6 +165,7 @@ pub(crate) fn mla_attention(
     k_pe: &[f32],
     v: &[f32],
     n: usize,
+    keys: Option<&[Vec<usize>]>,
 ) -> Vec<f32> {
     let m = c.mla.as_ref().expect("deepseek2 has MLA");
     let (nh, nope, rope, dv) = (c.n_heads, m.qk_nope, m.qk_rope, m.v_head_dim);
@@ -163,7 +184,10 @@ pub(crate) fn mla_attention(
         let mscale = 1.0 + y.log_multiplier as f64 * (y.factor as f64).ln();
         scale *= mscale * mscale;
     }
-    ops::causal_attention(q, &k, v, n, nh, nh, dq, dv, scale)
+    match keys {
+        Some(keys) => super::dsa::sparse_attention(q, &k, v, n, nh, dq, dv, scale, keys),
+        None => ops::causal_attention(q, &k, v, n, nh, nh, dq, dv, scale),
+    }
 }
 
 /// The routed experts chosen for one token and their mixing weights.

@@ -1,6 +1,8 @@
-//! Reference forward passes for `llama`, `deepseek2` (MLA + MoE) and the GQA/MoE families
-//! (`qwen2`, `qwen3`, `qwen3moe`, `glm4moe`, `gemma2`, `gemma3`, `gpt-oss`; one file each, glm4moe reusing
-//! qwen's block): one sequence, all positions at once, tapping every site in execution order.
+//! Reference forward passes for `llama`, `deepseek2` (MLA + MoE), the DSA families
+//! `deepseek32` / `glm-dsa` (deepseek2 plus the lightning indexer and sparse attention, `dsa.rs`)
+//! and the GQA/MoE families (`qwen2`, `qwen3`, `qwen3moe`, `glm4moe`, `gemma2`, `gemma3`,
+//! `gpt-oss`; one file each, glm4moe reusing qwen's block): one sequence, all positions at once,
+//! tapping every site in execution order.
 //!
 //! Obviously correct before fast: f32 storage, f64 accumulation in dot products, norms and
 //! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
@@ -8,6 +10,7 @@
 //! so peak memory is the activations plus about one layer of the file, never the model in f32.
 
 mod deepseek2;
+pub mod dsa;
 mod gemma;
 mod glm4moe;
 mod gpt_oss;
@@ -121,15 +124,17 @@ impl<'a> Reference<'a> {
             let s = (c.d_model as f64).sqrt();
             x.iter_mut().for_each(|v| *v = (*v as f64 * s) as f32);
         }
+        let mut dsa_state = dsa::DsaState::default();
         emit(tap, TapKey::global(Site::Embed), &x, n);
         for layer_idx in 0..c.n_layers {
             x = match c.arch {
                 Arch::Llama => llama::layer(self, layer_idx, x, n, tap)?,
-                Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap)?,
+                Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap, None)?,
                 Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => qwen::layer(self, layer_idx, x, n, tap)?,
                 Arch::Glm4Moe => glm4moe::layer(self, layer_idx, x, n, tap)?,
                 Arch::Gemma2 | Arch::Gemma3 => gemma::layer(self, layer_idx, x, n, tap)?,
                 Arch::GptOss => gpt_oss::layer(self, layer_idx, x, n, tap)?,
+                Arch::Deepseek32 | Arch::GlmDsa => deepseek2::layer(self, layer_idx, x, n, tap, Some(&mut dsa_state))?,
             };
             let prefix = format!("blk.{layer_idx}.");
             self.file

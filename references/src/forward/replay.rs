@@ -182,6 +182,10 @@ impl Reference<'_> {
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
+            if !llama_or_mla(c.arch) {
+                // gemma soft-caps its logits; the families' heads are not replayed here.
+                return Ok(None);
+            }
             return Ok(match key.site {
                 Site::OutputNorm => match inputs(&TapKey::layer(c.n_layers - 1, Site::ResidOut)) {
                     Some(x) => Some(Replayed::plain(
@@ -217,10 +221,8 @@ impl Reference<'_> {
             });
         };
         // The GQA/MoE families share only the residual adds and the attention norm with the
-        // llama/deepseek2 ops below (their FFN norm, post-norms, biases and RoPE differ).
-        if !matches!(c.arch, Arch::Llama | Arch::Deepseek2)
-            && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
-        {
+        // llama/MLA ops below (their FFN norm, post-norms, biases and RoPE differ).
+        if !llama_or_mla(c.arch) && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut) {
             return Ok(None);
         }
         let at = |s: Site| inputs(&TapKey::layer(l, s));
@@ -475,10 +477,26 @@ impl Reference<'_> {
                     })
                 }
                 (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => at(Site::KPe)
-                    .map(|k_pe| Replayed::plain(deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n), 3.0)),
+                    .map(|k_pe| Replayed::plain(deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n, None), 3.0)),
+                // DSA: the attention is replayed on the recorded selection (the candidate's own
+                // indices), so it is judged apart from the indexer.
+                (Arch::Deepseek32 | Arch::GlmDsa, Some(q), Some(k_nope), Some(v)) => {
+                    match (at(Site::KPe), at(Site::IndexerTopk)) {
+                        (Some(k_pe), Some(sel)) => super::dsa::selection_from_tap(&sel, n).map(|keys| {
+                            Replayed::plain(deepseek2::mla_attention(c, &q, &k_nope, &k_pe, &v, n, Some(&keys)), 3.0)
+                        }),
+                        _ => None,
+                    }
+                }
                 _ => None,
             },
             _ => None,
         })
     }
+}
+
+/// The families whose ops the replay below implements beyond the norms and residual adds: llama
+/// and the MLA ones (deepseek2, deepseek32, glm-dsa).
+fn llama_or_mla(arch: Arch) -> bool {
+    arch == Arch::Llama || arch.is_mla()
 }
