@@ -148,7 +148,7 @@ pub trait Backend: Send + Sync {
     }
     /// Sets every value of `b` (the canary fill, zeroing).
     fn fill(&self, b: &mut Buf, value: f32);
-    /// Every value of `b` rounded to `dtype` in place ([`crate::precision::round`]: nearest, ties
+    /// Every value of `b` rounded to `dtype` in place ([`ComputeDtype::round`]: nearest, ties
     /// to even; a NaN keeps its top payload bits, so each dtype's canary stays as it is). The
     /// store of a 16-bit engine, on f32 containers; a no-op at f32.
     fn round_to(&self, b: &mut Buf, dtype: ComputeDtype);
@@ -404,7 +404,7 @@ impl Backend for CpuBackend {
         hm(b).fill(value)
     }
     fn round_to(&self, b: &mut Buf, dtype: ComputeDtype) {
-        crate::precision::round_slice(dtype, hm(b))
+        dtype.round_slice(hm(b))
     }
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
         hm(dst)[dst_off..dst_off + len].copy_from_slice(&h(src)[src_off..src_off + len])

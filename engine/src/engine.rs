@@ -146,7 +146,11 @@ fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     if matches!(c.arch, Arch::Llama | Arch::Deepseek2) {
         return Ok(());
     }
-    let what = if c.indexer.is_some() { " (DSA sparse attention)" } else { "" };
+    let what = if c.indexer.is_some() {
+        " (DSA sparse attention)"
+    } else {
+        ""
+    };
     Err(EngineError::Unsupported(format!(
         "the TP engine does not run {}{what} yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
         c.arch.name()

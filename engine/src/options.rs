@@ -56,12 +56,25 @@ impl ComputeDtype {
     /// dtype's canary ([`ComputeDtype::canary`]). Identity at f32.
     #[inline]
     pub fn round(self, x: f32) -> f32 {
-        crate::precision::round(self, x)
+        match self {
+            ComputeDtype::F32 => x,
+            ComputeDtype::Bf16 => round_bf16(x),
+            ComputeDtype::F16 => round_f16(x),
+        }
     }
 
     /// The canary an unwritten output buffer holds at this dtype: the f32 canary rounded to the
     /// dtype (a quiet NaN the dtype can store, so rounding leaves it alone):
     /// [`references::tap::canary`], [`references::tap::canary_bf16`] or
+    /// Every value of `v` rounded to the dtype in place (nothing at f32).
+    pub fn round_slice(self, v: &mut [f32]) {
+        match self {
+            ComputeDtype::F32 => {}
+            ComputeDtype::Bf16 => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
+            ComputeDtype::F16 => v.iter_mut().for_each(|x| *x = round_f16(*x)),
+        }
+    }
+
     /// [`references::tap::canary_f16`]. [`references::tap::is_canary`] recognises each.
     pub fn canary(self) -> f32 {
         match self {
@@ -273,6 +286,28 @@ fn kernel_cache_dir(
         .map(PathBuf::from)
         .or_else(|| nonempty(home).map(|h| PathBuf::from(h).join(".cache")))
         .map(|base| base.join("llmdiff").join("kernels"))
+}
+
+/// `x` rounded to bf16 (nearest, ties to even; overflow to ±inf), widened back to f32. A NaN keeps
+/// its sign and top 7 payload bits and is made quiet.
+#[inline]
+pub fn round_bf16(x: f32) -> f32 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return f32::from_bits((b & 0xFFFF_0000) | 0x0040_0000);
+    }
+    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(r)
+}
+
+/// `x` rounded to f16 (nearest, ties to even; subnormals below 2^-14, ±inf beyond 65504),
+/// widened back to f32. A NaN keeps its sign and top 10 mantissa bits and is made quiet.
+#[inline]
+pub fn round_f16(x: f32) -> f32 {
+    if x.is_nan() {
+        return f32::from_bits((x.to_bits() & 0xFFFF_E000) | 0x0040_0000);
+    }
+    half::f16::from_f32(x).to_f32()
 }
 
 #[cfg(test)]

@@ -52,7 +52,7 @@
 //! A custom op's output buffer is filled with the canary before the op runs when a tap wants it.
 //! The f32 canary's payload does not survive a 16-bit store, so at bf16/f16 the buffer holds the
 //! dtype's own canary ([`ComputeDtype::canary`]: the f32 canary narrowed with its top payload bits
-//! kept, bf16 `0x7FC1`, f16 `0x7E0E`), which [`round`] leaves bit for bit as it is (a NaN keeps its
+//! kept, bf16 `0x7FC1`, f16 `0x7E0E`), which [`ComputeDtype::round`] leaves bit for bit as it is (a NaN keeps its
 //! top payload bits and is made quiet; the canary is already quiet and fits). The wrapper's
 //! [`Backend::fill`] rounds the value it is given, so `fill(canary())` stores the dtype's canary,
 //! and the rounding after the op keeps it where the op wrote nothing. `references::tap::is_canary`
@@ -62,48 +62,9 @@ use crate::backend::{Backend, BlockTrace, Buf, CommStats, StepGraph};
 use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
 use crate::moe_route::Route;
 use crate::options::ComputeDtype;
+#[cfg(test)]
+use crate::options::{round_bf16, round_f16};
 use references::config::MoeConfig;
-
-/// `x` rounded to bf16 (nearest, ties to even; overflow to ±inf), widened back to f32. A NaN keeps
-/// its sign and top 7 payload bits and is made quiet.
-#[inline]
-pub fn round_bf16(x: f32) -> f32 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return f32::from_bits((b & 0xFFFF_0000) | 0x0040_0000);
-    }
-    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
-    f32::from_bits(r)
-}
-
-/// `x` rounded to f16 (nearest, ties to even; subnormals below 2^-14, ±inf beyond 65504),
-/// widened back to f32. A NaN keeps its sign and top 10 mantissa bits and is made quiet.
-#[inline]
-pub fn round_f16(x: f32) -> f32 {
-    if x.is_nan() {
-        return f32::from_bits((x.to_bits() & 0xFFFF_E000) | 0x0040_0000);
-    }
-    half::f16::from_f32(x).to_f32()
-}
-
-/// `x` rounded to `dtype` (identity at f32).
-#[inline]
-pub fn round(dtype: ComputeDtype, x: f32) -> f32 {
-    match dtype {
-        ComputeDtype::F32 => x,
-        ComputeDtype::Bf16 => round_bf16(x),
-        ComputeDtype::F16 => round_f16(x),
-    }
-}
-
-/// Every value of `v` rounded to `dtype` in place.
-pub fn round_slice(dtype: ComputeDtype, v: &mut [f32]) {
-    match dtype {
-        ComputeDtype::F32 => {}
-        ComputeDtype::Bf16 => v.iter_mut().for_each(|x| *x = round_bf16(*x)),
-        ComputeDtype::F16 => v.iter_mut().for_each(|x| *x = round_f16(*x)),
-    }
-}
 
 /// A backend computing at a 16-bit dtype: each op runs on `inner` (in f32), then its outputs are
 /// rounded to `dtype` on `inner` ([`Backend::round_to`]). Data movement (copies, gathers, KV
@@ -148,7 +109,7 @@ impl Backend for DtypeBackend {
     }
     fn upload(&self, data: &[f32]) -> Buf {
         let mut v = data.to_vec();
-        round_slice(self.dtype, &mut v);
+        self.dtype.round_slice(&mut v);
         self.inner.upload(&v)
     }
     fn download(&self, b: &Buf) -> Vec<f32> {
@@ -342,7 +303,7 @@ mod tests {
                 assert!(((r - x) / x).abs() as f64 <= dtype.unit_roundoff(), "{dtype} {x}");
             }
         }
-        assert_eq!(round(ComputeDtype::F32, 0.1), 0.1);
+        assert_eq!(ComputeDtype::F32.round(0.1), 0.1);
     }
 
     #[test]

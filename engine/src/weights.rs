@@ -337,7 +337,7 @@ impl<'a> Loader<'a> {
     ) -> Result<(), EngineError> {
         self.dequant_exact(name, ty, src, dst, bad_q4k)?;
         if is_float(ty) && !keep_f32 {
-            crate::precision::round_slice(self.dtype, dst);
+            self.dtype.round_slice(dst);
         }
         Ok(())
     }

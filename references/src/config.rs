@@ -252,10 +252,10 @@ impl ModelConfig {
             });
         }
         let head_dim = match m.usize_opt("attention.key_length")? {
-            Some(k) if arch != Arch::Deepseek2 => k,
+            Some(k) if !arch.is_mla() => k,
             _ => d_model / n_heads,
         };
-        if arch != Arch::Deepseek2 {
+        if !arch.is_mla() {
             if let Some(v) = m.usize_opt("attention.value_length")? {
                 if v != head_dim {
                     return Err(ConfigError::Bad {
@@ -379,7 +379,7 @@ impl ModelConfig {
             }
             rope_scaling.freq_factors = true;
         }
-        if arch != Arch::Deepseek2 && (rope_dim % 2 != 0 || rope_dim > head_dim) {
+        if !arch.is_mla() && (rope_dim % 2 != 0 || rope_dim > head_dim) {
             return Err(ConfigError::Bad {
                 key: m.key("rope.dimension_count"),
                 msg: format!("{rope_dim} is odd or larger than the head"),
