@@ -50,8 +50,9 @@ impl fmt::Display for Role {
     }
 }
 
-/// `{arch}.` keys the llama reference reads and honours (suffixes after the prefix).
-const LLAMA_USED: &[&str] = &[
+/// `{arch}.` keys every family's reference reads and honours (suffixes after the prefix): the
+/// dense GQA skeleton.
+const BASE_USED: &[&str] = &[
     "block_count",
     "context_length",
     "embedding_length",
@@ -63,153 +64,65 @@ const LLAMA_USED: &[&str] = &[
     "attention.layer_norm_rms_epsilon",
     "rope.freq_base",
     "rope.dimension_count",
-    "rope.scaling.type",
-    "rope.scaling.factor",
     "vocab_size",
 ];
 
-/// `{arch}.` keys the deepseek2 reference reads and honours.
-const DEEPSEEK2_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
+/// llama's own: linear rope scaling (Llama 3.1+'s factors are the `rope_freqs` tensor).
+const LLAMA_USED: &[&str] = &["rope.scaling.type", "rope.scaling.factor"];
+
+/// The experts of the MoE families.
+const MOE_USED: &[&str] = &["expert_count", "expert_used_count", "expert_feed_forward_length"];
+
+/// Softmax/sigmoid routing with weights scaled and optionally renormalised (qwen3moe and the
+/// grouped, shared-expert routing of deepseek2 and glm4moe).
+const ROUTED_USED: &[&str] = &["expert_weights_scale"];
+
+/// deepseek2-style routing: a shared expert, leading dense layers, groups, gating, the MTP block.
+const GROUPED_USED: &[&str] = &[
+    "leading_dense_block_count",
+    "expert_shared_count",
+    "expert_weights_norm",
+    "expert_gating_func",
+    "expert_group_count",
+    "expert_group_used_count",
+    "nextn_predict_layers",
+];
+
+/// MLA (deepseek2 and the DSA families built on it).
+const MLA_USED: &[&str] = &[
     "attention.q_lora_rank",
     "attention.kv_lora_rank",
-    "attention.key_length",
-    "attention.value_length",
     "attention.key_length_mla",
     "attention.value_length_mla",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "leading_dense_block_count",
-    "expert_count",
-    "expert_used_count",
-    "expert_shared_count",
-    "expert_feed_forward_length",
-    "expert_weights_scale",
-    "expert_weights_norm",
-    "expert_gating_func",
-    "expert_group_count",
-    "expert_group_used_count",
-    "nextn_predict_layers",
-    "vocab_size",
 ];
 
-/// `{arch}.` keys the qwen2/qwen3 references read (dense GQA, NeoX RoPE).
-const QWEN_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "vocab_size",
-];
+/// Sliding windows (gemma2/3, gpt-oss) and their local RoPE base.
+const SWA_USED: &[&str] = &["attention.sliding_window", "rope.freq_base_swa"];
 
-/// `{arch}.` keys the qwen3moe reference reads (qwen3 plus softmax-routed experts).
-const QWEN3MOE_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "expert_count",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "expert_weights_scale",
-    "vocab_size",
-];
+/// gemma's soft-capping.
+const SOFTCAP_USED: &[&str] = &["attn_logit_softcapping", "final_logit_softcapping"];
 
-/// `{arch}.` keys the glm4moe reference reads (partial rotary, sigmoid routing, shared expert).
-const GLM4MOE_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "leading_dense_block_count",
-    "expert_count",
-    "expert_used_count",
-    "expert_shared_count",
-    "expert_feed_forward_length",
-    "expert_weights_scale",
-    "expert_weights_norm",
-    "expert_gating_func",
-    "expert_group_count",
-    "expert_group_used_count",
-    "nextn_predict_layers",
-    "vocab_size",
-];
-
-/// `{arch}.` keys the gemma2/gemma3 references read.
-const GEMMA_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "attention.sliding_window",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "rope.freq_base",
-    "rope.freq_base_swa",
-    "rope.dimension_count",
-    "vocab_size",
-];
-
-/// `{arch}.` keys the gpt-oss reference reads (sinks, alternating windows, biased experts).
-const GPT_OSS_USED: &[&str] = &[
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "attention.sliding_window",
-    "rope.freq_base",
-    "rope.freq_base_swa",
-    "rope.dimension_count",
-    "expert_count",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "vocab_size",
-];
-
-/// deepseek32 / glm-dsa: deepseek2's keys plus the DSA indexer's.
-const DSA_EXTRA_USED: &[&str] = &[
+/// deepseek32 / glm-dsa: the DSA indexer.
+const DSA_USED: &[&str] = &[
     "attention.indexer.head_count",
     "attention.indexer.key_length",
     "attention.indexer.top_k",
     "attention.indexer.types",
 ];
+
+/// The `{arch}.` key groups each family's reference reads and honours.
+fn used_keys(arch: Arch) -> &'static [&'static [&'static str]] {
+    match arch {
+        Arch::Llama => &[BASE_USED, LLAMA_USED],
+        Arch::Deepseek2 => &[BASE_USED, MLA_USED, MOE_USED, ROUTED_USED, GROUPED_USED],
+        Arch::Deepseek32 | Arch::GlmDsa => &[BASE_USED, MLA_USED, MOE_USED, ROUTED_USED, GROUPED_USED, DSA_USED],
+        Arch::Qwen2 | Arch::Qwen3 => &[BASE_USED],
+        Arch::Qwen3Moe => &[BASE_USED, MOE_USED, ROUTED_USED],
+        Arch::Glm4Moe => &[BASE_USED, MOE_USED, ROUTED_USED, GROUPED_USED],
+        Arch::Gemma2 | Arch::Gemma3 => &[BASE_USED, SWA_USED, SOFTCAP_USED],
+        Arch::GptOss => &[BASE_USED, SWA_USED, MOE_USED],
+    }
+}
 
 /// The DSA indexer's tensors (glm-dsa's `shared` indexer layers carry none).
 const DSA_BLOCK_TENSORS: &[&str] = &[
@@ -408,22 +321,15 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     let Some(suffix) = key.strip_prefix(&prefix) else {
         return classify_other_key(key);
     };
-    let (used, skipped) = match arch {
-        Arch::Llama => (LLAMA_USED, LLAMA_SKIPPED),
-        Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa => (DEEPSEEK2_USED, DEEPSEEK2_SKIPPED),
-        Arch::Qwen2 | Arch::Qwen3 => (QWEN_USED, &[][..]),
-        Arch::Qwen3Moe => (QWEN3MOE_USED, &[][..]),
-        Arch::Glm4Moe => (GLM4MOE_USED, DEEPSEEK2_SKIPPED),
-        Arch::Gemma2 | Arch::Gemma3 => (GEMMA_USED, &[][..]),
-        Arch::GptOss => (GPT_OSS_USED, &[][..]),
+    let skipped = match arch {
+        Arch::Llama => LLAMA_SKIPPED,
+        Arch::Deepseek2 | Arch::Deepseek32 | Arch::GlmDsa | Arch::Glm4Moe => DEEPSEEK2_SKIPPED,
+        _ => &[],
     };
-    if arch.has_indexer() && DSA_EXTRA_USED.contains(&suffix) {
-        return Role::Used;
-    }
     if let Some((_, why)) = skipped.iter().find(|(k, _)| *k == suffix) {
         return Role::Skipped(why);
     }
-    if used.contains(&suffix) {
+    if used_keys(arch).iter().any(|g| g.contains(&suffix)) {
         return Role::Used;
     }
     // deepseek2's YaRN: the reference applies its attention scale (mscale, from the factor and
