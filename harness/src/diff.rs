@@ -716,6 +716,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
         }),
         head_profile,
         baselines: plan.tolerances.baseline_names().to_vec(),
+        coverage_warnings: cmp.config.coverage_warnings(tokens.len()),
     })
 }
 

@@ -426,6 +426,14 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(ix) = &self.indexer {
+            if n_tokens <= ix.top_k {
+                out.push(format!(
+                    "{n_tokens} tokens are at or below the indexer's top_k ({}): every query attended to all its keys, so the sparse selection was not exercised; use a prompt longer than {} tokens",
+                    ix.top_k, ix.top_k
+                ));
+            }
+        }
         if let Some(m) = &self.moe {
             if m.n_dense_lead >= self.n_layers {
                 out.push(format!(

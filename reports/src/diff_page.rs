@@ -142,6 +142,9 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
             )
         }
     );
+    for w in &run.coverage_warnings {
+        let _ = writeln!(out, "<p class=warn>warning: {}</p>", escape(w));
+    }
 }
 
 /// x position of a tap on the per-layer axis: layers as themselves, the embedding before them,

@@ -57,6 +57,7 @@ section h2{font-size:16px;margin:0 0 4px}
 .repro pre{flex:1;margin:0;padding:8px 10px;background:#0d1117;color:#e6edf3;border-radius:6px;white-space:pre-wrap;word-break:break-all;user-select:all}
 .repro button{padding:6px 12px;border:1px solid var(--line);border-radius:6px;background:#fff;cursor:pointer}
 .stats{display:flex;flex-wrap:wrap;gap:8px 22px;color:var(--mute);font-size:13px;margin-top:10px}
+.warn{margin:.4rem 0;padding:.3rem .6rem;border-left:3px solid #b26a00;background:#fff8e6}
 .stats b{color:var(--ink)}
 .chart svg{display:block;max-width:100%;height:auto}
 .legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12.5px;margin:6px 0 0}

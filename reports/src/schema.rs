@@ -195,6 +195,10 @@ pub struct DiffRun {
     /// The healthy baselines (`--baseline`) the bounds came from, if any.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub baselines: Vec<String>,
+    /// Paths of the model this run could not exercise (a prompt within a sliding window or the
+    /// indexer's top_k, no MoE layer reached), so an agreement is not mistaken for coverage.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coverage_warnings: Vec<String>,
 }
 
 /// The most tensor-parallel ranks a run document may name.

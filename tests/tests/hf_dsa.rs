@@ -92,9 +92,17 @@ fn dsa_configs_read_the_indexer_and_its_layer_types() {
     assert_eq!(ix.full, vec![true, false, true, false]);
     assert!(!ix.rope_neox, "glm-dsa's indexer RoPE is interleaved");
     let f = GgufFile::open(golden("deepseek32-tiny.f32.gguf")).unwrap();
-    let ix = Reference::new(&f).unwrap().config.indexer.unwrap();
+    let c = Reference::new(&f).unwrap().config;
+    let ix = c.indexer.clone().unwrap();
     assert_eq!(ix.top_k, 4);
     assert!(ix.full.iter().all(|&x| x) && ix.rope_neox);
+    // A prompt no longer than top_k never exercises the selection: the run says so.
+    let w = c.coverage_warnings(4);
+    assert!(
+        w.iter().any(|w| w.contains("top_k (4)") && w.contains("not exercised")),
+        "{w:?}"
+    );
+    assert!(c.coverage_warnings(5).is_empty());
 }
 
 /// The indexer taps: scores on full layers only, a selection on every layer (a shared layer's

@@ -339,6 +339,9 @@ pub fn print_summary(run: &DiffRun) {
     if !run.unmatched.is_empty() {
         println!("  taps without a counterpart: {}", term(&run.unmatched.join(", ")));
     }
+    for w in &run.coverage_warnings {
+        println!("  {} {}", paint("1;33", "warning:"), term(w));
+    }
     if !run.missing.is_empty() {
         println!(
             "  {} reference taps missing from the candidate (not compared): {}",
