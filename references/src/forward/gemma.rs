@@ -29,18 +29,11 @@ pub(super) fn layer(
         Ok(ops::rms_norm(t, d, &r.vector(&name(s), d)?, c.rms_eps))
     };
 
-    let wq = r.matrix(&name("attn_q"), nh * hd, d)?;
-    let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
-    let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
-    let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
+    let [wq, wk, wv, wo] = super::attn_weights(r, l, tap)?;
     let gate = r.matrix(&name("ffn_gate"), f, d)?;
     let up = r.matrix(&name("ffn_up"), f, d)?;
     let down = r.matrix(&name("ffn_down"), d, f)?;
     for (kind, w) in [
-        (WeightKind::Q, &wq),
-        (WeightKind::K, &wk),
-        (WeightKind::V, &wv),
-        (WeightKind::O, &wo),
         (WeightKind::Gate, &gate),
         (WeightKind::Up, &up),
         (WeightKind::Down, &down),

@@ -27,18 +27,7 @@ pub(super) fn layer(
     let bias = |s: &str| format!("blk.{l}.{s}.bias");
     let key = |s: Site| TapKey::layer(l, s);
 
-    let wq = r.matrix(&name("attn_q"), nh * hd, d)?;
-    let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
-    let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
-    let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
-    for (kind, w) in [
-        (WeightKind::Q, &wq),
-        (WeightKind::K, &wk),
-        (WeightKind::V, &wv),
-        (WeightKind::O, &wo),
-    ] {
-        emit_weight(tap, l, kind, w);
-    }
+    let [wq, wk, wv, wo] = super::attn_weights(r, l, tap)?;
     let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
     emit(tap, key(Site::AttnNorm), &h, n);
     let mut q = biased(r, &h, n, &wq, &bias("attn_q"))?;

@@ -1,7 +1,7 @@
 //! One llama block: RMSNorm, q/k/v, NORM RoPE (with linear or Llama 3.1 `rope_freqs` scaling), causal GQA, o_proj, residual, SwiGLU FFN.
 
-use super::{dense_ffn, emit, emit_weight, linear, ops, ForwardError, Reference};
-use crate::tap::{Site, Tap, TapKey, WeightKind};
+use super::{dense_ffn, emit, linear, ops, ForwardError, Reference};
+use crate::tap::{Site, Tap, TapKey};
 
 pub(super) fn layer(
     r: &Reference,
@@ -15,18 +15,7 @@ pub(super) fn layer(
     let name = |s: &str| format!("blk.{l}.{s}.weight");
     let key = |s: Site| TapKey::layer(l, s);
 
-    let wq = r.matrix(&name("attn_q"), nh * hd, d)?;
-    let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
-    let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
-    let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
-    for (kind, w) in [
-        (WeightKind::Q, &wq),
-        (WeightKind::K, &wk),
-        (WeightKind::V, &wv),
-        (WeightKind::O, &wo),
-    ] {
-        emit_weight(tap, l, kind, w);
-    }
+    let [wq, wk, wv, wo] = super::attn_weights(r, l, tap)?;
 
     let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
     emit(tap, key(Site::AttnNorm), &h, n);

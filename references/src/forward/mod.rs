@@ -265,6 +265,27 @@ pub(crate) fn emit_weight(tap: &mut dyn Tap, layer_idx: usize, kind: WeightKind,
     }
 }
 
+/// Layer `l`'s GQA attention projections q, k, v, o (`attn_q`, `attn_k`, `attn_v`,
+/// `attn_output`), tapped in that order.
+pub(crate) fn attn_weights<'a>(r: &Reference<'a>, l: usize, tap: &mut dyn Tap) -> Result<[Mat<'a>; 4], ForwardError> {
+    let c = &r.config;
+    let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+    let name = |s: &str| format!("blk.{l}.{s}.weight");
+    let w = [
+        r.matrix(&name("attn_q"), nh * hd, d)?,
+        r.matrix(&name("attn_k"), nkv * hd, d)?,
+        r.matrix(&name("attn_v"), nkv * hd, d)?,
+        r.matrix(&name("attn_output"), d, nh * hd)?,
+    ];
+    for (kind, w) in [WeightKind::Q, WeightKind::K, WeightKind::V, WeightKind::O]
+        .into_iter()
+        .zip(&w)
+    {
+        emit_weight(tap, l, kind, w);
+    }
+    Ok(w)
+}
+
 /// `x [n, cols] · wᵀ`.
 pub(crate) fn linear(x: &[f32], n: usize, w: &Mat) -> Vec<f32> {
     ops::matmul_t_with(x, n, w.cols, w.rows, |first, out| w.rows_into(first, out))

@@ -4,9 +4,9 @@
 //! residual, then a dense SwiGLU FFN or (qwen3moe) softmax-routed experts with the top-k weights
 //! renormalised. [`gqa_block`] is shared with glm4moe, which adds partial rotary and a shared expert.
 
-use super::{dense_ffn, emit, emit_weight, linear, ops, ForwardError, Reference};
+use super::{dense_ffn, emit, linear, ops, ForwardError, Reference};
 use crate::config::Arch;
-use crate::tap::{Site, Tap, TapKey, WeightKind};
+use crate::tap::{Site, Tap, TapKey};
 
 pub(super) fn layer(
     r: &Reference,
@@ -58,18 +58,7 @@ pub(super) fn gqa_block(
     let bias = |s: &str| format!("blk.{l}.{s}.bias");
     let key = |s: Site| TapKey::layer(l, s);
 
-    let wq = r.matrix(&name("attn_q"), nh * hd, d)?;
-    let wk = r.matrix(&name("attn_k"), nkv * hd, d)?;
-    let wv = r.matrix(&name("attn_v"), nkv * hd, d)?;
-    let wo = r.matrix(&name("attn_output"), d, nh * hd)?;
-    for (kind, w) in [
-        (WeightKind::Q, &wq),
-        (WeightKind::K, &wk),
-        (WeightKind::V, &wv),
-        (WeightKind::O, &wo),
-    ] {
-        emit_weight(tap, l, kind, w);
-    }
+    let [wq, wk, wv, wo] = super::attn_weights(r, l, tap)?;
 
     let h = ops::rms_norm(&x, d, &r.vector(&name("attn_norm"), d)?, c.rms_eps);
     emit(tap, key(Site::AttnNorm), &h, n);
