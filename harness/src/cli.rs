@@ -664,8 +664,8 @@ pub struct EntropyArgs {
     /// A JSON file of thresholds ({"thresholds": {...}} as in golden/entropy-calibration.json).
     #[arg(long)]
     pub thresholds: Option<PathBuf>,
-    /// Override the per-position KLD threshold (nats) of a local --against-reference run (with
-    /// --server the calibrated verdict decides: see --kld-calibration).
+    /// The per-position KLD (nats) whose first crossing is reported as context; the calibrated
+    /// verdict decides (see --kld-calibration).
     #[arg(long, value_parser = non_negative)]
     pub kld_threshold: Option<f64>,
     #[command(flatten)]

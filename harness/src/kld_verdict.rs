@@ -327,11 +327,11 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
     } else if !noise {
         if pos0_clean {
             cause = Cause::GrowsWithPosition;
+            let (a0, rest) = (m0.unwrap_or(0.0), m_rest.unwrap_or(0.0));
+            let ratio = rest / a0.max(1e-12);
             evidence.push(format!(
-                "position 0, which RoPE leaves unrotated at any base or scale, is at the noise level (mean KLD {:.4}, within the floor's p95) while the later positions average {:.4}: {:.0}× higher",
-                m0.unwrap_or(0.0),
-                m_rest.unwrap_or(0.0),
-                m_rest.unwrap_or(0.0) / m0.unwrap_or(0.0).max(1e-9)
+                "position 0, which RoPE leaves unrotated at any base or scale, is at the noise level (mean KLD {a0:.2e}, within the floor's p95) while the later positions average {rest:.4}: {}",
+                if ratio > 1e3 { "over 1000× higher".to_string() } else { format!("{ratio:.0}× higher") }
             ));
         } else if g.is_finite() && g >= t.growth_ratio {
             cause = Cause::GrowsWithPosition;

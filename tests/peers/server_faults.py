@@ -141,8 +141,11 @@ def main():
     ap.add_argument("--json-out")
     ap.add_argument("--no-chat", action="store_true", help="skip --chat")
     ap.add_argument("--top-logprobs", type=int, default=20)
+    ap.add_argument("--keep", help="keep each case's entropy JSON (per-position KLD) in this folder")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="llmdiff-faults-")
+    keep = a.keep or tmp
+    os.makedirs(keep, exist_ok=True)
     rows = []
     for case in a.cases.split(","):
         extra, rewrite = server_args(case)
@@ -155,7 +158,7 @@ def main():
         url = f"http://127.0.0.1:{port}"
         cal = ["--kld-calibration", a.calibration] if a.calibration else []
         try:
-            out = os.path.join(tmp, f"{case}.json")
+            out = os.path.join(keep, f"{case}.json")
             # A rewritten file is the deployed one: MODEL is it, the original is --trusted-model.
             trusted = ["--trusted-model", a.model] if rewrite else []
             chat = [] if a.no_chat else ["--chat"]

@@ -62,6 +62,42 @@ fn smollm2_entropy_healthy_and_phantom_fault_degenerate() {
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(doc["verdict"], "healthy");
     assert!(doc["kld"]["max"].as_f64().unwrap() < 1e-6, "{}", doc["kld"]);
+    // The calibrated verdict decides locally too: f32 sits far under the healthy floor.
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["band_name"], "within numeric noise", "{v}");
+    assert!(v["mean"].as_f64().unwrap() < 1e-6, "{v}");
+    eprintln!("f32: {}", v["headline"]);
+    assert_eq!(doc["agreement"], "within numeric noise");
+    // bf16 numerics: within noise at the default calibration.
+    assert_eq!(
+        code(
+            &[
+                &base[..],
+                &["--tp", "3", "--against-reference", "--compute-dtype", "bf16"]
+            ]
+            .concat()
+        ),
+        0
+    );
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["band_name"], "within numeric noise", "{v}");
+    assert!(v["mean"].as_f64().unwrap() > 1e-8, "bf16 rounding shows: {v}");
+    eprintln!("bf16: {} (mean {})", v["headline"], v["mean"]);
+    // A fault that leaves the distributions plausible is judged broken against the reference.
+    assert_eq!(
+        code(
+            &[
+                &base[..],
+                &["--tp", "3", "--against-reference", "--inject", "rope-neox"]
+            ]
+            .concat()
+        ),
+        1
+    );
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(doc["kld_verdict"]["band_name"], "broken", "{}", doc["kld_verdict"]);
+    eprintln!("rope-neox: {}", doc["kld_verdict"]["headline"]);
     let h = doc["prompts"][0]["norm_entropy"].as_f64().unwrap();
     assert!(h > 0.05 && h < 0.5, "H/ln V {h}");
     assert_eq!(

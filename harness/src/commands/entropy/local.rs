@@ -1,15 +1,21 @@
 //! `llmdiff entropy` on a local backend: per-prompt next-token entropy, top-5 recurrence and
 //! continuation repetition, a `healthy`/`flat`/`degenerate` verdict, and with
-//! `--against-reference` the KL statistics of the backend against the reference.
+//! `--against-reference` the KL statistics of the backend against the reference and the same
+//! calibrated verdict as `--server` (`kld_verdict`): per-position KLD over the backend's top-k
+//! (`--top-logprobs`, both sides renormalized there, as a server's top-k allows), judged against
+//! the healthy floor.
 
-use super::shared::{finish, print_summary, thresholds, Extra};
+use super::shared::{finish, print_summary, print_verdict, thresholds, Extra};
 use crate::cli::{BackendArg, EntropyArgs};
 use crate::entropy::{
     kld_positions, kld_stats, overall, positions, read_prompts, repetition, tokenize_prompts, top5_recurrence, verdict,
     KldPosition,
 };
+use crate::kld_verdict::{judge, PosKld, Profile};
+use crate::logprobs::{log_softmax, top_k};
 use crate::output::open_model;
 use crate::runner::Runner;
+use crate::topk::{row_logprob, topk_kld};
 use anyhow::bail;
 use references::forward::Reference;
 use references::tap::NoTap;
@@ -35,6 +41,8 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let prompts = read_prompts(&a.prompts)?;
     let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Reference))?;
     let thresholds = thresholds(a)?;
+    let calibration = a.verdict.calibration()?;
+    let k = a.live.top_logprobs.max(1);
     let file = open_model(model)?;
     let config = ModelConfig::from_header(&file.header)?;
     let vocab = config.vocab;
@@ -48,6 +56,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         None
     };
     let mut all_kld: Vec<KldPosition> = Vec::new();
+    let mut pos_kld: Vec<PosKld> = Vec::new();
     let mut out = Vec::with_capacity(prompts.len());
     for (i, (p, toks)) in prompts.iter().zip(&tokens).enumerate() {
         eprintln!("[{}/{}] {} ({} tokens)", i + 1, prompts.len(), p.label, toks.len());
@@ -69,6 +78,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 let mut full = toks.clone();
                 full.extend_from_slice(&continuation);
                 let next: Vec<Option<u32>> = (0..seq.len()).map(|j| full.get(j + 1).copied()).collect();
+                pos_kld.extend(topk_positions(&test, &ref_logits, vocab, k, i));
                 let k = kld_positions(&test, &ref_logits, vocab, &next);
                 ref_entropies = positions(&ref_logits[..n * vocab], vocab).entropies;
                 kld_series = k.iter().map(|p| p.kld).collect();
@@ -109,9 +119,18 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         out.push(pe);
     }
     let kld = reference.as_ref().map(|_| kld_stats(&all_kld, thresholds.kld_position));
-    let agreement = kld
-        .as_ref()
-        .map(|k| if k.first_over.is_none() { "agree" } else { "diverged" }.to_string());
+    // The calibrated verdict, as for a server: the engine on this machine is judged by the same
+    // floor (the reference and the engine read the same file, so only the engine is under test).
+    let profile = Profile {
+        entropy_verdicts: out.iter().map(|p| p.verdict.clone()).collect(),
+        ..Profile::default()
+    };
+    let verdict = reference.as_ref().map(|_| judge(&pos_kld, &profile, &calibration));
+    let mut extra = Extra::default();
+    if let Some(v) = &verdict {
+        extra.set_verdict(v, a.verdict.precision_loss_exit)?;
+    }
+    let agreement = verdict.as_ref().map(|v| v.band_name.clone());
     let run = EntropyRun {
         format: ENTROPY_FORMAT,
         llmdiff_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -130,5 +149,33 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         server: None,
         overlap: None,
     };
-    finish(a, &run, &Extra::default(), || print_summary(&run, tokenizer.as_ref()))
+    finish(a, &run, &extra, || {
+        print_summary(&run, tokenizer.as_ref());
+        if let Some(v) = &verdict {
+            print_verdict(v);
+        }
+    })
+}
+
+/// One prompt's per-position KLDs over the backend's top-`k` tokens (both distributions
+/// renormalized over that set, the statistic a server's top-k logprobs give), for the verdict.
+fn topk_positions(test: &[f32], reference: &[f32], vocab: usize, k: usize, prompt: usize) -> Vec<PosKld> {
+    let len = test.len().min(reference.len()) / vocab.max(1);
+    (0..len)
+        .map(|j| {
+            let row = j * vocab..(j + 1) * vocab;
+            let (lt, lr) = (log_softmax(&test[row.clone()]), log_softmax(&reference[row]));
+            let top = top_k(&lt, k);
+            let set: Vec<u32> = top.iter().map(|t| t.0).collect();
+            let lps: Vec<f64> = top.iter().map(|t| t.1).collect();
+            let ref_top = top_k(&lr, 1);
+            PosKld {
+                prompt,
+                pos: j,
+                len,
+                kld: topk_kld(&set, &lps, row_logprob(&lr)),
+                same_top1: set.first() == ref_top.first().map(|t| &t.0),
+            }
+        })
+        .collect()
 }

@@ -4,7 +4,7 @@
 //! tokens with top-k KL statistics, top-k overlap and the first top-1 disagreement. How entries
 //! become positions (alignment, token ids) is [`crate::server_view`]'s.
 
-use super::shared::{finish, print_summary, thresholds, Extra};
+use super::shared::{finish, print_summary, print_verdict, thresholds, Extra};
 use crate::cli::EntropyArgs;
 use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
 use crate::kld_verdict::{judge, Band, PosKld, Profile};
@@ -276,20 +276,15 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     // The calibrated verdict: the distribution of per-position KLD against the healthy floor.
     let verdict = reference.as_ref().map(|_| judge(&pos_kld, &profile, &calibration));
     if let Some(v) = &verdict {
-        extra.html_lines.push(v.headline.clone());
-        extra.html_lines.extend(v.evidence.iter().cloned());
-        extra.html_lines.extend(v.blind_spot.iter().cloned());
+        extra.set_verdict(v, a.verdict.precision_loss_exit)?;
         if !metadata_diff.is_empty() {
             extra.html_lines.push(format!(
                 "the deployed file's metadata differs from --trusted-model's: {}",
                 metadata_diff.join("; ")
             ));
         }
-        let mut doc = serde_json::to_value(v)?;
-        doc["metadata_differences"] = serde_json::json!(metadata_diff);
-        extra.kld_verdict = Some(doc);
-        if v.band == Band::PrecisionLoss {
-            extra.exit_code = Some(a.verdict.precision_loss_exit);
+        if let Some(doc) = extra.kld_verdict.as_mut() {
+            doc["metadata_differences"] = serde_json::json!(metadata_diff);
         }
     }
     let mut agreement = verdict.as_ref().map(|v| v.band_name.clone());
@@ -345,18 +340,12 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         print_summary(&run, tokenizer.as_ref());
         print_server_summary(&run);
         if let Some(v) = &verdict {
-            println!("\n  {}", v.headline);
-            for e in &v.evidence {
-                println!("    {}", crate::output::term(e));
-            }
+            print_verdict(v);
             for m in &metadata_diff {
                 println!(
                     "    the deployed file differs from --trusted-model: {}",
                     crate::output::term(m)
                 );
-            }
-            if let Some(b) = &v.blind_spot {
-                println!("    note: {b}");
             }
         }
     })

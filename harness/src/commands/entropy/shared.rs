@@ -3,6 +3,7 @@
 
 use crate::cli::EntropyArgs;
 use crate::entropy::default_thresholds;
+use crate::kld_verdict::{Band, Verdict};
 use crate::output::{term, write_atomic};
 use anyhow::Context;
 use references::tokenizer::Tokenizer;
@@ -66,6 +67,19 @@ pub struct Extra {
 }
 
 impl Extra {
+    /// Records the calibrated verdict: its JSON, its lines for the HTML report, and the exit code
+    /// its band asks for (`--precision-loss-exit`).
+    pub fn set_verdict(&mut self, v: &Verdict, precision_loss_exit: u8) -> anyhow::Result<()> {
+        self.html_lines.push(v.headline.clone());
+        self.html_lines.extend(v.evidence.iter().cloned());
+        self.html_lines.extend(v.blind_spot.iter().cloned());
+        self.kld_verdict = Some(serde_json::to_value(v)?);
+        if v.band == Band::PrecisionLoss {
+            self.exit_code = Some(precision_loss_exit);
+        }
+        Ok(())
+    }
+
     fn json(&self, run: &EntropyRun) -> anyhow::Result<serde_json::Value> {
         let mut v = serde_json::to_value(run)?;
         if let Some(o) = v.as_object_mut() {
@@ -138,6 +152,17 @@ pub fn finish(
     })
 }
 
+/// Prints the calibrated verdict's headline and evidence under the summary.
+pub fn print_verdict(v: &Verdict) {
+    println!("\n  {}", v.headline);
+    for e in &v.evidence {
+        println!("    {}", term(e));
+    }
+    if let Some(b) = &v.blind_spot {
+        println!("    note: {b}");
+    }
+}
+
 pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
     let ln_v = (run.vocab as f64).ln();
     println!(
@@ -195,27 +220,20 @@ pub fn print_summary(run: &EntropyRun, tok: Option<&Tokenizer>) {
             k.n_positions, k.mean, k.mean_se, k.median, k.p90, k.p99, k.p99_9, k.max
         );
         println!("  same top-1 {:.2} %, RMS Δp {:.3} %", k.same_top1_pct, k.rms_dp_pct);
-        // With --server the calibrated verdict follows (a band, not one position's maximum).
-        if run.server.is_some() {
-            return print_verdict_line(run);
-        }
-        // Name the prompt and position of the first one over.
+        // The calibrated verdict (a band, not one position's maximum) decides; the first position
+        // over --kld-threshold is context.
         let first = run
             .prompts
             .iter()
             .enumerate()
             .find_map(|(i, p)| p.kld.as_ref().and_then(|k| k.first_over).map(|pos| (i, pos)));
-        match first {
-            Some((i, pos)) => println!(
-                "  DIVERGED: first position over KLD {}: prompt #{} position {}",
+        if let Some((i, pos)) = first {
+            println!(
+                "  first position over KLD {}: prompt #{} position {}",
                 k.threshold,
                 i + 1,
                 pos
-            ),
-            None => println!(
-                "  AGREE: every one of the {} compared positions' KLD within {}",
-                k.n_positions, k.threshold
-            ),
+            );
         }
     }
     print_verdict_line(run);
