@@ -140,6 +140,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         // Against the reference, on the server's tokens.
         let mut kld = None;
         let mut p_overlap = None;
+        let mut series = Vec::new();
         if let Some(r) = &reference {
             if let Some(bad) = c.entries.iter().find(|e| space.model_id(&e.token).is_none()) {
                 bail!(
@@ -246,6 +247,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                 });
             }
             debug_assert!(pos_kld[first_pos..].iter().all(|p| p.len == rows_needed));
+            series = pos_kld[first_pos..].iter().map(|p| p.kld).collect();
             kld = Some(kld_stats(&pos, thresholds.kld_position));
             all_kld.extend(pos);
             p_overlap = Some(TopkOverlap {
@@ -268,6 +270,9 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             &thresholds,
         );
         pe.kld = kld;
+        // Per compared position, in sequence order from the first one the server gave a
+        // distribution for (what the verdict's position profile reads).
+        pe.kld_positions = series;
         pe.overlap = p_overlap;
         profile.entropy_verdicts.push(pe.verdict.clone());
         out.push(pe);
