@@ -654,6 +654,8 @@ impl CudaBackend {
         ] {
             let t = pos0 + n;
             let s = GqaShape {
+                window: None,
+                softcap: None,
                 n_heads: 6,
                 n_kv_heads: 2,
                 head_dim: hd,
@@ -927,6 +929,8 @@ impl CudaBackend {
         let (hd, nh, nkv, pos0) = (64usize, 4usize, 2usize, 37usize);
         let (kw, qw) = (nkv * hd, nh * hd);
         let shape = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,

@@ -981,6 +981,17 @@ impl Backend for CudaBackend {
         if slots == 0 {
             return;
         }
+        if !shape.is_plain() {
+            // No device kernel takes a sliding window or a score soft-cap yet (gemma): the host's
+            // op on the downloaded q and caches, its output uploaded (never recorded: the engine
+            // records plain llama/qwen3 decode steps only).
+            let mut o = vec![0f32; out.len()];
+            let (qh, kh, vh) = (self.download(q), self.download(k), self.download(v));
+            crate::cpu_ops::gqa_attention(&qh, &kh, &vh, pos0, shape, &mut o);
+            let u = self.upload(&o);
+            self.copy(&u, 0, out, 0, o.len());
+            return;
+        }
         let n = slots / shape.n_heads;
         let capturing = self.capturing();
         // Prefill: the tiled kernel (attn.rs), unless recording or disabled.
