@@ -43,7 +43,9 @@ fn healthy_engine_agrees_with_the_reference_at_tp_1_and_2() {
                     run.first_divergence.as_ref().map(|f| &f.tap),
                     run.verdict
                 );
-                // Every layer's taps were compared, the logits among them.
+                // Every tap the engine emitted met its reference tap (the same sites), and every
+                // layer's taps were compared, the logits among them.
+                assert!(run.unmatched.is_empty(), "{name}: unmatched taps {:?}", run.unmatched);
                 assert!(run.taps.iter().any(|t| t.tap == "logits"), "{name}: no logits tap");
                 let last = file.header.get(&format!("{name}.block_count")).and_then(|v| v.as_u64());
                 let last = last.expect("block_count") - 1;
