@@ -976,6 +976,53 @@ impl Backend for CudaBackend {
         ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
     }
 
+    fn geglu(&self, gate: &mut Buf, up: &Buf) {
+        if gate.is_empty() {
+            return;
+        }
+        let len = gate.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("geglu"));
+        b.arg(dev_mut(gate)).arg(dev(up)).arg(&len);
+        // SAFETY: matches geglu in kernels/ops.cu: gate and up len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn softcap(&self, x: &mut Buf, cap: f32) {
+        if x.is_empty() {
+            return;
+        }
+        let len = x.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("softcap_f32"));
+        b.arg(dev_mut(x)).arg(&cap).arg(&len);
+        // SAFETY: matches softcap_f32 in kernels/ops.cu: x len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn scale(&self, x: &mut Buf, s: f32) {
+        if x.is_empty() {
+            return;
+        }
+        let len = x.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("scale_f32"));
+        b.arg(dev_mut(x)).arg(&s).arg(&len);
+        // SAFETY: matches scale_f32 in kernels/ops.cu: x len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn add_bias(&self, y: &mut Buf, bias: &[f32]) {
+        if y.is_empty() || bias.is_empty() {
+            return;
+        }
+        assert_eq!(y.len() % bias.len(), 0, "add_bias: y is not [n, bias.len()]");
+        // The bias goes up once and stays (the weight cache, as the norms' weights).
+        let bd = self.param(bias);
+        let (len, width) = (y.len() as i64, bias.len() as i32);
+        let mut b = self.stream.launch_builder(self.func("add_bias"));
+        b.arg(dev_mut(y)).arg(&bd.data).arg(&width).arg(&len);
+        // SAFETY: matches add_bias in kernels/ops.cu: y len floats, bias width floats, len % width == 0.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         let slots = out.len() / shape.head_dim.max(1);
         if slots == 0 {
