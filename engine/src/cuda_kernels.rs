@@ -102,6 +102,7 @@ impl KernelId {
             KernelId::Attention => [
                 "gqa_attention",
                 "gqa_attention_dpos",
+                "gqa_attention_masked",
                 "mla_attention",
                 "gqa_attn_tiled_64",
                 "gqa_attn_tiled_128",

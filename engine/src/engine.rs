@@ -488,16 +488,14 @@ impl Engine {
         };
         let (n, d) = (tokens.len(), c.d_model);
         // A plain decode step: nothing tapped, no fault, no host round trip mid-step (MoE
-        // routing; the biases' upload, gemma's host-side ops) and no attention without a
-        // device-position form (MLA): llama and qwen3.
+        // routing) and no attention without a device-position form (MLA, gemma's masked
+        // attention): llama, qwen2 and qwen3.
+        use references::config::Arch;
         let graphable = self.decode_graphs
             && is_decode
             && plan.is_empty()
             && self.faults.specs().is_empty()
-            && matches!(
-                c.arch,
-                references::config::Arch::Llama | references::config::Arch::Qwen3
-            );
+            && matches!(c.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3);
         if !graphable {
             self.graph = None;
         }

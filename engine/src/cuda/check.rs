@@ -642,7 +642,7 @@ impl CudaBackend {
     /// The qwen/glm4moe/gemma ops (`GQA_FAMILY_OPS` cases): the q/k/v bias add, GELU-tanh GLU,
     /// the embedding scale, the final-logit soft-cap, the per-head q/k RMSNorm (rows of
     /// head_dim), and attention with a sliding window and a score soft-cap in prefill and decode
-    /// (which runs the CPU op on the host today: a kernel replacing it is held to the same cases).
+    /// (`gqa_attention_masked`).
     fn check_family_ops(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
         let (n, w) = (5usize, 96usize);
