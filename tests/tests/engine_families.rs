@@ -7,7 +7,7 @@
 
 use engine::{Engine, EngineError, EngineOptions, Fault, FaultSpec};
 use harness::diff::run_diff;
-use llmdiff_tests::models::{plan, tokens};
+use llmdiff_tests::models::{plan, synth, tokens};
 use references::GgufFile;
 use std::path::PathBuf;
 
@@ -20,7 +20,7 @@ fn fixture(name: &str) -> GgufFile {
     GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn spec(fault: Fault, layer: u32, rank: Option<u32>) -> FaultSpec {
+fn fault_spec(fault: Fault, layer: u32, rank: Option<u32>) -> FaultSpec {
     FaultSpec {
         fault,
         layer: Some(layer),
@@ -137,7 +137,7 @@ fn faults_are_localized_as_on_llama() {
         }
         for (fault, layer, rank, tp, decode, site, want_rank, classes) in cases {
             n += 1;
-            let s = spec(fault, layer, rank);
+            let s = fault_spec(fault, layer, rank);
             let case = format!("{name} {s} tp {tp}");
             let run = run_diff(&plan(&file, tokens(config.vocab, N_TOKENS), tp, vec![s], decode))
                 .unwrap_or_else(|e| panic!("{case}: {e:#}"));
@@ -156,6 +156,28 @@ fn faults_are_localized_as_on_llama() {
     }
     assert!(n >= 6 * 6 + 2, "ran {n} cases");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The synth presets (bigger, quantized): qwen3-mini and qwen3moe-mini, cut to 2 layers, in
+/// Q4_K, agree at TP 4 (one KV head a rank) with decode steps.
+#[test]
+fn qwen3_presets_agree_at_tp_4_quantized() {
+    let dir = tempfile::tempdir().unwrap();
+    for preset in ["qwen3-mini", "qwen3moe-mini"] {
+        let s = llmdiff_tests::models::spec(preset, Some(2), Some(references::GgmlType::Q4K));
+        let file = synth(dir.path(), preset, &s);
+        let run = run_diff(&plan(&file, tokens(s.config.vocab, 10), 4, vec![], 2))
+            .unwrap_or_else(|e| panic!("{preset}: {e:#}"));
+        assert!(
+            run.first_divergence.is_none() && run.unmatched.is_empty(),
+            "{preset} tp 4: {}",
+            run.verdict
+        );
+        assert!(
+            run.taps.iter().any(|t| t.tap == "blk.1.q@r3"),
+            "{preset}: rank 3 not tapped"
+        );
+    }
 }
 
 #[test]
