@@ -7,7 +7,8 @@
 //   `LLMDIFF_CUDA_DISABLE=attn-split`, or a shape it does not take: head_dim not a multiple of 4 or over
 //   256, more than 16 query heads per KV head) in decode (n = 1) and the captured decode graph
 //   (`*_dpos`), and short prefill chunks; row t
-//   of the new tokens sees positions 0 ..= pos0 + t. Dynamic shared memory: (q width + pos0 + n
+//   of the new tokens sees positions 0 ..= pos0 + t. `gqa_attention_masked` is the GQA form with
+//   gemma's sliding window and score soft-cap (op by op only). Dynamic shared memory: (q width + pos0 + n
 //   + G·out width) floats, G = max(1, blockDim / out width) (see attn_weighted_sum).
 //   Memory-level parallelism matters more than arithmetic here (a decode step reads the whole
 //   cache once): each thread's score reads its key row as float4 where the rows are 16-byte
@@ -130,6 +131,39 @@ extern "C" __global__ void __launch_bounds__(1024) gqa_attention_dpos(const floa
     __shared__ float red[32];
     __shared__ double red64[32];
     gqa_attention_at(q, k, v, out, *pos_dev, n_heads, n_kv_heads, hd, scale, red, red64);
+}
+
+// `gqa_attention` with gemma's extras: row t reads keys max(0, n_ctx − window) .. n_ctx − 1
+// (window 0: all of them, n_ctx = pos0 + t + 1), and each score is soft-capped cap·tanh(s/cap)
+// after the scale (cap 0: none). Not recorded (no device-position form); the same shared memory
+// as gqa_attention.
+extern "C" __global__ void __launch_bounds__(1024) gqa_attention_masked(const float* __restrict__ q, const float* __restrict__ k,
+                                                const float* __restrict__ v, float* __restrict__ out, int pos0,
+                                                int n_heads, int n_kv_heads, int hd, float scale, int window,
+                                                float softcap) {
+    __shared__ float red[32];
+    __shared__ double red64[32];
+    extern __shared__ float masked_sm[];
+    int slot = blockIdx.x, tok = slot / n_heads, head = slot % n_heads;
+    int group = n_heads / n_kv_heads, kv_off = (head / group) * hd, kvw = n_kv_heads * hd;
+    int n_ctx = pos0 + tok + 1;
+    int first = (window > 0 && n_ctx > window) ? n_ctx - window : 0;
+    int len = n_ctx - first;
+    float* qs = masked_sm;
+    float* p = masked_sm + hd;
+    float* part = p + pos0 + (int)(gridDim.x / n_heads);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[(size_t)slot * hd + i];
+    __syncthreads();
+    bool vec = (hd % 4 == 0) && (kvw % 4 == 0);
+    float mx = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+        float s = attn_dot(qs, k + (size_t)(first + j) * kvw + kv_off, hd, vec) * scale;
+        if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+        p[j] = s;
+        mx = fmaxf(mx, s);
+    }
+    float inv = attn_softmax(p, len, mx, red, red64);
+    attn_weighted_sum(p, v + (size_t)first * kvw + kv_off, kvw, hd, len, inv, part, out + (size_t)slot * hd);
 }
 
 // MLA over the expanded cache: q [n, H·(nope+rope)] per head [q_nope | q_pe]; k_nope [T, H·nope];

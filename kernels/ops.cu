@@ -276,6 +276,36 @@ extern "C" __global__ void swiglu(float* gate, const float* up, long long len) {
     gate[i] = silu_mul(gate[i], up[i]);
 }
 
+// gate = gelu_tanh(gate) · up (gemma's GeGLU; the CPU engine evaluates it in f64).
+extern "C" __global__ void geglu(float* gate, const float* up, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    const float x = gate[i];
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    gate[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x))) * up[i];
+}
+
+// x = cap · tanh(x / cap) (gemma's final-logit soft-capping).
+extern "C" __global__ void softcap_f32(float* x, float cap, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    x[i] = cap * tanhf(x[i] / cap);
+}
+
+// x = x · s (gemma's embedding scale).
+extern "C" __global__ void scale_f32(float* x, float s, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    x[i] *= s;
+}
+
+// y[t, j] += bias[j] for the rows t of y [len / width, width] (q/k/v biases).
+extern "C" __global__ void add_bias(float* y, const float* __restrict__ bias, int width, long long len) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    y[i] += bias[i % width];
+}
+
 // The same for one row of len values (len % 128 == 0), a thread per 4, and the result's int8
 // limbs for the integer GEMV (x_limbs4).
 extern "C" __global__ void swiglu_limbs(float* gate, const float* up, int len, u8* __restrict__ xq) {

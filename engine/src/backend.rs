@@ -240,6 +240,27 @@ pub trait Backend: Send + Sync {
     }
     /// `gate = silu(gate)·up`.
     fn swiglu(&self, gate: &mut Buf, up: &Buf);
+    /// `gate = gelu_tanh(gate)·up` (gemma's GeGLU). The default runs the host's op on a
+    /// download and uploads the result (a backend without a kernel for it stays correct).
+    fn geglu(&self, gate: &mut Buf, up: &Buf) {
+        let u = self.download(up);
+        host_round_trip(self, gate, |g| cpu_ops::geglu(g, &u));
+    }
+    /// `y[t] += bias` for every row t of `y` `[n, bias.len()]` (the q/k/v biases of qwen2 and
+    /// glm4moe). The default uploads the bias repeated per row and adds it (`add_assign`).
+    fn add_bias(&self, y: &mut Buf, bias: &[f32]) {
+        let n = y.len() / bias.len().max(1);
+        let b = self.upload(&bias.repeat(n));
+        self.add_assign(y, &b, false);
+    }
+    /// `x = x·s` element-wise (gemma's √d_model embedding scale). Default: on the host.
+    fn scale(&self, x: &mut Buf, s: f32) {
+        host_round_trip(self, x, |v| v.iter_mut().for_each(|a| *a *= s));
+    }
+    /// `x = cap·tanh(x/cap)` element-wise (gemma's final-logit soft-capping). Default: on the host.
+    fn softcap(&self, x: &mut Buf, cap: f32) {
+        host_round_trip(self, x, |v| v.iter_mut().for_each(|a| *a = cpu_ops::softcap(*a, cap)));
+    }
     /// Causal GQA attention over a KV cache into `out` `[n, H·hd]`.
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
@@ -364,6 +385,15 @@ pub(crate) fn rope_qk_then_append<B: Backend + ?Sized>(
     be.kv_write(vc, v, v_width, rope.pos0, rope.pos0);
 }
 
+/// `f` on `x`'s values on the host, then written back: the default of the ops a backend has no
+/// kernel for (nothing may be recording: the download waits for the device).
+fn host_round_trip<B: Backend + ?Sized>(be: &B, x: &mut Buf, f: impl FnOnce(&mut [f32])) {
+    let mut v = be.download(x);
+    f(&mut v);
+    let u = be.upload(&v);
+    be.copy(&u, 0, x, 0, v.len());
+}
+
 fn h(b: &Buf) -> &[f32] {
     b.as_host()
 }
@@ -455,6 +485,20 @@ impl Backend for CpuBackend {
     }
     fn swiglu(&self, gate: &mut Buf, up: &Buf) {
         cpu_ops::swiglu(hm(gate), h(up))
+    }
+    fn geglu(&self, gate: &mut Buf, up: &Buf) {
+        cpu_ops::geglu(hm(gate), h(up))
+    }
+    fn add_bias(&self, y: &mut Buf, bias: &[f32]) {
+        for row in hm(y).chunks_exact_mut(bias.len().max(1)) {
+            row.iter_mut().zip(bias).for_each(|(a, &b)| *a += b);
+        }
+    }
+    fn scale(&self, x: &mut Buf, s: f32) {
+        hm(x).iter_mut().for_each(|a| *a *= s)
+    }
+    fn softcap(&self, x: &mut Buf, cap: f32) {
+        hm(x).iter_mut().for_each(|a| *a = cpu_ops::softcap(*a, cap))
     }
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         cpu_ops::gqa_attention(h(q), h(k), h(v), pos0, shape, hm(out))

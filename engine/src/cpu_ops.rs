@@ -387,6 +387,20 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// Soft-capping `cap·tanh(x/cap)` (gemma2's attention scores, gemma's final logits), in f64.
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    (cap as f64 * (x as f64 / cap as f64).tanh()) as f32
+}
+
+/// GELU (tanh approximation, gemma's `gelu_pytorch_tanh`) of gate times up, into `gate`.
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g as f64;
+        *g = (0.5 * x * (1.0 + (k * (x + 0.044715 * x * x * x)).tanh()) * u as f64) as f32;
+    }
+}
+
 /// Shapes for causal GQA attention over a cache.
 #[derive(Clone, Copy, Debug)]
 pub struct GqaShape {
@@ -394,6 +408,17 @@ pub struct GqaShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Sliding window (gemma's local layers): a query at position p reads keys p − window + 1 ..= p.
+    pub window: Option<usize>,
+    /// Score soft-capping `c·tanh(s/c)` after the scale (gemma2).
+    pub softcap: Option<f32>,
+}
+
+impl GqaShape {
+    /// True when the attention has no window and no soft-cap (what every device kernel runs).
+    pub fn is_plain(&self) -> bool {
+        self.window.is_none() && self.softcap.is_none()
+    }
 }
 
 /// Causal GQA attention: `q` `[n, H·hd]` for positions `pos0..pos0+n`, `k`/`v` `[T, KV·hd]`
@@ -406,12 +431,16 @@ pub fn gqa_attention(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: GqaShape, 
         let kv_off = (head_idx / group) * hd;
         let qh = &q[slot_idx * hd..(slot_idx + 1) * hd];
         let n_ctx = pos0 + tok_idx + 1;
-        let mut p: Vec<f32> = (0..n_ctx)
-            .map(|j| dot(qh, &k[j * kvw + kv_off..j * kvw + kv_off + hd]) * s.scale)
+        let first = s.window.map_or(0, |w| n_ctx.saturating_sub(w.max(1)));
+        let mut p: Vec<f32> = (first..n_ctx)
+            .map(|j| {
+                let score = dot(qh, &k[j * kvw + kv_off..j * kvw + kv_off + hd]) * s.scale;
+                s.softcap.map_or(score, |c| softcap(score, c))
+            })
             .collect();
         softmax(&mut p);
         o.fill(0.0);
-        for (j, &pj) in p.iter().enumerate() {
+        for (j, &pj) in (first..n_ctx).zip(p.iter()) {
             let vr = &v[j * kvw + kv_off..j * kvw + kv_off + hd];
             for (a, &b) in o.iter_mut().zip(vr) {
                 *a += pj * b;
@@ -518,6 +547,77 @@ mod tests {
         y
     }
 
+    #[test]
+    fn window_and_softcap() {
+        let (n, h, hd) = (5, 2, 4);
+        let q = rand_vec(1, n * h * hd);
+        let k = rand_vec(2, n * h * hd);
+        let v = rand_vec(3, n * h * hd);
+        let plain = GqaShape {
+            n_heads: h,
+            n_kv_heads: h,
+            head_dim: hd,
+            scale: 0.5,
+            window: None,
+            softcap: None,
+        };
+        // A window of 1: every query reads only its own key, so the output is its own v row.
+        let mut out = vec![f32::NAN; n * h * hd];
+        gqa_attention(
+            &q,
+            &k,
+            &v,
+            0,
+            GqaShape {
+                window: Some(1),
+                ..plain
+            },
+            &mut out,
+        );
+        assert_eq!(out, v);
+        // A window as long as the sequence is full attention.
+        let (mut full, mut wide) = (vec![0.0; out.len()], vec![0.0; out.len()]);
+        gqa_attention(&q, &k, &v, 0, plain, &mut full);
+        gqa_attention(
+            &q,
+            &k,
+            &v,
+            0,
+            GqaShape {
+                window: Some(n),
+                ..plain
+            },
+            &mut wide,
+        );
+        assert_eq!(full, wide);
+        // A soft-cap far above the scores changes little; a tight one changes the output.
+        let (mut loose, mut tight) = (vec![0.0; out.len()], vec![0.0; out.len()]);
+        gqa_attention(
+            &q,
+            &k,
+            &v,
+            0,
+            GqaShape {
+                softcap: Some(1e4),
+                ..plain
+            },
+            &mut loose,
+        );
+        gqa_attention(
+            &q,
+            &k,
+            &v,
+            0,
+            GqaShape {
+                softcap: Some(0.05),
+                ..plain
+            },
+            &mut tight,
+        );
+        assert!(max_rel(&loose, &full) < 1e-5);
+        assert!(max_rel(&tight, &full) > 1e-3);
+    }
+
     fn gqa_slow(q: &[f32], k: &[f32], v: &[f32], pos0: usize, s: GqaShape) -> Vec<f32> {
         let n = q.len() / (s.n_heads * s.head_dim);
         let hd = s.head_dim;
@@ -608,7 +708,7 @@ mod tests {
         fn gqa_fast_matches_slow(n in 1usize..5, pos0 in 0usize..6, kv in 1usize..3, group in 1usize..4,
                                  hd in 1usize..20, seed in 0u64..1000) {
             let h = kv * group;
-            let s = GqaShape { n_heads: h, n_kv_heads: kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+            let s = GqaShape { window: None, softcap: None, n_heads: h, n_kv_heads: kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
             let t = pos0 + n;
             let q = rand_vec(seed, n * h * hd);
             let k = rand_vec(seed + 1, t * kv * hd);
@@ -691,6 +791,8 @@ mod tests {
             }
         }
         let g = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: h,
             n_kv_heads: h,
             head_dim: hd,

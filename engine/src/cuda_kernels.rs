@@ -14,7 +14,7 @@ pub enum KernelId {
     /// GEMV (`kernels/gemv.cu`: per-unit decode, the integer form, x-stationary; `kernels/gemv_rows.cu`:
     /// warp-rows), one module over their shared decoders.
     Quant,
-    /// RMSNorm, RoPE, SwiGLU, all-reduce sum, and the data movement of device-resident
+    /// RMSNorm, RoPE, SwiGLU, GeGLU, soft-cap, scale, bias add, all-reduce sum, and the data movement of device-resident
     /// activations (`kernels/ops.cu`).
     Ops,
     /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
@@ -79,6 +79,10 @@ impl KernelId {
                 "rope_qk",
                 "swiglu",
                 "swiglu_limbs",
+                "geglu",
+                "softcap_f32",
+                "scale_f32",
+                "add_bias",
                 "all_reduce_sum",
                 "fill_u32",
                 "round_dtype",
@@ -98,6 +102,7 @@ impl KernelId {
             KernelId::Attention => [
                 "gqa_attention",
                 "gqa_attention_dpos",
+                "gqa_attention_masked",
                 "mla_attention",
                 "gqa_attn_tiled_64",
                 "gqa_attn_tiled_128",

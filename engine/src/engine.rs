@@ -11,6 +11,12 @@
 //! vocab-parallel embedding (+ all-reduce); per layer, attention up to o_proj (+ all-reduce) and
 //! FFN/MoE (+ all-reduce); then output_norm and the lm_head slice (+ gather).
 //!
+//! One layer loop runs every family the engine takes (llama, deepseek2, qwen2/3, qwen3moe,
+//! glm4moe, gemma2/3); the families differ only in what their shards hold
+//! ([`crate::weights::GqaExtras`]: q/k/v biases, per-head q/k norms, gemma's post-norms, applied
+//! to the reduced sum before the residual add) and in the config the ops read (RoPE pair style,
+//! partial rotary, attention scale, sliding window, soft-caps, GELU-tanh, the embedding scale).
+//!
 //! Precision: at [`ComputeDtype::F32`] (the default) the backend runs as it is; at bf16 or f16 it
 //! is wrapped in [`crate::precision::DtypeBackend`], which rounds every op's output to the dtype,
 //! and the loader rounds float weights (the rules are in [`crate::precision`]).
@@ -139,11 +145,21 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Refuses the architectures the TP engine does not run yet (all but llama and deepseek2: the
-/// GQA/MoE families and the DSA ones are in the reference only), naming what works instead.
+/// Refuses the architectures the TP engine does not run yet (gpt-oss, and the DSA families
+/// deepseek32 and glm-dsa: they are in the reference only), naming what works instead.
 fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     use references::config::Arch;
-    if matches!(c.arch, Arch::Llama | Arch::Deepseek2) {
+    if matches!(
+        c.arch,
+        Arch::Llama
+            | Arch::Deepseek2
+            | Arch::Qwen2
+            | Arch::Qwen3
+            | Arch::Qwen3Moe
+            | Arch::Glm4Moe
+            | Arch::Gemma2
+            | Arch::Gemma3
+    ) {
         return Ok(());
     }
     let what = if c.indexer.is_some() {
@@ -472,13 +488,14 @@ impl Engine {
         };
         let (n, d) = (tokens.len(), c.d_model);
         // A plain decode step: nothing tapped, no fault, no host round trip mid-step (MoE
-        // routing) and no attention without a device-position form (MLA).
+        // routing) and no attention without a device-position form (MLA, gemma's masked
+        // attention): llama, qwen2 and qwen3.
+        use references::config::Arch;
         let graphable = self.decode_graphs
             && is_decode
             && plan.is_empty()
             && self.faults.specs().is_empty()
-            && c.moe.is_none()
-            && c.mla.is_none();
+            && matches!(c.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3);
         if !graphable {
             self.graph = None;
         }
@@ -547,6 +564,24 @@ impl Engine {
                             &partials[rank_idx]
                         } else {
                             sum_for(&sums, &partials, rank_idx)
+                        };
+                        // Gemma's post-norm of the block's output, on the reduced sum (replicated).
+                        let post = r.shard.layers[layer_idx].extras.post_norms.as_ref().map(|[a, f]| {
+                            if phase_site == Site::AttnProj {
+                                a.clone()
+                            } else {
+                                f.clone()
+                            }
+                        });
+                        let post_normed;
+                        let reduced = match post {
+                            Some(w) => {
+                                let mut o = be.alloc(reduced.len());
+                                be.rms_norm(reduced, &w, ctx.hyper(layer_idx, rank_idx).rms_eps, &mut o);
+                                post_normed = o;
+                                &post_normed
+                            }
+                            None => reduced,
                         };
                         if rank_idx == 0 {
                             record_if(be, tap, &plan, TapKey::layer(layer_idx, phase_site), reduced, d);

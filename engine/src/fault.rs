@@ -68,7 +68,7 @@ impl Fault {
             Fault::DequantQ4kScaleMin => "the Q4_K dequantizer unpacks each 6-bit scale/min pair swapped",
             Fault::F16Residual => "the residual stream is stored in f16 after each add (overflows to inf on large activations)",
             Fault::AllreduceSkip => "the row-parallel outputs (o_proj, FFN down) are not all-reduced: each rank keeps its partial",
-            Fault::RopeNeox => "RoPE rotates NEOX pairs (i, i+d/2) where the model needs NORM pairs (2i, 2i+1)",
+            Fault::RopeNeox => "RoPE rotates the other pair layout: NEOX pairs (i, i+d/2) where the model needs NORM pairs (2i, 2i+1), NORM pairs for a NEOX model (qwen, glm4moe, gemma)",
             Fault::MoeGateRounded => "the MoE router weights are rounded to FP8 E4M3 at load, so near-tie expert choices flip",
             Fault::StaleAttnOut => "the caller reads the other buffer of its double-buffered attention output: the previous layer's values",
             Fault::ConfigDrift => "the engine reads a different rms eps, rope base and expert weights scale than the file gives",

@@ -213,6 +213,22 @@ impl Backend for DtypeBackend {
         self.inner.swiglu(gate, up);
         self.r(gate);
     }
+    fn geglu(&self, gate: &mut Buf, up: &Buf) {
+        self.inner.geglu(gate, up);
+        self.r(gate);
+    }
+    fn add_bias(&self, y: &mut Buf, bias: &[f32]) {
+        self.inner.add_bias(y, bias);
+        self.r(y);
+    }
+    fn scale(&self, x: &mut Buf, s: f32) {
+        self.inner.scale(x, s);
+        self.r(x);
+    }
+    fn softcap(&self, x: &mut Buf, cap: f32) {
+        self.inner.softcap(x, cap);
+        self.r(x);
+    }
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         self.inner.gqa_attention(q, k, v, pos0, shape, out);
         self.r(out);

@@ -35,7 +35,11 @@ impl Hyper {
             rms_eps: c.rms_eps,
             rope_base: c.rope_base,
             expert_scale: c.moe.as_ref().map_or(1.0, |m| m.weights_scale),
-            rope_style: RopeStyle::Norm,
+            rope_style: if c.arch.rope_neox() {
+                RopeStyle::Neox
+            } else {
+                RopeStyle::Norm
+            },
         }
     }
 
@@ -69,11 +73,20 @@ pub struct StepCtx<'a> {
 impl StepCtx<'_> {
     pub fn hyper(&self, layer_idx: usize, rank_idx: usize) -> Hyper {
         let mut h = Hyper::from_config(self.config);
+        let fam = &self.config.family;
+        if fam.is_swa(layer_idx) && fam.rope_base_swa > 0.0 {
+            // gemma3's sliding-window layers rotate with the local base.
+            h.rope_base = fam.rope_base_swa;
+        }
         if self.faults.active(Fault::ConfigDrift, layer_idx, rank_idx) {
             h = h.drifted();
         }
         if self.faults.active(Fault::RopeNeox, layer_idx, rank_idx) {
-            h.rope_style = RopeStyle::Neox;
+            // The other pair layout than the model's: NEOX for a NORM model, NORM for a NEOX one.
+            h.rope_style = match h.rope_style {
+                RopeStyle::Norm => RopeStyle::Neox,
+                RopeStyle::Neox => RopeStyle::Norm,
+            };
         }
         h
     }
@@ -163,11 +176,13 @@ fn norm_of<'s>(shard: &'s RankShard, ctx: &StepCtx<'_>, rank_idx: usize, at: Nor
     }
 }
 
-/// A GQA layer's RoPE (every head rotating `rope_dim` from its start, with the model's frequency
-/// scaling: the linear factor and `factors`, the rank's copy of `rope_freqs.weight`) and attention
-/// shape on a rank whose q and k have `q_rows` and `k_rows` rows.
+/// A GQA layer's RoPE (every head rotating `rope_dim` from its start: all of it, or glm4moe's
+/// partial rotary, with the model's frequency scaling: the linear factor and `factors`, the
+/// rank's copy of `rope_freqs.weight`) and attention shape (scale, gemma's sliding window on its
+/// local layers and score soft-cap) on a rank whose q and k have `q_rows` and `k_rows` rows.
 fn gqa_rope_shape<'f>(
     ctx: &StepCtx<'_>,
+    layer_idx: usize,
     hy: &Hyper,
     q_rows: usize,
     k_rows: usize,
@@ -193,11 +208,14 @@ fn gqa_rope_shape<'f>(
             factors,
         },
     };
+    let fam = &c.family;
     let shape = GqaShape {
         n_heads: h_r,
         n_kv_heads: kv_r,
         head_dim: hd,
-        scale: 1.0 / (hd as f32).sqrt(),
+        scale: fam.attn_scale.map_or(1.0 / (hd as f32).sqrt(), |s| s as f32),
+        window: fam.sliding_window.filter(|_| fam.is_swa(layer_idx)),
+        softcap: fam.attn_softcap,
     };
     (rope, shape)
 }
@@ -293,6 +311,10 @@ impl Rank {
                 .collect();
             be.embed_rows(self.shard.embd.view(), &rows, &mut out);
         }
+        if ctx.config.arch.is_gemma() {
+            // Gemma scales the embeddings by √d_model (the partial sums scale with them).
+            be.scale(&mut out, (d as f64).sqrt() as f32);
+        }
         let mut taps = RankTaps::new(ctx.plan, self.idx, None);
         taps.emit_buf(be, Site::Embed, &out, d, Emit::Partial);
         PhaseOut { data: out, taps }
@@ -322,18 +344,37 @@ impl Rank {
         match &lw.attn {
             AttnShard::Gqa { q, k, v } => {
                 let factors = self.shard.rope_freqs.as_deref().map(Vec::as_slice);
-                let (rope, shape) = gqa_rope_shape(ctx, &hy, q.rows, k.rows, factors);
+                let (rope, shape) = gqa_rope_shape(ctx, layer_idx, &hy, q.rows, k.rows, factors);
                 let mut qv = be.alloc(n * q.rows);
                 let mut kv = be.alloc(n * k.rows);
                 let mut vv = be.alloc(n * v.rows);
                 let ws = [q.view(), k.view(), v.view()];
-                if off_by_one {
+                let ex = &lw.extras;
+                if off_by_one || ex.qkv_bias.is_some() || ex.qk_norm.is_some() {
+                    // The products, then the biases and per-head norms between them and RoPE.
                     be.linear_many(&h, n, &ws, &mut [&mut qv, &mut kv, &mut vv]);
-                    be.rope_qk(
-                        &mut qv, rope.q, &mut kv, rope.k, rope.pos0, rope.base, rope.style, rope.freqs,
-                    );
-                    cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, true);
-                    cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, true);
+                    if let Some([qb, kb, vb]) = &ex.qkv_bias {
+                        be.add_bias(&mut qv, qb);
+                        be.add_bias(&mut kv, kb);
+                        be.add_bias(&mut vv, vb);
+                    }
+                    if let Some([qn, kn]) = &ex.qk_norm {
+                        for (y, w) in [(&mut qv, qn), (&mut kv, kn)] {
+                            // RMSNorm over rows of head_dim: each head on its own.
+                            let mut normed = be.alloc(y.len());
+                            be.rms_norm(y, w, hy.rms_eps, &mut normed);
+                            *y = normed;
+                        }
+                    }
+                    if off_by_one {
+                        be.rope_qk(
+                            &mut qv, rope.q, &mut kv, rope.k, rope.pos0, rope.base, rope.style, rope.freqs,
+                        );
+                        cache_write(be, &mut cache.k, &kv, k.rows, ctx.pos0, true);
+                        cache_write(be, &mut cache.v, &vv, v.rows, ctx.pos0, true);
+                    } else {
+                        be.rope_qk_cache(&mut qv, &mut kv, &vv, v.rows, rope, [&mut cache.k, &mut cache.v]);
+                    }
                 } else {
                     let outs = [&mut qv, &mut kv, &mut vv];
                     be.linear_qkv_rope(&h, n, ws, outs, rope, [&mut cache.k, &mut cache.v]);
@@ -472,8 +513,9 @@ impl Rank {
         let lw = &self.shard.layers[layer_idx];
         taps.emit_buf(be, Site::FfnNorm, &h, d, Emit::Replicated);
         prepare_out(be, &mut self.ffn_out, n * d, taps.wants_site(Site::FfnOut));
+        let gelu = c.arch.is_gemma();
         match &lw.ffn {
-            FfnShard::Dense(mlp) if !taps.wants_site(Site::FfnGate) && !taps.wants_site(Site::FfnUp) => {
+            FfnShard::Dense(mlp) if !gelu && !taps.wants_site(Site::FfnGate) && !taps.wants_site(Site::FfnUp) => {
                 let ws = [mlp.gate.view(), mlp.up.view(), mlp.down.view()];
                 crate::backend::ffn_swiglu(be, &h, n, ws, &mut self.ffn_out);
             }
@@ -484,7 +526,11 @@ impl Rank {
                 be.linear_many(&h, n, &[mlp.gate.view(), mlp.up.view()], &mut [&mut g, &mut u]);
                 taps.emit_buf(be, Site::FfnGate, &g, f_r, Emit::Column);
                 taps.emit_buf(be, Site::FfnUp, &u, f_r, Emit::Column);
-                be.swiglu(&mut g, &u);
+                if gelu {
+                    be.geglu(&mut g, &u);
+                } else {
+                    be.swiglu(&mut g, &u);
+                }
                 be.linear(&g, n, mlp.down.view(), &mut self.ffn_out);
             }
             FfnShard::Moe(moe) => {
@@ -530,6 +576,10 @@ impl Rank {
         let w = &self.shard.lm_head;
         let mut logits = be.alloc(n * w.rows);
         be.linear(&h, n, w.view(), &mut logits);
+        if let Some(cap) = ctx.config.family.final_softcap {
+            // Gemma's final-logit soft-capping, element-wise on each vocab slice.
+            be.softcap(&mut logits, cap);
+        }
         taps.emit_buf(be, Site::Logits, &logits, w.rows, Emit::Column);
         PhaseOut { data: logits, taps }
     }

@@ -24,6 +24,10 @@
 //! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`) live here as the alternative
 //! paths they are in a real loader.
 //!
+//! The GQA families' extras ([`GqaExtras`]): q/k/v biases (qwen2, glm4moe) are column-parallel,
+//! sliced with their weight's rows; per-head q/k norms (qwen3, qwen3moe, gemma3) and gemma's
+//! post-norms are replicated. glm4moe's pre-FFN norm is read from `post_attention_norm`.
+//!
 //! At a 16-bit compute dtype ([`Loader::compute_dtype`]) float tensors (F32, F16, BF16) are
 //! rounded to it as they are read, except the RoPE frequency factors and the router's
 //! `exp_probs_b` bias, which production engines keep in f32; quantized tensors keep their exact
@@ -35,7 +39,7 @@ use crate::fault_dequant::{dequantize_q4k, ScaleMinOrder};
 use crate::options::ComputeDtype;
 use crate::EngineError;
 use rayon::prelude::*;
-use references::config::MoeConfig;
+use references::config::{Arch, MoeConfig};
 use references::tap::WeightKind;
 use references::{GgmlType, GgufFile, ModelConfig, TensorInfo};
 use std::collections::HashMap;
@@ -164,6 +168,19 @@ pub enum AttnShard {
     },
 }
 
+/// A GQA layer's extras beyond llama's (qwen2/3, qwen3moe, glm4moe, gemma2/3); each `None` where
+/// the family (or this file) has none.
+#[derive(Default)]
+pub struct GqaExtras {
+    /// q, k and v biases, column-parallel: this rank's slices `[H_r·hd]`, `[KV_r·hd]`, `[KV_r·hd]`.
+    pub qkv_bias: Option<[Arc<Vec<f32>>; 3]>,
+    /// Per-head q and k RMSNorm weights `[hd]` (qwen3, gemma3), replicated.
+    pub qk_norm: Option<[Arc<Vec<f32>>; 2]>,
+    /// Gemma's RMSNorms on the reduced attention and FFN outputs (`post_attention_norm`,
+    /// `post_ffw_norm` `[d]`), replicated: applied after the all-reduce, before the residual add.
+    pub post_norms: Option<[Arc<Vec<f32>>; 2]>,
+}
+
 pub struct LayerShard {
     pub attn_norm: Arc<Vec<f32>>,
     pub attn: AttnShard,
@@ -171,6 +188,7 @@ pub struct LayerShard {
     pub o: Linear,
     pub ffn_norm: Arc<Vec<f32>>,
     pub ffn: FfnShard,
+    pub extras: GqaExtras,
 }
 
 impl LayerShard {
@@ -625,7 +643,14 @@ impl<'a> Loader<'a> {
         let bad = self.faults.active(Fault::DequantQ4kScaleMin, layer_idx, rank_idx);
         let b = |s: &str| name_of(&format!("blk.{layer_idx}.{s}"));
         let attn_norm = self.replicated(&b("attn_norm"), &[d], false)?;
-        let ffn_norm = self.replicated(&b("ffn_norm"), &[d], false)?;
+        // glm4moe stores its pre-FFN norm as `post_attention_norm` (gemma's is a post-norm).
+        let ffn_norm_name = if c.arch == Arch::Glm4Moe {
+            "post_attention_norm"
+        } else {
+            "ffn_norm"
+        };
+        let ffn_norm = self.replicated(&b(ffn_norm_name), &[d], false)?;
+        let extras = self.gqa_extras(layer_idx, rank_idx)?;
         let (attn, o) = match &c.mla {
             None => {
                 let hd = c.head_dim;
@@ -698,6 +723,58 @@ impl<'a> Loader<'a> {
             o,
             ffn_norm,
             ffn,
+            extras,
+        })
+    }
+
+    /// Layer `layer_idx`'s [`GqaExtras`] on rank `rank_idx`: the biases and q/k norms where the
+    /// file has them (qwen3, qwen3moe and gemma3 must have their q/k norms, as llama.cpp's loader
+    /// requires), gemma's post-norms.
+    fn gqa_extras(&self, layer_idx: usize, rank_idx: usize) -> Result<GqaExtras, EngineError> {
+        let c = self.config;
+        if c.mla.is_some() {
+            return Ok(GqaExtras::default());
+        }
+        let (d, hd) = (c.d_model, c.head_dim);
+        let has = |s: &str| self.file.tensor(s).is_some();
+        let b = |s: &str| name_of(&format!("blk.{layer_idx}.{s}"));
+        let bias = |s: &str| format!("blk.{layer_idx}.{s}.bias");
+        let qkv_bias = if has(&bias("attn_q")) || has(&bias("attn_k")) || has(&bias("attn_v")) {
+            let (hw, kvw) = (c.n_heads * hd, c.n_kv_heads * hd);
+            let slice = |s: &str, w: usize| -> Result<Arc<Vec<f32>>, EngineError> {
+                Ok(Arc::new(self.cols(
+                    &bias(s),
+                    &[w],
+                    0..1,
+                    self.part(w, rank_idx),
+                    false,
+                )?))
+            };
+            Some([slice("attn_q", hw)?, slice("attn_k", kvw)?, slice("attn_v", kvw)?])
+        } else {
+            None
+        };
+        let norm_required = matches!(c.arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
+        let qk_norm = if norm_required || has(&b("attn_q_norm")) || has(&b("attn_k_norm")) {
+            Some([
+                self.replicated(&b("attn_q_norm"), &[hd], false)?,
+                self.replicated(&b("attn_k_norm"), &[hd], false)?,
+            ])
+        } else {
+            None
+        };
+        let post_norms = if c.arch.is_gemma() {
+            Some([
+                self.replicated(&b("post_attention_norm"), &[d], false)?,
+                self.replicated(&b("post_ffw_norm"), &[d], false)?,
+            ])
+        } else {
+            None
+        };
+        Ok(GqaExtras {
+            qkv_bias,
+            qk_norm,
+            post_norms,
         })
     }
 

@@ -1,5 +1,7 @@
-//! Deterministic random-weight GGUF models (`llmdiff synth`), for llama and deepseek2 in the
-//! llama.cpp tensor layout (deepseek2 with the attn_k_b/attn_v_b split), in any supported type.
+//! Deterministic random-weight GGUF models (`llmdiff synth`), for llama, deepseek2, qwen3 and
+//! qwen3moe in the llama.cpp tensor layout (deepseek2 with the attn_k_b/attn_v_b split; qwen3 with
+//! its per-head q/k norms; qwen3moe's metadata only the keys its allowlist takes), in any
+//! supported type.
 //!
 //! Every tensor's values come from its own RNG stream, seeded by (seed, tensor name, chunk), so
 //! the bytes do not depend on thread count or tensor order. Weights are scaled to keep activations
@@ -45,7 +47,42 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("smollm2-135m", "SmolLM2-135M's exact shapes and types: 30 layers, d 576, 9/3 heads, vocab 49152, Q4_1 + Q8_0 embd"),
     ("deepseek-v3-mini", "deepseek2 MLA + MoE: 3 layers (1 dense), 8 heads, 8 experts in 4 groups, shared expert, sigmoid"),
     ("glm5-mini", "the seed story's shape: 64 heads, qk_nope 192, rope 64, v 256, kv_lora 512 (kv_b [28672, 512]), 2 layers, 4 experts"),
+    ("qwen3-mini", "qwen3 (q/k RMSNorm, NeoX RoPE): 4 layers, d 512, 8/4 heads of 64, ffn 1024, vocab 1024, Q8_0"),
+    ("qwen3moe-mini", "qwen3moe: as qwen3-mini with 8 softmax-routed experts (top 2, renormalised) of ffn 256 in every layer"),
 ];
+
+/// A qwen3 (or, with `moe`, qwen3moe) config: llama's block with per-head q/k norms and NeoX RoPE.
+fn qwen3(
+    n_layers: usize,
+    d: usize,
+    heads: usize,
+    kv: usize,
+    ffn: usize,
+    vocab: usize,
+    moe: Option<MoeConfig>,
+) -> ModelConfig {
+    ModelConfig {
+        arch: if moe.is_some() { Arch::Qwen3Moe } else { Arch::Qwen3 },
+        n_layers,
+        d_model: d,
+        n_heads: heads,
+        n_kv_heads: kv,
+        head_dim: d / heads,
+        ffn_dim: ffn,
+        vocab,
+        rms_eps: 1e-6,
+        rope_base: 1000000.0,
+        rope_dim: d / heads,
+        context_length: 4096,
+        tied_embeddings: false,
+        mla: None,
+        moe,
+        yarn: None,
+        rope_scaling: Default::default(),
+        family: Default::default(),
+        indexer: None,
+    }
+}
 
 fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: usize, vocab: usize) -> ModelConfig {
     ModelConfig {
@@ -132,6 +169,31 @@ pub fn preset(name: &str) -> Option<SynthSpec> {
                     n_groups: 2,
                     n_groups_used: 1,
                 },
+            ),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        "qwen3-mini" => (qwen3(4, 512, 8, 4, 1024, 1024, None), GgmlType::Q8_0, GgmlType::Q8_0),
+        "qwen3moe-mini" => (
+            qwen3(
+                4,
+                512,
+                8,
+                4,
+                1024,
+                1024,
+                Some(MoeConfig {
+                    n_experts: 8,
+                    n_used: 2,
+                    n_shared: 0,
+                    expert_ffn: 256,
+                    n_dense_lead: 0,
+                    weights_scale: 1.0,
+                    weights_norm: true,
+                    gating: Gating::Softmax,
+                    n_groups: 1,
+                    n_groups_used: 1,
+                }),
             ),
             GgmlType::Q8_0,
             GgmlType::Q8_0,
@@ -235,6 +297,10 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
                 push(b("attn_k"), w, &[d, kv * hd], Init::Linear(1.0));
                 push(b("attn_v"), wm, &[d, kv * hd], Init::Linear(1.0));
                 push(b("attn_output"), w, &[h * hd, d], Init::Linear(1.0));
+                if matches!(c.arch, Arch::Qwen3 | Arch::Qwen3Moe) {
+                    push(b("attn_q_norm"), GgmlType::F32, &[hd], Init::Norm);
+                    push(b("attn_k_norm"), GgmlType::F32, &[hd], Init::Norm);
+                }
             }
             Some(m) => {
                 let h = c.n_heads as u64;
@@ -346,7 +412,12 @@ pub fn metadata(spec: &SynthSpec) -> Vec<(String, MetaValue)> {
         ));
         m.push(meta_u32(&k("attention.value_length_mla"), mla.v_head_dim as u32));
     }
-    if let Some(moe) = &c.moe {
+    if let Some(moe) = c.moe.as_ref().filter(|_| c.arch == Arch::Qwen3Moe) {
+        // qwen3moe's keys: softmax routing and the renormalisation are the architecture's own.
+        m.push(meta_u32(&k("expert_feed_forward_length"), moe.expert_ffn as u32));
+        m.push(meta_u32(&k("expert_count"), moe.n_experts as u32));
+        m.push(meta_u32(&k("expert_used_count"), moe.n_used as u32));
+    } else if let Some(moe) = &c.moe {
         m.push(meta_u32(&k("leading_dense_block_count"), moe.n_dense_lead as u32));
         m.push(meta_u32(&k("expert_feed_forward_length"), moe.expert_ffn as u32));
         m.push(meta_u32(&k("expert_count"), moe.n_experts as u32));
@@ -557,6 +628,22 @@ mod tests {
         let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / xs.len() as f64;
         assert!(mean.abs() < 0.02, "{mean}");
         assert!((var - 1.0).abs() < 0.02, "{var}");
+    }
+
+    #[test]
+    fn qwen3_presets_read_back_as_their_config() {
+        for name in ["qwen3-mini", "qwen3moe-mini"] {
+            let spec = preset(name).unwrap();
+            let mut bytes = Vec::new();
+            write_model(&spec, 0, &mut bytes, |_, _| {}).unwrap();
+            let dir = std::env::temp_dir().join(format!("llmdiff-synth-{name}-{}.gguf", std::process::id()));
+            std::fs::write(&dir, &bytes).unwrap();
+            let file = crate::GgufFile::open(&dir).unwrap();
+            let got = ModelConfig::from_header(&file.header);
+            std::fs::remove_file(&dir).ok();
+            assert_eq!(got.unwrap(), spec.config, "{name}");
+            assert!(file.tensor("blk.3.attn_k_norm.weight").is_some(), "{name}");
+        }
     }
 
     #[test]

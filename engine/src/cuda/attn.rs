@@ -574,6 +574,8 @@ impl CudaBackend {
         const PAD: usize = 37;
         for ((h, kv, hd, ctx, chunk, kind), s_max) in cases {
             let s = GqaShape {
+                window: None,
+                softcap: None,
                 n_heads: h,
                 n_kv_heads: kv,
                 head_dim: hd,
@@ -721,6 +723,8 @@ impl CudaBackend {
         for (h, kv, hd, pos0, n, sharp) in cases {
             let t = pos0 + n;
             let s = GqaShape {
+                window: None,
+                softcap: None,
                 n_heads: h,
                 n_kv_heads: kv,
                 head_dim: hd,
@@ -786,6 +790,8 @@ impl CudaBackend {
     ) -> Result<AttnDecodeBench, EngineError> {
         assert!(ctx > 0, "bench_attention_decode: an empty context");
         let s = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: h,
             n_kv_heads: kv,
             head_dim: hd,
@@ -847,6 +853,8 @@ impl CudaBackend {
         iters: usize,
     ) -> Result<AttnBench, EngineError> {
         let s = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: h,
             n_kv_heads: kv,
             head_dim: hd,
@@ -906,6 +914,8 @@ mod tests {
         // The 8B shape (32/8 heads of 128) at L = 32 on 132 SMs: 256-thread blocks, 33 splits a KV
         // head; a 513-token context is 17 chunks a block, 4097 tokens runs of 4 (33 splits).
         let shape = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: 32,
             n_kv_heads: 8,
             head_dim: 128,

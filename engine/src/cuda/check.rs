@@ -188,7 +188,8 @@ pub(super) fn both(gpu: &dyn Backend, f: impl Fn(&dyn Backend) -> Vec<f32>) -> (
 impl CudaBackend {
     /// Runs every kernel against the CPU engine's on odd shapes (the fast/slow pairs of the
     /// CUDA backend): matmul/matvec and gather for every GPU weight type, RMSNorm, RoPE NORM and
-    /// NEOX, SwiGLU, GQA and MLA attention in prefill and decode (GQA prefill in both kernels:
+    /// NEOX, SwiGLU, the GQA families' ops (bias add, GeGLU, scale, soft-cap, per-head norm,
+    /// windowed and soft-capped attention), GQA and MLA attention in prefill and decode (GQA prefill in both kernels:
     /// per (token, head) and tiled, `ATTN_GQA_TILED` cases), the all-reduce, and the data
     /// movement ops (fill, column copy, residual add with and without f16 rounding, KV-cache
     /// writes, row gather and scaled scatter-add).
@@ -213,7 +214,7 @@ impl CudaBackend {
     /// The check families in the order `self_check` runs them: (op, cases). Each case runs the
     /// GPU kernel and the CPU engine's on the same inputs and names itself by its parameters.
     #[allow(clippy::type_complexity)]
-    const CHECKS: [(&'static str, fn(&CudaBackend) -> Vec<KernelCheck>); 23] = [
+    const CHECKS: [(&'static str, fn(&CudaBackend) -> Vec<KernelCheck>); 24] = [
         ("MUL_MAT", CudaBackend::check_mul_mat_get_rows),
         ("GEMV", CudaBackend::check_gemv_xs),
         ("GEMV", CudaBackend::check_gemv_rows),
@@ -229,6 +230,7 @@ impl CudaBackend {
         ("ROPE_QK", CudaBackend::check_rope_qk),
         ("ROPE_QK_CACHE", CudaBackend::check_rope_qk_cache),
         ("SWIGLU", CudaBackend::check_swiglu),
+        ("GQA_FAMILY_OPS", CudaBackend::check_family_ops),
         ("ATTN", CudaBackend::check_attention),
         ("ALL_REDUCE", CudaBackend::check_all_reduce),
         ("MOE_ROUTE", CudaBackend::check_moe_route),
@@ -637,6 +639,92 @@ impl CudaBackend {
         out
     }
 
+    /// The qwen/glm4moe/gemma ops (`GQA_FAMILY_OPS` cases): the q/k/v bias add, GELU-tanh GLU,
+    /// the embedding scale, the final-logit soft-cap, the per-head q/k RMSNorm (rows of
+    /// head_dim), and attention with a sliding window and a score soft-cap in prefill and decode
+    /// (`gqa_attention_masked`).
+    fn check_family_ops(&self) -> Vec<KernelCheck> {
+        let mut out = Vec::new();
+        let (n, w) = (5usize, 96usize);
+        let y = noise(n * w, 40);
+        let bias = noise(w, 41);
+        let (g, c) = both(self, |be| {
+            let mut b = be.upload(&y);
+            be.add_bias(&mut b, &bias);
+            be.download(&b)
+        });
+        out.push(compare(
+            Case::new("ADD_BIAS").p("ne", format!("[{w},{n}]")).to_string(),
+            &g,
+            &c,
+            1e-7,
+        ));
+        let gate: Vec<f32> = noise(1001, 42).iter().map(|v| v * 3.0).collect();
+        let up = noise(1001, 43);
+        let (g, c) = both(self, |be| {
+            let mut b = be.upload(&gate);
+            be.geglu(&mut b, &be.upload(&up));
+            be.download(&b)
+        });
+        out.push(compare("GEGLU(ne=[1001])".into(), &g, &c, 1e-6));
+        let (g, c) = both(self, |be| {
+            let mut b = be.upload(&y);
+            be.scale(&mut b, 8.0);
+            be.download(&b)
+        });
+        out.push(compare(Case::new("SCALE").p("s", 8).to_string(), &g, &c, 1e-7));
+        let logits: Vec<f32> = noise(999, 44).iter().map(|v| v * 60.0).collect();
+        let (g, c) = both(self, |be| {
+            let mut b = be.upload(&logits);
+            be.softcap(&mut b, 30.0);
+            be.download(&b)
+        });
+        out.push(compare("SOFTCAP(ne=[999],cap=30)".into(), &g, &c, 1e-6));
+        for hd in [16usize, 64, 128] {
+            let x = noise(7 * 6 * hd, 45);
+            let wn = noise(hd, 46);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(x.len());
+                be.rms_norm(&be.upload(&x), &wn, 1e-6, &mut o);
+                be.download(&o)
+            });
+            let case = Case::new("RMS_NORM_HEADS").p("hd", hd).p("rows", 7 * 6);
+            out.push(compare(case.to_string(), &g, &c, 1e-5));
+        }
+        for (pos0, n, window, softcap) in [
+            (0usize, 9usize, Some(4usize), None),
+            (12, 1, Some(4), None),
+            (0, 9, None, Some(5.0f32)),
+            (12, 1, Some(4), Some(5.0)),
+        ] {
+            let hd = 16;
+            let t = pos0 + n;
+            let s = GqaShape {
+                n_heads: 4,
+                n_kv_heads: 2,
+                head_dim: hd,
+                scale: 0.25,
+                window,
+                softcap,
+            };
+            let q: Vec<f32> = noise(n * 4 * hd, 47).iter().map(|v| v * 4.0).collect();
+            let k = noise(t * 2 * hd, 48);
+            let v = noise(t * 2 * hd, 49);
+            let (g, c) = both(self, |be| {
+                let mut o = be.alloc(n * 4 * hd);
+                be.gqa_attention(&be.upload(&q), &be.upload(&k), &be.upload(&v), pos0, s, &mut o);
+                be.download(&o)
+            });
+            let case = Case::new("ATTN_GQA_MASKED")
+                .p("window", window.map_or("none".to_string(), |w| w.to_string()))
+                .p("softcap", softcap.map_or("none".to_string(), |c| c.to_string()))
+                .p("pos0", pos0)
+                .p("n", n);
+            out.push(compare(case.to_string(), &g, &c, 1e-5));
+        }
+        out
+    }
+
     /// GQA and MLA attention, the per-(token, head) kernel (`ATTN` cases).
     fn check_attention(&self) -> Vec<KernelCheck> {
         let mut out = Vec::new();
@@ -654,6 +742,8 @@ impl CudaBackend {
         ] {
             let t = pos0 + n;
             let s = GqaShape {
+                window: None,
+                softcap: None,
                 n_heads: 6,
                 n_kv_heads: 2,
                 head_dim: hd,
@@ -927,6 +1017,8 @@ impl CudaBackend {
         let (hd, nh, nkv, pos0) = (64usize, 4usize, 2usize, 37usize);
         let (kw, qw) = (nkv * hd, nh * hd);
         let shape = GqaShape {
+            window: None,
+            softcap: None,
             n_heads: nh,
             n_kv_heads: nkv,
             head_dim: hd,

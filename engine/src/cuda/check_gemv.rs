@@ -202,6 +202,8 @@ impl CudaBackend {
                 self.download(&o)
             };
             let attn_shape = GqaShape {
+                window: None,
+                softcap: None,
                 n_heads: 32,
                 n_kv_heads: 8,
                 head_dim: d / 32,

@@ -639,6 +639,50 @@ impl CudaBackend {
         ok(unsafe { sys::cuLaunchKernelEx(&lc, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result());
     }
 
+    /// GQA attention with a sliding window and/or a score soft-cap (gemma): the per-(token, head)
+    /// kernel's masked form (`gqa_attention_masked` in kernels/attention.cu). Where its scores
+    /// would not fit the default shared memory (contexts of about 12k positions), the CPU op on
+    /// the downloaded q and caches instead. Never recorded (no device-position form).
+    fn gqa_attention_masked(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
+        let slots = out.len() / shape.head_dim.max(1);
+        let n = slots / shape.n_heads.max(1);
+        if self.capturing() {
+            self.spoil("masked attention");
+        }
+        let threads = attn_threads(slots, self.sms);
+        let smem = (shape.head_dim + pos0 + n + attn_part(shape.head_dim, threads)) * 4;
+        if smem > SMEM_DEFAULT_MAX {
+            let mut o = vec![0f32; out.len()];
+            let (qh, kh, vh) = (self.download(q), self.download(k), self.download(v));
+            crate::cpu_ops::gqa_attention(&qh, &kh, &vh, pos0, shape, &mut o);
+            let u = self.upload(&o);
+            self.copy(&u, 0, out, 0, o.len());
+            return;
+        }
+        let ints = [
+            pos0 as i32,
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+        ];
+        let window = shape.window.map_or(0, |w| w.max(1) as i32);
+        let softcap = shape.softcap.unwrap_or(0.0);
+        let mut b = self.stream.launch_builder(self.func("gqa_attention_masked"));
+        b.arg(dev(q)).arg(dev(k)).arg(dev(v)).arg(dev_mut(out));
+        for a in &ints {
+            b.arg(a);
+        }
+        b.arg(&shape.scale).arg(&window).arg(&softcap);
+        let cfg = LaunchConfig {
+            grid_dim: (slots as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: matches gqa_attention_masked in kernels/attention.cu; the caches hold pos0 + n
+        // rows; the dynamic shared memory is gqa_attention's (q, pos0 + n scores, the partial rows).
+        ok(unsafe { b.launch(cfg) });
+    }
+
     fn elementwise_cfg(len: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (len.div_ceil(256).max(1) as u32, 1, 1),
@@ -976,9 +1020,60 @@ impl Backend for CudaBackend {
         ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
     }
 
+    fn geglu(&self, gate: &mut Buf, up: &Buf) {
+        if gate.is_empty() {
+            return;
+        }
+        let len = gate.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("geglu"));
+        b.arg(dev_mut(gate)).arg(dev(up)).arg(&len);
+        // SAFETY: matches geglu in kernels/ops.cu: gate and up len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn softcap(&self, x: &mut Buf, cap: f32) {
+        if x.is_empty() {
+            return;
+        }
+        let len = x.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("softcap_f32"));
+        b.arg(dev_mut(x)).arg(&cap).arg(&len);
+        // SAFETY: matches softcap_f32 in kernels/ops.cu: x len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn scale(&self, x: &mut Buf, s: f32) {
+        if x.is_empty() {
+            return;
+        }
+        let len = x.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("scale_f32"));
+        b.arg(dev_mut(x)).arg(&s).arg(&len);
+        // SAFETY: matches scale_f32 in kernels/ops.cu: x len floats.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
+    fn add_bias(&self, y: &mut Buf, bias: &[f32]) {
+        if y.is_empty() || bias.is_empty() {
+            return;
+        }
+        assert_eq!(y.len() % bias.len(), 0, "add_bias: y is not [n, bias.len()]");
+        // The bias goes up once and stays (the weight cache, as the norms' weights).
+        let bd = self.param(bias);
+        let (len, width) = (y.len() as i64, bias.len() as i32);
+        let mut b = self.stream.launch_builder(self.func("add_bias"));
+        b.arg(dev_mut(y)).arg(&bd.data).arg(&width).arg(&len);
+        // SAFETY: matches add_bias in kernels/ops.cu: y len floats, bias width floats, len % width == 0.
+        ok(unsafe { b.launch(Self::elementwise_cfg(len as usize)) });
+    }
+
     fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf) {
         let slots = out.len() / shape.head_dim.max(1);
         if slots == 0 {
+            return;
+        }
+        if !shape.is_plain() {
+            self.gqa_attention_masked(q, k, v, pos0, shape, out);
             return;
         }
         let n = slots / shape.n_heads;

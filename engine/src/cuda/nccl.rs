@@ -196,6 +196,10 @@ impl Backend for NcclBackend {
         fn rope_qk_cache(&self, q: &mut Buf, k: &mut Buf, v: &Buf, v_width: usize, rope: QkRope<'_>, caches: [&mut Buf; 2]);
         fn linear_qkv_rope(&self, x: &Buf, n: usize, ws: [WeightRef<'_>; 3], outs: [&mut Buf; 3], rope: QkRope<'_>, caches: [&mut Buf; 2]);
         fn swiglu(&self, gate: &mut Buf, up: &Buf);
+        fn geglu(&self, gate: &mut Buf, up: &Buf);
+        fn add_bias(&self, y: &mut Buf, bias: &[f32]);
+        fn scale(&self, x: &mut Buf, s: f32);
+        fn softcap(&self, x: &mut Buf, cap: f32);
         fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
         fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);
         fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
