@@ -243,6 +243,52 @@ pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Routing {
     Routing { experts, weights }
 }
 
+impl Reference<'_> {
+    /// The scores whose top-k picks layer `l`'s experts, from router logits `[n, n_experts]`
+    /// (the `moe_logits` tap): the gating function's output plus the selection bias where the
+    /// file has one (`exp_probs_b`), or the logits themselves for gpt-oss. `None` where the
+    /// choice is not a plain top-k of per-expert scores (grouped routing that drops groups), or
+    /// the layer has no MoE.
+    pub fn routing_choice_scores(&self, l: usize, logits: &[f32]) -> Result<Option<Vec<Vec<f64>>>, ForwardError> {
+        let c = &self.config;
+        let Some(m) = c.moe.as_ref().filter(|_| c.is_moe_layer(l)) else {
+            return Ok(None);
+        };
+        if m.n_experts == 0 || logits.len() % m.n_experts != 0 || (m.n_groups > 1 && m.n_groups_used < m.n_groups) {
+            return Ok(None);
+        }
+        if c.arch == crate::config::Arch::GptOss {
+            return Ok(Some(
+                logits
+                    .chunks(m.n_experts)
+                    .map(|z| z.iter().map(|&v| v as f64).collect())
+                    .collect(),
+            ));
+        }
+        let bias_name = format!("blk.{l}.exp_probs_b.bias");
+        let bias = match self.file.tensor(&bias_name) {
+            Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+            None => None,
+        };
+        Ok(Some(
+            logits
+                .chunks(m.n_experts)
+                .map(|z| {
+                    let mut s: Vec<f64> = z.iter().map(|&v| v as f64).collect();
+                    match m.gating {
+                        Gating::Sigmoid => s.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+                        Gating::Softmax => ops::softmax(&mut s),
+                    }
+                    if let Some(b) = &bias {
+                        s.iter_mut().zip(b).for_each(|(v, &b)| *v += b as f64);
+                    }
+                    s
+                })
+                .collect(),
+        ))
+    }
+}
+
 /// One expert's SwiGLU matrices, sliced out of the stacked `*_exps` tensors.
 fn expert<'a>(r: &Reference<'a>, l: usize, e: usize, d: usize, eff: usize) -> Result<[Mat<'a>; 3], ForwardError> {
     let slice = |s: &str, rows: usize, cols: usize| -> Result<Mat<'a>, ForwardError> {

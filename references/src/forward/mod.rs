@@ -92,6 +92,10 @@ impl Mat<'_> {
 pub struct Reference<'a> {
     pub file: &'a GgufFile,
     pub config: ModelConfig,
+    /// Score the DSA indexer as production engines do (vLLM: q and the key cache in fp8 e4m3,
+    /// groups of 128 with a per-group scale) instead of in f32: a simulated healthy fp8
+    /// candidate, never the ground truth. Off by default.
+    pub indexer_fp8: bool,
 }
 
 impl<'a> Reference<'a> {
@@ -99,6 +103,7 @@ impl<'a> Reference<'a> {
         Ok(Reference {
             file,
             config: ModelConfig::from_header(&file.header)?,
+            indexer_fp8: false,
         })
     }
 
