@@ -50,6 +50,11 @@ pub(super) fn layer(
         sinks: Some(&sinks),
     };
     let attn = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, 1.0 / (hd as f64).sqrt(), mask);
+    if tap.wants(&key(Site::AttnSink)) {
+        let window = if swa { fam.sliding_window } else { None };
+        let mass = sink_mass(&q, &k, n, nh, nkv, hd, window, &sinks);
+        tap.record_owned(&key(Site::AttnSink), mass, [n, nh]);
+    }
     emit(tap, key(Site::AttnOut), &attn, n);
     let proj = biased(r, &attn, n, &wo, &bias("attn_output"))?;
     emit(tap, key(Site::AttnProj), &proj, n);
@@ -63,6 +68,39 @@ pub(super) fn layer(
     let x = ops::add(&x, &out);
     emit(tap, key(Site::ResidOut), &x, n);
     Ok(x)
+}
+
+/// The `attn_sink` tap `[n, H]`: per query and head, the probability the sink takes,
+/// `1 / (1 + Σ_s exp(score_s − sink))` over the keys the query sees (scores scaled 1/√hd).
+#[allow(clippy::too_many_arguments)]
+pub fn sink_mass(
+    q: &[f32],
+    k: &[f32],
+    n: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    window: Option<usize>,
+    sinks: &[f32],
+) -> Vec<f32> {
+    let (group, scale) = (nh / nkv.max(1), 1.0 / (hd as f64).sqrt());
+    let mut out = Vec::with_capacity(n * nh);
+    for t in 0..n {
+        let first = window.map_or(0, |w| (t + 1).saturating_sub(w.max(1)));
+        for h in 0..nh {
+            let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            let kvh = h / group.max(1);
+            let sink = sinks[h] as f64;
+            let scores: Vec<f64> = (first..=t)
+                .map(|s| ops::dot64(qh, &k[(s * nkv + kvh) * hd..(s * nkv + kvh + 1) * hd]) * scale)
+                .collect();
+            let max = scores.iter().copied().fold(sink, f64::max);
+            let keys: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let own = (sink - max).exp();
+            out.push((own / (own + keys)) as f32);
+        }
+    }
+    out
 }
 
 /// `x·wᵀ + b` with the bias vector named `b`.

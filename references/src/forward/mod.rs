@@ -153,6 +153,7 @@ impl<'a> Reference<'a> {
         let mut logits = self.logits(&h, n)?;
         if let Some(cap) = c.family.final_softcap {
             // Gemma's final-logit soft-capping (the logits tap shows the capped values).
+            emit(tap, TapKey::global(Site::LogitsPreCap), &logits, n);
             logits
                 .iter_mut()
                 .for_each(|z| *z = ops::softcap(*z as f64, cap as f64) as f32);
