@@ -347,6 +347,19 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
             _ => Role::Unknown(""),
         };
     }
+    // gpt-oss's YaRN (forward/yarn.rs): every key llama.cpp's converter writes for it.
+    if arch == Arch::GptOss && suffix.starts_with("rope.scaling.") {
+        return match suffix {
+            "rope.scaling.type" if matches!(value.as_str(), Some("none" | "yarn")) => Role::Used,
+            "rope.scaling.factor"
+            | "rope.scaling.original_context_length"
+            | "rope.scaling.yarn_beta_fast"
+            | "rope.scaling.yarn_beta_slow"
+            | "rope.scaling.yarn_attn_factor"
+            | "rope.scaling.yarn_ext_factor" => Role::Used,
+            _ => Role::Unknown(""),
+        };
+    }
     Role::Unknown("")
 }
 

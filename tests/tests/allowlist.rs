@@ -73,6 +73,7 @@ fn converted_fixtures_are_fully_listed() {
         "gemma2-tiny.f32.gguf",
         "gemma3-tiny.f32.gguf",
         "gpt-oss-tiny.f32.gguf",
+        "gpt-oss-yarn-tiny.f32.gguf",
     ] {
         assert_all_listed(&GgufFile::open(golden(f)).unwrap(), f);
     }

@@ -1,6 +1,6 @@
 //! One gpt-oss block, as HF's modeling_gpt_oss.py computes it and llama.cpp's converter stores
 //! it (gate_up de-interleaved into `ffn_gate_exps`/`ffn_up_exps`, experts F32 or MXFP4):
-//! RMSNorm, q/k/v with biases, NeoX RoPE, causal GQA with attention sinks and a sliding window
+//! RMSNorm, q/k/v with biases, NeoX RoPE (with YaRN when the file declares it), causal GQA with attention sinks and a sliding window
 //! on every other layer (layer 0 first), o_proj with bias, residual, RMSNorm (stored as
 //! `post_attention_norm`), then the MoE: router logits x·Wᵀ + b, the top-k logits softmaxed
 //! among themselves, and each expert's clamped SwiGLU
@@ -35,9 +35,17 @@ pub(super) fn layer(
     let v = biased(r, &h, n, &wv, &bias("attn_v"))?;
     let swa = fam.is_swa(l);
     let base = if swa { fam.rope_base_swa } else { c.rope_base };
+    // YaRN (the released gpt-oss configs declare it): HF's frequencies and cos/sin factor.
+    let yarn = c
+        .yarn
+        .as_ref()
+        .map(|y| (y.inv_freq(base as f64, c.rope_dim), y.attention_factor(false)));
     for (t, (q_t, k_t)) in q.chunks_mut(nh * hd).zip(k.chunks_mut(nkv * hd)).enumerate() {
         for row in [q_t, k_t] {
-            ops::rope_neox(row, hd, t, c.rope_dim, base);
+            match &yarn {
+                Some((inv_freq, scale)) => super::yarn::rope_neox(row, hd, t, inv_freq, *scale),
+                None => ops::rope_neox(row, hd, t, c.rope_dim, base),
+            }
         }
     }
     emit(tap, key(Site::Q), &q, n);

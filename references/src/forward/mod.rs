@@ -18,6 +18,7 @@ mod llama;
 pub mod ops;
 mod qwen;
 pub mod replay;
+pub mod yarn;
 
 use crate::config::{Arch, ModelConfig};
 use crate::dequant::{dequantize, dequantize_to_vec};
