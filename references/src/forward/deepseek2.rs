@@ -109,7 +109,7 @@ fn mla(
         }
     };
     for (t, q_t) in q.chunks_mut(nh * dq).enumerate() {
-        ops::rope_norm(q_t, dq, nope, t, rope, c.rope_base);
+        super::yarn::mla_rope(c, q_t, dq, nope, t, rope, false);
     }
     emit(tap, key(Site::Q), &q, n);
 
@@ -122,7 +122,7 @@ fn mla(
     for (t, row) in kva.chunks(kvl + rope).enumerate() {
         latent.extend_from_slice(&row[..kvl]);
         let mut pe = row[kvl..].to_vec();
-        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+        super::yarn::mla_rope(c, &mut pe, rope, 0, t, rope, false);
         k_pe.extend(pe);
     }
     let latent = ops::rms_norm(&latent, kvl, &r.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps);

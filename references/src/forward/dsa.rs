@@ -136,13 +136,7 @@ type IndexerQkw = (Vec<f32>, Vec<f32>, Vec<f32>);
 /// Layer `l`'s indexer inputs: roped q `[n, H·D]`, roped key `[n, D]` and the scaled head
 /// weights `[n, H]`, from `x` (the attn_norm output) and `qr` (the normed q_a). With
 /// [`Reference::indexer_fp8`], q and k are rounded to fp8 per head (groups of 128) after RoPE.
-fn indexer_qkw(
-    r: &Reference,
-    l: usize,
-    x: &[f32],
-    qr: &[f32],
-    n: usize,
-) -> Result<IndexerQkw, ForwardError> {
+fn indexer_qkw(r: &Reference, l: usize, x: &[f32], qr: &[f32], n: usize) -> Result<IndexerQkw, ForwardError> {
     let c = &r.config;
     let ix = c.indexer.as_ref().expect("a DSA model has an indexer");
     let m = c.mla.as_ref().expect("a DSA model has MLA");
@@ -166,13 +160,8 @@ fn indexer_qkw(
     );
     for t in 0..n {
         let (qt, kt) = (&mut q[t * h * dh..(t + 1) * h * dh], &mut k[t * dh..(t + 1) * dh]);
-        if ix.rope_neox {
-            rope_neox(qt, dh, t, rope, c.rope_base);
-            rope_neox(kt, dh, t, rope, c.rope_base);
-        } else {
-            ops::rope_norm(qt, dh, 0, t, rope, c.rope_base);
-            ops::rope_norm(kt, dh, 0, t, rope, c.rope_base);
-        }
+        super::yarn::mla_rope(c, qt, dh, 0, t, rope, ix.rope_neox);
+        super::yarn::mla_rope(c, kt, dh, 0, t, rope, ix.rope_neox);
     }
     if r.indexer_fp8 {
         q.chunks_mut(dh).for_each(fp8_groups);

@@ -348,7 +348,7 @@ impl Reference<'_> {
                     _ => return Ok(None),
                 };
                 for (t, q_t) in r.out.chunks_mut(nh * dq).enumerate() {
-                    ops::rope_norm(q_t, dq, m.qk_nope, t, m.qk_rope, c.rope_base);
+                    super::yarn::mla_rope(c, q_t, dq, m.qk_nope, t, m.qk_rope, false);
                 }
                 r.rho += 1.0;
                 Some(r)
@@ -363,7 +363,7 @@ impl Reference<'_> {
                     for (t, row) in r.out.chunks(kvl + rope).enumerate() {
                         latent.extend_from_slice(&row[..kvl]);
                         let mut pe = row[kvl..].to_vec();
-                        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+                        super::yarn::mla_rope(c, &mut pe, rope, 0, t, rope, false);
                         k_pe.extend(pe);
                     }
                     r.out = if key.site == Site::KvLatent {

@@ -17,6 +17,57 @@ pub fn rope_neox(row: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f64],
     }
 }
 
+/// NORM pairs (2i, 2i+1) at `offset` in each `head_dim` chunk, rotated by pos·inv_freq[i] and
+/// scaled by `scale`.
+pub fn rope_norm(row: &mut [f32], head_dim: usize, offset: usize, pos: usize, inv_freq: &[f64], scale: f64) {
+    let angles: Vec<(f64, f64)> = inv_freq.iter().map(|f| (pos as f64 * f).sin_cos()).collect();
+    let n_dims = 2 * inv_freq.len();
+    for head in row.chunks_mut(head_dim) {
+        for (pair, &(sin, cos)) in head[offset..offset + n_dims].chunks_exact_mut(2).zip(&angles) {
+            let (x0, x1) = (pair[0] as f64, pair[1] as f64);
+            pair[0] = (scale * (x0 * cos - x1 * sin)) as f32;
+            pair[1] = (scale * (x0 * sin + x1 * cos)) as f32;
+        }
+    }
+}
+
+/// The MLA families' RoPE (deepseek2's q and k_pe, the DSA indexer's q and k): `ops::rope_norm`
+/// (or NeoX halves when `neox`), by YaRN frequencies when the file declares YaRN (cos/sin
+/// factor 1 there: see [`crate::config::YarnConfig::attention_factor`]).
+#[allow(clippy::too_many_arguments)]
+pub fn mla_rope(
+    c: &crate::config::ModelConfig,
+    row: &mut [f32],
+    head_dim: usize,
+    offset: usize,
+    pos: usize,
+    n_dims: usize,
+    neox: bool,
+) {
+    match (&c.yarn, neox) {
+        (Some(y), false) => rope_norm(
+            row,
+            head_dim,
+            offset,
+            pos,
+            &y.inv_freq(c.rope_base as f64, n_dims),
+            y.attention_factor(true),
+        ),
+        (Some(y), true) => {
+            debug_assert_eq!(offset, 0, "NeoX indexer RoPE starts each head");
+            rope_neox(
+                row,
+                head_dim,
+                pos,
+                &y.inv_freq(c.rope_base as f64, n_dims),
+                y.attention_factor(true),
+            )
+        }
+        (None, false) => super::ops::rope_norm(row, head_dim, offset, pos, n_dims, c.rope_base),
+        (None, true) => super::dsa::rope_neox(row, head_dim, pos, n_dims, c.rope_base),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
