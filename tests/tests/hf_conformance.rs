@@ -87,3 +87,18 @@ fn deepseek_v3_yarn_tiny_reference_matches_hf_fp32() {
     eprintln!("DeepSeek-V3 YaRN tiny without YaRN: worst |dlogprob| {plain:.2e}");
     assert!(plain > 0.05, "{plain}");
 }
+
+/// The TP engine applies YaRN's softmax scale but not its frequencies: it refuses a YaRN file in
+/// one line naming what works, instead of computing a different model.
+#[test]
+fn the_engine_refuses_yarn_in_one_line() {
+    let f = GgufFile::open(golden("deepseek-v3-yarn-tiny.f32.gguf")).unwrap();
+    let err = match engine::engine::Engine::load(&f, engine::engine::EngineOptions::default()) {
+        Ok(_) => panic!("the engine loaded a YaRN model"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        !err.contains('\n') && err.contains("YaRN") && err.contains("--candidate"),
+        "{err}"
+    );
+}
