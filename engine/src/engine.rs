@@ -173,6 +173,19 @@ fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     )))
 }
 
+/// Refuses YaRN RoPE (a file with `rope.scaling.type = yarn`, factor ≠ 1): the engine applies
+/// YaRN's softmax scale but not its frequency ramp (`references::forward::yarn`), so it would
+/// compute a different model.
+fn check_yarn(c: &ModelConfig) -> Result<(), EngineError> {
+    match &c.yarn {
+        Some(y) if y.factor != 1.0 => Err(EngineError::Unsupported(format!(
+            "the TP engine does not implement YaRN rope scaling (factor {}) yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
+            y.factor
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Refuses configs whose dims would make a kernel divide by zero or index nothing.
 fn check_shapes(c: &ModelConfig) -> Result<(), EngineError> {
     let mut zero = vec![("embedding_length", c.d_model), ("vocab", c.vocab)];
@@ -265,6 +278,7 @@ impl Engine {
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
         let config = ModelConfig::from_header(&file.header)?;
         check_arch(&config)?;
+        check_yarn(&config)?;
         check_shapes(&config)?;
         let mut backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),

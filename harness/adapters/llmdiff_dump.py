@@ -89,7 +89,14 @@ VLLM_DEEPSEEK_V2 = {
     "output_norm": ("model.norm", "out"),
 }
 
-GLOBAL = {"embed", "output_norm", "logits"}
+# Family taps. Gemma 2/3 with `final_logit_softcapping` cap the logits after lm_head: HF's
+# lm_head output is `logits_pre_cap`, and the capped `logits` (the model's output) have no
+# module: merge this into a Gemma mapping in place of its "logits" entry. gpt-oss's `attn_sink`
+# (the probability each head's sink takes) is computed inside HF's attention function, with no
+# module to hook: leave it out (it is listed as missing, not guessed).
+HF_FINAL_SOFTCAP = {"logits_pre_cap": ("lm_head", "out")}
+
+GLOBAL = {"embed", "output_norm", "logits_pre_cap", "logits"}
 
 
 def _first(x):

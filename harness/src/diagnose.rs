@@ -115,6 +115,26 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
             ),
         );
     }
+    if let Some(sel) = row
+        .selection
+        .as_ref()
+        .filter(|s| !s.agrees && key.site == Site::IndexerTopk)
+    {
+        return found(
+            "selection-mismatch",
+            "high",
+            format!(
+                "the indexer at {key} selects keys the reference's scores rule out ({} broken constraints over {} queries with a choice; overlap {:.0} %, {} near-ties allowed at {:.1} noises of {:.3} relative){}: the scores or the top-k over them are wrong, not rounded",
+                sel.violations,
+                sel.rows_with_choice,
+                100.0 * sel.overlap,
+                sel.near_ties,
+                sel.sigmas,
+                sel.noise_rel,
+                sel.first_violation.as_ref().map_or(String::new(), |v| format!("; first: {v}"))
+            ),
+        );
+    }
     let (Some(e), Some(r)) = (ctx.eng.get(key), ctx.refs.get(&key.unranked())) else {
         return found(
             "unknown",
@@ -184,6 +204,11 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
                 n - same,
                 100.0 * same as f64 / n as f64,
                 logit_err.map_or(String::new(), |e| format!("; router logits differ by rel_l2 {e:.2e}"))
+                    + &row
+                        .selection
+                        .as_ref()
+                        .and_then(|s| s.first_violation.as_ref())
+                        .map_or(String::new(), |v| { format!("; beyond a near-tie: {v}") })
             ),
         );
     }

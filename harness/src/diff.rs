@@ -5,6 +5,7 @@ use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
 use crate::noise::local_bound;
+use crate::selection::{compare_rows, compare_taps, Noise, Rule};
 use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
@@ -66,6 +67,9 @@ struct Comparator<'a> {
     ref_keys: Vec<TapKey>,
     /// Taps whose size differs from the reference's slice, as `key: engine [r, w] vs n values`.
     shape_errors: Vec<String>,
+    /// The last `full` DSA indexer layer's scores the selection rule read (a `shared` layer
+    /// reuses them), and whether they were replayed on the candidate's inputs.
+    indexer_scores: Option<(usize, Rc<Vec<f32>>, &'static str)>,
 }
 
 impl<'a> Comparator<'a> {
@@ -89,6 +93,7 @@ impl<'a> Comparator<'a> {
             routing: BTreeMap::new(),
             ref_keys: Vec::new(),
             shape_errors: Vec::new(),
+            indexer_scores: None,
         }
     }
 
@@ -172,6 +177,7 @@ impl<'a> Comparator<'a> {
             over: false,
             over_end_to_end: over,
             local: None,
+            selection: None,
         });
     }
 
@@ -250,6 +256,19 @@ impl<'a> Comparator<'a> {
     fn decide(&mut self, key: &TapKey, i: usize) {
         let m = self.rows[i].metrics.clone();
         let hard = m.canary_left > 0.0 || m.nonfinite > 0 || !m.rel_l2.is_finite();
+        // A DSA selection is judged by the selection rule, not by rel_l2 on index values.
+        if !hard && key.site == Site::IndexerTopk {
+            if let Some(v) = self.judge_indexer(key) {
+                let over = !v.agrees;
+                self.rows[i].selection = Some(v);
+                self.rows[i].over = over;
+                if over && self.first_over.is_none_or(|f| *key < f) {
+                    self.first_over = Some(*key);
+                    self.first_local = None;
+                }
+                return;
+            }
+        }
         let gate = self.plan.tolerances.floor(key);
         // At f32 without a baseline, a tap under the floor cannot be over and a tap after the
         // first divergence cannot be first: their replays are skipped (the old cost).
@@ -265,12 +284,18 @@ impl<'a> Comparator<'a> {
                 self.rows[i].local = Some(local);
             }
         }
+        // Expert ids whose op cannot be re-run on the candidate's router logits: the selection
+        // rule on the reference's routing scores (a near-tie flip is not a divergence).
+        if !hard && local_over.is_none() && key.site == Site::MoeTopk {
+            self.rows[i].selection = self.judge_routing(key);
+        }
         let over = if hard {
             true
         } else {
-            match local_over {
-                Some(o) => o && m.rel_l2 > gate,
-                None => self.rows[i].over_end_to_end,
+            match (local_over, &self.rows[i].selection) {
+                (Some(o), _) => o && m.rel_l2 > gate,
+                (None, Some(sel)) => !sel.agrees,
+                (None, None) => self.rows[i].over_end_to_end,
             }
         };
         self.rows[i].over = over;
@@ -278,6 +303,82 @@ impl<'a> Comparator<'a> {
             self.first_over = Some(*key);
             self.first_local = detail.map(|(slice, profile)| (*key, slice, profile));
         }
+    }
+
+    /// The selection rule at a DSA `indexer_topk` tap: the candidate's keys against the indexer's
+    /// scores of the layer's `full` layer, re-run on the candidate's attn_norm and q_a where the
+    /// dump has them (else the reference's own), with fp8 scoring noise.
+    fn judge_indexer(&mut self, key: &TapKey) -> Option<reports::SelectionVerdict> {
+        let l = key.layer? as usize;
+        let ix = self.config.indexer.as_ref()?;
+        let top_k = ix.top_k;
+        let full = (0..=l).rev().find(|&j| ix.full.get(j).copied().unwrap_or(true))?;
+        let (scores, src) = match &self.indexer_scores {
+            Some((f, s, src)) if *f == full => (s.clone(), *src),
+            _ => {
+                let sk = TapKey::layer(full, Site::IndexerScore);
+                let got = match self.replay(&sk) {
+                    Some(r) => (Rc::new(r.out.clone()), "replayed"),
+                    None => (Rc::new(self.refs.get(&sk)?.data.clone()), "reference"),
+                };
+                self.indexer_scores = Some((full, got.0.clone(), got.1));
+                got
+            }
+        };
+        let n = self.plan.tokens.len();
+        let e = self.eng.get(key).filter(|_| key.rank.is_none())?;
+        if scores.len() != n * n {
+            return None;
+        }
+        let rule = Rule::default();
+        Some(compare_taps(&scores, &e.data, n, top_k, &rule).verdict(&rule, src))
+    }
+
+    /// The selection rule at a `moe_topk` tap: the candidate's expert ids against the routing
+    /// scores of the router logits (re-run on the candidate's ffn_norm where it has it, else the
+    /// reference's), with the candidate's noise: the router logits' error (local where replayed,
+    /// else end to end) or 4 unit roundoffs of its dtype, whichever is larger.
+    fn judge_routing(&mut self, key: &TapKey) -> Option<reports::SelectionVerdict> {
+        let l = key.layer? as usize;
+        let lk = TapKey::layer(l, Site::MoeLogits);
+        let (logits, src) = match self.replay(&lk) {
+            Some(r) => (r.out.clone(), "replayed"),
+            None => (self.refs.get(&lk)?.data.clone(), "reference"),
+        };
+        let rows = self.reference.routing_choice_scores(l, &logits).ok().flatten()?;
+        let e = self.eng.get(key).filter(|_| key.rank.is_none())?;
+        let k = e.shape[1].max(1);
+        let chosen: Vec<Vec<usize>> = e
+            .data
+            .chunks(k)
+            .map(|r| {
+                r.iter()
+                    .map(|&v| {
+                        if v >= 0.0 && v.fract() == 0.0 {
+                            v as usize
+                        } else {
+                            usize::MAX
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let name = lk.to_string();
+        let logit_err = self
+            .rows
+            .iter()
+            .find(|r| r.tap == name)
+            .and_then(|r| match (src, &r.local) {
+                ("replayed", Some(local)) => Some(local.rel_l2),
+                ("replayed", None) => None,
+                _ => Some(r.metrics.rel_l2),
+            });
+        let rel = (4.0 * self.dtype.unit_roundoff()).max(logit_err.filter(|v| v.is_finite()).unwrap_or(0.0));
+        let rule = Rule {
+            noise: Noise { abs: 0.0, rel },
+            ..Rule::default()
+        };
+        Some(compare_rows(&rows, &chosen, k, &rule).verdict(&rule, src))
     }
 
     /// The local error of `key` against its replay: (the row's entry, whether it is over, the
@@ -303,7 +404,13 @@ impl<'a> Comparator<'a> {
         let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
         let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
         let tol = &self.plan.tolerances;
-        let b = local_bound(tol, key, self.dtype, rho);
+        // Production indexers score in fp8 whatever the activations' dtype.
+        let bound_dtype = if key.site == Site::IndexerScore {
+            ActDtype::Fp8E4m3
+        } else {
+            self.dtype
+        };
+        let b = local_bound(tol, key, bound_dtype, rho);
         let mut over = lm.rel_l2.is_nan() || lm.rel_l2 > b.value;
         let profile = self.head_profile(key, &e.data, &want, &rep, e.shape[1]);
         if let Some(p) = &profile {

@@ -271,6 +271,8 @@ impl Dump {
                 Site::IndexerScore | Site::IndexerTopk => c.indexer.is_some(),
                 Site::MoeLogits | Site::MoeTopk => moe_layer,
                 Site::FfnGate | Site::FfnUp => !moe_layer,
+                Site::AttnSink => c.arch == references::config::Arch::GptOss,
+                Site::LogitsPreCap => c.family.final_softcap.is_some(),
                 _ => true,
             };
             if !has {
@@ -286,7 +288,8 @@ impl Dump {
                     | Site::FfnOut
                     | Site::ResidOut
                     | Site::OutputNorm => Some(c.d_model),
-                    Site::Logits => Some(c.vocab),
+                    Site::Logits | Site::LogitsPreCap => Some(c.vocab),
+                    Site::AttnSink => Some(c.n_heads),
                     _ => None,
                 };
                 if let Some(w) = want.filter(|&w| w != e.shape[1]) {

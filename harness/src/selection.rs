@@ -15,8 +15,13 @@
 //! the query) diverge. The attention after the selection is judged separately, by local error
 //! on the candidate's own indices (the reference replays it on them).
 //!
-//! Pure functions only; the diff wiring reads the `indexer_score` / `indexer_topk` taps and
-//! calls [`compare_taps`].
+//! Pure functions only. `diff-layers` (diff.rs) judges every `indexer_topk` tap with
+//! [`compare_taps`] against the indexer's scores re-run on the candidate's own `attn_norm` and
+//! `q_a` (the reference's end-to-end scores where the dump lacks them; a `shared` layer reads its
+//! `full` layer's), with fp8 noise: production indexers score in fp8 whatever the activations'
+//! dtype. A `moe_topk` tap whose op cannot be re-run on the candidate's router logits is judged
+//! by [`compare_rows`] on the reference's routing scores, with the candidate's noise (its
+//! `moe_logits` error where dumped, else a few unit roundoffs of its dtype).
 
 /// The candidate's score noise per row: `abs + rel × max|score|` of the row.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -116,6 +121,24 @@ pub struct SelectionReport {
     pub violations: Vec<Violation>,
     /// True when no constraint is broken and the overlap reaches the rule's minimum.
     pub agrees: bool,
+}
+
+impl SelectionReport {
+    /// The report's form in the run document.
+    pub fn verdict(&self, rule: &Rule, scores: &str) -> reports::SelectionVerdict {
+        reports::SelectionVerdict {
+            scores: scores.to_string(),
+            noise_rel: rule.noise.rel,
+            sigmas: rule.sigmas,
+            rows_with_choice: self.rows_with_choice,
+            overlap: self.overlap,
+            min_overlap: rule.min_overlap,
+            near_ties: self.near_ties,
+            violations: self.violations.len(),
+            first_violation: self.violations.first().map(|v| v.to_string()),
+            agrees: self.agrees,
+        }
+    }
 }
 
 /// The reference's top-k of one row (descending score, earlier key on ties), ascending.
@@ -383,7 +406,4 @@ mod tests {
         let nan = compare_taps(&sc, &[0.5, -1.0, 0.0, 1.0, 0.0, 2.0], 3, 2, &Rule::default());
         assert!(!nan.agrees);
     }
-
-    #[test]
-    fn coverage_warns_at_or_below_top_k_only() {}
 }

@@ -332,18 +332,31 @@ pub fn classify_key(arch: Arch, key: &str, value: &MetaValue) -> Role {
     if used_keys(arch).iter().any(|g| g.contains(&suffix)) {
         return Role::Used;
     }
-    // deepseek2's YaRN: the reference applies its attention scale (mscale, from the factor and
-    // the log multiplier) but not its frequency interpolation, so a scaling type other than
-    // "none" is not honoured (one `--allow-unknown deepseek2.rope.scaling.type` runs it anyway).
+    // The MLA families' YaRN (forward/yarn.rs: HF's frequencies on q, k_pe and the DSA
+    // indexer; the softmax scale from the log multiplier).
     if arch.is_mla() && suffix.starts_with("rope.scaling.") {
         return match suffix {
-            "rope.scaling.type" if value.as_str() == Some("none") => Role::Used,
-            "rope.scaling.type" => {
-                Role::Unknown("YaRN's frequency interpolation is not implemented, only its attention scale")
-            }
-            "rope.scaling.factor" | "rope.scaling.original_context_length" | "rope.scaling.yarn_log_multiplier" => {
-                Role::Used
-            }
+            "rope.scaling.type" if matches!(value.as_str(), Some("none" | "yarn")) => Role::Used,
+            "rope.scaling.factor"
+            | "rope.scaling.original_context_length"
+            | "rope.scaling.yarn_log_multiplier"
+            | "rope.scaling.yarn_beta_fast"
+            | "rope.scaling.yarn_beta_slow"
+            | "rope.scaling.yarn_attn_factor"
+            | "rope.scaling.yarn_ext_factor" => Role::Used,
+            _ => Role::Unknown(""),
+        };
+    }
+    // gpt-oss's YaRN (forward/yarn.rs): every key llama.cpp's converter writes for it.
+    if arch == Arch::GptOss && suffix.starts_with("rope.scaling.") {
+        return match suffix {
+            "rope.scaling.type" if matches!(value.as_str(), Some("none" | "yarn")) => Role::Used,
+            "rope.scaling.factor"
+            | "rope.scaling.original_context_length"
+            | "rope.scaling.yarn_beta_fast"
+            | "rope.scaling.yarn_beta_slow"
+            | "rope.scaling.yarn_attn_factor"
+            | "rope.scaling.yarn_ext_factor" => Role::Used,
             _ => Role::Unknown(""),
         };
     }

@@ -60,13 +60,73 @@ pub struct IndexerConfig {
     pub k_norm_eps: f32,
 }
 
-/// YaRN rope scaling (DeepSeek-V2/V3 long-context variants).
+/// YaRN rope scaling, the one representation for every source: GGUF
+/// (`{arch}.rope.scaling.type = yarn` and `rope.scaling.{factor, original_context_length,
+/// yarn_beta_fast, yarn_beta_slow, yarn_attn_factor, yarn_log_multiplier}`) and HF's
+/// `rope_scaling` / `rope_parameters` (`factor`, `original_max_position_embeddings`,
+/// `beta_fast`, `beta_slow`, `attention_factor`, `mscale_all_dim`, `truncate`). The frequencies
+/// and the cos/sin factor are HF's `_compute_yarn_parameters` ([`YarnConfig::inv_freq`],
+/// [`YarnConfig::attention_factor`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct YarnConfig {
     pub factor: f32,
     pub original_context: usize,
-    /// 0.1·mscale_all_dim, as llama.cpp stores it.
+    /// 0.1·mscale_all_dim, as llama.cpp stores it for deepseek2 (MLA families: the softmax
+    /// scale is multiplied by (1 + log_multiplier·ln factor)²).
     pub log_multiplier: f32,
+    /// The ramp's bounds in rotations (HF defaults 32 and 1).
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// HF's `attention_factor` when given explicitly (GGUF `yarn_attn_factor`); else it is
+    /// derived from the factor (see [`YarnConfig::attention_factor`]).
+    pub attn_factor: Option<f32>,
+    /// HF's `truncate`: round the ramp's bounds to whole dims (HF's default). GGUF cannot say:
+    /// the released gpt-oss configs set it false, so gpt-oss files take false; llama.cpp
+    /// always truncates.
+    pub truncate: bool,
+}
+
+impl YarnConfig {
+    /// Per rotary pair i of a `dim`-wide rotary part with base `base`: HF's YaRN inverse
+    /// frequency, `interp·(1 − e_i) + extrap·e_i` with `extrap = base^(−2i/dim)`,
+    /// `interp = extrap / factor` and `e_i = 1 − clamp((i − low) / (high − low), 0, 1)` between
+    /// the correction dims of `beta_fast` and `beta_slow` at the original context.
+    pub fn inv_freq(&self, base: f64, dim: usize) -> Vec<f64> {
+        let d = dim as f64;
+        let corr =
+            |rot: f64| d * (self.original_context as f64 / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln());
+        let (mut low, mut high) = (corr(self.beta_fast as f64), corr(self.beta_slow as f64));
+        if self.truncate {
+            low = low.floor();
+            high = high.ceil();
+        }
+        let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        (0..dim / 2)
+            .map(|i| {
+                let extrap = base.powf(-((2 * i) as f64) / d);
+                let interp = extrap / self.factor as f64;
+                let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                let e = 1.0 - ramp;
+                interp * (1.0 - e) + extrap * e
+            })
+            .collect()
+    }
+
+    /// The factor on cos and sin (so on q and k): the explicit `attn_factor`, else
+    /// `0.1·ln(factor) + 1` (HF's `yarn_get_mscale`; 1 at factor ≤ 1). MLA families take 1:
+    /// their files (and llama.cpp) assume `mscale = mscale_all_dim`, which cancels it, and scale
+    /// the softmax by [`YarnConfig::log_multiplier`] instead.
+    pub fn attention_factor(&self, mla: bool) -> f64 {
+        match (self.attn_factor, mla) {
+            (Some(a), _) => a as f64,
+            (None, true) => 1.0,
+            (None, false) if self.factor <= 1.0 => 1.0,
+            (None, false) => 0.1 * (self.factor as f64).ln() + 1.0,
+        }
+    }
 }
 
 /// RoPE frequency scaling of the llama family (beyond `rope.freq_base`), as llama.cpp applies it:
@@ -343,13 +403,36 @@ impl ModelConfig {
         let mut rope_scaling = RopeScaling::default();
         let yarn = match (scaling_type, arch) {
             (None | Some("none"), _) => None,
-            (Some("yarn"), a) if a.is_mla() => Some(YarnConfig {
-                factor: m.f32_or("rope.scaling.factor", 1.0)?,
-                original_context: m
-                    .usize_opt("rope.scaling.original_context_length")?
-                    .unwrap_or(context_length),
-                log_multiplier: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0)?,
-            }),
+            (Some("yarn"), a) if a.is_mla() || a == Arch::GptOss => {
+                let ext = m.f32_or("rope.scaling.yarn_ext_factor", 1.0)?;
+                if ext != 1.0 {
+                    return Err(ConfigError::Bad {
+                        key: m.key("rope.scaling.yarn_ext_factor"),
+                        msg: format!("{ext}: only HF's YaRN (extrapolation factor 1) is implemented"),
+                    });
+                }
+                let factor = m.f32_or("rope.scaling.factor", 1.0)?;
+                if factor <= 0.0 {
+                    return Err(ConfigError::Bad {
+                        key: m.key("rope.scaling.factor"),
+                        msg: format!("{factor} must be > 0"),
+                    });
+                }
+                Some(YarnConfig {
+                    factor,
+                    original_context: m
+                        .usize_opt("rope.scaling.original_context_length")?
+                        .unwrap_or(context_length),
+                    log_multiplier: m.f32_or("rope.scaling.yarn_log_multiplier", 0.0)?,
+                    beta_fast: m.f32_or("rope.scaling.yarn_beta_fast", 32.0)?,
+                    beta_slow: m.f32_or("rope.scaling.yarn_beta_slow", 1.0)?,
+                    attn_factor: match m.opt("rope.scaling.yarn_attn_factor") {
+                        Some(_) => Some(m.f32_or("rope.scaling.yarn_attn_factor", 1.0)?),
+                        None => None,
+                    },
+                    truncate: a != Arch::GptOss,
+                })
+            }
             (Some("linear"), Arch::Llama) => {
                 let factor = m.f32_or("rope.scaling.factor", 1.0)?;
                 if factor <= 0.0 {

@@ -13,7 +13,15 @@
 //! `q`/`k` are after the per-head RMSNorm and RoPE. Gemma: `embed` is after the √d_model scale,
 //! `attn_proj` and `ffn_out` are after the post-attention / post-FFN norms (the values added to
 //! the residual), `ffn_gate`/`ffn_up` feed GELU-tanh, and `logits` are after the final-logit
-//! soft-capping (gemma2's attention soft-capping happens inside `attn_out`).
+//! soft-capping, with `logits_pre_cap` before it (gemma2's attention soft-capping happens
+//! inside `attn_out`). gpt-oss: `attn_sink` is the probability each head's sink takes.
+//!
+//! **No tap for capped attention scores:** they are `[H, n, n]` per layer and live only inside
+//! fused attention kernels (flash attention applies the cap in registers), so no engine can
+//! dump them without changing the kernel it is being checked on; and the cap is a pure
+//! function of q and k, so a missing or wrong cap shows in full at `attn_out` judged on the
+//! candidate's own q/k/v. The final-logit cap is tapped because its input is a real tensor
+//! (`lm_head`'s output) that every engine holds.
 
 use std::fmt;
 use std::str::FromStr;
@@ -148,6 +156,12 @@ pub enum Site {
     K,
     /// Values: llama `[n, KV·hd]`; MLA from kv_b `[n, H·v]`.
     V,
+    /// gpt-oss: the probability each query's attention sink takes, `[n, H]`: for head h at query
+    /// t, `exp(sink_h) / (exp(sink_h) + Σ_s exp(score_ts))` over the keys it sees (its sliding
+    /// window on windowed layers). 0 where sinks are ignored; the rest of the mass is what `attn_out`
+    /// mixes, so a candidate that drops its sinks diverges here first. Cheap (`[n, H]`), and
+    /// the one number that tells "sinks dropped" apart from other attention faults.
+    AttnSink,
     /// The attention custom op's output buffer, before o_proj: `[n, H·hd]` (MLA `[n, H·v]`).
     AttnOut,
     /// o_proj output after the all-reduce `[n, d]`.
@@ -171,13 +185,16 @@ pub enum Site {
     ResidOut,
     /// Final RMSNorm `[n, d]`.
     OutputNorm,
-    /// Logits `[n, vocab]` (after the vocab-parallel gather).
+    /// Gemma 2/3 with `final_logit_softcapping`: the logits before the cap `[n, vocab]` (HF's
+    /// `lm_head` output). Only those files have it.
+    LogitsPreCap,
+    /// Logits `[n, vocab]` (after the vocab-parallel gather; after Gemma's final soft-cap).
     Logits,
 }
 
 impl Site {
     /// Every activation site (weights excluded), in execution order.
-    pub const ACTIVATIONS: [Site; 22] = [
+    pub const ACTIVATIONS: [Site; 24] = [
         Site::Embed,
         Site::AttnNorm,
         Site::QA,
@@ -188,6 +205,7 @@ impl Site {
         Site::KPe,
         Site::K,
         Site::V,
+        Site::AttnSink,
         Site::AttnOut,
         Site::AttnProj,
         Site::ResidAttn,
@@ -199,6 +217,7 @@ impl Site {
         Site::FfnOut,
         Site::ResidOut,
         Site::OutputNorm,
+        Site::LogitsPreCap,
         Site::Logits,
     ];
 
@@ -224,6 +243,7 @@ impl Site {
             Site::K => "k",
             Site::V => "v",
             Site::AttnOut => "attn_out",
+            Site::AttnSink => "attn_sink",
             Site::AttnProj => "attn_proj",
             Site::ResidAttn => "resid_attn",
             Site::FfnNorm => "ffn_norm",
@@ -234,13 +254,14 @@ impl Site {
             Site::FfnOut => "ffn_out",
             Site::ResidOut => "resid_out",
             Site::OutputNorm => "output_norm",
+            Site::LogitsPreCap => "logits_pre_cap",
             Site::Logits => "logits",
         }
     }
 
     /// True for the sites outside any layer.
     pub fn is_global(self) -> bool {
-        matches!(self, Site::Embed | Site::OutputNorm | Site::Logits)
+        matches!(self, Site::Embed | Site::OutputNorm | Site::LogitsPreCap | Site::Logits)
     }
 
     /// True for custom ops that write a caller-allocated output buffer (canary-checked).

@@ -449,8 +449,14 @@ fn tap_row(out: &mut String, idx: usize, t: &TapRow, first: bool) {
         m.nonfinite,
         m.canary_left * 100.0,
         short(t.threshold),
-        t.local.as_ref().map_or("-".to_string(), |l| sci(l.rel_l2)),
-        t.local.as_ref().map_or("-".to_string(), |l| short(l.bound))
+        match &t.selection {
+            Some(s) => format!("overlap {:.0}%", 100.0 * s.overlap),
+            None => t.local.as_ref().map_or("-".to_string(), |l| sci(l.rel_l2)),
+        },
+        match &t.selection {
+            Some(s) => format!("{} violations", s.violations),
+            None => t.local.as_ref().map_or("-".to_string(), |l| short(l.bound)),
+        }
     );
 }
 

@@ -47,6 +47,7 @@ fn row(tap: String, layer: Option<u32>, site: &str, rank: Option<u32>, rel: f64,
         over: !finite || rel > thr || canary > 0.0,
         over_end_to_end: !finite || rel > thr || canary > 0.0,
         local: None,
+        selection: None,
     }
 }
 

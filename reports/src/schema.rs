@@ -56,6 +56,40 @@ pub struct TapRow {
     /// exceeds the bound (or a canary/non-finite value is left). Absent: the end-to-end rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub local: Option<LocalError>,
+    /// At a top-k selection tap (`indexer_topk`; `moe_topk` where its op cannot be re-run on the
+    /// candidate's inputs): the selection rule's verdict, which decides the tap instead of
+    /// rel_l2 on index values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selection: Option<SelectionVerdict>,
+}
+
+/// A top-k selection judged against the reference's scores: keys clearly above the cut-off
+/// (margin over `sigmas` × the candidate's noise) must be chosen, keys clearly below must not,
+/// and the near-tie rest by overall overlap.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SelectionVerdict {
+    /// Which scores the rule read: "replayed" (the reference op on the candidate's own inputs)
+    /// or "reference" (the reference's end-to-end scores).
+    pub scores: String,
+    /// The candidate's score noise per row, relative to the row's largest |score|.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub noise_rel: f64,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub sigmas: f64,
+    /// Rows with more candidates than k (where the selection had a choice).
+    pub rows_with_choice: usize,
+    /// Chosen keys shared with the reference's top-k, over all rows.
+    #[serde(deserialize_with = "lenient::f64")]
+    pub overlap: f64,
+    #[serde(deserialize_with = "lenient::f64")]
+    pub min_overlap: f64,
+    /// Keys inside the near-tie band.
+    pub near_ties: usize,
+    /// Broken constraints (clear misses, clear intruders, malformed rows), and the first.
+    pub violations: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_violation: Option<String>,
+    pub agrees: bool,
 }
 
 /// A tap's local error and what it was held to.

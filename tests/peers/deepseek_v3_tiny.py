@@ -6,8 +6,10 @@ Weights are random but scaled up (linear ~ N(0, 1/fan_in), lm_head ~ N(0, 16/d))
 are not flat. The tokenizer is a small byte-level BPE trained here; the converter's pre-tokenizer
 hash check is told it is "default" (the converter refuses unknown hashes).
 
-Usage: deepseek_v3_tiny.py CONVERT_HF_TO_GGUF.py OUT_DIR
+Usage: deepseek_v3_tiny.py CONVERT_HF_TO_GGUF.py OUT_DIR [--yarn]
 Writes OUT_DIR/deepseek-v3-tiny.f32.gguf and OUT_DIR/hf-deepseek-v3-tiny.json. Not run by CI.
+--yarn: deepseek-v3-yarn-tiny instead, with YaRN RoPE as DeepSeek-V3 declares it (mscale =
+mscale_all_dim), on base 100, factor 4 and original context 64 so the ramp acts within the prompts.
 """
 import importlib.util, json, math, os, sys, tempfile
 
@@ -47,13 +49,16 @@ def build_tokenizer(vocab_size=512):
     return fast
 
 
-def build_model(vocab):
+def build_model(vocab, yarn=False):
+    rope = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 64, "beta_fast": 8.0, "beta_slow": 1.0,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0}) if yarn else dict(rope_theta=10000.0)
     cfg = DeepseekV3Config(
         vocab_size=vocab, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
         n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=96,
         qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=4, topk_group=2,
-        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, rope_theta=10000.0,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, **rope,
         rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=0,
     )
@@ -91,11 +96,13 @@ def convert(convert_script, hf_dir, out_path):
 
 def main():
     convert_script, out_dir = sys.argv[1], sys.argv[2]
+    yarn = "--yarn" in sys.argv[3:]
+    name = "deepseek-v3-yarn-tiny" if yarn else "deepseek-v3-tiny"
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(2)
     tok = build_tokenizer()
-    model = build_model(len(tok))
-    gguf_path = os.path.join(out_dir, "deepseek-v3-tiny.f32.gguf")
+    model = build_model(len(tok), yarn)
+    gguf_path = os.path.join(out_dir, f"{name}.f32.gguf")
     with tempfile.TemporaryDirectory() as hf_dir:
         model.save_pretrained(hf_dir, safe_serialization=True)
         tok.save_pretrained(hf_dir)
@@ -118,8 +125,8 @@ def main():
         cases.append({"prompt": p, "tokens": ids, "positions": positions})
     doc = {"format": 1, "model": os.path.basename(gguf_path),
            "peer": f"transformers {transformers.__version__}, torch {torch.__version__}, float32",
-           "generated_by": "tests/peers/deepseek_v3_tiny.py", "cases": cases}
-    out_json = os.path.join(out_dir, "hf-deepseek-v3-tiny.json")
+           "generated_by": "tests/peers/deepseek_v3_tiny.py" + (" --yarn" if yarn else ""), "cases": cases}
+    out_json = os.path.join(out_dir, f"hf-{name}.json")
     json.dump(doc, open(out_json, "w"), separators=(",", ":"))
     print(f"wrote {gguf_path} and {out_json}")
 

@@ -8,7 +8,9 @@ Each fixture reaches its family's branches: q/k/v biases (qwen2, glm4moe), q/k R
 qwen3moe), MoE with softmax routing and norm_topk_prob (qwen3moe), sigmoid routing with the
 correction bias, a shared expert, leading dense layers and partial rotary (glm4moe), sliding
 windows (4) shorter than the prompts, soft-capping, GELU-tanh and pre/post norms (gemma2), and
-gemma3's global layer (every 6th) with its own RoPE base after five local ones.
+gemma3's global layer (every 6th) with its own RoPE base after five local ones. `gpt-oss-yarn` is
+gpt-oss with YaRN RoPE as the released configs declare it (truncate false), on a small base and
+original context so the ramp acts within the prompts.
 
 Weights are random but scaled up (linear ~ N(0, 1/fan_in), embeddings ~ N(0, 1), biases and
 router biases ~ N(0, 0.5), norms ~ 1 + N(0, 0.1)) so the outputs are not flat. The tokenizer is a
@@ -78,11 +80,17 @@ def family_config(family, vocab):
             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
             tie_word_embeddings=True, **COMMON)
-    if family == "gpt-oss":
+    if family in ("gpt-oss", "gpt-oss-yarn"):
+        # gpt-oss-yarn: YaRN as the released gpt-oss configs declare it (truncate False), with a
+        # small base and original context so the ramp and the attention factor act within 20
+        # positions of a 16-dim head.
+        rope = {"rope_type": "default", "rope_theta": 10000.0} if family == "gpt-oss" else {
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 64, "truncate": False}
         return t.GptOssForCausalLM, t.GptOssConfig(vocab_size=vocab, intermediate_size=32, num_hidden_layers=2,
             num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, sliding_window=4,
             layer_types=["sliding_attention", "full_attention"], attention_bias=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False, **COMMON)
+            rope_parameters=rope, tie_word_embeddings=False, **COMMON)
     raise SystemExit(f"unknown family {family}")
 
 
@@ -113,7 +121,7 @@ def build_model(family, vocab):
                 p.normal_(0.0, 0.5)
             elif name.endswith("sinks"):  # gpt-oss attention sinks, one logit per head
                 p.normal_(0.0, 1.0)
-            elif p.dim() == 3 and family == "gpt-oss":  # experts [E, in, out]
+            elif p.dim() == 3 and family.startswith("gpt-oss"):  # experts [E, in, out]
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             elif p.dim() == 3:  # fused experts [E, out, in]
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[2]))

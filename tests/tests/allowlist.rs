@@ -73,6 +73,8 @@ fn converted_fixtures_are_fully_listed() {
         "gemma2-tiny.f32.gguf",
         "gemma3-tiny.f32.gguf",
         "gpt-oss-tiny.f32.gguf",
+        "gpt-oss-yarn-tiny.f32.gguf",
+        "deepseek-v3-yarn-tiny.f32.gguf",
     ] {
         assert_all_listed(&GgufFile::open(golden(f)).unwrap(), f);
     }
@@ -142,10 +144,11 @@ fn nextn_blocks_are_skipped() {
     assert!(matches!(a.tensors.last().unwrap().1, Role::Skipped(_)));
 }
 
-/// deepseek2 YaRN (real DeepSeek-V3 files: factor 40): the reference applies only its attention
-/// scale, so the scaling type is refused by name until allowed.
+/// deepseek2 YaRN (real DeepSeek-V3 files: factor 40) is read whole (frequencies and softmax
+/// scale; `golden/deepseek-v3-yarn-tiny` pins it against HF); a scaling key outside YaRN's is
+/// refused by name, and an extrapolation factor other than HF's 1 is an error naming the key.
 #[test]
-fn deepseek2_yarn_is_refused_until_allowed() {
+fn deepseek2_yarn_is_read_and_other_scaling_keys_are_refused() {
     let file = GgufFile::open(golden("deepseek-v3-tiny.f32.gguf")).unwrap();
     let mut h = file.header.clone();
     h.metadata.extend([
@@ -163,13 +166,20 @@ fn deepseek2_yarn_is_refused_until_allowed() {
             MetaValue::F32(0.1),
         ),
     ]);
-    let e = ModelConfig::from_header(&h).unwrap_err().to_string();
-    assert!(
-        e.contains("\"deepseek2.rope.scaling.type\"") && e.contains("interpolation"),
-        "{e}"
+    let y = ModelConfig::from_header(&h).unwrap().yarn.unwrap();
+    assert_eq!(
+        (y.factor, y.original_context, y.beta_fast, y.beta_slow, y.truncate),
+        (40.0, 4096, 32.0, 1.0, true)
     );
-    h.allow_unknown = vec!["deepseek2.rope.scaling.type".into()];
-    assert_eq!(ModelConfig::from_header(&h).unwrap().yarn.unwrap().factor, 40.0);
+    let mut ext = h.clone();
+    ext.metadata
+        .push(("deepseek2.rope.scaling.yarn_ext_factor".into(), MetaValue::F32(0.5)));
+    let e = ModelConfig::from_header(&ext).unwrap_err().to_string();
+    assert!(e.contains("yarn_ext_factor"), "{e}");
+    h.metadata
+        .push(("deepseek2.rope.scaling.long_factor".into(), MetaValue::F32(2.0)));
+    let e = ModelConfig::from_header(&h).unwrap_err().to_string();
+    assert!(e.contains("\"deepseek2.rope.scaling.long_factor\""), "{e}");
 }
 
 /// `--allow-unknown KEY` on `diff-layers` is recorded in the run document (`allow_unknown`) and in

@@ -12,9 +12,19 @@ use std::path::Path;
 
 /// Worst |Δlogprob| and top-1 agreement of the reference against a golden HF file.
 fn compare(model: &Path, golden_file: &str) -> (f64, usize, usize) {
+    compare_edited(model, golden_file, |_| {})
+}
+
+/// [`compare`] with the reference's config first changed by `edit`.
+fn compare_edited(
+    model: &Path,
+    golden_file: &str,
+    edit: impl FnOnce(&mut references::config::ModelConfig),
+) -> (f64, usize, usize) {
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(golden(golden_file)).unwrap()).unwrap();
     let file = GgufFile::open(model).unwrap();
-    let r = Reference::new(&file).unwrap();
+    let mut r = Reference::new(&file).unwrap();
+    edit(&mut r.config);
     let (mut worst, mut same_top1, mut n_pos) = (0f64, 0, 0);
     for case in doc["cases"].as_array().unwrap() {
         let tokens: Vec<u32> = case["tokens"]
@@ -60,4 +70,35 @@ fn deepseek_v3_tiny_reference_matches_hf_fp32() {
     eprintln!("DeepSeek-V3 tiny vs HF fp32: worst |dlogprob| {worst:.2e} over top-50, top-1 {same}/{n}");
     assert_eq!(same, n, "top-1 agreement");
     assert!(worst <= 2e-3, "worst |dlogprob| {worst}");
+}
+
+/// The same DeepSeek-V3 with YaRN RoPE as its releases declare it (mscale = mscale_all_dim; base
+/// 100, factor 4, original context 64 so the ramp acts within the prompts;
+/// `deepseek_v3_tiny.py --yarn`): HF's frequencies on q and k_pe, the softmax scale from the log
+/// multiplier. Control: without YaRN it is far off.
+#[test]
+fn deepseek_v3_yarn_tiny_reference_matches_hf_fp32() {
+    let path = golden("deepseek-v3-yarn-tiny.f32.gguf");
+    let (worst, same, n) = compare(&path, "hf-deepseek-v3-yarn-tiny.json");
+    eprintln!("DeepSeek-V3 YaRN tiny vs HF fp32: worst |dlogprob| {worst:.2e} over top-50, top-1 {same}/{n}");
+    assert_eq!(same, n, "top-1 agreement");
+    assert!(worst <= 2e-3, "worst |dlogprob| {worst}");
+    let (plain, _, _) = compare_edited(&path, "hf-deepseek-v3-yarn-tiny.json", |c| c.yarn = None);
+    eprintln!("DeepSeek-V3 YaRN tiny without YaRN: worst |dlogprob| {plain:.2e}");
+    assert!(plain > 0.05, "{plain}");
+}
+
+/// The TP engine applies YaRN's softmax scale but not its frequencies: it refuses a YaRN file in
+/// one line naming what works, instead of computing a different model.
+#[test]
+fn the_engine_refuses_yarn_in_one_line() {
+    let f = GgufFile::open(golden("deepseek-v3-yarn-tiny.f32.gguf")).unwrap();
+    let err = match engine::engine::Engine::load(&f, engine::engine::EngineOptions::default()) {
+        Ok(_) => panic!("the engine loaded a YaRN model"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        !err.contains('\n') && err.contains("YaRN") && err.contains("--candidate"),
+        "{err}"
+    );
 }

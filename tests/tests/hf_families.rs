@@ -231,6 +231,26 @@ fn gpt_oss_matches_hf_fp32() {
     assert_far("gpt-oss", "no sliding window", |c| c.family.sliding_window = None);
 }
 
+/// gpt-oss with YaRN as its released configs declare it (truncate false; base 100, factor 4,
+/// original context 64 so the ramp and the cos/sin factor act within the prompts): llama.cpp's
+/// converter writes the yarn keys, the reference takes HF's frequencies. Controls: no YaRN at
+/// all, and llama.cpp's truncated ramp, are both visibly off.
+#[test]
+fn gpt_oss_yarn_matches_hf_fp32() {
+    assert_matches_hf("gpt-oss-yarn", Arch::GptOss);
+    let file = open("gpt-oss-yarn");
+    let y = Reference::new(&file)
+        .unwrap()
+        .config
+        .yarn
+        .expect("the file declares YaRN");
+    assert_eq!((y.factor, y.original_context, y.truncate), (4.0, 64, false));
+    assert_far("gpt-oss-yarn", "no YaRN", |c| c.yarn = None);
+    let (trunc, _, _) = compare("gpt-oss-yarn", |c| c.yarn.as_mut().unwrap().truncate = true);
+    eprintln!("gpt-oss-yarn with llama.cpp's truncated ramp: worst |dlogprob| {trunc:.2e}");
+    assert!(trunc > 2e-3, "the truncated ramp should be visible: {trunc:e}");
+}
+
 /// The TP engine does not run gpt-oss yet: it refuses it in one line naming what works (the
 /// engine's runs of the other families: `engine_families.rs`).
 #[test]

@@ -273,9 +273,14 @@ pub fn print_summary(run: &DiffRun) {
     );
     for i in shown {
         let t = &run.taps[i];
-        let (local, bound) = match &t.local {
-            Some(l) => (format!("{:.3e}", l.rel_l2), format!("{:.1e}", l.bound)),
-            None => ("-".to_string(), "-".to_string()),
+        // A selection tap shows the rule's overlap and its broken constraints instead.
+        let (local, bound) = match (&t.local, &t.selection) {
+            (_, Some(s)) => (
+                format!("ovl {:.0}%", 100.0 * s.overlap),
+                format!("{} viol", s.violations),
+            ),
+            (Some(l), None) => (format!("{:.3e}", l.rel_l2), format!("{:.1e}", l.bound)),
+            (None, None) => ("-".to_string(), "-".to_string()),
         };
         let line = format!(
             "  {:<26} {:>10.3e} {:>10.6} {:>10.3e} {:>7.0}% {:>7.0e} {:>10} {:>8}",

@@ -109,7 +109,7 @@ fn mla(
         }
     };
     for (t, q_t) in q.chunks_mut(nh * dq).enumerate() {
-        ops::rope_norm(q_t, dq, nope, t, rope, c.rope_base);
+        super::yarn::mla_rope(c, q_t, dq, nope, t, rope, false);
     }
     emit(tap, key(Site::Q), &q, n);
 
@@ -122,7 +122,7 @@ fn mla(
     for (t, row) in kva.chunks(kvl + rope).enumerate() {
         latent.extend_from_slice(&row[..kvl]);
         let mut pe = row[kvl..].to_vec();
-        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+        super::yarn::mla_rope(c, &mut pe, rope, 0, t, rope, false);
         k_pe.extend(pe);
     }
     let latent = ops::rms_norm(&latent, kvl, &r.vector(&name("attn_kv_a_norm"), kvl)?, c.rms_eps);
@@ -241,6 +241,52 @@ pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Routing {
     }
     weights.iter_mut().for_each(|w| *w *= moe.weights_scale as f64);
     Routing { experts, weights }
+}
+
+impl Reference<'_> {
+    /// The scores whose top-k picks layer `l`'s experts, from router logits `[n, n_experts]`
+    /// (the `moe_logits` tap): the gating function's output plus the selection bias where the
+    /// file has one (`exp_probs_b`), or the logits themselves for gpt-oss. `None` where the
+    /// choice is not a plain top-k of per-expert scores (grouped routing that drops groups), or
+    /// the layer has no MoE.
+    pub fn routing_choice_scores(&self, l: usize, logits: &[f32]) -> Result<Option<Vec<Vec<f64>>>, ForwardError> {
+        let c = &self.config;
+        let Some(m) = c.moe.as_ref().filter(|_| c.is_moe_layer(l)) else {
+            return Ok(None);
+        };
+        if m.n_experts == 0 || logits.len() % m.n_experts != 0 || (m.n_groups > 1 && m.n_groups_used < m.n_groups) {
+            return Ok(None);
+        }
+        if c.arch == crate::config::Arch::GptOss {
+            return Ok(Some(
+                logits
+                    .chunks(m.n_experts)
+                    .map(|z| z.iter().map(|&v| v as f64).collect())
+                    .collect(),
+            ));
+        }
+        let bias_name = format!("blk.{l}.exp_probs_b.bias");
+        let bias = match self.file.tensor(&bias_name) {
+            Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+            None => None,
+        };
+        Ok(Some(
+            logits
+                .chunks(m.n_experts)
+                .map(|z| {
+                    let mut s: Vec<f64> = z.iter().map(|&v| v as f64).collect();
+                    match m.gating {
+                        Gating::Sigmoid => s.iter_mut().for_each(|v| *v = 1.0 / (1.0 + (-*v).exp())),
+                        Gating::Softmax => ops::softmax(&mut s),
+                    }
+                    if let Some(b) = &bias {
+                        s.iter_mut().zip(b).for_each(|(v, &b)| *v += b as f64);
+                    }
+                    s
+                })
+                .collect(),
+        ))
+    }
 }
 
 /// One expert's SwiGLU matrices, sliced out of the stacked `*_exps` tensors.

@@ -94,6 +94,134 @@ pub fn top_k_keys(scores: &[Vec<f64>], top_k: usize) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// The `[n, n]` layout of the `indexer_score` tap (row t = query t; keys after t hold 0).
+fn flatten_scores(scores: &[Vec<f64>], n: usize) -> Vec<f32> {
+    let mut flat = vec![0f32; n * n];
+    for (t, row) in scores.iter().enumerate() {
+        for (s, &v) in row.iter().enumerate() {
+            flat[t * n + s] = v as f32;
+        }
+    }
+    flat
+}
+
+/// Rounds to fp8 e4m3 (3 mantissa bits, subnormals below 2⁻⁶, saturating at ±448).
+pub fn round_e4m3(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let a = x.abs().min(448.0);
+    let e = a.log2().floor().max(-6.0);
+    let step = 2f64.powf(e - 3.0);
+    ((a / step).round() * step).min(448.0).copysign(x)
+}
+
+/// Quantizes `row` to fp8 e4m3 in groups of 128 with a per-group scale amax/448, as vLLM stores
+/// the indexer's q and its key cache; returns the dequantized values.
+pub fn fp8_groups(row: &mut [f32]) {
+    for g in row.chunks_mut(128) {
+        let amax = g.iter().fold(0f64, |m, &v| m.max((v as f64).abs()));
+        if amax == 0.0 {
+            continue;
+        }
+        let scale = amax / 448.0;
+        g.iter_mut()
+            .for_each(|v| *v = (round_e4m3(*v as f64 / scale) * scale) as f32);
+    }
+}
+
+/// The indexer's roped q `[n, H·D]`, roped key `[n, D]` and scaled head weights `[n, H]`.
+type IndexerQkw = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Layer `l`'s indexer inputs: roped q `[n, H·D]`, roped key `[n, D]` and the scaled head
+/// weights `[n, H]`, from `x` (the attn_norm output) and `qr` (the normed q_a). With
+/// [`Reference::indexer_fp8`], q and k are rounded to fp8 per head (groups of 128) after RoPE.
+fn indexer_qkw(r: &Reference, l: usize, x: &[f32], qr: &[f32], n: usize) -> Result<IndexerQkw, ForwardError> {
+    let c = &r.config;
+    let ix = c.indexer.as_ref().expect("a DSA model has an indexer");
+    let m = c.mla.as_ref().expect("a DSA model has MLA");
+    let (h, dh, rope) = (ix.n_heads, ix.head_dim, m.qk_rope);
+    let ql = m.q_lora_rank.ok_or_else(|| ForwardError::BadTensor {
+        name: format!("blk.{l}.attn_q_a.weight"),
+        msg: "the DSA indexer needs q_a (q_lora_rank)".into(),
+    })?;
+    let name = |s: &str| format!("blk.{l}.indexer.{s}");
+    let wq = r.matrix(&name("attn_q_b.weight"), h * dh, ql)?;
+    let wk = r.matrix(&name("attn_k.weight"), dh, c.d_model)?;
+    let wp = r.matrix(&name("proj.weight"), h, c.d_model)?;
+    let mut q = linear(qr, n, &wq);
+    let k = linear(x, n, &wk);
+    let mut k = layer_norm(
+        &k,
+        dh,
+        &r.vector(&name("k_norm.weight"), dh)?,
+        &r.vector(&name("k_norm.bias"), dh)?,
+        ix.k_norm_eps,
+    );
+    for t in 0..n {
+        let (qt, kt) = (&mut q[t * h * dh..(t + 1) * h * dh], &mut k[t * dh..(t + 1) * dh]);
+        super::yarn::mla_rope(c, qt, dh, 0, t, rope, ix.rope_neox);
+        super::yarn::mla_rope(c, kt, dh, 0, t, rope, ix.rope_neox);
+    }
+    if r.indexer_fp8 {
+        q.chunks_mut(dh).for_each(fp8_groups);
+        k.chunks_mut(dh).for_each(fp8_groups);
+    }
+    let scale = 1.0 / ((dh * h) as f64).sqrt();
+    let w: Vec<f32> = linear(x, n, &wp).iter().map(|&v| (v as f64 * scale) as f32).collect();
+    Ok((q, k, w))
+}
+
+/// Layer `l`'s index scores re-run on a candidate's own `attn_norm` output `x` and q_a before
+/// its norm (`qa`, `[n, q_lora]`): the `[n, n]` tap and its noise scale rho for fp8 scoring
+/// (each score `Σ_h w_h·relu(q_h·k)` with q and k rounded once each: per score
+/// `a = √2·√(Σ_h w_h²·[q_h·k > 0]·Σ_i (q_hi·k_i)²) + |score|`, rho = rms(a)/rms(score) over the
+/// causal entries). Errors when the layer has no indexer tensors (a `shared` layer).
+pub fn replay_scores(
+    r: &Reference,
+    l: usize,
+    x: &[f32],
+    qa: &[f32],
+    n: usize,
+) -> Result<(Vec<f32>, f64), ForwardError> {
+    let c = &r.config;
+    let ix = c.indexer.as_ref().expect("a DSA model has an indexer");
+    let ql = c.mla.as_ref().and_then(|m| m.q_lora_rank).unwrap_or(0);
+    let qr = ops::rms_norm(
+        qa,
+        ql,
+        &r.vector(&format!("blk.{l}.attn_q_a_norm.weight"), ql)?,
+        c.rms_eps,
+    );
+    let (q, k, w) = indexer_qkw(r, l, x, &qr, n)?;
+    let (h, dh) = (ix.n_heads, ix.head_dim);
+    let scores = index_scores(&q, &k, &w, n, h, dh);
+    let (mut aa, mut yy) = (0f64, 0f64);
+    for (t, row) in scores.iter().enumerate() {
+        for (s, &y) in row.iter().enumerate() {
+            let ks = &k[s * dh..(s + 1) * dh];
+            let mut sq = 0f64;
+            for hh in 0..h {
+                let qh = &q[(t * h + hh) * dh..(t * h + hh + 1) * dh];
+                if ops::dot64(qh, ks) > 0.0 {
+                    let wt = w[t * h + hh] as f64;
+                    sq += wt
+                        * wt
+                        * qh.iter()
+                            .zip(ks)
+                            .map(|(&a, &b)| (a as f64 * b as f64).powi(2))
+                            .sum::<f64>();
+                }
+            }
+            let a = std::f64::consts::SQRT_2 * sq.sqrt() + y.abs();
+            aa += a * a;
+            yy += y * y;
+        }
+    }
+    let rho = if yy > 0.0 { (aa / yy).sqrt() } else { 1.0 };
+    Ok((flatten_scores(&scores, n), rho))
+}
+
 /// Runs layer `l`'s indexer (or reuses the previous full layer's selection on a `shared` layer)
 /// on `x` (the attn_norm output) and `qr` (the normed q_a); taps its scores and selection.
 pub(super) fn select(
@@ -107,48 +235,12 @@ pub(super) fn select(
 ) -> Result<Vec<Vec<usize>>, ForwardError> {
     let c = &r.config;
     let ix = c.indexer.as_ref().expect("a DSA model has an indexer");
-    let m = c.mla.as_ref().expect("a DSA model has MLA");
-    let (h, dh, rope) = (ix.n_heads, ix.head_dim, m.qk_rope);
     let sel = if ix.full.get(l).copied().unwrap_or(true) {
-        let ql = m.q_lora_rank.ok_or_else(|| ForwardError::BadTensor {
-            name: format!("blk.{l}.attn_q_a.weight"),
-            msg: "the DSA indexer needs q_a (q_lora_rank)".into(),
-        })?;
-        let name = |s: &str| format!("blk.{l}.indexer.{s}");
-        let wq = r.matrix(&name("attn_q_b.weight"), h * dh, ql)?;
-        let wk = r.matrix(&name("attn_k.weight"), dh, c.d_model)?;
-        let wp = r.matrix(&name("proj.weight"), h, c.d_model)?;
-        let mut q = linear(qr, n, &wq);
-        let k = linear(x, n, &wk);
-        let mut k = layer_norm(
-            &k,
-            dh,
-            &r.vector(&name("k_norm.weight"), dh)?,
-            &r.vector(&name("k_norm.bias"), dh)?,
-            ix.k_norm_eps,
-        );
-        for t in 0..n {
-            let (qt, kt) = (&mut q[t * h * dh..(t + 1) * h * dh], &mut k[t * dh..(t + 1) * dh]);
-            if ix.rope_neox {
-                rope_neox(qt, dh, t, rope, c.rope_base);
-                rope_neox(kt, dh, t, rope, c.rope_base);
-            } else {
-                ops::rope_norm(qt, dh, 0, t, rope, c.rope_base);
-                ops::rope_norm(kt, dh, 0, t, rope, c.rope_base);
-            }
-        }
-        let scale = 1.0 / ((dh * h) as f64).sqrt();
-        let w: Vec<f32> = linear(x, n, &wp).iter().map(|&v| (v as f64 * scale) as f32).collect();
-        let scores = index_scores(&q, &k, &w, n, h, dh);
+        let (q, k, w) = indexer_qkw(r, l, x, qr, n)?;
+        let scores = index_scores(&q, &k, &w, n, ix.n_heads, ix.head_dim);
         let key = TapKey::layer(l, Site::IndexerScore);
         if tap.wants(&key) {
-            let mut flat = vec![0f32; n * n];
-            for (t, row) in scores.iter().enumerate() {
-                for (s, &v) in row.iter().enumerate() {
-                    flat[t * n + s] = v as f32;
-                }
-            }
-            tap.record_owned(&key, flat, [n, n]);
+            tap.record_owned(&key, flatten_scores(&scores, n), [n, n]);
         }
         top_k_keys(&scores, ix.top_k)
     } else {

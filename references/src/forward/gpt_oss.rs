@@ -1,6 +1,6 @@
 //! One gpt-oss block, as HF's modeling_gpt_oss.py computes it and llama.cpp's converter stores
 //! it (gate_up de-interleaved into `ffn_gate_exps`/`ffn_up_exps`, experts F32 or MXFP4):
-//! RMSNorm, q/k/v with biases, NeoX RoPE, causal GQA with attention sinks and a sliding window
+//! RMSNorm, q/k/v with biases, NeoX RoPE (with YaRN when the file declares it), causal GQA with attention sinks and a sliding window
 //! on every other layer (layer 0 first), o_proj with bias, residual, RMSNorm (stored as
 //! `post_attention_norm`), then the MoE: router logits x·Wᵀ + b, the top-k logits softmaxed
 //! among themselves, and each expert's clamped SwiGLU
@@ -35,9 +35,17 @@ pub(super) fn layer(
     let v = biased(r, &h, n, &wv, &bias("attn_v"))?;
     let swa = fam.is_swa(l);
     let base = if swa { fam.rope_base_swa } else { c.rope_base };
+    // YaRN (the released gpt-oss configs declare it): HF's frequencies and cos/sin factor.
+    let yarn = c
+        .yarn
+        .as_ref()
+        .map(|y| (y.inv_freq(base as f64, c.rope_dim), y.attention_factor(false)));
     for (t, (q_t, k_t)) in q.chunks_mut(nh * hd).zip(k.chunks_mut(nkv * hd)).enumerate() {
         for row in [q_t, k_t] {
-            ops::rope_neox(row, hd, t, c.rope_dim, base);
+            match &yarn {
+                Some((inv_freq, scale)) => super::yarn::rope_neox(row, hd, t, inv_freq, *scale),
+                None => ops::rope_neox(row, hd, t, c.rope_dim, base),
+            }
         }
     }
     emit(tap, key(Site::Q), &q, n);
@@ -50,6 +58,11 @@ pub(super) fn layer(
         sinks: Some(&sinks),
     };
     let attn = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, 1.0 / (hd as f64).sqrt(), mask);
+    if tap.wants(&key(Site::AttnSink)) {
+        let window = if swa { fam.sliding_window } else { None };
+        let mass = sink_mass(&q, &k, n, nh, nkv, hd, window, &sinks);
+        tap.record_owned(&key(Site::AttnSink), mass, [n, nh]);
+    }
     emit(tap, key(Site::AttnOut), &attn, n);
     let proj = biased(r, &attn, n, &wo, &bias("attn_output"))?;
     emit(tap, key(Site::AttnProj), &proj, n);
@@ -63,6 +76,39 @@ pub(super) fn layer(
     let x = ops::add(&x, &out);
     emit(tap, key(Site::ResidOut), &x, n);
     Ok(x)
+}
+
+/// The `attn_sink` tap `[n, H]`: per query and head, the probability the sink takes,
+/// `1 / (1 + Σ_s exp(score_s − sink))` over the keys the query sees (scores scaled 1/√hd).
+#[allow(clippy::too_many_arguments)]
+pub fn sink_mass(
+    q: &[f32],
+    k: &[f32],
+    n: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    window: Option<usize>,
+    sinks: &[f32],
+) -> Vec<f32> {
+    let (group, scale) = (nh / nkv.max(1), 1.0 / (hd as f64).sqrt());
+    let mut out = Vec::with_capacity(n * nh);
+    for t in 0..n {
+        let first = window.map_or(0, |w| (t + 1).saturating_sub(w.max(1)));
+        for h in 0..nh {
+            let qh = &q[(t * nh + h) * hd..(t * nh + h + 1) * hd];
+            let kvh = h / group.max(1);
+            let sink = sinks[h] as f64;
+            let scores: Vec<f64> = (first..=t)
+                .map(|s| ops::dot64(qh, &k[(s * nkv + kvh) * hd..(s * nkv + kvh + 1) * hd]) * scale)
+                .collect();
+            let max = scores.iter().copied().fold(sink, f64::max);
+            let keys: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let own = (sink - max).exp();
+            out.push((own / (own + keys)) as f32);
+        }
+    }
+    out
 }
 
 /// `x·wᵀ + b` with the bias vector named `b`.

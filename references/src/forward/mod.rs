@@ -18,6 +18,7 @@ mod llama;
 pub mod ops;
 mod qwen;
 pub mod replay;
+pub mod yarn;
 
 use crate::config::{Arch, ModelConfig};
 use crate::dequant::{dequantize, dequantize_to_vec};
@@ -92,6 +93,10 @@ impl Mat<'_> {
 pub struct Reference<'a> {
     pub file: &'a GgufFile,
     pub config: ModelConfig,
+    /// Score the DSA indexer as production engines do (vLLM: q and the key cache in fp8 e4m3,
+    /// groups of 128 with a per-group scale) instead of in f32: a simulated healthy fp8
+    /// candidate, never the ground truth. Off by default.
+    pub indexer_fp8: bool,
 }
 
 impl<'a> Reference<'a> {
@@ -99,6 +104,7 @@ impl<'a> Reference<'a> {
         Ok(Reference {
             file,
             config: ModelConfig::from_header(&file.header)?,
+            indexer_fp8: false,
         })
     }
 
@@ -148,6 +154,7 @@ impl<'a> Reference<'a> {
         let mut logits = self.logits(&h, n)?;
         if let Some(cap) = c.family.final_softcap {
             // Gemma's final-logit soft-capping (the logits tap shows the capped values).
+            emit(tap, TapKey::global(Site::LogitsPreCap), &logits, n);
             logits
                 .iter_mut()
                 .for_each(|z| *z = ops::softcap(*z as f64, cap as f64) as f32);

@@ -308,6 +308,25 @@ impl Reference<'_> {
                 }
                 _ => None,
             },
+            // The DSA indexer's scores on the candidate's attn_norm and q_a (dsa.rs), with the
+            // noise scale of fp8 scoring.
+            Site::IndexerScore
+                if c.indexer
+                    .as_ref()
+                    .is_some_and(|ix| ix.full.get(l).copied().unwrap_or(true)) =>
+            {
+                match (
+                    at(Site::AttnNorm),
+                    at(Site::QA),
+                    c.mla.as_ref().and_then(|m| m.q_lora_rank),
+                ) {
+                    (Some(x), Some(qa), Some(ql)) if x.len() == n * d && qa.len() == n * ql => {
+                        let (out, rho) = super::dsa::replay_scores(self, l, &x, &qa, n)?;
+                        Some(Replayed::plain(out, rho))
+                    }
+                    _ => None,
+                }
+            }
             Site::QA if !llama => match (at(Site::AttnNorm), c.mla.as_ref().and_then(|m| m.q_lora_rank)) {
                 (Some(h), Some(ql)) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_q_a"), ql, d)?, 1.0)),
                 _ => None,
@@ -329,7 +348,7 @@ impl Reference<'_> {
                     _ => return Ok(None),
                 };
                 for (t, q_t) in r.out.chunks_mut(nh * dq).enumerate() {
-                    ops::rope_norm(q_t, dq, m.qk_nope, t, m.qk_rope, c.rope_base);
+                    super::yarn::mla_rope(c, q_t, dq, m.qk_nope, t, m.qk_rope, false);
                 }
                 r.rho += 1.0;
                 Some(r)
@@ -344,7 +363,7 @@ impl Reference<'_> {
                     for (t, row) in r.out.chunks(kvl + rope).enumerate() {
                         latent.extend_from_slice(&row[..kvl]);
                         let mut pe = row[kvl..].to_vec();
-                        ops::rope_norm(&mut pe, rope, 0, t, rope, c.rope_base);
+                        super::yarn::mla_rope(c, &mut pe, rope, 0, t, rope, false);
                         k_pe.extend(pe);
                     }
                     r.out = if key.site == Site::KvLatent {
