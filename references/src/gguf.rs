@@ -346,6 +346,18 @@ pub struct GgufFile {
     maps: Vec<Mmap>,
     /// Each file's data-section offset.
     data_offsets: Vec<u64>,
+    /// The source: a GGUF file (or split set), or an HF checkpoint folder read as its GGUF
+    /// conversion ([`crate::hf`]).
+    pub source: ModelSource,
+}
+
+/// Where a [`GgufFile`]'s header and tensors come from. Both present the same interface: the
+/// GGUF metadata and tensors by GGUF name, memory-mapped.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSource {
+    Gguf,
+    /// An HF checkpoint folder; its `tokenizer.json` when it has one.
+    HfFolder { tokenizer_json: Option<PathBuf> },
 }
 
 /// Metadata keys of a split model (llama.cpp's gguf-split).
@@ -385,8 +397,23 @@ impl GgufFile {
     /// The first file of a split model opens every shard (validated: same split.count, shard
     /// numbers in order, same architecture where a shard names one, no tensor twice, the total
     /// equal to split.tensors.count); a later shard is refused, naming the file to open.
+    ///
+    /// A folder opens as an HF checkpoint (`config.json` + safetensors), presented as the GGUF
+    /// llama.cpp's converter would write for it ([`crate::hf`]).
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
+        if path.is_dir() {
+            let o = crate::hf::open(&path)?;
+            return Ok(GgufFile {
+                path,
+                header: o.header,
+                maps: o.maps,
+                data_offsets: o.data_offsets,
+                source: ModelSource::HfFolder {
+                    tokenizer_json: o.tokenizer_json,
+                },
+            });
+        }
         let (map, mut header) = map_file(&path)?;
         let name = path.display().to_string();
         let err = |file: &str, msg: String| GgufError {
@@ -401,6 +428,7 @@ impl GgufFile {
                 maps: vec![map],
                 data_offsets: vec![header.data_offset],
                 header,
+                source: ModelSource::Gguf,
             });
         };
         let no = count_of(&header, split_key::NO).unwrap_or(0);
@@ -427,6 +455,7 @@ impl GgufFile {
                 maps: vec![map],
                 data_offsets: vec![header.data_offset],
                 header,
+                source: ModelSource::Gguf,
             });
         }
         let Some((prefix, i1, n, wi, wn)) = names else {
@@ -500,6 +529,7 @@ impl GgufFile {
             header,
             maps,
             data_offsets,
+            source: ModelSource::Gguf,
         })
     }
 

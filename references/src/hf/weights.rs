@@ -1,0 +1,520 @@
+//! HF tensor names → the GGUF names, layouts and values convert_hf_to_gguf.py writes, per family.
+//!
+//! - renames (`model.layers.N.self_attn.q_proj.weight` → `blk.N.attn_q.weight`, ...): zero-copy;
+//! - llama/mistral `q_proj`/`k_proj`: rows permuted from HF's rotate-half order (i, i + d/2) to
+//!   llama.cpp's interleaved pairs (2i, 2i + 1), as the converter's `permute` does;
+//! - MoE `mlp.experts.E.{gate,up,down}_proj.weight`: stacked into `ffn_*_exps.weight`;
+//! - MLA `kv_b_proj.weight` `[H·(nope+v), kv_lora]`: split into `attn_k_b` (torch
+//!   `[H, kv_lora, nope]`, k transposed per head) and `attn_v_b` (`[H, v, kv_lora]`);
+//! - FP8 e4m3 weights with `weight_scale_inv` blocks: dequantized to F32, `f32(q) × scale` of the
+//!   element's block (blocks are partial at the right and bottom edges), exactly as torch's
+//!   `q.float() * scale` is;
+//! - Llama 3.1+ `rope_freqs.weight`: computed from the rope parameters (config.rs).
+//!
+//! Tensors of layers past `num_hidden_layers` (DeepSeek's MTP block) and `rotary_emb.inv_freq`
+//! buffers are skipped; any other unknown tensor is refused by name.
+
+use super::config::Hparams;
+use super::safetensors::{fp8_e4m3_to_f32, StDtype, StFile};
+use crate::ggml_type::GgmlType;
+use crate::gguf::GgufError;
+use memmap2::Mmap;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+/// A source tensor: (file, index in that file's list), with its FP8 scales when block-scaled.
+#[derive(Clone, Copy, Debug)]
+pub struct Src {
+    pub t: (usize, usize),
+    pub scale: Option<(usize, usize)>,
+    /// The FP8 block (rows, cols) of `quantization_config`.
+    pub block: (usize, usize),
+}
+
+/// How a GGUF tensor is made from the folder's.
+#[derive(Clone, Debug)]
+pub enum Recipe {
+    /// Served from the safetensors map as is.
+    Direct((usize, usize)),
+    /// Dequantized (FP8) or copied, unchanged in layout.
+    Copy(Src),
+    /// Rows permuted to llama.cpp's RoPE pairs, `n_head` heads.
+    Permute { src: Src, n_head: usize },
+    /// Experts stacked, expert 0 first.
+    Stack(Vec<Src>),
+    /// MLA kv_b's k part, transposed per head.
+    KB { src: Src, n_head: usize, nope: usize, v: usize },
+    /// MLA kv_b's v part.
+    VB { src: Src, n_head: usize, nope: usize, v: usize },
+    /// Values computed from config.json (f32).
+    Const(Vec<f32>),
+}
+
+/// One tensor of the virtual GGUF.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub name: String,
+    pub ty: GgmlType,
+    pub ne: Vec<u64>,
+    pub recipe: Recipe,
+}
+
+fn ggml(d: StDtype) -> GgmlType {
+    match d {
+        StDtype::F32 | StDtype::F8E4M3 => GgmlType::F32,
+        StDtype::F16 => GgmlType::F16,
+        StDtype::BF16 => GgmlType::BF16,
+    }
+}
+
+/// A layer tensor's HF suffix → its GGUF suffix (after `blk.N.`), for the renamed ones.
+fn rename(rest: &str) -> Option<&'static str> {
+    Some(match rest {
+        "input_layernorm.weight" => "attn_norm.weight",
+        "post_attention_layernorm.weight" => "ffn_norm.weight",
+        "self_attn.q_proj.weight" => "attn_q.weight",
+        "self_attn.k_proj.weight" => "attn_k.weight",
+        "self_attn.v_proj.weight" => "attn_v.weight",
+        "self_attn.o_proj.weight" => "attn_output.weight",
+        "self_attn.q_proj.bias" => "attn_q.bias",
+        "self_attn.k_proj.bias" => "attn_k.bias",
+        "self_attn.v_proj.bias" => "attn_v.bias",
+        "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.k_norm.weight" => "attn_k_norm.weight",
+        "mlp.gate_proj.weight" => "ffn_gate.weight",
+        "mlp.up_proj.weight" => "ffn_up.weight",
+        "mlp.down_proj.weight" => "ffn_down.weight",
+        "mlp.gate.weight" => "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias" => "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp.weight",
+        "self_attn.q_a_proj.weight" => "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight" => "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight" => "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight" => "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight" => "attn_kv_a_norm.weight",
+        "self_attn.indexer.wq_b.weight" => "indexer.attn_q_b.weight",
+        "self_attn.indexer.wk.weight" => "indexer.attn_k.weight",
+        "self_attn.indexer.k_norm.weight" => "indexer.k_norm.weight",
+        "self_attn.indexer.k_norm.bias" => "indexer.k_norm.bias",
+        "self_attn.indexer.weights_proj.weight" => "indexer.proj.weight",
+        _ => return None,
+    })
+}
+
+/// The torch shape config.json implies for a layer tensor (None: not checked here; the
+/// reference checks every tensor's dims when it loads it).
+fn expected_shape(rest: &str, hp: &Hparams) -> Option<Vec<usize>> {
+    let (d, hd, nh, nkv) = (hp.d_model, hp.head_dim, hp.n_heads, hp.n_kv_heads);
+    if hp.mla.is_some() {
+        return match rest {
+            "input_layernorm.weight" | "post_attention_layernorm.weight" => Some(vec![d]),
+            _ => None,
+        };
+    }
+    Some(match rest {
+        "input_layernorm.weight" | "post_attention_layernorm.weight" => vec![d],
+        "self_attn.q_proj.weight" => vec![nh * hd, d],
+        "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![nkv * hd, d],
+        "self_attn.o_proj.weight" => vec![d, nh * hd],
+        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![hd],
+        "mlp.gate_proj.weight" | "mlp.up_proj.weight" if hp.n_experts == 0 => vec![hp.ffn, d],
+        "mlp.down_proj.weight" if hp.n_experts == 0 => vec![d, hp.ffn],
+        "mlp.gate.weight" => vec![hp.n_experts, d],
+        _ => return None,
+    })
+}
+
+/// Plans every GGUF tensor of the folder, in the converter's order (globals, then layers).
+pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Planned>, GgufError> {
+    let err = |t: (usize, usize), msg: String| GgufError {
+        file: paths[t.0].display().to_string(),
+        offset: 0,
+        msg: format!("tensor {}: {msg}", files[t.0].tensors[t.1].name),
+    };
+    let mut by_name: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
+    for (fi, f) in files.iter().enumerate() {
+        for (ti, t) in f.tensors.iter().enumerate() {
+            if by_name.insert(&t.name, (fi, ti)).is_some() {
+                return Err(err((fi, ti), "in two shards".into()));
+            }
+        }
+    }
+    let st = |t: (usize, usize)| &files[t.0].tensors[t.1];
+    // Scales belong to their weights.
+    let scale_of = |w: &str, t: (usize, usize)| -> Result<Option<(usize, usize)>, GgufError> {
+        let s = w.strip_suffix(".weight").map(|p| format!("{p}.weight_scale_inv"));
+        let scale = s.as_deref().and_then(|s| by_name.get(s)).copied();
+        let wt = st(t);
+        match (wt.dtype, scale) {
+            (StDtype::F8E4M3, None) => Err(err(t, "F8_E4M3 without its weight_scale_inv".into())),
+            (StDtype::F8E4M3, Some(s)) => {
+                let Some((br, bc)) = hp.fp8_block else {
+                    return Err(err(t, "F8_E4M3, but config.json has no quantization_config".into()));
+                };
+                let [rows, cols] = wt.shape[..] else {
+                    return Err(err(t, format!("F8_E4M3 of shape {:?}: only 2-D weights are block-scaled", wt.shape)));
+                };
+                let want = vec![rows.div_ceil(br), cols.div_ceil(bc)];
+                let sc = st(s);
+                if sc.shape != want || sc.dtype != StDtype::F32 {
+                    return Err(err(
+                        s,
+                        format!(
+                            "{} {:?}, expected F32 {want:?} ({br}×{bc} blocks of {rows}×{cols})",
+                            sc.dtype.name(),
+                            sc.shape
+                        ),
+                    ));
+                }
+                Ok(Some(s))
+            }
+            (_, Some(s)) => Err(err(s, "a scale for a weight that is not F8_E4M3".into())),
+            (_, None) => Ok(None),
+        }
+    };
+    let src = |name: &str, t| -> Result<Src, GgufError> {
+        Ok(Src {
+            t,
+            scale: scale_of(name, t)?,
+            block: hp.fp8_block.unwrap_or((128, 128)),
+        })
+    };
+    let ne_of = |shape: &[usize]| shape.iter().rev().map(|&d| d as u64).collect::<Vec<u64>>();
+    let out_ty = |s: &Src| ggml(st(s.t).dtype);
+    let mut globals = Vec::new();
+    let mut layers: Vec<Vec<Planned>> = vec![Vec::new(); hp.n_layers];
+    // (layer, which) → expert index → source
+    let mut experts: BTreeMap<(usize, &'static str), BTreeMap<usize, (String, Src)>> = BTreeMap::new();
+    for (&name, &t) in &by_name {
+        if name.ends_with(".weight_scale_inv") {
+            let w = name.replace(".weight_scale_inv", ".weight");
+            if !by_name.contains_key(w.as_str()) {
+                return Err(err(t, "a scale without its weight".into()));
+            }
+            continue;
+        }
+        if name.ends_with("rotary_emb.inv_freq") {
+            continue; // a buffer recomputed from config.json
+        }
+        let direct_or_copy = |s: Src| {
+            if s.scale.is_some() {
+                Recipe::Copy(s)
+            } else {
+                Recipe::Direct(s.t)
+            }
+        };
+        let global = match name {
+            "model.embed_tokens.weight" => Some("token_embd.weight"),
+            "model.norm.weight" => Some("output_norm.weight"),
+            "lm_head.weight" => {
+                if hp.tied {
+                    continue; // the converter skips it: the output is the embeddings
+                }
+                Some("output.weight")
+            }
+            _ => None,
+        };
+        if let Some(g) = global {
+            let s = src(name, t)?;
+            let shape = &st(t).shape;
+            let want = if g == "output_norm.weight" {
+                vec![hp.d_model]
+            } else {
+                vec![hp.vocab, hp.d_model]
+            };
+            if *shape != want {
+                return Err(err(t, format!("shape {shape:?}, config.json implies {want:?}")));
+            }
+            globals.push(Planned {
+                name: g.into(),
+                ty: out_ty(&s),
+                ne: ne_of(shape),
+                recipe: direct_or_copy(s),
+            });
+            continue;
+        }
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            return Err(err(t, format!("not a tensor of a {} checkpoint llmdiff knows", hp.arch.name())));
+        };
+        let (l, rest) = rest.split_once('.').unwrap_or((rest, ""));
+        let Ok(l) = l.parse::<usize>() else {
+            return Err(err(t, "not a tensor llmdiff knows".into()));
+        };
+        if l >= hp.n_layers {
+            continue; // the MTP block after num_hidden_layers (not part of the forward pass)
+        }
+        let s = src(name, t)?;
+        let shape = st(t).shape.clone();
+        if let Some(want) = expected_shape(rest, hp) {
+            if shape != want {
+                return Err(err(t, format!("shape {shape:?}, config.json implies {want:?}")));
+            }
+        }
+        if let Some(e) = rest.strip_prefix("mlp.experts.") {
+            let (idx, which) = e.split_once('.').unwrap_or((e, ""));
+            let which: &'static str = match which {
+                "gate_proj.weight" => "ffn_gate_exps.weight",
+                "up_proj.weight" => "ffn_up_exps.weight",
+                "down_proj.weight" => "ffn_down_exps.weight",
+                _ => return Err(err(t, "not an expert tensor llmdiff knows".into())),
+            };
+            let Some(idx) = idx.parse::<usize>().ok().filter(|&i| i < hp.n_experts) else {
+                return Err(err(t, format!("expert index outside the {} experts", hp.n_experts)));
+            };
+            experts.entry((l, which)).or_default().insert(idx, (name.to_string(), s));
+            continue;
+        }
+        if rest == "self_attn.kv_b_proj.weight" {
+            let Some((nope, v)) = hp.mla else {
+                return Err(err(t, "kv_b_proj in a model without MLA".into()));
+            };
+            let nh = hp.n_heads;
+            if shape.len() != 2 || shape[0] != nh * (nope + v) {
+                return Err(err(
+                    t,
+                    format!("shape {shape:?}, config.json implies [{}, kv_lora_rank]", nh * (nope + v)),
+                ));
+            }
+            let kvl = shape[1] as u64;
+            let ty = out_ty(&s);
+            layers[l].push(Planned {
+                name: format!("blk.{l}.attn_k_b.weight"),
+                ty,
+                ne: vec![nope as u64, kvl, nh as u64],
+                recipe: Recipe::KB { src: s, n_head: nh, nope, v },
+            });
+            layers[l].push(Planned {
+                name: format!("blk.{l}.attn_v_b.weight"),
+                ty,
+                ne: vec![kvl, v as u64, nh as u64],
+                recipe: Recipe::VB { src: s, n_head: nh, nope, v },
+            });
+            continue;
+        }
+        let Some(g) = rename(rest) else {
+            return Err(err(
+                t,
+                format!("not a tensor of a {} checkpoint llmdiff knows", hp.arch.name()),
+            ));
+        };
+        let permute = hp.permute_qk && matches!(rest, "self_attn.q_proj.weight" | "self_attn.k_proj.weight");
+        let recipe = if permute {
+            let n_head = if rest.starts_with("self_attn.q") { hp.n_heads } else { hp.n_kv_heads };
+            if shape.len() != 2 || shape[0] % (2 * n_head) != 0 {
+                return Err(err(t, format!("shape {shape:?}: rows are not {n_head} heads of pairs")));
+            }
+            Recipe::Permute { src: s, n_head }
+        } else {
+            direct_or_copy(s)
+        };
+        layers[l].push(Planned {
+            name: format!("blk.{l}.{g}"),
+            ty: out_ty(&s),
+            ne: ne_of(&shape),
+            recipe,
+        });
+    }
+    for ((l, which), exps) in experts {
+        if exps.len() != hp.n_experts {
+            let missing = (0..hp.n_experts).find(|e| !exps.contains_key(e)).unwrap_or(0);
+            return Err(GgufError {
+                file: paths[0].parent().map(|p| p.display().to_string()).unwrap_or_default(),
+                offset: 0,
+                msg: format!("layer {l}: expert {missing}'s {which} is missing ({} of {})", exps.len(), hp.n_experts),
+            });
+        }
+        let first = exps[&0].1;
+        let (ty0, shape0) = (out_ty(&first), st(first.t).shape.clone());
+        for (name, s) in exps.values() {
+            if out_ty(s) != ty0 || st(s.t).shape != shape0 {
+                return Err(err(s.t, format!("{name}: experts of one layer differ in dtype or shape")));
+            }
+        }
+        let mut ne = ne_of(&shape0);
+        ne.push(hp.n_experts as u64);
+        layers[l].push(Planned {
+            name: format!("blk.{l}.{which}"),
+            ty: ty0,
+            ne,
+            recipe: Recipe::Stack(exps.into_values().map(|(_, s)| s).collect()),
+        });
+    }
+    if let Some(f) = &hp.rope_freqs {
+        globals.push(Planned {
+            name: "rope_freqs.weight".into(),
+            ty: GgmlType::F32,
+            ne: vec![f.len() as u64],
+            recipe: Recipe::Const(f.clone()),
+        });
+    }
+    let mut out = globals;
+    for mut l in layers {
+        l.sort_by(|a, b| a.name.cmp(&b.name));
+        out.extend(l);
+    }
+    Ok(out)
+}
+
+/// The elements of `s` as stored (or dequantized to f32 when FP8), and their size in bytes.
+fn elements(s: &Src, files: &[StFile]) -> (Vec<u8>, usize) {
+    let f = &files[s.t.0];
+    let t = &f.tensors[s.t.1];
+    let data = f.data(t);
+    let out = match s.scale {
+        None => (data.to_vec(), t.dtype.size()),
+        Some(sc) => {
+            let sf = &files[sc.0];
+            let st = &sf.tensors[sc.1];
+            let scales: Vec<f32> = sf
+                .data(st)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+                .collect();
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let sc_cols = st.shape[1];
+            let (br, bc) = s.block;
+            let mut out = Vec::with_capacity(rows * cols * 4);
+            for r in 0..rows {
+                for c in 0..cols {
+                    let q = fp8_e4m3_to_f32(data[r * cols + c]);
+                    let scale = scales[(r / br) * sc_cols + c / bc];
+                    out.extend_from_slice(&(q * scale).to_le_bytes());
+                }
+            }
+            sf.release(st);
+            (out, 4)
+        }
+    };
+    f.release(t);
+    out
+}
+
+/// The derived tensors written: the map and each one's (offset, bytes), in plan order.
+pub struct Derived {
+    pub map: Option<Mmap>,
+    pub offsets: Vec<(u64, u64)>,
+}
+
+/// Writes every non-direct tensor of `plan` to an unlinked temporary file and maps it.
+pub fn write_derived(
+    plan: &[Planned],
+    _hp: &Hparams,
+    files: &[StFile],
+    paths: &[PathBuf],
+) -> Result<Derived, GgufError> {
+    if plan.iter().all(|p| matches!(p.recipe, Recipe::Direct(_))) {
+        return Ok(Derived {
+            map: None,
+            offsets: Vec::new(),
+        });
+    }
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let path = std::env::temp_dir().join(format!(
+        ".llmdiff-hf-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let io = |e: std::io::Error| GgufError {
+        file: path.display().to_string(),
+        offset: 0,
+        msg: format!(
+            "writing the converted tensors of {} (set TMPDIR to a folder with room): {e}",
+            paths[0].parent().map(|p| p.display().to_string()).unwrap_or_default()
+        ),
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(io)?;
+    let result = (|| {
+        let mut w = std::io::BufWriter::new(&file);
+        let mut pos = 0u64;
+        let mut offsets = Vec::new();
+        for p in plan {
+            let start = pos;
+            let mut put = |bytes: &[u8]| -> std::io::Result<()> {
+                w.write_all(bytes)?;
+                pos += bytes.len() as u64;
+                Ok(())
+            };
+            match &p.recipe {
+                Recipe::Direct(_) => continue,
+                Recipe::Copy(s) => put(&elements(s, files).0).map_err(io)?,
+                Recipe::Const(v) => {
+                    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    put(&b).map_err(io)?
+                }
+                Recipe::Stack(srcs) => {
+                    for s in srcs {
+                        put(&elements(s, files).0).map_err(io)?;
+                    }
+                }
+                Recipe::Permute { src, n_head } => {
+                    let (e, es) = elements(src, files);
+                    let cols = files[src.t.0].tensors[src.t.1].shape[1];
+                    let row = cols * es;
+                    let rows = e.len() / row;
+                    let hd = rows / n_head;
+                    let half = hd / 2;
+                    let mut out = Vec::with_capacity(e.len());
+                    for h in 0..*n_head {
+                        for i in 0..half {
+                            for j in 0..2 {
+                                let r = h * hd + j * half + i;
+                                out.extend_from_slice(&e[r * row..(r + 1) * row]);
+                            }
+                        }
+                    }
+                    put(&out).map_err(io)?
+                }
+                Recipe::KB { src, n_head, nope, v } | Recipe::VB { src, n_head, nope, v } => {
+                    let (e, es) = elements(src, files);
+                    let kvl = files[src.t.0].tensors[src.t.1].shape[1];
+                    let per = nope + v;
+                    let mut out = Vec::with_capacity(e.len());
+                    let at = |r: usize, c: usize| &e[(r * kvl + c) * es..(r * kvl + c + 1) * es];
+                    let k = matches!(p.recipe, Recipe::KB { .. });
+                    for h in 0..*n_head {
+                        if k {
+                            // [H, kv_lora, nope]: out[h][c][j] = kv_b[h·per + j][c]
+                            for c in 0..kvl {
+                                for j in 0..*nope {
+                                    out.extend_from_slice(at(h * per + j, c));
+                                }
+                            }
+                        } else {
+                            // [H, v, kv_lora]: out[h][r][c] = kv_b[h·per + nope + r][c]
+                            for r in 0..*v {
+                                for c in 0..kvl {
+                                    out.extend_from_slice(at(h * per + nope + r, c));
+                                }
+                            }
+                        }
+                    }
+                    put(&out).map_err(io)?
+                }
+            }
+            let n = pos - start;
+            let pad = (32 - pos % 32) % 32;
+            w.write_all(&vec![0u8; pad as usize]).map_err(io)?;
+            pos += pad;
+            offsets.push((start, n));
+        }
+        w.flush().map_err(io)?;
+        drop(w);
+        // SAFETY: a private read-only map of a file this process created and no one else knows
+        // (unlinked below).
+        let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Ok(Derived {
+            map: Some(map),
+            offsets,
+        })
+    })();
+    let _ = std::fs::remove_file(&path);
+    result
+}
