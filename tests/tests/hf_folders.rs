@@ -156,3 +156,228 @@ fn fp8_weights_equal_torch_dequantization_bit_for_bit() {
     let t = file.tensor("blk.0.ffn_gate.weight").unwrap();
     assert_eq!(t.ne, [64, 160]);
 }
+
+/// The folder's tokenizer.json gives HF's ids on the prompts the goldens were made from.
+#[test]
+fn tokenizer_json_gives_hf_ids() {
+    for name in FOLDERS {
+        let file = open(name);
+        let tok = references::tokenizer::Tokenizer::for_model(&file).unwrap();
+        for case in doc(name)["cases"].as_array().unwrap() {
+            let want: Vec<u32> = case["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect();
+            let got = tok.encode(case["prompt"].as_str().unwrap(), true).unwrap();
+            assert_eq!(got, want, "{name}: {}", case["prompt"]);
+            assert_eq!(tok.decode(&got).unwrap(), case["prompt"].as_str().unwrap(), "{name}");
+        }
+        // The special token written in the text is its id (as transformers splits added tokens).
+        let eot = tok.token_id("<|endoftext|>").unwrap();
+        let ids = tok.encode("Paris<|endoftext|>", true).unwrap();
+        assert_eq!(ids.last(), Some(&eot), "{name}");
+        assert!(!tok.encode("Paris<|endoftext|>", false).unwrap().contains(&eot), "{name}");
+    }
+}
+
+fn run(args: &[&str]) -> anyhow::Result<std::process::ExitCode> {
+    let cli = <harness::cli::Cli as clap::Parser>::try_parse_from(std::iter::once("llmdiff").chain(args.iter().copied()))?;
+    harness::commands::run(cli)
+}
+
+fn tokens_of(name: &str) -> Vec<u32> {
+    doc(name)["cases"][1]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn csv(t: &[u32]) -> String {
+    t.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+}
+
+/// `logits FOLDER` gives the reference's logits on the folder's GGUF conversion, bit for bit, and
+/// `diff-layers FOLDER` (the CPU engine loading the folder at TP 2, for the families it runs)
+/// agrees with the reference.
+#[test]
+fn commands_take_a_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["llama31-bf16", "qwen3moe-bf16", "deepseek-v3-bf16"] {
+        let folder = golden(&format!("hf/{name}")).display().to_string();
+        let tokens = tokens_of(name);
+        let out = dir.path().join(format!("{name}.f32"));
+        let code = run(&["logits", &folder, "--tokens", &csv(&tokens), "--dump-f32", out.to_str().unwrap()]).unwrap();
+        assert_eq!(format!("{code:?}"), format!("{:?}", std::process::ExitCode::SUCCESS));
+        let got = std::fs::read(&out).unwrap();
+        let gguf = GgufFile::open(golden(&format!("hf/{name}.gguf"))).unwrap();
+        let want: Vec<u8> = Reference::new(&gguf)
+            .unwrap()
+            .forward(&tokens, &mut NoTap)
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert!(got == want, "{name}: logits differ from the conversion's");
+        if name.starts_with("qwen3moe") {
+            continue; // the engine does not run qwen3moe (yet): the reference does
+        }
+        let code = run(&["diff-layers", &folder, "--tokens", &csv(&tokens), "--tp", "2"]).unwrap();
+        assert_eq!(
+            format!("{code:?}"),
+            format!("{:?}", std::process::ExitCode::SUCCESS),
+            "{name}: diff-layers on the folder"
+        );
+    }
+}
+
+/// Records every reference tap.
+struct All(Vec<(String, [usize; 2], Vec<f32>)>);
+impl references::tap::Tap for All {
+    fn wants(&self, key: &references::TapKey) -> bool {
+        key.rank.is_none() && !matches!(key.site, references::Site::Weight(_))
+    }
+    fn record(&mut self, key: &references::TapKey, data: &[f32], shape: [usize; 2]) {
+        self.0.push((key.to_string(), shape, data.to_vec()));
+    }
+}
+
+/// The same model from two sources: the reference's taps on the folder, written as a dump, are
+/// diffed by `diff-layers GGUF --candidate` against the reference on llama.cpp's conversion, with
+/// no layout declared: every tap agrees at the default thresholds.
+#[test]
+fn folder_and_conversion_agree_at_every_tap() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["llama31-bf16", "deepseek-v3-bf16", "glm-dsa-bf16"] {
+        let tokens = tokens_of(name);
+        let mut all = All(Vec::new());
+        Reference::new(&open(name)).unwrap().forward(&tokens, &mut all).unwrap();
+        assert!(all.0.len() > 10, "{name}: {} taps", all.0.len());
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "__metadata__".into(),
+            serde_json::json!({"llmdiff.format": "1", "tokens": serde_json::to_string(&tokens).unwrap(),
+                               "model": name, "tp": "1", "mapping": "{}"}),
+        );
+        let mut data = Vec::new();
+        for (key, shape, values) in &all.0 {
+            let start = data.len();
+            values.iter().for_each(|v| data.extend_from_slice(&v.to_le_bytes()));
+            header.insert(
+                key.clone(),
+                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [start, data.len()]}),
+            );
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let path = dir.path().join(format!("{name}.safetensors"));
+        std::fs::write(&path, [&(h.len() as u64).to_le_bytes()[..], &h, &data].concat()).unwrap();
+        let gguf = golden(&format!("hf/{name}.gguf")).display().to_string();
+        let json = dir.path().join(format!("{name}.json"));
+        let code = run(&[
+            "diff-layers",
+            &gguf,
+            "--candidate",
+            path.to_str().unwrap(),
+            "--json-out",
+            json.to_str().unwrap(),
+        ])
+        .unwrap();
+        assert_eq!(format!("{code:?}"), format!("{:?}", std::process::ExitCode::SUCCESS), "{name}");
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let n = doc["taps"].as_array().map(|t| t.len()).unwrap_or(0);
+        eprintln!("{name}: {n} taps compared, the folder's against the conversion's");
+        assert!(n >= all.0.len() / 2, "{name}: {n} taps compared of {}", all.0.len());
+    }
+}
+
+/// A copy of a golden folder, edited, in `dir`.
+fn copy_folder(name: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let to = dir.join(name);
+    std::fs::create_dir_all(&to).unwrap();
+    for e in std::fs::read_dir(golden(&format!("hf/{name}"))).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+    to
+}
+
+fn exit2(args: &[&str]) -> String {
+    let e = run(args).expect_err("bad input must be an error (exit 2)");
+    let msg = format!("{e:#}");
+    assert!(!msg.contains('\n'), "one line: {msg}");
+    msg
+}
+
+fn edit_json(path: &std::path::Path, f: impl FnOnce(&mut serde_json::Map<String, Value>)) {
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    f(v.as_object_mut().unwrap());
+    std::fs::write(path, serde_json::to_string(&v).unwrap()).unwrap();
+}
+
+/// Bad folders are one-line errors naming the file and the tensor or key.
+#[test]
+fn bad_folders_are_one_line_errors_naming_what() {
+    let dir = tempfile::tempdir().unwrap();
+    let logits = |f: &std::path::Path| exit2(&["logits", f.to_str().unwrap(), "--tokens", "1,2"]);
+    // No config.json.
+    let f = copy_folder("qwen3-f32", &dir.path().join("a"));
+    std::fs::remove_file(f.join("config.json")).unwrap();
+    let e = logits(&f);
+    assert!(e.contains("without config.json"), "{e}");
+    // A shard the index names is missing.
+    let f = copy_folder("llama31-bf16", &dir.path().join("b"));
+    std::fs::remove_file(f.join("model-00002-of-00004.safetensors")).unwrap();
+    let e = logits(&f);
+    assert!(e.contains("model-00002-of-00004.safetensors") && e.contains("missing"), "{e}");
+    // A tensor whose shape disagrees with config.json.
+    let f = copy_folder("qwen3-f32", &dir.path().join("c"));
+    edit_json(&f.join("config.json"), |c| {
+        c.insert("intermediate_size".into(), 96.into());
+    });
+    let e = logits(&f);
+    assert!(e.contains("model.layers.0.mlp.") && e.contains("config.json implies"), "{e}");
+    // A key that may change the math.
+    let f = copy_folder("qwen3-f32", &dir.path().join("d"));
+    edit_json(&f.join("config.json"), |c| {
+        c.insert("attn_logit_softcapping".into(), 30.into());
+    });
+    let e = logits(&f);
+    assert!(e.contains("key attn_logit_softcapping"), "{e}");
+    // Rope scaling the reference does not compute.
+    let f = copy_folder("qwen3-f32", &dir.path().join("e"));
+    edit_json(&f.join("config.json"), |c| {
+        c.insert("rope_parameters".into(), serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}));
+    });
+    let e = logits(&f);
+    assert!(e.contains("\"dynamic\""), "{e}");
+    // An unsupported dtype and a malformed header.
+    let f = copy_folder("qwen3-f32", &dir.path().join("f"));
+    let st = f.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let i64_header = header.replacen("\"F32\"", "\"I32\"", 1);
+    std::fs::write(&st, [&bytes[..8], i64_header.as_bytes(), &bytes[8 + n..]].concat()).unwrap();
+    let e = logits(&f);
+    assert!(e.contains("model.safetensors") && e.contains("dtype I32 is not supported"), "{e}");
+    std::fs::write(&st, &bytes[..8 + n / 2]).unwrap();
+    let e = logits(&f);
+    assert!(e.contains("model.safetensors") && e.contains("header length"), "{e}");
+    // FP8 weights without their scales.
+    let f = copy_folder("deepseek-v3-fp8", &dir.path().join("g"));
+    edit_json(&f.join("config.json"), |c| {
+        c.remove("quantization_config");
+    });
+    let e = logits(&f);
+    assert!(e.contains("F8_E4M3") && e.contains("quantization_config"), "{e}");
+    // A model type the folder reader does not take names itself.
+    let f = copy_folder("qwen3-f32", &dir.path().join("h"));
+    edit_json(&f.join("config.json"), |c| {
+        c.insert("model_type".into(), "mamba".into());
+    });
+    let e = logits(&f);
+    assert!(e.contains("model_type mamba"), "{e}");
+}
