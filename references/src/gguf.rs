@@ -357,7 +357,9 @@ pub struct GgufFile {
 pub enum ModelSource {
     Gguf,
     /// An HF checkpoint folder; its `tokenizer.json` when it has one.
-    HfFolder { tokenizer_json: Option<PathBuf> },
+    HfFolder {
+        tokenizer_json: Option<PathBuf>,
+    },
 }
 
 /// Metadata keys of a split model (llama.cpp's gguf-split).

@@ -190,7 +190,9 @@ impl Tokenizer {
     /// The model's tokenizer: an HF folder's `tokenizer.json`, else the GGUF metadata.
     pub fn for_model(file: &crate::GgufFile) -> Result<Tokenizer, TokenizerError> {
         match &file.source {
-            crate::ModelSource::HfFolder { tokenizer_json: Some(p) } => Tokenizer::from_hf_json(p),
+            crate::ModelSource::HfFolder {
+                tokenizer_json: Some(p),
+            } => Tokenizer::from_hf_json(p),
             crate::ModelSource::HfFolder { tokenizer_json: None } => Err(TokenizerError::Backend(format!(
                 "{}: the folder has no tokenizer.json (give --tokens)",
                 file.path.display()
@@ -421,7 +423,10 @@ impl Tokenizer {
                 t.set_encode_special_tokens(true);
                 t.encode_fast(text, false)
             };
-            return Ok(enc.map_err(|e| TokenizerError::Backend(e.to_string()))?.get_ids().to_vec());
+            return Ok(enc
+                .map_err(|e| TokenizerError::Backend(e.to_string()))?
+                .get_ids()
+                .to_vec());
         }
         let fragments = self.partition(text, parse_special);
         let mut out = Vec::new();

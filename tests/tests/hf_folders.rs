@@ -88,7 +88,11 @@ fn a_folder_reads_as_its_gguf_conversion() {
         let hf = open(name);
         let gguf = GgufFile::open(golden(&format!("hf/{name}.gguf"))).unwrap();
         let arch = gguf.get("general.architecture").unwrap().as_str().unwrap().to_string();
-        assert_eq!(hf.get("general.architecture").unwrap().as_str(), Some(arch.as_str()), "{name}");
+        assert_eq!(
+            hf.get("general.architecture").unwrap().as_str(),
+            Some(arch.as_str()),
+            "{name}"
+        );
         let prefix = format!("{arch}.");
         for (k, v) in gguf.metadata().iter().filter(|(k, _)| k.starts_with(&prefix)) {
             let mine = hf.get(k).unwrap_or_else(|| panic!("{name}: {k} missing"));
@@ -178,12 +182,16 @@ fn tokenizer_json_gives_hf_ids() {
         let eot = tok.token_id("<|endoftext|>").unwrap();
         let ids = tok.encode("Paris<|endoftext|>", true).unwrap();
         assert_eq!(ids.last(), Some(&eot), "{name}");
-        assert!(!tok.encode("Paris<|endoftext|>", false).unwrap().contains(&eot), "{name}");
+        assert!(
+            !tok.encode("Paris<|endoftext|>", false).unwrap().contains(&eot),
+            "{name}"
+        );
     }
 }
 
 fn run(args: &[&str]) -> anyhow::Result<std::process::ExitCode> {
-    let cli = <harness::cli::Cli as clap::Parser>::try_parse_from(std::iter::once("llmdiff").chain(args.iter().copied()))?;
+    let cli =
+        <harness::cli::Cli as clap::Parser>::try_parse_from(std::iter::once("llmdiff").chain(args.iter().copied()))?;
     harness::commands::run(cli)
 }
 
@@ -210,7 +218,15 @@ fn commands_take_a_folder() {
         let folder = golden(&format!("hf/{name}")).display().to_string();
         let tokens = tokens_of(name);
         let out = dir.path().join(format!("{name}.f32"));
-        let code = run(&["logits", &folder, "--tokens", &csv(&tokens), "--dump-f32", out.to_str().unwrap()]).unwrap();
+        let code = run(&[
+            "logits",
+            &folder,
+            "--tokens",
+            &csv(&tokens),
+            "--dump-f32",
+            out.to_str().unwrap(),
+        ])
+        .unwrap();
         assert_eq!(format!("{code:?}"), format!("{:?}", std::process::ExitCode::SUCCESS));
         let got = std::fs::read(&out).unwrap();
         let gguf = GgufFile::open(golden(&format!("hf/{name}.gguf"))).unwrap();
@@ -285,7 +301,11 @@ fn folder_and_conversion_agree_at_every_tap() {
             json.to_str().unwrap(),
         ])
         .unwrap();
-        assert_eq!(format!("{code:?}"), format!("{:?}", std::process::ExitCode::SUCCESS), "{name}");
+        assert_eq!(
+            format!("{code:?}"),
+            format!("{:?}", std::process::ExitCode::SUCCESS),
+            "{name}"
+        );
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         let n = doc["taps"].as_array().map(|t| t.len()).unwrap_or(0);
         eprintln!("{name}: {n} taps compared, the folder's against the conversion's");
@@ -331,14 +351,20 @@ fn bad_folders_are_one_line_errors_naming_what() {
     let f = copy_folder("llama31-bf16", &dir.path().join("b"));
     std::fs::remove_file(f.join("model-00002-of-00004.safetensors")).unwrap();
     let e = logits(&f);
-    assert!(e.contains("model-00002-of-00004.safetensors") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("model-00002-of-00004.safetensors") && e.contains("missing"),
+        "{e}"
+    );
     // A tensor whose shape disagrees with config.json.
     let f = copy_folder("qwen3-f32", &dir.path().join("c"));
     edit_json(&f.join("config.json"), |c| {
         c.insert("intermediate_size".into(), 96.into());
     });
     let e = logits(&f);
-    assert!(e.contains("model.layers.0.mlp.") && e.contains("config.json implies"), "{e}");
+    assert!(
+        e.contains("model.layers.0.mlp.") && e.contains("config.json implies"),
+        "{e}"
+    );
     // A key that may change the math.
     let f = copy_folder("qwen3-f32", &dir.path().join("d"));
     edit_json(&f.join("config.json"), |c| {
@@ -349,7 +375,10 @@ fn bad_folders_are_one_line_errors_naming_what() {
     // Rope scaling the reference does not compute.
     let f = copy_folder("qwen3-f32", &dir.path().join("e"));
     edit_json(&f.join("config.json"), |c| {
-        c.insert("rope_parameters".into(), serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}));
+        c.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        );
     });
     let e = logits(&f);
     assert!(e.contains("\"dynamic\""), "{e}");
@@ -362,7 +391,10 @@ fn bad_folders_are_one_line_errors_naming_what() {
     let i64_header = header.replacen("\"F32\"", "\"I32\"", 1);
     std::fs::write(&st, [&bytes[..8], i64_header.as_bytes(), &bytes[8 + n..]].concat()).unwrap();
     let e = logits(&f);
-    assert!(e.contains("model.safetensors") && e.contains("dtype I32 is not supported"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("dtype I32 is not supported"),
+        "{e}"
+    );
     std::fs::write(&st, &bytes[..8 + n / 2]).unwrap();
     let e = logits(&f);
     assert!(e.contains("model.safetensors") && e.contains("header length"), "{e}");

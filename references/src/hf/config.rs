@@ -44,9 +44,18 @@ pub const IGNORED: &[(&str, &str)] = &[
     ("output_attentions", "output selection"),
     ("output_hidden_states", "output selection"),
     ("return_dict", "output selection"),
-    ("pretraining_tp", "a split of the same products (transformers 5 ignores it)"),
-    ("max_window_layers", "read only with use_sliding_window, which must be false"),
-    ("num_nextn_predict_layers", "the MTP block after the main layers: not part of the forward pass"),
+    (
+        "pretraining_tp",
+        "a split of the same products (transformers 5 ignores it)",
+    ),
+    (
+        "max_window_layers",
+        "read only with use_sliding_window, which must be false",
+    ),
+    (
+        "num_nextn_predict_layers",
+        "the MTP block after the main layers: not part of the forward pass",
+    ),
     ("tokenizer_class", "tokenizer bookkeeping"),
     ("auto_map", "remote-code class names"),
     ("max_position_embeddings", "the context length (used as such)"),
@@ -120,7 +129,9 @@ impl<'a> Cfg<'a> {
     fn bool_or(&self, k: &str, default: bool) -> R<bool> {
         match self.get(k) {
             None => Ok(default),
-            Some(v) => v.as_bool().ok_or_else(|| format!("key {k}: expected true or false, got {v}")),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| format!("key {k}: expected true or false, got {v}")),
         }
     }
     fn str_opt(&self, k: &str) -> R<Option<&'a str>> {
@@ -219,18 +230,26 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     }
     let act = c.str_opt("hidden_act")?.unwrap_or("silu");
     if act != "silu" {
-        return Err(format!("key hidden_act = {act:?}: llmdiff computes SwiGLU with silu for {model_type}"));
+        return Err(format!(
+            "key hidden_act = {act:?}: llmdiff computes SwiGLU with silu for {model_type}"
+        ));
     }
     c.expect("mlp_bias", &Value::Bool(false), "MLP biases are not implemented")?;
     let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
     if !qwen {
-        c.expect("attention_bias", &Value::Bool(false), "attention biases are not implemented here")?;
+        c.expect(
+            "attention_bias",
+            &Value::Bool(false),
+            "attention biases are not implemented here",
+        )?;
     } else {
         c.get("attention_bias"); // the bias tensors are used when present
     }
     // Sliding windows: none of these families' references has one.
     if c.bool_or("use_sliding_window", false)? {
-        return Err("key use_sliding_window = true: sliding-window attention is not implemented for this family".into());
+        return Err(
+            "key use_sliding_window = true: sliding-window attention is not implemented for this family".into(),
+        );
     }
     if model_type == "mistral" {
         if let Some(w) = c.get("sliding_window") {
@@ -247,12 +266,16 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
                 .all(|x| matches!(x.as_str(), Some("full_attention") | Some("indexed_attention")))
         });
         if !ok {
-            return Err(format!("key layer_types = {types}: only full attention is implemented for {model_type}"));
+            return Err(format!(
+                "key layer_types = {types}: only full attention is implemented for {model_type}"
+            ));
         }
     }
     let partial = c.f64_opt("partial_rotary_factor")?;
     if partial.is_some_and(|p| p != 1.0) {
-        return Err(format!("key partial_rotary_factor = {partial:?}: partial rotary is not implemented for {model_type}"));
+        return Err(format!(
+            "key partial_rotary_factor = {partial:?}: partial rotary is not implemented for {model_type}"
+        ));
     }
 
     put("block_count", u32v(n_layers));
@@ -303,12 +326,16 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         }
     };
     if let Some(k) = rope.keys().find(|k| !rope_known.contains(&k.as_str())) {
-        return Err(format!("rope parameter {k} (rope type {rope_type}): not understood by llmdiff"));
+        return Err(format!(
+            "rope parameter {k} (rope type {rope_type}): not understood by llmdiff"
+        ));
     }
     let num = |k: &str, default: f64| -> R<f64> {
         match rope.get(k) {
             None | Some(Value::Null) => Ok(default),
-            Some(v) => v.as_f64().ok_or_else(|| format!("rope parameter {k}: expected a number, got {v}")),
+            Some(v) => v
+                .as_f64()
+                .ok_or_else(|| format!("rope parameter {k}: expected a number, got {v}")),
         }
     };
     let mut rope_freqs = None;
@@ -381,7 +408,11 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
                 c.expect("decoder_sparse_step", &Value::from(1), "MoE on every layer only")?;
                 c.expect("mlp_only_layers", &Value::Array(vec![]), "MoE on every layer only")?;
                 // llama.cpp's qwen3moe graph renormalises the top-k weights whatever the key says.
-                c.expect("norm_topk_prob", &Value::Bool(true), "the top-k weights are renormalised")?;
+                c.expect(
+                    "norm_topk_prob",
+                    &Value::Bool(true),
+                    "the top-k weights are renormalised",
+                )?;
                 put("expert_count", u32v(n_experts));
                 put("expert_used_count", u32v(c.usize("num_experts_per_tok")?));
                 put("expert_feed_forward_length", u32v(c.usize("moe_intermediate_size")?));
@@ -395,7 +426,9 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             )?;
             if let Some(s) = c.str_opt("scoring_func")? {
                 if s != "sigmoid" {
-                    return Err(format!("key scoring_func = {s:?}: {model_type} routes with sigmoid scores"));
+                    return Err(format!(
+                        "key scoring_func = {s:?}: {model_type} routes with sigmoid scores"
+                    ));
                 }
             }
             if let Some(s) = c.str_opt("topk_method")? {
@@ -403,13 +436,19 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
                     return Err(format!("key topk_method = {s:?}: {model_type} selects noaux_tc"));
                 }
             }
-            c.expect("moe_layer_freq", &Value::from(1), "MoE on every layer after the dense lead")?;
+            c.expect(
+                "moe_layer_freq",
+                &Value::from(1),
+                "MoE on every layer after the dense lead",
+            )?;
             let nope = c.usize("qk_nope_head_dim")?;
             let rope_d = c.usize("qk_rope_head_dim")?;
             let v = c.usize("v_head_dim")?;
             if let Some(q) = c.usize_opt("qk_head_dim")? {
                 if q != nope + rope_d {
-                    return Err(format!("key qk_head_dim = {q}: not qk_nope_head_dim + qk_rope_head_dim"));
+                    return Err(format!(
+                        "key qk_head_dim = {q}: not qk_nope_head_dim + qk_rope_head_dim"
+                    ));
                 }
             }
             let kv_lora = c.usize("kv_lora_rank")?;
@@ -441,7 +480,10 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             put("expert_count", u32v(n_experts));
             put("expert_used_count", u32v(c.usize("num_experts_per_tok")?));
             put("expert_feed_forward_length", u32v(c.usize("moe_intermediate_size")?));
-            put("expert_shared_count", u32v(c.usize_opt("n_shared_experts")?.unwrap_or(0)));
+            put(
+                "expert_shared_count",
+                u32v(c.usize_opt("n_shared_experts")?.unwrap_or(0)),
+            );
             put("expert_group_count", u32v(c.usize_opt("n_group")?.unwrap_or(1)));
             put("expert_group_used_count", u32v(c.usize_opt("topk_group")?.unwrap_or(1)));
             put("expert_gating_func", MetaValue::U32(2));
@@ -465,7 +507,8 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
                             })
                             .collect()
                     });
-                    let items = full.ok_or_else(|| format!("key indexer_types = {t}: expected \"full\"/\"shared\" per layer"))?;
+                    let items =
+                        full.ok_or_else(|| format!("key indexer_types = {t}: expected \"full\"/\"shared\" per layer"))?;
                     put(
                         "attention.indexer.types",
                         MetaValue::Array {

@@ -31,10 +31,12 @@ pub(crate) struct Opened {
     pub tokenizer_json: Option<PathBuf>,
 }
 
+type JsonMap = serde_json::Map<String, serde_json::Value>;
+
 /// The largest config.json / index read (they are a few KB).
 const MAX_JSON: u64 = 64 << 20;
 
-fn read_json(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>, GgufError> {
+fn read_json(path: &Path) -> Result<JsonMap, GgufError> {
     let err = |msg: String| GgufError {
         file: path.display().to_string(),
         offset: 0,
@@ -53,7 +55,7 @@ fn read_json(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>, 
 
 /// The safetensors files of `dir`: those the index names (each must exist), else
 /// `model.safetensors`.
-fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<serde_json::Map<String, serde_json::Value>>), GgufError> {
+fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<JsonMap>), GgufError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let idx = read_json(&index)?;
@@ -67,7 +69,9 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<serde_json::Map<Strin
             })?;
         let mut files: Vec<String> = Vec::new();
         for v in map.values() {
-            let f = v.as_str().filter(|f| !f.contains('/') && !f.contains('\\') && *f != "..");
+            let f = v
+                .as_str()
+                .filter(|f| !f.contains('/') && !f.contains('\\') && *f != "..");
             let f = f.ok_or_else(|| GgufError {
                 file: index.display().to_string(),
                 offset: 0,

@@ -88,7 +88,10 @@ pub fn open(path: &Path, file: usize) -> Result<StFile, GgufError> {
     }
     let f = std::fs::File::open(path).map_err(|e| err(0, e.to_string()))?;
     if meta.len() < 8 {
-        return Err(err(0, format!("{} bytes: too short for a safetensors header", meta.len())));
+        return Err(err(
+            0,
+            format!("{} bytes: too short for a safetensors header", meta.len()),
+        ));
     }
     // SAFETY: read-only map; a file truncated by another process while mapped would fault, the
     // usual caveat of mmap-based loaders.
@@ -98,8 +101,8 @@ pub fn open(path: &Path, file: usize) -> Result<StFile, GgufError> {
     if n > MAX_HEADER || n > len - 8 {
         return Err(err(0, format!("header length {n} exceeds the file ({len} bytes)")));
     }
-    let text = std::str::from_utf8(&map[8..8 + n as usize])
-        .map_err(|e| err(8, format!("the header is not UTF-8: {e}")))?;
+    let text =
+        std::str::from_utf8(&map[8..8 + n as usize]).map_err(|e| err(8, format!("the header is not UTF-8: {e}")))?;
     let json: serde_json::Value =
         serde_json::from_str(text).map_err(|e| err(8, format!("the header is not valid JSON: {e}")))?;
     let obj = json

@@ -44,9 +44,19 @@ pub enum Recipe {
     /// Experts stacked, expert 0 first.
     Stack(Vec<Src>),
     /// MLA kv_b's k part, transposed per head.
-    KB { src: Src, n_head: usize, nope: usize, v: usize },
+    KB {
+        src: Src,
+        n_head: usize,
+        nope: usize,
+        v: usize,
+    },
     /// MLA kv_b's v part.
-    VB { src: Src, n_head: usize, nope: usize, v: usize },
+    VB {
+        src: Src,
+        n_head: usize,
+        nope: usize,
+        v: usize,
+    },
     /// Values computed from config.json (f32).
     Const(Vec<f32>),
 }
@@ -127,6 +137,9 @@ fn expected_shape(rest: &str, hp: &Hparams) -> Option<Vec<usize>> {
     })
 }
 
+/// One layer's experts of one projection: expert index → (HF name, source).
+type Experts = BTreeMap<usize, (String, Src)>;
+
 /// Plans every GGUF tensor of the folder, in the converter's order (globals, then layers).
 pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Planned>, GgufError> {
     let err = |t: (usize, usize), msg: String| GgufError {
@@ -155,7 +168,10 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
                     return Err(err(t, "F8_E4M3, but config.json has no quantization_config".into()));
                 };
                 let [rows, cols] = wt.shape[..] else {
-                    return Err(err(t, format!("F8_E4M3 of shape {:?}: only 2-D weights are block-scaled", wt.shape)));
+                    return Err(err(
+                        t,
+                        format!("F8_E4M3 of shape {:?}: only 2-D weights are block-scaled", wt.shape),
+                    ));
                 };
                 let want = vec![rows.div_ceil(br), cols.div_ceil(bc)];
                 let sc = st(s);
@@ -187,7 +203,7 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
     let mut globals = Vec::new();
     let mut layers: Vec<Vec<Planned>> = vec![Vec::new(); hp.n_layers];
     // (layer, which) → expert index → source
-    let mut experts: BTreeMap<(usize, &'static str), BTreeMap<usize, (String, Src)>> = BTreeMap::new();
+    let mut experts: BTreeMap<(usize, &'static str), Experts> = BTreeMap::new();
     for (&name, &t) in &by_name {
         if name.ends_with(".weight_scale_inv") {
             let w = name.replace(".weight_scale_inv", ".weight");
@@ -237,7 +253,10 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             continue;
         }
         let Some(rest) = name.strip_prefix("model.layers.") else {
-            return Err(err(t, format!("not a tensor of a {} checkpoint llmdiff knows", hp.arch.name())));
+            return Err(err(
+                t,
+                format!("not a tensor of a {} checkpoint llmdiff knows", hp.arch.name()),
+            ));
         };
         let (l, rest) = rest.split_once('.').unwrap_or((rest, ""));
         let Ok(l) = l.parse::<usize>() else {
@@ -264,7 +283,10 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             let Some(idx) = idx.parse::<usize>().ok().filter(|&i| i < hp.n_experts) else {
                 return Err(err(t, format!("expert index outside the {} experts", hp.n_experts)));
             };
-            experts.entry((l, which)).or_default().insert(idx, (name.to_string(), s));
+            experts
+                .entry((l, which))
+                .or_default()
+                .insert(idx, (name.to_string(), s));
             continue;
         }
         if rest == "self_attn.kv_b_proj.weight" {
@@ -275,7 +297,10 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             if shape.len() != 2 || shape[0] != nh * (nope + v) {
                 return Err(err(
                     t,
-                    format!("shape {shape:?}, config.json implies [{}, kv_lora_rank]", nh * (nope + v)),
+                    format!(
+                        "shape {shape:?}, config.json implies [{}, kv_lora_rank]",
+                        nh * (nope + v)
+                    ),
                 ));
             }
             let kvl = shape[1] as u64;
@@ -284,13 +309,23 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
                 name: format!("blk.{l}.attn_k_b.weight"),
                 ty,
                 ne: vec![nope as u64, kvl, nh as u64],
-                recipe: Recipe::KB { src: s, n_head: nh, nope, v },
+                recipe: Recipe::KB {
+                    src: s,
+                    n_head: nh,
+                    nope,
+                    v,
+                },
             });
             layers[l].push(Planned {
                 name: format!("blk.{l}.attn_v_b.weight"),
                 ty,
                 ne: vec![kvl, v as u64, nh as u64],
-                recipe: Recipe::VB { src: s, n_head: nh, nope, v },
+                recipe: Recipe::VB {
+                    src: s,
+                    n_head: nh,
+                    nope,
+                    v,
+                },
             });
             continue;
         }
@@ -302,7 +337,11 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
         };
         let permute = hp.permute_qk && matches!(rest, "self_attn.q_proj.weight" | "self_attn.k_proj.weight");
         let recipe = if permute {
-            let n_head = if rest.starts_with("self_attn.q") { hp.n_heads } else { hp.n_kv_heads };
+            let n_head = if rest.starts_with("self_attn.q") {
+                hp.n_heads
+            } else {
+                hp.n_kv_heads
+            };
             if shape.len() != 2 || shape[0] % (2 * n_head) != 0 {
                 return Err(err(t, format!("shape {shape:?}: rows are not {n_head} heads of pairs")));
             }
@@ -323,14 +362,21 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             return Err(GgufError {
                 file: paths[0].parent().map(|p| p.display().to_string()).unwrap_or_default(),
                 offset: 0,
-                msg: format!("layer {l}: expert {missing}'s {which} is missing ({} of {})", exps.len(), hp.n_experts),
+                msg: format!(
+                    "layer {l}: expert {missing}'s {which} is missing ({} of {})",
+                    exps.len(),
+                    hp.n_experts
+                ),
             });
         }
         let first = exps[&0].1;
         let (ty0, shape0) = (out_ty(&first), st(first.t).shape.clone());
         for (name, s) in exps.values() {
             if out_ty(s) != ty0 || st(s.t).shape != shape0 {
-                return Err(err(s.t, format!("{name}: experts of one layer differ in dtype or shape")));
+                return Err(err(
+                    s.t,
+                    format!("{name}: experts of one layer differ in dtype or shape"),
+                ));
             }
         }
         let mut ne = ne_of(&shape0);
