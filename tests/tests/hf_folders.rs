@@ -413,3 +413,33 @@ fn bad_folders_are_one_line_errors_naming_what() {
     let e = logits(&f);
     assert!(e.contains("model_type mamba"), "{e}");
 }
+
+/// `diff-layers FOLDER --candidate DUMP` with HF transformers' fp32 dump made from the same folder
+/// (tests/peers/hf_folder_dump.py, the adapter's own layout declaration only): every tap agrees.
+#[test]
+fn hf_dump_of_the_same_folder_agrees() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["llama31-bf16", "deepseek-v3-bf16"] {
+        let folder = golden(&format!("hf/{name}")).display().to_string();
+        let dump = golden(&format!("hf/{name}.dump.safetensors")).display().to_string();
+        let json = dir.path().join(format!("{name}.json"));
+        let code = run(&[
+            "diff-layers",
+            &folder,
+            "--candidate",
+            &dump,
+            "--json-out",
+            json.to_str().unwrap(),
+        ])
+        .unwrap();
+        assert_eq!(
+            format!("{code:?}"),
+            format!("{:?}", std::process::ExitCode::SUCCESS),
+            "{name}"
+        );
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let n = doc["taps"].as_array().map(|t| t.len()).unwrap_or(0);
+        eprintln!("{name}: {n} taps of HF's dump agree with the reference on the folder");
+        assert!(n >= 20, "{name}: {n} taps compared");
+    }
+}
