@@ -12,6 +12,11 @@ Folders (under OUT_DIR/hf/):
 - deepseek-v3-bf16: MLA with kv_b whole (the converter splits it into k_b / v_b) + MoE.
 - glm-dsa-bf16: GLM-5's DSA indexer, top_k 3 below the prompt lengths; the seed (of 16) with the
   largest indexer margin on the bf16-rounded weights, so fp32 and f64 select the same keys.
+- glm4moe-bf16: partial rotary, q/k/v biases, sigmoid routing with the correction bias, a shared
+  expert, a leading dense layer (its pre-FFN norm is the converter's `post_attention_norm`).
+- gemma2-f32, gemma3-f32: HF's norms compute x·(1 + w) (the converter stores 1 + w), sliding
+  windows, soft-capping, gemma3's per-layer-type RoPE bases; fp32 so `1 + w` is the converter's
+  value bit for bit.
 - deepseek-v3-fp8: the deepseek-v3 model block-quantized to float8_e4m3fn with 128×128
   `weight_scale_inv` blocks as DeepSeek's FP8 checkpoints store them (intermediate_size 160, so
   blocks are partial at the edges); `quantization_config` in config.json. Its expectations are HF
@@ -175,6 +180,9 @@ def main():
         "qwen3moe-bf16": lambda: (rounded_bf16(family_tiny.build_model("qwen3moe", len(tok320))), tok320, "bf16", None),
         "deepseek-v3-bf16": lambda: (rounded_bf16(deepseek_v3(len(tok512))), tok512, "bf16", None),
         "glm-dsa-bf16": lambda: (glm_dsa(tok512), tok512, "bf16", None),
+        "glm4moe-bf16": lambda: (rounded_bf16(family_tiny.build_model("glm4moe", len(tok320))), tok320, "bf16", None),
+        "gemma2-f32": lambda: (family_tiny.build_model("gemma2", len(tok320)), tok320, "f32", None),
+        "gemma3-f32": lambda: (family_tiny.build_model("gemma3", len(tok320)), tok320, "f32", None),
         "deepseek-v3-fp8": lambda: (deepseek_v3(len(tok512), ffn=160), tok512, "fp8", None),
     }
     for name, plan in plans.items():

@@ -443,3 +443,131 @@ fn hf_dump_of_the_same_folder_agrees() {
         assert!(n >= 20, "{name}: {n} taps compared");
     }
 }
+
+/// Opt-in (`cargo test -p llmdiff-tests --test hf_folders -- --ignored peak_rss`): peak RSS of
+/// `logits` on an HF folder of a synthetic bf16 llama (d 4096, 32/8 heads, ffn 14336, vocab 32000,
+/// one safetensors shard per layer with an index) of `LLMDIFF_HF_RSS_LAYERS` layers (default 32:
+/// about 14 GB, more than half this machine's RAM), written here a chunk at a time. The folder is
+/// streamed a layer at a time, as a GGUF is: the peak stays about one layer (436 MB of bf16) plus
+/// the f32 logits and the embeddings' rows, whatever the layer count. The figure is in
+/// docs/models.md.
+#[test]
+#[ignore]
+fn peak_rss_of_logits_on_a_large_folder() {
+    use std::io::Write;
+    let n_layers: usize = std::env::var("LLMDIFF_HF_RSS_LAYERS")
+        .ok()
+        .map(|v| v.parse().unwrap())
+        .unwrap_or(32);
+    let (d, nh, nkv, hd, ffn, vocab) = (4096usize, 32usize, 8usize, 128usize, 14336usize, 32000usize);
+    let dir = tempfile::tempdir_in(std::env::var("LLMDIFF_HF_RSS_DIR").unwrap_or_else(|_| "/tmp".into())).unwrap();
+    let folder = dir.path().join("llama-big");
+    std::fs::create_dir(&folder).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": d,
+        "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": ffn,
+        "num_hidden_layers": n_layers, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": false, "hidden_act": "silu", "attention_bias": false, "mlp_bias": false,
+        "dtype": "bfloat16"});
+    std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+    // Shard 0: embeddings, final norm, output; shard l + 1: layer l.
+    let mut shards: Vec<Vec<(String, Vec<usize>)>> = vec![vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, d]),
+        ("model.norm.weight".into(), vec![d]),
+        ("lm_head.weight".into(), vec![vocab, d]),
+    ]];
+    for l in 0..n_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        shards.push(vec![
+            (p("input_layernorm.weight"), vec![d]),
+            (p("self_attn.q_proj.weight"), vec![nh * hd, d]),
+            (p("self_attn.k_proj.weight"), vec![nkv * hd, d]),
+            (p("self_attn.v_proj.weight"), vec![nkv * hd, d]),
+            (p("self_attn.o_proj.weight"), vec![d, nh * hd]),
+            (p("post_attention_layernorm.weight"), vec![d]),
+            (p("mlp.gate_proj.weight"), vec![ffn, d]),
+            (p("mlp.up_proj.weight"), vec![ffn, d]),
+            (p("mlp.down_proj.weight"), vec![d, ffn]),
+        ]);
+    }
+    let n_shards = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    let mut seed = 0x9E3779B97F4A7C15u64;
+    let mut total = 0u64;
+    for (i, tensors) in shards.iter().enumerate() {
+        let file = format!("model-{:05}-of-{n_shards:05}.safetensors", i + 1);
+        let mut header = serde_json::Map::new();
+        let mut off = 0usize;
+        for (name, shape) in tensors {
+            let n: usize = shape.iter().product();
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + 2 * n]}),
+            );
+            off += 2 * n;
+            weight_map.insert(name.clone(), file.clone().into());
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut w = std::io::BufWriter::new(std::fs::File::create(folder.join(&file)).unwrap());
+        w.write_all(&(h.len() as u64).to_le_bytes()).unwrap();
+        w.write_all(&h).unwrap();
+        for (name, shape) in tensors {
+            let n: usize = shape.iter().product();
+            let norm = shape.len() == 1;
+            let scale = 1.0 / (*shape.last().unwrap() as f32).sqrt();
+            let mut chunk = Vec::with_capacity(1 << 20);
+            for j in 0..n {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let u = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5; // uniform in [-0.5, 0.5)
+                let v = if norm { 1.0 + 0.1 * u } else { u * 3.46 * scale };
+                let b = v.to_bits();
+                let bf = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16; // round to nearest even
+                chunk.extend_from_slice(&bf.to_le_bytes());
+                if chunk.len() == 1 << 20 || j + 1 == n {
+                    w.write_all(&chunk).unwrap();
+                    chunk.clear();
+                }
+            }
+            let _ = name;
+        }
+        w.flush().unwrap();
+        total += (8 + h.len() + off) as u64;
+    }
+    std::fs::write(
+        folder.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    let before = peak_rss_kib();
+    let out = dir.path().join("logits.f32");
+    let code = run(&[
+        "logits",
+        folder.to_str().unwrap(),
+        "--tokens",
+        "1,2,3,4",
+        "--dump-f32",
+        out.to_str().unwrap(),
+    ])
+    .unwrap();
+    assert_eq!(format!("{code:?}"), format!("{:?}", std::process::ExitCode::SUCCESS));
+    let peak = peak_rss_kib();
+    let layer_mib = (2 * (2 * d * nh * hd + 2 * d * nkv * hd + 3 * d * ffn)) as f64 / (1 << 20) as f64;
+    eprintln!(
+        "HF folder of {:.2} GB ({n_layers} layers of {layer_mib:.0} MiB bf16): peak RSS {:.0} MiB (before the run {:.0} MiB)",
+        total as f64 / 1e9,
+        peak as f64 / 1024.0,
+        before as f64 / 1024.0
+    );
+    // About one layer plus the output matrix's rows in flight, never the model.
+    assert!((peak as f64 / 1024.0) < 4.0 * layer_mib + 1024.0, "peak RSS {peak} KiB");
+}
+
+/// Peak resident set size of this process in KiB (VmHWM).
+fn peak_rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
