@@ -1,5 +1,6 @@
 //! HF checkpoint folders as models: tiny random checkpoints saved by transformers 5.25 (bf16 and
-//! fp32; llama sharded over four files with an index; an FP8 block-scaled DeepSeek-V3), written with
+//! fp32: llama (sharded over four files with an index), qwen3, qwen3moe, glm4moe, gemma2, gemma3,
+//! deepseek-v3, glm-dsa; an FP8 block-scaled DeepSeek-V3), written with
 //! HF fp32 full-vocabulary log-probs and llama.cpp's GGUF conversion of each folder by
 //! `tests/peers/hf_folders.py` into golden/hf/.
 //!
@@ -24,6 +25,9 @@ const FOLDERS: &[&str] = &[
     "qwen3moe-bf16",
     "deepseek-v3-bf16",
     "glm-dsa-bf16",
+    "glm4moe-bf16",
+    "gemma2-f32",
+    "gemma3-f32",
     "deepseek-v3-fp8",
 ];
 

@@ -8,9 +8,9 @@
 //! are read: transformers 5's `rope_parameters` (with `rope_theta` inside) and the older
 //! `rope_scaling` (`type` or `rope_type`) with a top-level `rope_theta`.
 //!
-//! Families read: llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v3, deepseek_v32,
-//! glm_moe_dsa. Others (gemma2, gemma3_text, glm4_moe, gpt_oss) are refused by name: convert them
-//! with convert_hf_to_gguf.py.
+//! Families read: llama, mistral, qwen2, qwen3, qwen3_moe, glm4_moe, gemma2, gemma3_text,
+//! deepseek_v3, deepseek_v32, glm_moe_dsa. Others (gpt_oss, multimodal gemma3) are refused by
+//! name: convert them with convert_hf_to_gguf.py.
 
 use crate::arch::Arch;
 use crate::gguf::MetaValue;
@@ -205,7 +205,10 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         "deepseek_v3" => Arch::Deepseek2,
         "deepseek_v32" => Arch::Deepseek32,
         "glm_moe_dsa" => Arch::GlmDsa,
-        "gemma2" | "gemma3_text" | "gemma3" | "glm4_moe" | "gpt_oss" | "deepseek_v2" => {
+        "glm4_moe" => Arch::Glm4Moe,
+        "gemma2" => Arch::Gemma2,
+        "gemma3_text" => Arch::Gemma3,
+        "gemma3" | "gpt_oss" | "deepseek_v2" => {
             return Err(format!(
                 "model_type {model_type}: not read from HF folders yet (convert it with llama.cpp's convert_hf_to_gguf.py and give the GGUF)"
             ))
@@ -228,14 +231,33 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     if n_heads == 0 || d == 0 {
         return Err("num_attention_heads and hidden_size must be > 0".into());
     }
-    let act = c.str_opt("hidden_act")?.unwrap_or("silu");
-    if act != "silu" {
-        return Err(format!(
-            "key hidden_act = {act:?}: llmdiff computes SwiGLU with silu for {model_type}"
-        ));
+    let gemma = arch.is_gemma();
+    if gemma {
+        // Gemma: GELU-tanh (hidden_activation; older configs say hidden_act).
+        for k in ["hidden_activation", "hidden_act"] {
+            if let Some(a) = c.str_opt(k)? {
+                if a != "gelu_pytorch_tanh" {
+                    return Err(format!(
+                        "key {k} = {a:?}: llmdiff computes gemma's FFN with gelu_pytorch_tanh"
+                    ));
+                }
+            }
+        }
+        c.expect(
+            "use_bidirectional_attention",
+            &Value::Bool(false),
+            "bidirectional attention is not implemented",
+        )?;
+    } else {
+        let act = c.str_opt("hidden_act")?.unwrap_or("silu");
+        if act != "silu" {
+            return Err(format!(
+                "key hidden_act = {act:?}: llmdiff computes SwiGLU with silu for {model_type}"
+            ));
+        }
     }
     c.expect("mlp_bias", &Value::Bool(false), "MLP biases are not implemented")?;
-    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe);
+    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe);
     if !qwen {
         c.expect(
             "attention_bias",
@@ -251,7 +273,44 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             "key use_sliding_window = true: sliding-window attention is not implemented for this family".into(),
         );
     }
-    if model_type == "mistral" {
+    let mut window = None;
+    if gemma {
+        window = c.usize_opt("sliding_window")?;
+        // llama.cpp fixes which layers slide (gemma2 every other from 0, gemma3 five of six);
+        // the file's layer_types must say the same.
+        let period = if arch == Arch::Gemma2 { 2 } else { 6 };
+        let want: Vec<Value> = (0..n_layers)
+            .map(|l| {
+                Value::from(if l % period < period - 1 {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                })
+            })
+            .collect();
+        match c.get("layer_types") {
+            Some(t) if t != &Value::Array(want) => {
+                return Err(format!(
+                    "key layer_types = {t}: llama.cpp's {} pattern (and so the reference's) is {} sliding of every {period}",
+                    arch.name(),
+                    period - 1
+                ))
+            }
+            Some(_) => {
+                c.get("_sliding_window_pattern");
+                c.get("sliding_window_pattern");
+            }
+            None => {
+                for k in ["_sliding_window_pattern", "sliding_window_pattern"] {
+                    if let Some(p) = c.usize_opt(k)? {
+                        if p != period {
+                            return Err(format!("key {k} = {p}: the reference's {} pattern is {period}", arch.name()));
+                        }
+                    }
+                }
+            }
+        }
+    } else if model_type == "mistral" {
         if let Some(w) = c.get("sliding_window") {
             return Err(format!(
                 "key sliding_window = {w}: mistral's sliding window is not implemented (the reference attends to every position)"
@@ -260,7 +319,7 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     } else {
         c.get("sliding_window"); // read only with use_sliding_window (false)
     }
-    if let Some(types) = c.get("layer_types") {
+    if let Some(types) = c.get("layer_types").filter(|_| !gemma) {
         let ok = types.as_array().is_some_and(|t| {
             t.iter()
                 .all(|x| matches!(x.as_str(), Some("full_attention") | Some("indexed_attention")))
@@ -272,11 +331,6 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         }
     }
     let partial = c.f64_opt("partial_rotary_factor")?;
-    if partial.is_some_and(|p| p != 1.0) {
-        return Err(format!(
-            "key partial_rotary_factor = {partial:?}: partial rotary is not implemented for {model_type}"
-        ));
-    }
 
     put("block_count", u32v(n_layers));
     put("context_length", u32v(ctx));
@@ -290,9 +344,54 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     }
 
     // RoPE.
-    let rope = rope_params(&c)?;
+    let mut rope = rope_params(&c)?;
+    if arch == Arch::Gemma3 {
+        // transformers 5: per layer type; older: rope_theta (global) + rope_local_base_freq.
+        let local = match (rope.remove("full_attention"), rope.remove("sliding_attention")) {
+            (Some(full), Some(sliding)) => {
+                if rope.keys().any(|k| k != "rope_theta") {
+                    return Err("rope_parameters: per-layer-type and flat keys mixed".into());
+                }
+                let flat = |v: Value, which: &str| -> R<Map<String, Value>> {
+                    v.as_object()
+                        .cloned()
+                        .ok_or_else(|| format!("rope_parameters.{which}: expected an object"))
+                };
+                let sliding = flat(sliding, "sliding_attention")?;
+                if sliding.get("rope_type").and_then(|v| v.as_str()).unwrap_or("default") != "default"
+                    || sliding.keys().any(|k| k != "rope_type" && k != "rope_theta")
+                {
+                    return Err(format!(
+                        "rope_parameters.sliding_attention = {}: only default rope is implemented on local layers",
+                        Value::Object(sliding)
+                    ));
+                }
+                rope = flat(full, "full_attention")?;
+                sliding.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0)
+            }
+            (None, None) => c.f64_opt("rope_local_base_freq")?.unwrap_or(10000.0),
+            _ => return Err("rope_parameters: full_attention without sliding_attention or the reverse".into()),
+        };
+        put("rope.freq_base_swa", MetaValue::F32(local as f32));
+    }
     let rope_theta = rope.get("rope_theta").and_then(|v| v.as_f64()).unwrap_or(10000.0);
-    put("rope.freq_base", MetaValue::F32(rope_theta as f32));
+    if !(arch == Arch::Gemma2 && rope_theta == 10000.0) {
+        // (convert_hf_to_gguf.py writes none for gemma2: llama.cpp's default is 10000.)
+        put("rope.freq_base", MetaValue::F32(rope_theta as f32));
+    }
+    // glm4moe's partial rotary (transformers 5 puts it among the rope parameters).
+    let partial = match (rope.remove("partial_rotary_factor"), partial) {
+        (Some(v), _) => Some(
+            v.as_f64()
+                .ok_or("rope parameter partial_rotary_factor: expected a number")?,
+        ),
+        (None, p) => p,
+    };
+    if partial.is_some_and(|p| p != 1.0) && arch != Arch::Glm4Moe {
+        return Err(format!(
+            "partial_rotary_factor = {partial:?}: partial rotary is not implemented for {model_type}"
+        ));
+    }
     let rope_type = rope
         .get("rope_type")
         .and_then(|v| v.as_str())
@@ -392,6 +491,76 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     let mut mla = None;
     let mut n_experts = 0;
     match arch {
+        Arch::Gemma2 | Arch::Gemma3 => {
+            put("attention.head_count_kv", u32v(n_kv));
+            put("attention.key_length", u32v(head_dim));
+            put("attention.value_length", u32v(head_dim));
+            // The reference scales scores by 1/√head_dim, or 1/√(d/heads) for the 27B layer counts
+            // (llama.cpp's constants: the file has no key for it).
+            let big = if arch == Arch::Gemma2 { 46 } else { 62 };
+            let want = if n_layers == big { d / n_heads } else { head_dim };
+            if let Some(q) = c.usize_opt("query_pre_attn_scalar")? {
+                if q != want {
+                    return Err(format!(
+                        "key query_pre_attn_scalar = {q}: llama.cpp (and the reference) scale attention by 1/√{want} for this {} shape",
+                        arch.name()
+                    ));
+                }
+            }
+            let final_cap = c.f64_opt("final_logit_softcapping")?;
+            let attn_cap = c.f64_opt("attn_logit_softcapping")?;
+            if arch == Arch::Gemma2 {
+                put("attn_logit_softcapping", MetaValue::F32(attn_cap.unwrap_or(0.0) as f32));
+                put(
+                    "final_logit_softcapping",
+                    MetaValue::F32(final_cap.unwrap_or(0.0) as f32),
+                );
+                put("attention.sliding_window", u32v(window.unwrap_or(4096)));
+            } else {
+                if let Some(a) = attn_cap {
+                    return Err(format!("key attn_logit_softcapping = {a}: not implemented for gemma3"));
+                }
+                if let Some(f) = final_cap {
+                    put("final_logit_softcapping", MetaValue::F32(f as f32));
+                }
+                if let Some(w) = window {
+                    put("attention.sliding_window", u32v(w));
+                }
+            }
+        }
+        Arch::Glm4Moe => {
+            put("attention.head_count_kv", u32v(n_kv));
+            put("attention.key_length", u32v(head_dim));
+            put("attention.value_length", u32v(head_dim));
+            put(
+                "rope.dimension_count",
+                u32v((head_dim as f64 * partial.unwrap_or(0.5)) as usize),
+            );
+            c.get("use_qk_norm"); // the q/k norm tensors are used when present
+            n_experts = c.usize("n_routed_experts")?;
+            put("expert_count", u32v(n_experts));
+            put("expert_used_count", u32v(c.usize("num_experts_per_tok")?));
+            put("expert_feed_forward_length", u32v(c.usize("moe_intermediate_size")?));
+            put(
+                "expert_shared_count",
+                u32v(c.usize_opt("n_shared_experts")?.unwrap_or(0)),
+            );
+            put(
+                "leading_dense_block_count",
+                u32v(c.usize_opt("first_k_dense_replace")?.unwrap_or(0)),
+            );
+            put("expert_group_count", u32v(c.usize_opt("n_group")?.unwrap_or(1)));
+            put("expert_group_used_count", u32v(c.usize_opt("topk_group")?.unwrap_or(1)));
+            put("expert_gating_func", MetaValue::U32(2));
+            if let Some(s) = c.f64_opt("routed_scaling_factor")? {
+                put("expert_weights_scale", MetaValue::F32(s as f32));
+            }
+            if c.bool_or("norm_topk_prob", false)? {
+                put("expert_weights_norm", MetaValue::Bool(true));
+            }
+            // The MTP layers after num_hidden_layers are skipped (not part of the forward pass).
+            put("nextn_predict_layers", u32v(0));
+        }
         Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             put("attention.head_count_kv", u32v(n_kv));
             put("attention.key_length", u32v(head_dim));

@@ -9,13 +9,17 @@
 //! - FP8 e4m3 weights with `weight_scale_inv` blocks: dequantized to F32, `f32(q) × scale` of the
 //!   element's block (blocks are partial at the right and bottom edges), exactly as torch's
 //!   `q.float() * scale` is;
-//! - Llama 3.1+ `rope_freqs.weight`: computed from the rope parameters (config.rs).
+//! - Llama 3.1+ `rope_freqs.weight`: computed from the rope parameters (config.rs);
+//! - gemma's norms: `1 + w` in f32 (HF computes `x·(1 + w.float())`; the converter stores it);
+//! - gemma and glm4moe's `post_attention_layernorm` is `post_attention_norm` (gemma's pre-FFN
+//!   norm `ffn_norm`, its post-FFN norm `post_ffw_norm`).
 //!
 //! Tensors of layers past `num_hidden_layers` (DeepSeek's MTP block) and `rotary_emb.inv_freq`
 //! buffers are skipped; any other unknown tensor is refused by name.
 
 use super::config::Hparams;
 use super::safetensors::{fp8_e4m3_to_f32, StDtype, StFile};
+use crate::arch::Arch;
 use crate::ggml_type::GgmlType;
 use crate::gguf::GgufError;
 use memmap2::Mmap;
@@ -59,6 +63,8 @@ pub enum Recipe {
     },
     /// Values computed from config.json (f32).
     Const(Vec<f32>),
+    /// Gemma's norms: HF computes x·(1 + w) (in f32); the GGUF holds 1 + w (F32).
+    PlusOne(Src),
 }
 
 /// One tensor of the virtual GGUF.
@@ -79,7 +85,17 @@ fn ggml(d: StDtype) -> GgmlType {
 }
 
 /// A layer tensor's HF suffix → its GGUF suffix (after `blk.N.`), for the renamed ones.
-fn rename(rest: &str) -> Option<&'static str> {
+fn rename(rest: &str, arch: Arch) -> Option<&'static str> {
+    // The families whose post-attention norm is its own tensor (gemma: then a pre-FFN norm;
+    // glm4moe: the converter names its pre-FFN norm so).
+    match (arch, rest) {
+        (Arch::Gemma2 | Arch::Gemma3 | Arch::Glm4Moe, "post_attention_layernorm.weight") => {
+            return Some("post_attention_norm.weight")
+        }
+        (Arch::Gemma2 | Arch::Gemma3, "pre_feedforward_layernorm.weight") => return Some("ffn_norm.weight"),
+        (Arch::Gemma2 | Arch::Gemma3, "post_feedforward_layernorm.weight") => return Some("post_ffw_norm.weight"),
+        _ => {}
+    }
     Some(match rest {
         "input_layernorm.weight" => "attn_norm.weight",
         "post_attention_layernorm.weight" => "ffn_norm.weight",
@@ -244,11 +260,16 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             if *shape != want {
                 return Err(err(t, format!("shape {shape:?}, config.json implies {want:?}")));
             }
+            let plus_one = hp.arch.is_gemma() && g == "output_norm.weight";
             globals.push(Planned {
                 name: g.into(),
-                ty: out_ty(&s),
+                ty: if plus_one { GgmlType::F32 } else { out_ty(&s) },
                 ne: ne_of(shape),
-                recipe: direct_or_copy(s),
+                recipe: if plus_one {
+                    Recipe::PlusOne(s)
+                } else {
+                    direct_or_copy(s)
+                },
             });
             continue;
         }
@@ -329,13 +350,22 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             });
             continue;
         }
-        let Some(g) = rename(rest) else {
+        let Some(g) = rename(rest, hp.arch) else {
             return Err(err(
                 t,
                 format!("not a tensor of a {} checkpoint llmdiff knows", hp.arch.name()),
             ));
         };
         let permute = hp.permute_qk && matches!(rest, "self_attn.q_proj.weight" | "self_attn.k_proj.weight");
+        if hp.arch.is_gemma() && rest.ends_with("norm.weight") {
+            layers[l].push(Planned {
+                name: format!("blk.{l}.{g}"),
+                ty: GgmlType::F32,
+                ne: ne_of(&shape),
+                recipe: Recipe::PlusOne(s),
+            });
+            continue;
+        }
         let recipe = if permute {
             let n_head = if rest.starts_with("self_attn.q") {
                 hp.n_heads
@@ -491,6 +521,18 @@ pub fn write_derived(
             match &p.recipe {
                 Recipe::Direct(_) => continue,
                 Recipe::Copy(s) => put(&elements(s, files).0).map_err(io)?,
+                Recipe::PlusOne(s) => {
+                    let (e, es) = elements(s, files);
+                    let ty = if s.scale.is_some() {
+                        GgmlType::F32
+                    } else {
+                        ggml(files[s.t.0].tensors[s.t.1].dtype)
+                    };
+                    let mut w = vec![0f32; e.len() / es];
+                    crate::dequant::dequantize(ty, &e, &mut w).expect("sizes checked at open");
+                    let b: Vec<u8> = w.iter().flat_map(|x| (1.0f32 + x).to_le_bytes()).collect();
+                    put(&b).map_err(io)?
+                }
                 Recipe::Const(v) => {
                     let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
                     put(&b).map_err(io)?
