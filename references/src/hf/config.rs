@@ -85,6 +85,7 @@ pub struct Hparams {
 }
 
 /// config.json translated: the GGUF metadata and the weight mapping's parameters.
+#[derive(Debug)]
 pub struct Translated {
     pub metadata: Vec<(String, MetaValue)>,
     pub hp: Hparams,
@@ -775,4 +776,152 @@ fn llama3_factors(base: f64, dim: usize, factor: f64, low: f64, high: f64, old_c
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn llama(extra: Value) -> Map<String, Value> {
+        let mut c = json!({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 128});
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c.as_object().unwrap().clone()
+    }
+
+    fn meta(t: &Translated, k: &str) -> Option<String> {
+        t.metadata.iter().find(|(key, _)| key == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn both_rope_spellings_give_the_same_metadata() {
+        let new = translate(&llama(
+            json!({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}),
+        ))
+        .unwrap();
+        let old = translate(&llama(
+            json!({"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 5e5}),
+        ))
+        .unwrap();
+        let old2 = translate(&llama(
+            json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 5e5}),
+        ))
+        .unwrap();
+        for t in [&old, &old2] {
+            assert_eq!(format!("{:?}", t.metadata), format!("{:?}", new.metadata));
+        }
+        assert_eq!(meta(&new, "llama.rope.scaling.type").as_deref(), Some("\"linear\""));
+        assert_eq!(meta(&new, "llama.rope.freq_base").as_deref(), Some("500000"));
+        // llama3 in the old spelling: the frequency factors, 1 above the high band, 8 below the low.
+        let t = translate(&llama(
+            json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, "rope_theta": 10000.0}),
+        ))
+        .unwrap();
+        let f = t.hp.rope_freqs.unwrap();
+        assert_eq!((f.len(), f[0], f[7]), (8, 1.0, 8.0));
+    }
+
+    #[test]
+    fn what_changes_the_math_and_is_not_understood_is_refused_by_name() {
+        let cases = [
+            (
+                json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+                "\"dynamic\"",
+            ),
+            (json!({"rope_parameters": {"rope_type": "longrope"}}), "\"longrope\""),
+            (
+                json!({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "foo": 1}}),
+                "rope parameter foo",
+            ),
+            (json!({"hidden_act": "gelu"}), "hidden_act"),
+            (json!({"mlp_bias": true}), "mlp_bias"),
+            (json!({"attention_bias": true}), "attention_bias"),
+            (json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+            (json!({"use_sliding_window": true}), "use_sliding_window"),
+            (json!({"some_new_knob": 3}), "key some_new_knob"),
+            (json!({"quantization_config": {"quant_method": "gptq"}}), "quant_method"),
+            (
+                json!({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}),
+                "weight_block_size",
+            ),
+        ];
+        for (extra, want) in cases {
+            let e = translate(&llama(extra.clone()))
+                .err()
+                .unwrap_or_else(|| panic!("{extra} accepted"));
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        let mut m = llama(json!({}));
+        m.insert("model_type".into(), "mistral".into());
+        m.insert("sliding_window".into(), 4096.into());
+        assert!(translate(&m).unwrap_err().contains("sliding_window"));
+        m.insert("sliding_window".into(), Value::Null);
+        assert!(translate(&m).is_ok(), "mistral without a window is llama");
+    }
+
+    #[test]
+    fn yarn_for_mla_is_written_as_the_converter_writes_it() {
+        let c = json!({"model_type": "deepseek_v3", "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96, "moe_intermediate_size": 24,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "kv_lora_rank": 32, "q_lora_rank": 48,
+            "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "rope_theta": 10000.0,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}});
+        let t = translate(c.as_object().unwrap()).unwrap();
+        assert_eq!(meta(&t, "deepseek2.rope.scaling.type").as_deref(), Some("\"yarn\""));
+        assert_eq!(
+            meta(&t, "deepseek2.rope.scaling.original_context_length").as_deref(),
+            Some("4096")
+        );
+        assert_eq!(
+            meta(&t, "deepseek2.rope.scaling.yarn_log_multiplier").as_deref(),
+            Some("0.1")
+        );
+        let mut bad = c.clone();
+        bad["rope_scaling"]["beta_fast"] = json!(16);
+        assert!(translate(bad.as_object().unwrap()).unwrap_err().contains("beta_fast"));
+        let mut bad = c.clone();
+        bad["rope_interleave"] = json!(false);
+        assert!(translate(bad.as_object().unwrap())
+            .unwrap_err()
+            .contains("rope_interleave"));
+        let mut bad = c;
+        bad["scoring_func"] = json!("softmax");
+        assert!(translate(bad.as_object().unwrap())
+            .unwrap_err()
+            .contains("scoring_func"));
+    }
+
+    #[test]
+    fn gemma3_reads_both_rope_spellings() {
+        let base = json!({"model_type": "gemma3_text", "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 7, "vocab_size": 100,
+            "intermediate_size": 64, "sliding_window": 4, "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "sliding_attention",
+                            "sliding_attention", "full_attention", "sliding_attention"]});
+        let mut new = base.clone();
+        new["rope_parameters"] = json!({"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}});
+        let mut old = base.clone();
+        old["rope_theta"] = json!(1e6);
+        old["rope_local_base_freq"] = json!(1e4);
+        let (a, b) = (
+            translate(new.as_object().unwrap()).unwrap(),
+            translate(old.as_object().unwrap()).unwrap(),
+        );
+        assert_eq!(format!("{:?}", a.metadata), format!("{:?}", b.metadata));
+        assert_eq!(meta(&a, "gemma3.rope.freq_base_swa").as_deref(), Some("10000"));
+        let mut bad = base.clone();
+        bad["layer_types"][0] = json!("full_attention");
+        assert!(translate(bad.as_object().unwrap()).unwrap_err().contains("layer_types"));
+        let mut bad = base;
+        bad["query_pre_attn_scalar"] = json!(32);
+        assert!(translate(bad.as_object().unwrap())
+            .unwrap_err()
+            .contains("query_pre_attn_scalar"));
+    }
 }
