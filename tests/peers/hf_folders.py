@@ -17,6 +17,8 @@ Folders (under OUT_DIR/hf/):
 - gemma2-f32, gemma3-f32: HF's norms compute x·(1 + w) (the converter stores 1 + w), sliding
   windows, soft-capping, gemma3's per-layer-type RoPE bases; fp32 so `1 + w` is the converter's
   value bit for bit.
+- gpt-oss-bf16: attention sinks and biases, alternating sliding window, fused experts (gate/up
+  interleaved) in bf16 (the converter de-interleaves and transposes them).
 - deepseek-v3-fp8: the deepseek-v3 model block-quantized to float8_e4m3fn with 128×128
   `weight_scale_inv` blocks as DeepSeek's FP8 checkpoints store them (intermediate_size 160, so
   blocks are partial at the edges); `quantization_config` in config.json. Its expectations are HF
@@ -183,6 +185,7 @@ def main():
         "glm4moe-bf16": lambda: (rounded_bf16(family_tiny.build_model("glm4moe", len(tok320))), tok320, "bf16", None),
         "gemma2-f32": lambda: (family_tiny.build_model("gemma2", len(tok320)), tok320, "f32", None),
         "gemma3-f32": lambda: (family_tiny.build_model("gemma3", len(tok320)), tok320, "f32", None),
+        "gpt-oss-bf16": lambda: (rounded_bf16(family_tiny.build_model("gpt-oss", len(tok320))), tok320, "bf16", None),
         "deepseek-v3-fp8": lambda: (deepseek_v3(len(tok512), ffn=160), tok512, "fp8", None),
     }
     for name, plan in plans.items():

@@ -1,5 +1,5 @@
 //! HF checkpoint folders as models: tiny random checkpoints saved by transformers 5.25 (bf16 and
-//! fp32: llama (sharded over four files with an index), qwen3, qwen3moe, glm4moe, gemma2, gemma3,
+//! fp32: llama (sharded over four files with an index), qwen3, qwen3moe, glm4moe, gemma2, gemma3, gpt-oss,
 //! deepseek-v3, glm-dsa; an FP8 block-scaled DeepSeek-V3), written with
 //! HF fp32 full-vocabulary log-probs and llama.cpp's GGUF conversion of each folder by
 //! `tests/peers/hf_folders.py` into golden/hf/.
@@ -28,6 +28,7 @@ const FOLDERS: &[&str] = &[
     "glm4moe-bf16",
     "gemma2-f32",
     "gemma3-f32",
+    "gpt-oss-bf16",
     "deepseek-v3-fp8",
 ];
 

@@ -9,8 +9,9 @@
 //! `rope_scaling` (`type` or `rope_type`) with a top-level `rope_theta`.
 //!
 //! Families read: llama, mistral, qwen2, qwen3, qwen3_moe, glm4_moe, gemma2, gemma3_text,
-//! deepseek_v3, deepseek_v32, glm_moe_dsa. Others (gpt_oss, multimodal gemma3) are refused by
-//! name: convert them with convert_hf_to_gguf.py.
+//! gpt_oss (its experts in BF16/F32; MXFP4 blocks are refused), deepseek_v3, deepseek_v32,
+//! glm_moe_dsa. Others (multimodal gemma3, deepseek_v2) are refused by name: convert them with
+//! convert_hf_to_gguf.py.
 
 use crate::arch::Arch;
 use crate::gguf::MetaValue;
@@ -209,7 +210,8 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         "glm4_moe" => Arch::Glm4Moe,
         "gemma2" => Arch::Gemma2,
         "gemma3_text" => Arch::Gemma3,
-        "gemma3" | "gpt_oss" | "deepseek_v2" => {
+        "gpt_oss" => Arch::GptOss,
+        "gemma3" | "deepseek_v2" => {
             return Err(format!(
                 "model_type {model_type}: not read from HF folders yet (convert it with llama.cpp's convert_hf_to_gguf.py and give the GGUF)"
             ))
@@ -258,7 +260,10 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         }
     }
     c.expect("mlp_bias", &Value::Bool(false), "MLP biases are not implemented")?;
-    let qwen = matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe);
+    let qwen = matches!(
+        arch,
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::GptOss
+    );
     if !qwen {
         c.expect(
             "attention_bias",
@@ -275,11 +280,11 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
         );
     }
     let mut window = None;
-    if gemma {
+    if gemma || arch == Arch::GptOss {
         window = c.usize_opt("sliding_window")?;
-        // llama.cpp fixes which layers slide (gemma2 every other from 0, gemma3 five of six);
-        // the file's layer_types must say the same.
-        let period = if arch == Arch::Gemma2 { 2 } else { 6 };
+        // llama.cpp fixes which layers slide (gemma2 and gpt-oss every other from 0, gemma3 five
+        // of six); the file's layer_types must say the same.
+        let period = if arch == Arch::Gemma3 { 6 } else { 2 };
         let want: Vec<Value> = (0..n_layers)
             .map(|l| {
                 Value::from(if l % period < period - 1 {
@@ -320,7 +325,7 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
     } else {
         c.get("sliding_window"); // read only with use_sliding_window (false)
     }
-    if let Some(types) = c.get("layer_types").filter(|_| !gemma) {
+    if let Some(types) = c.get("layer_types").filter(|_| !gemma && arch != Arch::GptOss) {
         let ok = types.as_array().is_some_and(|t| {
             t.iter()
                 .all(|x| matches!(x.as_str(), Some("full_attention") | Some("indexed_attention")))
@@ -471,6 +476,11 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             }
             let mscale = num("mscale", 1.0)?;
             let mscale_all = rope.get("mscale_all_dim").and_then(|v| v.as_f64());
+            if !arch.is_mla() && (rope.contains_key("mscale") || mscale_all.is_some()) {
+                return Err(format!(
+                    "rope parameters mscale/mscale_all_dim: DeepSeek's YaRN attention factor is not implemented for {model_type}"
+                ));
+            }
             if arch.is_mla() && mscale_all.is_some_and(|m| m != mscale) {
                 return Err(format!(
                     "rope parameters mscale {mscale} and mscale_all_dim {mscale_all:?} differ: not implemented"
@@ -528,6 +538,25 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
                     put("attention.sliding_window", u32v(w));
                 }
             }
+        }
+        Arch::GptOss => {
+            put("attention.head_count_kv", u32v(n_kv));
+            put("attention.key_length", u32v(head_dim));
+            put("attention.value_length", u32v(head_dim));
+            if let Some(w) = window {
+                put("attention.sliding_window", u32v(w));
+            }
+            // llama.cpp's clamped SwiGLU constants (LLM_FFN_SWIGLU_OAI_MOE): not in the file.
+            c.expect(
+                "swiglu_alpha",
+                &Value::from(1.702),
+                "the clamped SwiGLU's alpha is fixed",
+            )?;
+            c.expect("swiglu_limit", &Value::from(7.0), "the clamped SwiGLU's limit is fixed")?;
+            n_experts = c.usize("num_local_experts")?;
+            put("expert_count", u32v(n_experts));
+            put("expert_used_count", u32v(c.usize("num_experts_per_tok")?));
+            put("expert_feed_forward_length", u32v(ffn));
         }
         Arch::Glm4Moe => {
             put("attention.head_count_kv", u32v(n_kv));
@@ -690,7 +719,6 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             }
             mla = Some((nope, v));
         }
-        _ => unreachable!("refused above"),
     }
     let fp8_block = quantization(&c)?;
     let unknown = c.unknown();

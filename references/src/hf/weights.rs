@@ -14,6 +14,10 @@
 //! - gemma and glm4moe's `post_attention_layernorm` is `post_attention_norm` (gemma's pre-FFN
 //!   norm `ffn_norm`, its post-FFN norm `post_ffw_norm`).
 //!
+//! - gpt-oss's fused experts: `gate_up_proj` de-interleaved into gate and up and transposed,
+//!   `down_proj` transposed, as the converter does for unquantized experts (MXFP4 `_blocks` /
+//!   `_scales` are refused: their U8 dtype is).
+//!
 //! Tensors of layers past `num_hidden_layers` (DeepSeek's MTP block) and `rotary_emb.inv_freq`
 //! buffers are skipped; any other unknown tensor is refused by name.
 
@@ -65,6 +69,10 @@ pub enum Recipe {
     Const(Vec<f32>),
     /// Gemma's norms: HF computes x·(1 + w) (in f32); the GGUF holds 1 + w (F32).
     PlusOne(Src),
+    /// gpt-oss's fused experts: `gate_up_proj` `[E, d, 2·ff]` (gate and up interleaved by column)
+    /// → gate (`which` 0) or up (1) `[E, ff, d]`; its bias `[E, 2·ff]` → `[E, ff]`; `down_proj`
+    /// `[E, ff, d]` → `[E, d, ff]` (transposed, `which` 2).
+    GptOss { src: Src, which: usize, bias: bool },
 }
 
 /// One tensor of the virtual GGUF.
@@ -89,7 +97,7 @@ fn rename(rest: &str, arch: Arch) -> Option<&'static str> {
     // The families whose post-attention norm is its own tensor (gemma: then a pre-FFN norm;
     // glm4moe: the converter names its pre-FFN norm so).
     match (arch, rest) {
-        (Arch::Gemma2 | Arch::Gemma3 | Arch::Glm4Moe, "post_attention_layernorm.weight") => {
+        (Arch::Gemma2 | Arch::Gemma3 | Arch::Glm4Moe | Arch::GptOss, "post_attention_layernorm.weight") => {
             return Some("post_attention_norm.weight")
         }
         (Arch::Gemma2 | Arch::Gemma3, "pre_feedforward_layernorm.weight") => return Some("ffn_norm.weight"),
@@ -107,6 +115,10 @@ fn rename(rest: &str, arch: Arch) -> Option<&'static str> {
         "self_attn.k_proj.bias" => "attn_k.bias",
         "self_attn.v_proj.bias" => "attn_v.bias",
         "self_attn.q_norm.weight" => "attn_q_norm.weight",
+        "self_attn.o_proj.bias" => "attn_output.bias",
+        "self_attn.sinks" => "attn_sinks.weight",
+        "mlp.router.weight" => "ffn_gate_inp.weight",
+        "mlp.router.bias" => "ffn_gate_inp.bias",
         "self_attn.k_norm.weight" => "attn_k_norm.weight",
         "mlp.gate_proj.weight" => "ffn_gate.weight",
         "mlp.up_proj.weight" => "ffn_up.weight",
@@ -291,6 +303,57 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
         if let Some(want) = expected_shape(rest, hp) {
             if shape != want {
                 return Err(err(t, format!("shape {shape:?}, config.json implies {want:?}")));
+            }
+        }
+        if hp.arch == Arch::GptOss {
+            let n = hp.n_experts;
+            let planned = |g: &str, which: usize, bias: bool, ne: Vec<u64>| Planned {
+                name: format!("blk.{l}.{g}"),
+                ty: out_ty(&s),
+                ne,
+                recipe: Recipe::GptOss { src: s, which, bias },
+            };
+            let dims_ok = |want: &[usize]| shape[..] == *want;
+            let (ffn, d) = (hp.ffn, hp.d_model);
+            let (nu, fu, du) = (n as u64, ffn as u64, d as u64);
+            let bad = |w: &[usize]| err(t, format!("shape {shape:?}, config.json implies {w:?}"));
+            match rest {
+                "mlp.experts.gate_up_proj" => {
+                    if !dims_ok(&[n, d, 2 * ffn]) {
+                        return Err(bad(&[n, d, 2 * ffn]));
+                    }
+                    layers[l].push(planned("ffn_gate_exps.weight", 0, false, vec![du, fu, nu]));
+                    layers[l].push(planned("ffn_up_exps.weight", 1, false, vec![du, fu, nu]));
+                    continue;
+                }
+                "mlp.experts.gate_up_proj_bias" => {
+                    if !dims_ok(&[n, 2 * ffn]) {
+                        return Err(bad(&[n, 2 * ffn]));
+                    }
+                    layers[l].push(planned("ffn_gate_exps.bias", 0, true, vec![fu, nu]));
+                    layers[l].push(planned("ffn_up_exps.bias", 1, true, vec![fu, nu]));
+                    continue;
+                }
+                "mlp.experts.down_proj" => {
+                    if !dims_ok(&[n, ffn, d]) {
+                        return Err(bad(&[n, ffn, d]));
+                    }
+                    layers[l].push(planned("ffn_down_exps.weight", 2, false, vec![fu, du, nu]));
+                    continue;
+                }
+                "mlp.experts.down_proj_bias" => {
+                    if !dims_ok(&[n, d]) {
+                        return Err(bad(&[n, d]));
+                    }
+                    layers[l].push(Planned {
+                        name: format!("blk.{l}.ffn_down_exps.bias"),
+                        ty: out_ty(&s),
+                        ne: vec![du, nu],
+                        recipe: direct_or_copy(s),
+                    });
+                    continue;
+                }
+                _ => {}
             }
         }
         if let Some(e) = rest.strip_prefix("mlp.experts.") {
@@ -521,6 +584,42 @@ pub fn write_derived(
             match &p.recipe {
                 Recipe::Direct(_) => continue,
                 Recipe::Copy(s) => put(&elements(s, files).0).map_err(io)?,
+                Recipe::GptOss { src, which, bias } => {
+                    let (e, es) = elements(src, files);
+                    let shape = &files[src.t.0].tensors[src.t.1].shape;
+                    let mut out = Vec::with_capacity(e.len());
+                    let el = |i: usize| &e[i * es..(i + 1) * es];
+                    if *bias {
+                        // [E, 2ff] → [E, ff]: every other column from `which`.
+                        let (n, w) = (shape[0], shape[1]);
+                        for x in 0..n {
+                            for j in 0..w / 2 {
+                                out.extend_from_slice(el(x * w + 2 * j + which));
+                            }
+                        }
+                    } else if *which < 2 {
+                        // [E, d, 2ff] → [E, ff, d]: out[x][j][c] = src[x][c][2j + which].
+                        let (n, d, w) = (shape[0], shape[1], shape[2]);
+                        for x in 0..n {
+                            for j in 0..w / 2 {
+                                for c in 0..d {
+                                    out.extend_from_slice(el((x * d + c) * w + 2 * j + which));
+                                }
+                            }
+                        }
+                    } else {
+                        // [E, ff, d] → [E, d, ff]: out[x][r][c] = src[x][c][r].
+                        let (n, f, d) = (shape[0], shape[1], shape[2]);
+                        for x in 0..n {
+                            for r in 0..d {
+                                for c in 0..f {
+                                    out.extend_from_slice(el((x * f + c) * d + r));
+                                }
+                            }
+                        }
+                    }
+                    put(&out).map_err(io)?
+                }
                 Recipe::PlusOne(s) => {
                     let (e, es) = elements(s, files);
                     let ty = if s.scale.is_some() {
