@@ -243,6 +243,23 @@ fn commands_take_a_folder() {
             .flat_map(|v| v.to_le_bytes())
             .collect();
         assert!(got == want, "{name}: logits differ from the conversion's");
+        for args in [
+            vec!["inspect", folder.as_str()],
+            vec!["inspect", folder.as_str(), "--json"],
+            vec![
+                "tokenize",
+                folder.as_str(),
+                "--prompt",
+                "The capital of France is Paris.",
+            ],
+        ] {
+            let code = run(&args).unwrap();
+            assert_eq!(
+                format!("{code:?}"),
+                format!("{:?}", std::process::ExitCode::SUCCESS),
+                "{args:?}"
+            );
+        }
         if name.starts_with("qwen3moe") {
             continue; // the engine does not run qwen3moe (yet): the reference does
         }
