@@ -25,6 +25,10 @@ Folders (under OUT_DIR/hf/):
   fp32 run on the explicitly dequantized weights (value.float() × scale, torch), and each
   dequantized weight's sha256 (f32 little-endian bytes, torch layout).
 
+- qwen3-fp8-channel: compressed-tensors' channel-wise FP8 weights (`weight_scale` [rows, 1],
+  dynamic activations, as llm-compressor's FP8_DYNAMIC writes them); expectations as for
+  deepseek-v3-fp8.
+
 Each FOLDER gets OUT_DIR/hf/FOLDER.json ({"cases": [{prompt, tokens, logprobs}]}), and the bf16 and
 f32 ones OUT_DIR/hf/FOLDER.gguf (convert_hf_to_gguf.py from the folder itself, --outtype bf16 or f32 as
 the folder is stored: the same weights, bit for bit).
@@ -109,7 +113,13 @@ def fp8_dequantize(q, scale):
     return q.float() * s
 
 
-def save_fp8(model, tok, out):
+def fp8_quantize_channel(w):
+    """compressed-tensors' channel-wise FP8: one scale per output row, amax / 448, shape [rows, 1]."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (w.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def save_fp8(model, tok, out, scheme="block"):
     """Saves `model` as an FP8 block-quantized folder (per-expert tensors, as save_pretrained
     writes them); returns the model loaded from the dequantized weights (f32) and the digests."""
     from safetensors.torch import load_file, save_file
@@ -124,7 +134,14 @@ def save_fp8(model, tok, out):
         for name, t in sd.items():
             quantize = (t.dim() == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
                         and ".mlp.gate." not in name)
-            if quantize:
+            if quantize and scheme == "channel":
+                q, s = fp8_quantize_channel(t)
+                tensors[name] = q
+                tensors[name.replace(".weight", ".weight_scale")] = s
+                dq = q.float() * s
+                digests[name] = hashlib.sha256(dq.contiguous().numpy().tobytes()).hexdigest()
+                deq[name] = dq
+            elif quantize:
                 q, s = fp8_quantize(t)
                 tensors[name] = q
                 tensors[name.replace(".weight", ".weight_scale_inv")] = s
@@ -143,8 +160,19 @@ def save_fp8(model, tok, out):
         json.dump(cfg, open(os.path.join(deq_dir, "config.json"), "w"), indent=2)
         save_file({k: v.contiguous() for k, v in deq.items()}, os.path.join(deq_dir, "model.safetensors"),
                   metadata={"format": "pt"})
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
+        if scheme == "channel":
+            # As llm-compressor's FP8_DYNAMIC scheme writes it.
+            cfg["quantization_config"] = {
+                "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+                "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                    "input_activations": {"dynamic": True, "num_bits": 8, "type": "float", "strategy": "token",
+                                          "symmetric": True},
+                    "weights": {"dynamic": False, "num_bits": 8, "type": "float", "strategy": "channel",
+                                "symmetric": True, "group_size": None, "block_structure": None, "actorder": None}}}}
+        else:
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}
         cfg["dtype"] = "bfloat16"
         json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=2)
         tok.save_pretrained(out)
@@ -187,6 +215,7 @@ def main():
         "gemma3-f32": lambda: (family_tiny.build_model("gemma3", len(tok320)), tok320, "f32", None),
         "gpt-oss-bf16": lambda: (rounded_bf16(family_tiny.build_model("gpt-oss", len(tok320))), tok320, "bf16", None),
         "deepseek-v3-fp8": lambda: (deepseek_v3(len(tok512), ffn=160), tok512, "fp8", None),
+        "qwen3-fp8-channel": lambda: (family_tiny.build_model("qwen3", len(tok320)), tok320, "fp8-channel", None),
     }
     for name, plan in plans.items():
         if wanted and name not in wanted:
@@ -195,8 +224,8 @@ def main():
         folder = os.path.join(out_dir, name)
         shutil.rmtree(folder, ignore_errors=True)
         digests = None
-        if dtype == "fp8":
-            model, digests = save_fp8(model, tok, folder)
+        if dtype.startswith("fp8"):
+            model, digests = save_fp8(model, tok, folder, "channel" if dtype == "fp8-channel" else "block")
         else:
             # A copy is cast for saving: casting the model itself would round its rotary buffers.
             m = model if dtype == "f32" else copy.deepcopy(model).to(torch.bfloat16)
@@ -218,7 +247,7 @@ def main():
         if digests:
             doc["dequantized_sha256"] = digests
         json.dump(doc, open(os.path.join(out_dir, f"{name}.json"), "w"), separators=(",", ":"))
-        if dtype != "fp8":
+        if not dtype.startswith("fp8"):
             with tempfile.TemporaryDirectory() as tmp:
                 # The converter names the model after the folder; a copy keeps the folder pristine.
                 src = os.path.join(tmp, name)

@@ -30,6 +30,7 @@ const FOLDERS: &[&str] = &[
     "gemma3-f32",
     "gpt-oss-bf16",
     "deepseek-v3-fp8",
+    "qwen3-fp8-channel",
 ];
 
 fn doc(name: &str) -> Value {
@@ -89,7 +90,7 @@ fn every_folder_matches_hf_fp32() {
 /// value for value (the conversion is bf16 or f32 as the folder is stored, norms upcast to f32).
 #[test]
 fn a_folder_reads_as_its_gguf_conversion() {
-    for name in FOLDERS.iter().filter(|n| !n.ends_with("fp8")) {
+    for name in FOLDERS.iter().filter(|n| !n.contains("fp8")) {
         let hf = open(name);
         let gguf = GgufFile::open(golden(&format!("hf/{name}.gguf"))).unwrap();
         let arch = gguf.get("general.architecture").unwrap().as_str().unwrap().to_string();
@@ -132,37 +133,43 @@ fn a_folder_reads_as_its_gguf_conversion() {
 
 #[test]
 fn fp8_weights_equal_torch_dequantization_bit_for_bit() {
-    let file = open("deepseek-v3-fp8");
-    let d = doc("deepseek-v3-fp8");
-    let digests = d["dequantized_sha256"].as_object().unwrap();
-    assert!(digests.len() >= 20, "{} quantized weights", digests.len());
-    // The HF names of the quantized weights → the GGUF tensors made from them.
-    let mut checked = 0;
-    for (hf_name, want) in digests {
-        let rest = hf_name.strip_prefix("model.layers.").unwrap();
-        let (l, rest) = rest.split_once('.').unwrap();
-        let gguf = match rest {
-            "self_attn.q_a_proj.weight" => "attn_q_a",
-            "self_attn.q_b_proj.weight" => "attn_q_b",
-            "self_attn.o_proj.weight" => "attn_output",
-            "self_attn.kv_a_proj_with_mqa.weight" => "attn_kv_a_mqa",
-            "mlp.gate_proj.weight" => "ffn_gate",
-            "mlp.up_proj.weight" => "ffn_up",
-            "mlp.down_proj.weight" => "ffn_down",
-            "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp",
-            "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp",
-            "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp",
-            _ => continue, // kv_b is split and experts are stacked: their bytes are rearranged
-        };
-        let t = file.tensor(&format!("blk.{l}.{gguf}.weight")).unwrap();
-        assert_eq!(t.ty, references::GgmlType::F32);
-        let got = format!("{:x}", Sha256::digest(file.tensor_data(t)));
-        assert_eq!(&got, want.as_str().unwrap(), "{hf_name}");
-        checked += 1;
+    // DeepSeek-style 128×128 blocks (weight_scale_inv), and compressed-tensors' per-channel scales.
+    for (folder, min) in [("deepseek-v3-fp8", 10), ("qwen3-fp8-channel", 14)] {
+        let file = open(folder);
+        let d = doc(folder);
+        let digests = d["dequantized_sha256"].as_object().unwrap();
+        // The HF names of the quantized weights → the GGUF tensors made from them.
+        let mut checked = 0;
+        for (hf_name, want) in digests {
+            let rest = hf_name.strip_prefix("model.layers.").unwrap();
+            let (l, rest) = rest.split_once('.').unwrap();
+            let gguf = match rest {
+                "self_attn.q_a_proj.weight" => "attn_q_a",
+                "self_attn.q_b_proj.weight" => "attn_q_b",
+                "self_attn.q_proj.weight" => "attn_q",
+                "self_attn.k_proj.weight" => "attn_k",
+                "self_attn.v_proj.weight" => "attn_v",
+                "self_attn.o_proj.weight" => "attn_output",
+                "self_attn.kv_a_proj_with_mqa.weight" => "attn_kv_a_mqa",
+                "mlp.gate_proj.weight" => "ffn_gate",
+                "mlp.up_proj.weight" => "ffn_up",
+                "mlp.down_proj.weight" => "ffn_down",
+                "mlp.shared_experts.gate_proj.weight" => "ffn_gate_shexp",
+                "mlp.shared_experts.up_proj.weight" => "ffn_up_shexp",
+                "mlp.shared_experts.down_proj.weight" => "ffn_down_shexp",
+                _ => continue, // kv_b is split and experts are stacked: their bytes are rearranged
+            };
+            let t = file.tensor(&format!("blk.{l}.{gguf}.weight")).unwrap();
+            assert_eq!(t.ty, references::GgmlType::F32);
+            let got = format!("{:x}", Sha256::digest(file.tensor_data(t)));
+            assert_eq!(&got, want.as_str().unwrap(), "{folder}: {hf_name}");
+            checked += 1;
+        }
+        eprintln!("{folder}: {checked} dequantized weights equal torch's bit for bit");
+        assert!(checked >= min, "{folder}: {checked} checked");
     }
-    assert!(checked >= 10, "{checked} checked");
     // A partial block: ffn_gate of the dense layer is 160 rows (128 + 32).
-    let t = file.tensor("blk.0.ffn_gate.weight").unwrap();
+    let t = open("deepseek-v3-fp8").tensor("blk.0.ffn_gate.weight").unwrap().clone();
     assert_eq!(t.ne, [64, 160]);
 }
 

@@ -81,8 +81,27 @@ pub struct Hparams {
     pub n_experts: usize,
     /// Llama 3.1+ per-pair frequency divisors (`rope_freqs.weight`).
     pub rope_freqs: Option<Vec<f32>>,
-    /// FP8 block size (rows, cols) from `quantization_config`.
-    pub fp8_block: Option<(usize, usize)>,
+    /// How FP8 weights are scaled, from `quantization_config`.
+    pub fp8: Option<Fp8Scheme>,
+}
+
+/// The FP8 weight scaling a checkpoint declares. Every scheme dequantizes as
+/// `f32(value) × scale` of the element's block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fp8Scheme {
+    /// DeepSeek-V3 / GLM-5 (`quant_method` fp8): `weight_scale_inv` per (rows × cols) block,
+    /// partial at the edges.
+    Block(usize, usize),
+    /// compressed-tensors (`float-quantized`): `weight_scale` per tensor, per output channel
+    /// (`strategy` tensor / channel) or per block (`block_structure`).
+    Compressed { strategy: Fp8Strategy },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fp8Strategy {
+    Tensor,
+    Channel,
+    Block(usize, usize),
 }
 
 /// config.json translated: the GGUF metadata and the weight mapping's parameters.
@@ -720,7 +739,7 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             mla = Some((nope, v));
         }
     }
-    let fp8_block = quantization(&c)?;
+    let fp8 = quantization(&c)?;
     let unknown = c.unknown();
     if let Some(k) = unknown.first() {
         return Err(format!(
@@ -745,23 +764,28 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             mla,
             n_experts,
             rope_freqs,
-            fp8_block,
+            fp8,
         },
     })
 }
 
 /// `quantization_config`: DeepSeek-style block FP8 (`quant_method` fp8, `fmt` e4m3,
-/// `weight_block_size`); anything else is refused by name.
-fn quantization(c: &Cfg) -> R<Option<(usize, usize)>> {
+/// `weight_block_size`), or compressed-tensors' FP8 weights (per tensor, per channel or per block;
+/// activations dynamic or none); anything else is refused by name.
+fn quantization(c: &Cfg) -> R<Option<Fp8Scheme>> {
     let Some(q) = c.get("quantization_config") else {
         return Ok(None);
     };
     let q = q.as_object().ok_or("key quantization_config: expected an object")?;
     let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("?");
-    if method != "fp8" {
-        return Err(format!(
-            "quantization_config.quant_method = {method:?}: llmdiff reads block-scaled fp8 (DeepSeek-V3 style) only"
-        ));
+    match method {
+        "fp8" => {}
+        "compressed-tensors" => return compressed_tensors(q).map(Some),
+        _ => {
+            return Err(format!(
+                "quantization_config.quant_method = {method:?}: llmdiff reads block-scaled fp8 (DeepSeek-V3 style) and compressed-tensors fp8 only"
+            ))
+        }
     }
     for (k, v) in q {
         match k.as_str() {
@@ -781,8 +805,77 @@ fn quantization(c: &Cfg) -> R<Option<(usize, usize)>> {
             _ => None,
         })
         .filter(|&(r, c)| r > 0 && c > 0)
-        .ok_or("quantization_config.weight_block_size: expected [rows, cols] (per-tensor fp8 is not implemented)")?;
-    Ok(Some(b))
+        .ok_or("quantization_config.weight_block_size: expected [rows, cols]")?;
+    Ok(Some(Fp8Scheme::Block(b.0, b.1)))
+}
+
+/// compressed-tensors: one config group of FP8 weights (`type` float, 8 bits, symmetric,
+/// static), activations dynamic (quantized by the deployment per token: the reference computes
+/// them exactly) or absent; no KV-cache scheme, no sparsity.
+fn compressed_tensors(q: &Map<String, Value>) -> R<Fp8Scheme> {
+    let bad = |k: &str, v: &Value| Err(format!("quantization_config.{k} = {v}: not implemented by llmdiff"));
+    let mut strategy = None;
+    for (k, v) in q {
+        match k.as_str() {
+            "quant_method" | "quantization_status" | "version" | "global_compression_ratio" | "ignore" => {}
+            "format" if matches!(v.as_str(), Some("float-quantized") | Some("naive-quantized")) => {}
+            "kv_cache_scheme" | "sparsity_config" | "transform_config"
+                if v.is_null() || v.as_object().is_some_and(|m| m.is_empty()) => {}
+            "config_groups" => {
+                let groups = v
+                    .as_object()
+                    .ok_or("quantization_config.config_groups: expected an object")?;
+                if groups.len() != 1 {
+                    return bad(k, v);
+                }
+                let g = groups
+                    .values()
+                    .next()
+                    .and_then(|g| g.as_object())
+                    .ok_or("config_groups: not an object")?;
+                for (gk, gv) in g {
+                    match gk.as_str() {
+                        "targets" | "format" => {}
+                        "output_activations" if gv.is_null() => {}
+                        "input_activations"
+                            if gv.is_null() || gv.get("dynamic").and_then(|d| d.as_bool()) == Some(true) => {}
+                        "weights" => {
+                            let w = gv.as_object().ok_or("config_groups weights: not an object")?;
+                            let get = |k: &str| w.get(k).filter(|v| !v.is_null());
+                            if get("num_bits").and_then(|v| v.as_u64()) != Some(8)
+                                || get("type").and_then(|v| v.as_str()) != Some("float")
+                                || get("symmetric").and_then(|v| v.as_bool()) == Some(false)
+                                || get("dynamic").and_then(|v| v.as_bool()) == Some(true)
+                                || get("group_size").is_some()
+                                || get("actorder").is_some()
+                            {
+                                return bad(&format!("config_groups.{gk}"), gv);
+                            }
+                            strategy = Some(match get("strategy").and_then(|v| v.as_str()) {
+                                Some("tensor") => Fp8Strategy::Tensor,
+                                Some("channel") => Fp8Strategy::Channel,
+                                Some("block") => {
+                                    let b = get("block_structure")
+                                        .and_then(|v| v.as_array())
+                                        .and_then(|a| {
+                                            Some((a.first()?.as_u64()? as usize, a.get(1)?.as_u64()? as usize))
+                                        })
+                                        .filter(|&(r, c)| r > 0 && c > 0)
+                                        .ok_or("config_groups weights.block_structure: expected [rows, cols]")?;
+                                    Fp8Strategy::Block(b.0, b.1)
+                                }
+                                _ => return bad(&format!("config_groups.{gk}.strategy"), gv),
+                            });
+                        }
+                        _ => return bad(&format!("config_groups.{gk}"), gv),
+                    }
+                }
+            }
+            _ => return bad(k, v),
+        }
+    }
+    let strategy = strategy.ok_or("quantization_config: no config group with FP8 weights")?;
+    Ok(Fp8Scheme::Compressed { strategy })
 }
 
 /// Llama 3.1+ per-pair divisors, as convert_hf_to_gguf.py computes them (in f32).

@@ -36,7 +36,7 @@ use std::path::PathBuf;
 pub struct Src {
     pub t: (usize, usize),
     pub scale: Option<(usize, usize)>,
-    /// The FP8 block (rows, cols) of `quantization_config`.
+    /// The FP8 scale block (rows, cols): one scale per block, row-major over the blocks.
     pub block: (usize, usize),
 }
 
@@ -185,45 +185,65 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
     }
     let st = |t: (usize, usize)| &files[t.0].tensors[t.1];
     // Scales belong to their weights.
-    let scale_of = |w: &str, t: (usize, usize)| -> Result<Option<(usize, usize)>, GgufError> {
-        let s = w.strip_suffix(".weight").map(|p| format!("{p}.weight_scale_inv"));
+    use super::config::{Fp8Scheme, Fp8Strategy};
+    let scale_suffix = match hp.fp8 {
+        Some(Fp8Scheme::Compressed { .. }) => ".weight_scale",
+        _ => ".weight_scale_inv",
+    };
+    // (the scale tensor, its block) of an FP8 weight; None for the other dtypes.
+    type Scaled = Option<((usize, usize), (usize, usize))>;
+    let scale_of = |w: &str, t: (usize, usize)| -> Result<Scaled, GgufError> {
+        let s = w.strip_suffix(".weight").map(|p| format!("{p}{scale_suffix}"));
         let scale = s.as_deref().and_then(|s| by_name.get(s)).copied();
         let wt = st(t);
         match (wt.dtype, scale) {
-            (StDtype::F8E4M3, None) => Err(err(t, "F8_E4M3 without its weight_scale_inv".into())),
+            (StDtype::F8E4M3, None) => Err(err(t, format!("F8_E4M3 without its {}", &scale_suffix[1..]))),
             (StDtype::F8E4M3, Some(s)) => {
-                let Some((br, bc)) = hp.fp8_block else {
+                let Some(scheme) = hp.fp8 else {
                     return Err(err(t, "F8_E4M3, but config.json has no quantization_config".into()));
                 };
                 let [rows, cols] = wt.shape[..] else {
                     return Err(err(
                         t,
-                        format!("F8_E4M3 of shape {:?}: only 2-D weights are block-scaled", wt.shape),
+                        format!("F8_E4M3 of shape {:?}: only 2-D weights are scaled", wt.shape),
                     ));
                 };
-                let want = vec![rows.div_ceil(br), cols.div_ceil(bc)];
+                let (br, bc) = match scheme {
+                    Fp8Scheme::Block(r, c)
+                    | Fp8Scheme::Compressed {
+                        strategy: Fp8Strategy::Block(r, c),
+                    } => (r, c),
+                    Fp8Scheme::Compressed {
+                        strategy: Fp8Strategy::Tensor,
+                    } => (rows.max(1), cols.max(1)),
+                    Fp8Scheme::Compressed {
+                        strategy: Fp8Strategy::Channel,
+                    } => (1, cols.max(1)),
+                };
+                let n_blocks = rows.div_ceil(br) * cols.div_ceil(bc);
                 let sc = st(s);
-                if sc.shape != want || sc.dtype != StDtype::F32 {
+                if sc.n_elems() != n_blocks || sc.dtype != StDtype::F32 {
                     return Err(err(
                         s,
                         format!(
-                            "{} {:?}, expected F32 {want:?} ({br}×{bc} blocks of {rows}×{cols})",
+                            "{} {:?}, expected F32 with {n_blocks} scales ({br}×{bc} blocks of {rows}×{cols})",
                             sc.dtype.name(),
                             sc.shape
                         ),
                     ));
                 }
-                Ok(Some(s))
+                Ok(Some((s, (br, bc))))
             }
             (_, Some(s)) => Err(err(s, "a scale for a weight that is not F8_E4M3".into())),
             (_, None) => Ok(None),
         }
     };
     let src = |name: &str, t| -> Result<Src, GgufError> {
+        let sc = scale_of(name, t)?;
         Ok(Src {
             t,
-            scale: scale_of(name, t)?,
-            block: hp.fp8_block.unwrap_or((128, 128)),
+            scale: sc.map(|s| s.0),
+            block: sc.map_or((1, 1), |s| s.1),
         })
     };
     let ne_of = |shape: &[usize]| shape.iter().rev().map(|&d| d as u64).collect::<Vec<u64>>();
@@ -233,8 +253,8 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
     // (layer, which) → expert index → source
     let mut experts: BTreeMap<(usize, &'static str), Experts> = BTreeMap::new();
     for (&name, &t) in &by_name {
-        if name.ends_with(".weight_scale_inv") {
-            let w = name.replace(".weight_scale_inv", ".weight");
+        if name.ends_with(scale_suffix) {
+            let w = name.replace(scale_suffix, ".weight");
             if !by_name.contains_key(w.as_str()) {
                 return Err(err(t, "a scale without its weight".into()));
             }
@@ -513,8 +533,8 @@ fn elements(s: &Src, files: &[StFile]) -> (Vec<u8>, usize) {
                 .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
                 .collect();
             let (rows, cols) = (t.shape[0], t.shape[1]);
-            let sc_cols = st.shape[1];
             let (br, bc) = s.block;
+            let sc_cols = cols.div_ceil(bc);
             let mut out = Vec::with_capacity(rows * cols * 4);
             for r in 0..rows {
                 for c in 0..cols {
