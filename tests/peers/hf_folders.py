@@ -29,6 +29,10 @@ Folders (under OUT_DIR/hf/):
   dynamic activations, as llm-compressor's FP8_DYNAMIC writes them); expectations as for
   deepseek-v3-fp8.
 
+- gpt-oss-mxfp4: gpt-oss with its experts in MXFP4 `_blocks`/`_scales` (as the released
+  checkpoints, `quant_method` mxfp4); expectations are HF fp32 on transformers' own dequantization
+  of those blocks (`convert_moe_packed_tensors`) and each dequantized expert weight's sha256.
+
 Each FOLDER gets OUT_DIR/hf/FOLDER.json ({"cases": [{prompt, tokens, logprobs}]}), and the bf16 and
 f32 ones OUT_DIR/hf/FOLDER.gguf (convert_hf_to_gguf.py from the folder itself, --outtype bf16 or f32 as
 the folder is stored: the same weights, bit for bit).
@@ -180,6 +184,63 @@ def save_fp8(model, tok, out, scheme="block"):
     return peer, digests
 
 
+def mxfp4_quantize(w):
+    """[E, rows, in] → OpenAI's MXFP4 checkpoint form: `_blocks` [E, rows, in/32, 16] (value 2i in
+    byte i's low nibble, 2i+1 in its high one) and `_scales` [E, rows, in/32] (E8M0, bias 127);
+    each 32-block's scale the smallest power of two with |w| / scale ≤ 6, values rounded to the
+    nearest FP4 (E2M1)."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+    grid = torch.tensor(FP4_VALUES[:8])
+    e, rows, inner = w.shape
+    blk = w.float().reshape(e, rows, inner // 32, 32)
+    amax = blk.abs().amax(-1).clamp(min=2.0 ** -100)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    x = blk / torch.ldexp(torch.ones_like(amax), exp.int()).unsqueeze(-1)
+    idx = (x.abs().unsqueeze(-1) - grid).abs().argmin(-1) + 8 * (x < 0).long()
+    idx = idx.to(torch.uint8)
+    blocks = idx[..., 0::2] | (idx[..., 1::2] << 4)
+    return blocks.contiguous(), (exp.int() + 127).to(torch.uint8).contiguous()
+
+
+def save_mxfp4(model, tok, out):
+    """gpt-oss with its experts in MXFP4 (as the released checkpoints): returns the model loaded
+    with transformers' own dequantization of those blocks (convert_moe_packed_tensors, f32) and
+    the sha256 of each dequantized expert weight in the GGUF's [E, rows, in] order."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    sd = model.state_dict()
+    tensors, digests = {}, {}
+    for name, t in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # [E, out, in]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            deq = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+            with torch.no_grad():
+                t.copy_(deq)
+            gguf_order = deq.transpose(1, 2)  # [E, out, in]
+            if name.endswith("gate_up_proj"):
+                for which, part in (("gate", gguf_order[:, 0::2]), ("up", gguf_order[:, 1::2])):
+                    digests[name.replace("gate_up_proj", which)] = hashlib.sha256(
+                        (part + 0.0).contiguous().numpy().tobytes()).hexdigest()
+            else:
+                # (+ 0.0: GGML's MXFP4 table has one zero, FP4's code 8 is -0.0 in transformers')
+                digests[name] = hashlib.sha256((gguf_order + 0.0).contiguous().numpy().tobytes()).hexdigest()
+        else:
+            tensors[name] = t.bfloat16()
+            with torch.no_grad():
+                t.copy_(t.bfloat16().float())
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_diff_dict()
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    cfg["dtype"] = "bfloat16"
+    cfg["architectures"] = ["GptOssForCausalLM"]
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=2)
+    tok.save_pretrained(out)
+    return model, digests
+
+
 def convert(convert_script, hf_dir, out_path, outtype):
     src = os.path.dirname(os.path.abspath(convert_script))
     if "convert_hf_to_gguf" not in sys.modules:
@@ -215,6 +276,7 @@ def main():
         "gemma3-f32": lambda: (family_tiny.build_model("gemma3", len(tok320)), tok320, "f32", None),
         "gpt-oss-bf16": lambda: (rounded_bf16(family_tiny.build_model("gpt-oss", len(tok320))), tok320, "bf16", None),
         "deepseek-v3-fp8": lambda: (deepseek_v3(len(tok512), ffn=160), tok512, "fp8", None),
+        "gpt-oss-mxfp4": lambda: (family_tiny.build_model("gpt-oss", len(tok320)), tok320, "mxfp4", None),
         "qwen3-fp8-channel": lambda: (family_tiny.build_model("qwen3", len(tok320)), tok320, "fp8-channel", None),
     }
     for name, plan in plans.items():
@@ -224,7 +286,9 @@ def main():
         folder = os.path.join(out_dir, name)
         shutil.rmtree(folder, ignore_errors=True)
         digests = None
-        if dtype.startswith("fp8"):
+        if dtype == "mxfp4":
+            model, digests = save_mxfp4(model, tok, folder)
+        elif dtype.startswith("fp8"):
             model, digests = save_fp8(model, tok, folder, "channel" if dtype == "fp8-channel" else "block")
         else:
             # A copy is cast for saving: casting the model itself would round its rotary buffers.

@@ -31,6 +31,7 @@ const FOLDERS: &[&str] = &[
     "gpt-oss-bf16",
     "deepseek-v3-fp8",
     "qwen3-fp8-channel",
+    "gpt-oss-mxfp4",
 ];
 
 fn doc(name: &str) -> Value {
@@ -167,6 +168,26 @@ fn fp8_weights_equal_torch_dequantization_bit_for_bit() {
         }
         eprintln!("{folder}: {checked} dequantized weights equal torch's bit for bit");
         assert!(checked >= min, "{folder}: {checked} checked");
+    }
+    // gpt-oss's MXFP4 experts, repacked into GGML MXFP4: the reference's dequantization of them
+    // equals transformers' (convert_moe_packed_tensors) bit for bit.
+    let file = open("gpt-oss-mxfp4");
+    let d = doc("gpt-oss-mxfp4");
+    let digests = d["dequantized_sha256"].as_object().unwrap();
+    assert_eq!(digests.len(), 6, "gate, up and down of 2 layers");
+    for (hf_name, want) in digests {
+        let rest = hf_name.strip_prefix("model.layers.").unwrap();
+        let (l, rest) = rest.split_once('.').unwrap();
+        let which = rest.strip_prefix("mlp.experts.").unwrap().trim_end_matches("_proj");
+        let t = file.tensor(&format!("blk.{l}.ffn_{which}_exps.weight")).unwrap();
+        assert_eq!(t.ty, references::GgmlType::MXFP4);
+        let f = references::dequant::dequantize_to_vec(t.ty, file.tensor_data(t)).unwrap();
+        let bytes: Vec<u8> = f.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(
+            &format!("{:x}", Sha256::digest(&bytes)),
+            want.as_str().unwrap(),
+            "{hf_name}"
+        );
     }
     // A partial block: ffn_gate of the dense layer is 160 rows (128 + 32).
     let t = open("deepseek-v3-fp8").tensor("blk.0.ffn_gate.weight").unwrap().clone();

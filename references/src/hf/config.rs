@@ -9,7 +9,7 @@
 //! `rope_scaling` (`type` or `rope_type`) with a top-level `rope_theta`.
 //!
 //! Families read: llama, mistral, qwen2, qwen3, qwen3_moe, glm4_moe, gemma2, gemma3_text,
-//! gpt_oss (its experts in BF16/F32; MXFP4 blocks are refused), deepseek_v3, deepseek_v32,
+//! gpt_oss (experts in BF16/F32 or MXFP4), deepseek_v3, deepseek_v32,
 //! glm_moe_dsa. Others (multimodal gemma3, deepseek_v2) are refused by name: convert them with
 //! convert_hf_to_gguf.py.
 
@@ -83,6 +83,8 @@ pub struct Hparams {
     pub rope_freqs: Option<Vec<f32>>,
     /// How FP8 weights are scaled, from `quantization_config`.
     pub fp8: Option<Fp8Scheme>,
+    /// gpt-oss's experts are MXFP4 (`quant_method` mxfp4: `_blocks` and `_scales` tensors).
+    pub mxfp4: bool,
 }
 
 /// The FP8 weight scaling a checkpoint declares. Every scheme dequantizes as
@@ -739,7 +741,32 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             mla = Some((nope, v));
         }
     }
-    let fp8 = quantization(&c)?;
+    let mxfp4 = c
+        .obj
+        .get("quantization_config")
+        .and_then(|q| q.get("quant_method"))
+        .and_then(|m| m.as_str())
+        == Some("mxfp4");
+    let fp8 = if mxfp4 {
+        if arch != Arch::GptOss {
+            return Err(format!(
+                "quantization_config.quant_method = \"mxfp4\": read for gpt_oss only, not {model_type}"
+            ));
+        }
+        let q = c
+            .get("quantization_config")
+            .and_then(|q| q.as_object())
+            .ok_or("quantization_config")?;
+        if let Some(k) = q
+            .keys()
+            .find(|k| !matches!(k.as_str(), "quant_method" | "modules_to_not_convert"))
+        {
+            return Err(format!("quantization_config.{k}: not understood by llmdiff"));
+        }
+        None
+    } else {
+        quantization(&c)?
+    };
     let unknown = c.unknown();
     if let Some(k) = unknown.first() {
         return Err(format!(
@@ -765,6 +792,7 @@ pub fn translate(obj: &Map<String, Value>) -> R<Translated> {
             n_experts,
             rope_freqs,
             fp8,
+            mxfp4,
         },
     })
 }

@@ -10,7 +10,7 @@
 //! and BF16 are GGML types). Tensors it transforms — llama/mistral q/k rows permuted from HF's
 //! rotate-half order to llama.cpp's interleaved pairs, per-expert tensors stacked, MLA's kv_b split
 //! into k_b (transposed per head) and v_b, FP8 weights (DeepSeek 128×128 blocks, compressed-tensors
-//! per tensor/channel/block) dequantized to f32
+//! per tensor/channel/block) dequantized to f32, gpt-oss's MXFP4 experts repacked into GGML MXFP4
 //! (f32(value) × scale, bit-exact), Llama 3.1's `rope_freqs` computed — are written once, one
 //! tensor (one expert) at a time, to an unlinked temporary file that is then memory-mapped like the
 //! others. Peak memory stays about one layer; the temporary file costs disk (for an FP8 model, 4

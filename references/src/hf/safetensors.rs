@@ -15,6 +15,8 @@ pub enum StDtype {
     BF16,
     /// float8_e4m3fn (DeepSeek-V3 / GLM-5 block-scaled FP8 checkpoints).
     F8E4M3,
+    /// Bytes: only gpt-oss's MXFP4 `_blocks` / `_scales` are read as such.
+    U8,
 }
 
 impl StDtype {
@@ -24,6 +26,7 @@ impl StDtype {
             "F16" => StDtype::F16,
             "BF16" => StDtype::BF16,
             "F8_E4M3" => StDtype::F8E4M3,
+            "U8" => StDtype::U8,
             _ => return None,
         })
     }
@@ -31,7 +34,7 @@ impl StDtype {
         match self {
             StDtype::F32 => 4,
             StDtype::F16 | StDtype::BF16 => 2,
-            StDtype::F8E4M3 => 1,
+            StDtype::F8E4M3 | StDtype::U8 => 1,
         }
     }
     pub fn name(self) -> &'static str {
@@ -40,6 +43,7 @@ impl StDtype {
             StDtype::F16 => "F16",
             StDtype::BF16 => "BF16",
             StDtype::F8E4M3 => "F8_E4M3",
+            StDtype::U8 => "U8",
         }
     }
 }
@@ -122,7 +126,7 @@ pub fn open(path: &Path, file: usize) -> Result<StFile, GgufError> {
             .ok_or_else(|| bad("no dtype".into()))?;
         let dtype = StDtype::parse(dtype_s).ok_or_else(|| {
             bad(format!(
-                "dtype {dtype_s} is not supported (llmdiff reads F32, F16, BF16 and block-scaled F8_E4M3)"
+                "dtype {dtype_s} is not supported (llmdiff reads F32, F16, BF16, scaled F8_E4M3 and gpt-oss's MXFP4 U8 blocks)"
             ))
         })?;
         let shape: Vec<usize> = v

@@ -15,8 +15,8 @@
 //!   norm `ffn_norm`, its post-FFN norm `post_ffw_norm`).
 //!
 //! - gpt-oss's fused experts: `gate_up_proj` de-interleaved into gate and up and transposed,
-//!   `down_proj` transposed, as the converter does for unquantized experts (MXFP4 `_blocks` /
-//!   `_scales` are refused: their U8 dtype is).
+//!   `down_proj` transposed, as the converter does for unquantized experts; MXFP4 `_blocks` /
+//!   `_scales` repacked into GGML MXFP4 blocks as the converter repacks them.
 //!
 //! Tensors of layers past `num_hidden_layers` (DeepSeek's MTP block) and `rotary_emb.inv_freq`
 //! buffers are skipped; any other unknown tensor is refused by name.
@@ -73,6 +73,15 @@ pub enum Recipe {
     /// → gate (`which` 0) or up (1) `[E, ff, d]`; its bias `[E, 2·ff]` → `[E, ff]`; `down_proj`
     /// `[E, ff, d]` → `[E, d, ff]` (transposed, `which` 2).
     GptOss { src: Src, which: usize, bias: bool },
+    /// gpt-oss's MXFP4 experts: `_blocks` `[E, rows, G, 16]` (value 2i in byte i's low nibble,
+    /// 2i+1 in its high one) and `_scales` `[E, rows, G]` (E8M0) → GGML MXFP4 rows (scale byte,
+    /// then values j and j+16 in byte j); gate (`which` 0) and up (1) take every other row of
+    /// gate_up, down (`which` 2) all of them.
+    Mxfp4 {
+        blocks: (usize, usize),
+        scales: (usize, usize),
+        which: usize,
+    },
 }
 
 /// One tensor of the virtual GGUF.
@@ -89,6 +98,7 @@ fn ggml(d: StDtype) -> GgmlType {
         StDtype::F32 | StDtype::F8E4M3 => GgmlType::F32,
         StDtype::F16 => GgmlType::F16,
         StDtype::BF16 => GgmlType::BF16,
+        StDtype::U8 => GgmlType::MXFP4, // only gpt-oss's MXFP4 blocks get this far
     }
 }
 
@@ -324,6 +334,59 @@ pub fn plan(hp: &Hparams, files: &[StFile], paths: &[PathBuf]) -> Result<Vec<Pla
             if shape != want {
                 return Err(err(t, format!("shape {shape:?}, config.json implies {want:?}")));
             }
+        }
+        if hp.arch == Arch::GptOss && hp.mxfp4 && rest.starts_with("mlp.experts.") && rest.ends_with("_scales") {
+            continue; // read with its _blocks
+        }
+        if hp.arch == Arch::GptOss && hp.mxfp4 && rest.starts_with("mlp.experts.") && rest.ends_with("_blocks") {
+            let base = name.strip_suffix("_blocks").expect("checked");
+            let Some(&sc) = by_name.get(format!("{base}_scales").as_str()) else {
+                return Err(err(t, "MXFP4 blocks without their _scales".into()));
+            };
+            let (bs, ss) = (&st(t).shape, &st(sc).shape);
+            let (n, d, ffn) = (hp.n_experts, hp.d_model, hp.ffn);
+            let (rows, inner) = if rest.contains("gate_up") {
+                (2 * ffn, d)
+            } else {
+                (d, ffn)
+            };
+            let want_b = [n, rows, inner / 32, 16];
+            if st(t).dtype != StDtype::U8 || bs[..] != want_b || inner % 32 != 0 {
+                return Err(err(
+                    t,
+                    format!("{} {bs:?}, config.json implies U8 {want_b:?}", st(t).dtype.name()),
+                ));
+            }
+            if st(sc).dtype != StDtype::U8 || ss[..] != want_b[..3] {
+                return Err(err(
+                    sc,
+                    format!("{} {ss:?}, expected U8 {:?}", st(sc).dtype.name(), &want_b[..3]),
+                ));
+            }
+            let ne = |r: usize| vec![inner as u64, r as u64, n as u64];
+            let mk = |g: &str, which: usize, r: usize| Planned {
+                name: format!("blk.{l}.{g}"),
+                ty: GgmlType::MXFP4,
+                ne: ne(r),
+                recipe: Recipe::Mxfp4 {
+                    blocks: t,
+                    scales: sc,
+                    which,
+                },
+            };
+            if rest.contains("gate_up") {
+                layers[l].push(mk("ffn_gate_exps.weight", 0, ffn));
+                layers[l].push(mk("ffn_up_exps.weight", 1, ffn));
+            } else {
+                layers[l].push(mk("ffn_down_exps.weight", 2, d));
+            }
+            continue;
+        }
+        if st(t).dtype == StDtype::U8 {
+            return Err(err(
+                t,
+                "dtype U8: only gpt-oss's MXFP4 expert blocks (quant_method mxfp4) are read".into(),
+            ));
         }
         if hp.arch == Arch::GptOss {
             let n = hp.n_experts;
@@ -638,6 +701,32 @@ pub fn write_derived(
                             }
                         }
                     }
+                    put(&out).map_err(io)?
+                }
+                Recipe::Mxfp4 { blocks, scales, which } => {
+                    let (bf, sf) = (&files[blocks.0], &files[scales.0]);
+                    let (bt, stt) = (&bf.tensors[blocks.1], &sf.tensors[scales.1]);
+                    let (b, sc) = (bf.data(bt), sf.data(stt));
+                    let (n, rows, g) = (bt.shape[0], bt.shape[1], bt.shape[2]);
+                    let out_rows: Vec<usize> = if *which < 2 {
+                        (0..rows / 2).map(|j| 2 * j + which).collect()
+                    } else {
+                        (0..rows).collect()
+                    };
+                    let mut out = Vec::with_capacity(n * out_rows.len() * g * 17);
+                    for x in 0..n {
+                        for &r in &out_rows {
+                            for k in 0..g {
+                                let i = (x * rows + r) * g + k;
+                                out.push(sc[i]);
+                                let blk = &b[i * 16..(i + 1) * 16];
+                                let v = |j: usize| (blk[j / 2] >> (4 * (j % 2))) & 0x0F;
+                                out.extend((0..16).map(|j| v(j) | (v(j + 16) << 4)));
+                            }
+                        }
+                    }
+                    bf.release(bt);
+                    sf.release(stt);
                     put(&out).map_err(io)?
                 }
                 Recipe::PlusOne(s) => {
