@@ -41,7 +41,7 @@ pub fn open_model(path: &Path) -> anyhow::Result<GgufFile> {
     if !path.is_dir() {
         check_regular(path)?;
     }
-    let mut file = GgufFile::open(path).with_context(|| "cannot read the model".to_string())?;
+    let mut file = references::source::open(path).with_context(|| "cannot read the model".to_string())?;
     file.header.allow_unknown = ALLOW_UNKNOWN.get().cloned().unwrap_or_default();
     Ok(file)
 }

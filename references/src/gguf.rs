@@ -399,23 +399,8 @@ impl GgufFile {
     /// The first file of a split model opens every shard (validated: same split.count, shard
     /// numbers in order, same architecture where a shard names one, no tensor twice, the total
     /// equal to split.tensors.count); a later shard is refused, naming the file to open.
-    ///
-    /// A folder opens as an HF checkpoint (`config.json` + safetensors), presented as the GGUF
-    /// llama.cpp's converter would write for it ([`crate::hf`]).
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, GgufError> {
         let path = path.as_ref().to_path_buf();
-        if path.is_dir() {
-            let o = crate::hf::open(&path)?;
-            return Ok(GgufFile {
-                path,
-                header: o.header,
-                maps: o.maps,
-                data_offsets: o.data_offsets,
-                source: ModelSource::HfFolder {
-                    tokenizer_json: o.tokenizer_json,
-                },
-            });
-        }
         let (map, mut header) = map_file(&path)?;
         let name = path.display().to_string();
         let err = |file: &str, msg: String| GgufError {
@@ -533,6 +518,24 @@ impl GgufFile {
             data_offsets,
             source: ModelSource::Gguf,
         })
+    }
+
+    /// A model whose header and maps were made elsewhere (an HF folder read as its GGUF
+    /// conversion, `crate::hf`): `data_offsets[i]` is where map `i`'s tensor offsets start.
+    pub(crate) fn from_parts(
+        path: PathBuf,
+        header: GgufHeader,
+        maps: Vec<Mmap>,
+        data_offsets: Vec<u64>,
+        source: ModelSource,
+    ) -> GgufFile {
+        GgufFile {
+            path,
+            header,
+            maps,
+            data_offsets,
+            source,
+        }
     }
 
     /// Number of files (1 unless split).

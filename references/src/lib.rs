@@ -16,6 +16,7 @@ pub mod hf;
 #[rustfmt::skip]
 pub mod iq_grids;
 pub mod quant;
+pub mod source;
 pub mod synth;
 pub mod tap;
 pub mod tokenizer;

@@ -39,7 +39,7 @@ fn doc(name: &str) -> Value {
 }
 
 fn open(name: &str) -> GgufFile {
-    GgufFile::open(golden(&format!("hf/{name}"))).unwrap_or_else(|e| panic!("{name}: {e}"))
+    references::source::open(golden(&format!("hf/{name}"))).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
 /// (worst |Δ logprob| over the full vocabulary, top-1 agreements, positions).

@@ -1,7 +1,7 @@
 //! Hugging Face checkpoint folders (`config.json` + `model.safetensors`, or
 //! `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`) as a model source.
 //!
-//! A folder opens as the GGUF llama.cpp's convert_hf_to_gguf.py would write for it — the same
+//! A folder opens ([`open`], or [`crate::source::open`] for either kind of model) as the GGUF llama.cpp's convert_hf_to_gguf.py would write for it — the same
 //! metadata ([`config`]), the same tensor names, layouts and values ([`weights`]) — so the
 //! reference, the engine and every command run on it unchanged, and a tap from a folder and from
 //! its GGUF conversion are the same tensor (see `tap.rs`).
@@ -20,17 +20,9 @@ pub mod config;
 pub mod safetensors;
 pub mod weights;
 
-use crate::gguf::{GgufError, GgufHeader, TensorInfo};
+use crate::gguf::{GgufError, GgufFile, GgufHeader, ModelSource, TensorInfo};
 use memmap2::Mmap;
 use std::path::{Path, PathBuf};
-
-/// An opened folder: the header and the maps, for [`crate::GgufFile`].
-pub(crate) struct Opened {
-    pub header: GgufHeader,
-    pub maps: Vec<Mmap>,
-    pub data_offsets: Vec<u64>,
-    pub tokenizer_json: Option<PathBuf>,
-}
 
 type JsonMap = serde_json::Map<String, serde_json::Value>;
 
@@ -107,7 +99,7 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<JsonMap>), GgufError>
 }
 
 /// Opens `dir` (a folder with config.json) as the GGUF its conversion would be.
-pub(crate) fn open(dir: &Path) -> Result<Opened, GgufError> {
+pub fn open(dir: &Path) -> Result<GgufFile, GgufError> {
     let cfg_path = dir.join("config.json");
     if !cfg_path.is_file() {
         return Err(GgufError {
@@ -196,17 +188,19 @@ pub(crate) fn open(dir: &Path) -> Result<Opened, GgufError> {
         data_offsets.push(0);
     }
     let tokenizer_json = Some(dir.join("tokenizer.json")).filter(|p| p.is_file());
-    Ok(Opened {
-        header: GgufHeader {
-            version: 3,
-            metadata: tr.metadata,
-            tensors,
-            alignment: 32,
-            data_offset: 0,
-            allow_unknown: Vec::new(),
-        },
+    let header = GgufHeader {
+        version: 3,
+        metadata: tr.metadata,
+        tensors,
+        alignment: 32,
+        data_offset: 0,
+        allow_unknown: Vec::new(),
+    };
+    Ok(GgufFile::from_parts(
+        dir.to_path_buf(),
+        header,
         maps,
         data_offsets,
-        tokenizer_json,
-    })
+        ModelSource::HfFolder { tokenizer_json },
+    ))
 }
