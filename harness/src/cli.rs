@@ -95,7 +95,7 @@ pub fn percent(s: &str) -> Result<f64, String> {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// The GGUF file.
+    /// The model: a GGUF file or an HF checkpoint folder (config.json + safetensors).
     pub model: PathBuf,
     /// Print the result as JSON on stdout.
     #[arg(long)]
@@ -385,7 +385,8 @@ impl DiffInputArgs {
 
 #[derive(Args, Debug)]
 pub struct LogitsArgs {
-    /// The GGUF model.
+    /// The model: a GGUF file (the first shard of a split one) or an HF checkpoint folder
+    /// (config.json + safetensors).
     pub model: PathBuf,
     #[command(flatten)]
     pub input: InputArgs,
@@ -454,7 +455,8 @@ pub static FAULT_HELP: std::sync::LazyLock<String> = std::sync::LazyLock::new(||
 
 #[derive(Args, Debug)]
 pub struct DiffLayersArgs {
-    /// The GGUF model.
+    /// The model: a GGUF file (the first shard of a split one) or an HF checkpoint folder
+    /// (config.json + safetensors).
     pub model: PathBuf,
     #[command(flatten)]
     pub input: DiffInputArgs,
@@ -503,7 +505,8 @@ pub struct DiffLayersArgs {
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
-    /// The GGUF model.
+    /// The model: a GGUF file (the first shard of a split one) or an HF checkpoint folder
+    /// (config.json + safetensors).
     pub model: PathBuf,
     #[command(flatten)]
     pub input: InputArgs,
@@ -522,7 +525,8 @@ pub struct GenerateArgs {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// The GGUF model.
+    /// The model: a GGUF file (the first shard of a split one) or an HF checkpoint folder
+    /// (config.json + safetensors).
     pub model: PathBuf,
     #[command(flatten)]
     pub engine: EngineArgs,

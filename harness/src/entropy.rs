@@ -118,7 +118,7 @@ pub fn tokenize_prompts(file: &GgufFile, prompts: &[PromptInput], vocab: usize) 
             (Some(t), _) => t.clone(),
             (None, Some(text)) => {
                 if tok.is_none() {
-                    tok = Some(Tokenizer::from_gguf(&file.header)?);
+                    tok = Some(Tokenizer::for_model(file)?);
                 }
                 tok.as_ref().expect("set above").encode(text, true)?
             }

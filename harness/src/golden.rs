@@ -506,16 +506,30 @@ pub fn token_texts(
 /// sha256 of a file, hex.
 pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
     use std::io::Read;
-    crate::output::check_regular(path)?;
-    let mut f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
+    // An HF checkpoint folder: config.json, then its safetensors files in name order.
+    let files: Vec<std::path::PathBuf> = if path.is_dir() {
+        let mut st: Vec<_> = std::fs::read_dir(path)
+            .with_context(|| format!("cannot list {}", path.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        st.sort();
+        std::iter::once(path.join("config.json")).chain(st).collect()
+    } else {
+        vec![path.to_path_buf()]
+    };
+    for file in files {
+        crate::output::check_regular(&file)?;
+        let mut f = std::fs::File::open(&file).with_context(|| format!("cannot open {}", file.display()))?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
         }
-        h.update(&buf[..n]);
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -34,11 +34,14 @@ pub fn set_allow_unknown(keys: Vec<String>) {
     let _ = ALLOW_UNKNOWN.set(keys);
 }
 
-/// Opens a GGUF file (the first shard of a split one opens them all); the error names the file
-/// and byte offset. The file carries the `--allow-unknown` names (see `references::allowlist`).
+/// Opens a GGUF file (the first shard of a split one opens them all) or an HF checkpoint folder
+/// (config.json + safetensors, read as its GGUF conversion: `references::hf`); the error names the
+/// file and byte offset. The model carries the `--allow-unknown` names (see `references::allowlist`).
 pub fn open_model(path: &Path) -> anyhow::Result<GgufFile> {
-    check_regular(path)?;
-    let mut file = GgufFile::open(path).with_context(|| "cannot read the model".to_string())?;
+    if !path.is_dir() {
+        check_regular(path)?;
+    }
+    let mut file = references::source::open(path).with_context(|| "cannot read the model".to_string())?;
     file.header.allow_unknown = ALLOW_UNKNOWN.get().cloned().unwrap_or_default();
     Ok(file)
 }

@@ -346,6 +346,20 @@ pub struct GgufFile {
     maps: Vec<Mmap>,
     /// Each file's data-section offset.
     data_offsets: Vec<u64>,
+    /// The source: a GGUF file (or split set), or an HF checkpoint folder read as its GGUF
+    /// conversion ([`crate::hf`]).
+    pub source: ModelSource,
+}
+
+/// Where a [`GgufFile`]'s header and tensors come from. Both present the same interface: the
+/// GGUF metadata and tensors by GGUF name, memory-mapped.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSource {
+    Gguf,
+    /// An HF checkpoint folder; its `tokenizer.json` when it has one.
+    HfFolder {
+        tokenizer_json: Option<PathBuf>,
+    },
 }
 
 /// Metadata keys of a split model (llama.cpp's gguf-split).
@@ -401,6 +415,7 @@ impl GgufFile {
                 maps: vec![map],
                 data_offsets: vec![header.data_offset],
                 header,
+                source: ModelSource::Gguf,
             });
         };
         let no = count_of(&header, split_key::NO).unwrap_or(0);
@@ -427,6 +442,7 @@ impl GgufFile {
                 maps: vec![map],
                 data_offsets: vec![header.data_offset],
                 header,
+                source: ModelSource::Gguf,
             });
         }
         let Some((prefix, i1, n, wi, wn)) = names else {
@@ -500,7 +516,26 @@ impl GgufFile {
             header,
             maps,
             data_offsets,
+            source: ModelSource::Gguf,
         })
+    }
+
+    /// A model whose header and maps were made elsewhere (an HF folder read as its GGUF
+    /// conversion, `crate::hf`): `data_offsets[i]` is where map `i`'s tensor offsets start.
+    pub(crate) fn from_parts(
+        path: PathBuf,
+        header: GgufHeader,
+        maps: Vec<Mmap>,
+        data_offsets: Vec<u64>,
+        source: ModelSource,
+    ) -> GgufFile {
+        GgufFile {
+            path,
+            header,
+            maps,
+            data_offsets,
+            source,
+        }
     }
 
     /// Number of files (1 unless split).

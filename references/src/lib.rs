@@ -12,9 +12,11 @@ pub mod dequant;
 pub mod forward;
 pub mod ggml_type;
 pub mod gguf;
+pub mod hf;
 #[rustfmt::skip]
 pub mod iq_grids;
 pub mod quant;
+pub mod source;
 pub mod synth;
 pub mod tap;
 pub mod tokenizer;
@@ -22,5 +24,5 @@ pub mod writer;
 
 pub use config::{ConfigError, ModelConfig};
 pub use ggml_type::GgmlType;
-pub use gguf::{GgufError, GgufFile, MetaValue, TensorInfo};
+pub use gguf::{GgufError, GgufFile, MetaValue, ModelSource, TensorInfo};
 pub use tap::{Site, Tap, TapKey};

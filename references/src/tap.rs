@@ -9,6 +9,13 @@
 //! head only), gemma2 and gemma3 rotate NeoX halves (i, i + rope_dim/2), the q/k rows stored as
 //! HF has them, in both GGUF and HF-folder form.
 //!
+//! **The source does not change a tap.** An HF checkpoint folder is read as the GGUF llama.cpp's
+//! converter writes for it (`crate::hf`): llama/mistral q/k rows are permuted at load to the NORM
+//! pairs above, MLA's kv_b is split into k_b/v_b as the converter splits it, so every tap —
+//! `q`/`k` included — holds the same layout and values from a folder as from its conversion
+//! (`tests/tests/hf_folders.rs` diffs the two at every tap). A foreign dump of HF transformers'
+//! own q/k after RoPE is still rotate-half for llama/mistral and declares `hf-rotate-half`.
+//!
 //! **Family sites:** qwen2/glm4moe's `q`/`k`/`v` include their biases; qwen3/qwen3moe/gemma3's
 //! `q`/`k` are after the per-head RMSNorm and RoPE. Gemma: `embed` is after the √d_model scale,
 //! `attn_proj` and `ffn_out` are after the post-attention / post-FFN norms (the values added to

@@ -139,6 +139,9 @@ fn pre_spec(pre: &str) -> Option<PreSpec> {
 enum Model {
     /// Byte-level BPE through the `tokenizers` crate (boxed: it is large).
     Bpe(Box<tokenizers::Tokenizer>),
+    /// An HF checkpoint's own `tokenizer.json`, run whole by the `tokenizers` crate as
+    /// transformers runs it (added and special tokens split out by the tokenizer itself).
+    Hf(Box<tokenizers::Tokenizer>),
     /// llama.cpp's SentencePiece merge-by-score.
     Spm {
         scores: Vec<f32>,
@@ -184,6 +187,83 @@ enum Fragment {
 }
 
 impl Tokenizer {
+    /// The model's tokenizer: an HF folder's `tokenizer.json`, else the GGUF metadata.
+    pub fn for_model(file: &crate::GgufFile) -> Result<Tokenizer, TokenizerError> {
+        match &file.source {
+            crate::ModelSource::HfFolder {
+                tokenizer_json: Some(p),
+            } => Tokenizer::from_hf_json(p),
+            crate::ModelSource::HfFolder { tokenizer_json: None } => Err(TokenizerError::Backend(format!(
+                "{}: the folder has no tokenizer.json (give --tokens)",
+                file.path.display()
+            ))),
+            crate::ModelSource::Gguf => Tokenizer::from_gguf(&file.header),
+        }
+    }
+
+    /// Builds the tokenizer from an HF `tokenizer.json` (and, beside it, `tokenizer_config.json`'s
+    /// `add_bos_token`): ids as transformers gives them with `add_special_tokens=False`. Added
+    /// tokens are control tokens when special, user-defined otherwise; ids the vocabulary skips
+    /// read as `[PADi]` (as convert_hf_to_gguf.py names them).
+    pub fn from_hf_json(path: &std::path::Path) -> Result<Tokenizer, TokenizerError> {
+        let bad = |e: String| TokenizerError::Backend(format!("{}: {e}", path.display()));
+        let len = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?.len();
+        if len > 1 << 30 {
+            return Err(bad(format!("{len} bytes: too large for a tokenizer")));
+        }
+        let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| bad(e.to_string()))?;
+        let vocab = tok.get_vocab(true);
+        let n_vocab = vocab.values().map(|&i| i as usize + 1).max().unwrap_or(0);
+        if n_vocab == 0 || n_vocab > 1 << 24 {
+            return Err(bad(format!("a vocabulary of {n_vocab} ids")));
+        }
+        let mut tokens: Vec<String> = (0..n_vocab).map(|i| format!("[PAD{i}]")).collect();
+        let mut types = vec![TokenType::Unused; n_vocab];
+        for (t, &i) in &vocab {
+            tokens[i as usize] = t.clone();
+            types[i as usize] = TokenType::Normal;
+        }
+        for (&i, added) in tok.get_added_tokens_decoder().iter() {
+            if let Some(ty) = types.get_mut(i as usize) {
+                *ty = if added.special {
+                    TokenType::Control
+                } else {
+                    TokenType::UserDefined
+                };
+            }
+        }
+        let token_to_id: HashMap<String, u32> = vocab.into_iter().collect();
+        let cfg: Option<serde_json::Value> = path
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let named = |k: &str| -> Option<u32> {
+            let v = cfg.as_ref()?.get(k)?;
+            let text = v.as_str().or_else(|| v.get("content")?.as_str())?;
+            token_to_id.get(text).copied()
+        };
+        let add_bos = cfg
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false);
+        Ok(Tokenizer {
+            model: Model::Hf(Box::new(tok)),
+            kind: "hf".into(),
+            pre: None,
+            tokens,
+            types,
+            special_order: Vec::new(),
+            bos: named("bos_token"),
+            eos: named("eos_token"),
+            unk: named("unk_token"),
+            pad: named("pad_token"),
+            token_to_id,
+            add_bos,
+        })
+    }
+
     /// Builds the tokenizer from a GGUF header's `tokenizer.ggml.*` keys.
     pub fn from_gguf(header: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
         let kind = get_str(header, keys::MODEL)?
@@ -334,6 +414,20 @@ impl Tokenizer {
     /// parse_special)`. With `parse_special`, control tokens written in the text (such as
     /// `<|im_start|>`) become their ids; user-defined tokens always do.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        if let Model::Hf(tok) = &self.model {
+            let enc = if parse_special {
+                tok.encode_fast(text, false)
+            } else {
+                // Special tokens written in the text stay text (transformers' split_special_tokens).
+                let mut t = tok.as_ref().clone();
+                t.set_encode_special_tokens(true);
+                t.encode_fast(text, false)
+            };
+            return Ok(enc
+                .map_err(|e| TokenizerError::Backend(e.to_string()))?
+                .get_ids()
+                .to_vec());
+        }
         let fragments = self.partition(text, parse_special);
         let mut out = Vec::new();
         let mut prev_special = true;
@@ -346,7 +440,7 @@ impl Tokenizer {
                 Fragment::Text(s, e) => {
                     let piece = &text[s..e];
                     match &self.model {
-                        Model::Bpe(bpe) => {
+                        Model::Bpe(bpe) | Model::Hf(bpe) => {
                             let enc = bpe
                                 .encode_fast(piece, false)
                                 .map_err(|e| TokenizerError::Backend(e.to_string()))?;
@@ -521,6 +615,15 @@ impl Tokenizer {
     /// bytes (llama.cpp's `detokenize` with `unparse_special = true`). For SPM with a space prefix,
     /// the one leading space that encoding added is removed.
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>, TokenizerError> {
+        if let Model::Hf(tok) = &self.model {
+            for &id in ids {
+                self.token_str(id)?;
+            }
+            let text = tok
+                .decode(ids, false)
+                .map_err(|e| TokenizerError::Backend(e.to_string()))?;
+            return Ok(text.into_bytes());
+        }
         let mut out = Vec::new();
         for &id in ids {
             let i = id as usize;
@@ -529,7 +632,7 @@ impl Tokenizer {
                 (_, TokenType::Control | TokenType::UserDefined | TokenType::Unknown) => {
                     out.extend_from_slice(text.as_bytes())
                 }
-                (Model::Bpe(_), _) => {
+                (Model::Bpe(_) | Model::Hf(_), _) => {
                     for c in text.chars() {
                         match unicode_to_byte(c) {
                             Some(b) => out.push(b),

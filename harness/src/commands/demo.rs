@@ -23,7 +23,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
     let spec = preset("deepseek-v3-mini").expect("built-in preset");
     write_spec(&spec, 0, &path, !a.json)?;
     let file = open_model(&path)?;
-    let tokens = Tokenizer::from_gguf(&file.header)?.encode(PROMPT, true)?;
+    let tokens = Tokenizer::for_model(&file)?.encode(PROMPT, true)?;
     let plan = |faults: Vec<engine::FaultSpec>, repro: String| DiffPlan {
         file: &file,
         model_name: "deepseek-v3-mini (synthetic)".to_string(),

@@ -31,7 +31,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<Generated> {
     let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Cpu))?;
     let file = open_model(&a.model)?;
     let prompt = input_tokens(&file, &a.input)?;
-    let tokenizer = Tokenizer::from_gguf(&file.header).ok();
+    let tokenizer = Tokenizer::for_model(&file).ok();
     let stop = if a.ignore_eos {
         None
     } else {

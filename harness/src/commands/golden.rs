@@ -180,7 +180,7 @@ fn bless(a: &BlessArgs) -> anyhow::Result<ExitCode> {
     let file = model.open()?;
     let vocab = ModelConfig::from_header(&file.header)?.vocab;
     let tokens = tokenize_prompts(&file, &p.prompts, vocab)?;
-    let tokenizer = references::tokenizer::Tokenizer::from_gguf(&file.header).ok();
+    let tokenizer = references::tokenizer::Tokenizer::for_model(&file).ok();
     let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
     let kind = p.engine.then_some(engine::BackendKind::Cpu);
     let opts = engine::EngineOptions {

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 pub fn input_tokens(file: &GgufFile, input: &InputArgs) -> anyhow::Result<Vec<u32>> {
     let tokens = match (&input.tokens, &input.prompt) {
         (Some(t), _) => t.clone(),
-        (None, Some(p)) => Tokenizer::from_gguf(&file.header)?.encode(p, true)?,
+        (None, Some(p)) => Tokenizer::for_model(file)?.encode(p, true)?,
         (None, None) => bail!("give --prompt TEXT or --tokens 1,2,3"),
     };
     if tokens.is_empty() {

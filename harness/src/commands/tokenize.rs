@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 pub fn run(a: &TokenizeArgs) -> anyhow::Result<ExitCode> {
     let file = open_model(&a.model)?;
-    let tok = Tokenizer::from_gguf(&file.header)?;
+    let tok = Tokenizer::for_model(&file)?;
     let ids = tok.encode(&a.prompt, !a.no_special)?;
     if a.json {
         println!("{}", json!({"tokens": ids}));

@@ -47,7 +47,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     let config = ModelConfig::from_header(&file.header)?;
     let vocab = config.vocab;
     let tokens = tokenize_prompts(&file, &prompts, vocab)?;
-    let tokenizer = Tokenizer::from_gguf(&file.header).ok();
+    let tokenizer = Tokenizer::for_model(&file).ok();
     let stop = tokenizer.as_ref().and_then(|t| t.eos_id());
     let mut runner = Runner::new(&file, kind, opts)?;
     let reference = if a.against_reference {

@@ -53,7 +53,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
         (None, Some(v)) if v > 0 => v,
         _ => bail!("--server without MODEL.gguf needs --vocab N (the vocabulary size)"),
     };
-    let tokenizer = file.and_then(|f| Tokenizer::from_gguf(&f.header).ok());
+    let tokenizer = file.and_then(|f| Tokenizer::for_model(f).ok());
     // What each prompt is sent as, and how long it is in characters of the echoed text.
     let mut bodies = Vec::with_capacity(prompts.len());
     let mut prompt_chars = Vec::with_capacity(prompts.len());
