@@ -73,6 +73,10 @@ pub struct LocalError {
     /// Where the bound came from: "model" (safety × u × rho), "floor" (the f32 threshold, when
     /// above the model's), "baseline" (a healthy run's error × margin) or "tolerance" (a user override).
     pub source: String,
+    /// When the local error was estimated on a sample of token rows (well under its bound, so
+    /// not replayed on every row): how many rows. Absent: every row was replayed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
 }
 
 /// Per-head local error at an attention tap: each head's rel_l2 against the reference op on the
@@ -276,6 +280,10 @@ pub struct Timings {
     pub reference: f64,
     pub compare: f64,
     pub total: f64,
+    /// The part of `compare` spent re-running reference ops on the candidate's inputs (the
+    /// local rule's replays).
+    #[serde(default)]
+    pub local: f64,
 }
 
 // ---------------------------------------------------------------------------------------------

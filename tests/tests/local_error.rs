@@ -68,6 +68,8 @@ struct Faults {
     rope_div: Option<f32>,
     /// Every RMSNorm's eps.
     eps: Option<f32>,
+    /// (layer, token row, scale) on the FFN output: a fault confined to one row.
+    row_scale: Option<(usize, usize, f32)>,
 }
 
 /// The simulated candidate's taps: (key, [n, width], values), in execution order.
@@ -151,7 +153,12 @@ fn simulate(file: &GgufFile, tokens: &[u32], dt: Dt, f: Faults) -> Vec<(String, 
             .zip(&u)
             .map(|(&g, &u)| round(dt, round(dt, ops::silu(g as f64) as f32) * u))
             .collect();
-        let o = mm(&act, &w(&name("ffn_down")), ff, d);
+        let mut o = mm(&act, &w(&name("ffn_down")), ff, d);
+        if let Some((_, row, s)) = f.row_scale.filter(|r| r.0 == l) {
+            for x in &mut o[row * d..(row + 1) * d] {
+                *x = round(dt, *x * s);
+            }
+        }
         out.push((key("ffn_out"), d, o.clone()));
         x = rounded(dt, ops::add(&x, &o));
         out.push((key("resid_out"), d, x.clone()));
@@ -227,10 +234,22 @@ fn diff_sim(dir: &Path, name: &str, dt: Dt, f: Faults) -> DiffRun {
 }
 
 fn diff_sim_with(dir: &Path, name: &str, dt: Dt, f: Faults, declare: bool, tolerances: Tolerances) -> DiffRun {
+    diff_sim_tokens(dir, name, &TOKENS, dt, f, declare, tolerances)
+}
+
+fn diff_sim_tokens(
+    dir: &Path,
+    name: &str,
+    tokens: &[u32],
+    dt: Dt,
+    f: Faults,
+    declare: bool,
+    tolerances: Tolerances,
+) -> DiffRun {
     let file = GgufFile::open(smollm2()).unwrap();
-    let taps = simulate(&file, &TOKENS, dt, f);
+    let taps = simulate(&file, tokens, dt, f);
     let path: PathBuf = dir.join(format!("{name}.safetensors"));
-    write_dump(&path, &TOKENS, dt, &taps, declare);
+    write_dump(&path, tokens, dt, &taps, declare);
     let dump = Dump::open(&[path]).unwrap();
     let plan = DiffPlan {
         file: &file,
@@ -447,4 +466,70 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
     other.set("blk.1?.q=0.2").unwrap();
     let run = diff_sim_with(dir.path(), "f3", Dt::Bf16, faulty, false, other);
     assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+}
+
+/// On a longer prompt the local error of a healthy tap is estimated on a sample of token rows
+/// (harness/src/local_rows.rs) and the verdict stays; a fault confined to one token row, sized
+/// at twice what the exact rule can see (its row error spread over every row is 2 × the tap's
+/// bound), is still localized at its tap, decided on the full replay.
+#[test]
+fn sampled_rows_keep_the_verdict_and_a_one_row_fault_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..60).map(|i| 100 + 37 * i).collect();
+    let n = tokens.len();
+    let sim =
+        |name: &str, f: Faults| diff_sim_tokens(dir.path(), name, &tokens, Dt::Bf16, f, true, Tolerances::default());
+    let healthy = sim("long", Faults::default());
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    let sampled = healthy
+        .taps
+        .iter()
+        .filter(|t| t.local.as_ref().is_some_and(|l| l.rows.is_some_and(|r| r < n)))
+        .count();
+    assert!(
+        sampled * 10 >= healthy.taps.len() * 9,
+        "{sampled} of {} taps sampled",
+        healthy.taps.len()
+    );
+    let bound = healthy
+        .taps
+        .iter()
+        .find(|t| t.tap == "blk.20.ffn_out")
+        .and_then(|t| t.local.as_ref())
+        .unwrap()
+        .bound;
+    // The row's share of the tap's norm sizes the fault: scaling row r by s adds a local error
+    // of (s − 1)·‖y_r‖/‖y‖, set to 2 × the bound.
+    let file = GgufFile::open(smollm2()).unwrap();
+    let taps = simulate(&file, &tokens, Dt::Bf16, Faults::default());
+    let y = &taps.iter().find(|t| t.0 == "blk.20.ffn_out").unwrap().2;
+    let d = y.len() / n;
+    let norm2 = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+    for row in [0, 31, 59] {
+        let share = (norm2(&y[row * d..(row + 1) * d]) / norm2(y)).sqrt();
+        let scale = 1.0 + 2.0 * bound / share;
+        let run = sim(
+            &format!("row{row}"),
+            Faults {
+                row_scale: Some((20, row, scale as f32)),
+                ..Faults::default()
+            },
+        );
+        let first = run.first_divergence.as_ref().map(|f| f.tap.as_str());
+        assert_eq!(first, Some("blk.20.ffn_out"), "row {row}, scale {scale}");
+        let local = run
+            .taps
+            .iter()
+            .find(|t| t.tap == "blk.20.ffn_out")
+            .unwrap()
+            .local
+            .clone()
+            .unwrap();
+        assert!(local.rows.is_none(), "decided on every row: {local:?}");
+        assert!(local.rel_l2 > local.bound, "{local:?}");
+    }
 }

@@ -33,6 +33,8 @@ pub struct Replayed {
     pub rho_sum: f64,
     /// Per head, for attention outputs: rho over that head's columns (empty elsewhere).
     pub rho_heads: Vec<f64>,
+    /// The token rows `out` holds, ascending (`None`: every row). See [`Reference::replay_rows`].
+    pub rows: Option<Vec<usize>>,
 }
 
 impl Replayed {
@@ -42,8 +44,96 @@ impl Replayed {
             rho,
             rho_sum: 0.0,
             rho_heads: Vec::new(),
+            rows: None,
         }
     }
+}
+
+/// Rows `rows` of `x [n, width]` (width = x.len() / n).
+pub fn select_rows(x: &[f32], n: usize, rows: &[usize]) -> Vec<f32> {
+    if n == 0 || x.len() % n != 0 {
+        return Vec::new();
+    }
+    let w = x.len() / n;
+    rows.iter()
+        .filter(|&&t| t < n)
+        .flat_map(|&t| x[t * w..(t + 1) * w].iter().copied())
+        .collect()
+}
+
+/// Whether `site`'s op treats each token row on its own (no position, no other row), so that a
+/// replay on a subset of rows is the full replay's rows, in every family this module replays.
+fn row_local(site: Site) -> bool {
+    matches!(
+        site,
+        Site::AttnNorm
+            | Site::FfnNorm
+            | Site::ResidAttn
+            | Site::ResidOut
+            | Site::AttnProj
+            | Site::FfnGate
+            | Site::FfnUp
+            | Site::FfnOut
+            | Site::MoeLogits
+            | Site::MoeTopk
+            | Site::OutputNorm
+            | Site::Logits
+    )
+}
+
+/// Causal attention for the query positions `pos` only (`q [pos.len(), H·dk]`, `k`/`v` every
+/// row up to the last position), computed exactly as [`ops::causal_attention`] computes those
+/// rows, with the per-head noise scale of [`attention_rho`] on them.
+#[allow(clippy::too_many_arguments)]
+fn attention_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos: &[usize],
+    n_heads: usize,
+    n_kv_heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f64,
+) -> (Vec<f32>, f64, Vec<f64>) {
+    let group = (n_heads / n_kv_heads.max(1)).max(1);
+    let mut out = vec![0f32; pos.len() * n_heads * dv];
+    let mut num = vec![0f64; n_heads];
+    let mut den = vec![0f64; n_heads];
+    let mut acc = vec![0f64; dv];
+    let mut sq = vec![0f64; dv];
+    for (i, &t) in pos.iter().enumerate() {
+        let mut scores = vec![0f64; t + 1];
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qh = &q[(i * n_heads + h) * dk..(i * n_heads + h + 1) * dk];
+            for (s, score) in scores.iter_mut().enumerate() {
+                let kh = &k[(s * n_kv_heads + kvh) * dk..(s * n_kv_heads + kvh + 1) * dk];
+                *score = ops::dot64(qh, kh) * scale;
+            }
+            ops::softmax(&mut scores);
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            sq.iter_mut().for_each(|a| *a = 0.0);
+            for (s, &p) in scores.iter().enumerate() {
+                let vh = &v[(s * n_kv_heads + kvh) * dv..(s * n_kv_heads + kvh + 1) * dv];
+                for ((a, b), &x) in acc.iter_mut().zip(sq.iter_mut()).zip(vh) {
+                    let pv = p * x as f64;
+                    *a += pv;
+                    *b += pv * pv;
+                }
+            }
+            let o = &mut out[(i * n_heads + h) * dv..(i * n_heads + h + 1) * dv];
+            for ((o, &a), &b) in o.iter_mut().zip(&acc).zip(&sq) {
+                *o = a as f32;
+                let y = (a as f32).abs() as f64;
+                num[h] += (b.sqrt() + y).powi(2);
+                den[h] += y * y;
+            }
+        }
+    }
+    let ratio = |a: f64, b: f64| if b == 0.0 { 1.0 } else { (a / b).sqrt() };
+    let heads = num.iter().zip(&den).map(|(&a, &b)| ratio(a, b)).collect();
+    (out, ratio(num.iter().sum(), den.iter().sum()), heads)
 }
 
 /// rho of `y = x · wᵀ` (`x [n, k]`, `w [m, k]`) from a fixed sample of output elements, the
@@ -179,6 +269,47 @@ impl Reference<'_> {
     /// router logits, the expert choice and the MoE mix made from them, the output norm and the
     /// logits; for MLA also q_a, q, the latent, the shared rope key and the per-head k/v.
     pub fn replay_local(&self, key: &TapKey, inputs: &Inputs, n: usize) -> Result<Option<Replayed>, ForwardError> {
+        self.replay_inner(key, inputs, inputs, n, None)
+    }
+
+    /// [`Reference::replay_local`] on the token rows `rows` (ascending, below `n`) only: each
+    /// input is cut to those rows, RoPE takes their positions, and attention reads every key and
+    /// value row before them. The result's `rows` says which rows `out` holds: all of them where
+    /// the op cannot be replayed on a subset here (the MLA families' attention-side ops), or
+    /// where `rows` covers every row.
+    pub fn replay_rows(
+        &self,
+        key: &TapKey,
+        inputs: &Inputs,
+        n: usize,
+        rows: &[usize],
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let subset = rows.len() < n
+            && rows.windows(2).all(|w| w[0] < w[1])
+            && rows.last().is_some_and(|&t| t < n)
+            && (row_local(key.site) || self.config.arch == Arch::Llama);
+        if !subset {
+            return self.replay_local(key, inputs, n);
+        }
+        let sub = |k: &TapKey| inputs(k).map(|v| select_rows(&v, n, rows));
+        let mut r = self.replay_inner(key, &sub, inputs, rows.len(), Some(rows))?;
+        if let Some(r) = r.as_mut() {
+            r.rows = Some(rows.to_vec());
+        }
+        Ok(r)
+    }
+
+    /// The replay over `n` rows of `inputs` (the rows at positions `pos`, or 0..n), with `all`
+    /// giving every row (the keys and values attention reads).
+    fn replay_inner(
+        &self,
+        key: &TapKey,
+        inputs: &Inputs,
+        all: &Inputs,
+        n: usize,
+        pos: Option<&[usize]>,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let position = |t: usize| pos.map_or(t, |p| p[t]);
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
@@ -213,6 +344,7 @@ impl Reference<'_> {
                             rho,
                             rho_sum,
                             rho_heads: Vec::new(),
+                            rows: None,
                         })
                     }
                     _ => None,
@@ -242,6 +374,7 @@ impl Reference<'_> {
                 rho,
                 rho_sum,
                 rho_heads: Vec::new(),
+                rows: None,
             }
         };
         let norm = match key.site {
@@ -299,7 +432,16 @@ impl Reference<'_> {
                     };
                     let divisor = c.rope_scaling.linear_factor.map_or(1.0, |f| f as f64);
                     for (t, row) in r.out.chunks_mut(rows * hd).enumerate() {
-                        ops::rope_norm_scaled(row, hd, 0, t, c.rope_dim, c.rope_base, divisor, freq_factors.as_deref());
+                        ops::rope_norm_scaled(
+                            row,
+                            hd,
+                            0,
+                            position(t),
+                            c.rope_dim,
+                            c.rope_base,
+                            divisor,
+                            freq_factors.as_deref(),
+                        );
                     }
                     // RoPE keeps the norm and adds one rounding (of its output; the angle table's
                     // rounding is of the same order).
@@ -457,6 +599,29 @@ impl Reference<'_> {
                             rho,
                             rho_sum,
                             rho_heads: Vec::new(),
+                            rows: None,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            Site::AttnOut if pos.is_some() => {
+                // Sampled query rows: every key and value row up to the last one.
+                let (Some(p), Some(q)) = (pos, at(Site::Q)) else {
+                    return Ok(None);
+                };
+                let last = p.last().map_or(0, |&t| t + 1);
+                let full = |s: Site| all(&TapKey::layer(l, s)).filter(|x| x.len() >= last * nkv * hd);
+                match (c.arch, full(Site::K), full(Site::V)) {
+                    (Arch::Llama, Some(k), Some(v)) if q.len() == n * nh * hd => {
+                        let scale = 1.0 / (hd as f64).sqrt();
+                        let (out, rho, rho_heads) = attention_rows(&q, &k, &v, p, nh, nkv, hd, hd, scale);
+                        Some(Replayed {
+                            out,
+                            rho,
+                            rho_sum: 0.0,
+                            rho_heads,
+                            rows: None,
                         })
                     }
                     _ => None,
@@ -474,6 +639,7 @@ impl Reference<'_> {
                         rho,
                         rho_sum: 0.0,
                         rho_heads,
+                        rows: None,
                     })
                 }
                 (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => at(Site::KPe)
