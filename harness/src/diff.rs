@@ -5,7 +5,7 @@ use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
 use crate::local_rows::RowSample;
-use crate::noise::local_bound;
+use crate::noise::{local_bound, local_bound_sum};
 use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
@@ -220,6 +220,7 @@ impl<'a> Comparator<'a> {
                     rho_sum: 0.0,
                     rho_heads: Vec::new(),
                     rows: None,
+                    reduction: 0,
                 })
             })
         } else {
@@ -362,7 +363,7 @@ impl<'a> Comparator<'a> {
         let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
         let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
         let tol = &self.plan.tolerances;
-        let b = local_bound(tol, key, self.dtype, rho);
+        let b = local_bound_sum(tol, key, self.dtype, rho, rep.rho_sum, rep.reduction);
         let mut over = lm.rel_l2.is_nan() || lm.rel_l2 > b.value;
         let profile = self.head_profile(key, &e.data, &want, &rep, e.shape[1]);
         if let Some(p) = &profile {
@@ -406,7 +407,7 @@ impl<'a> Comparator<'a> {
         let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
         let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
         let tol = &self.plan.tolerances;
-        let b = local_bound(tol, key, self.dtype, rho);
+        let b = local_bound_sum(tol, key, self.dtype, rho, rep.rho_sum, rep.reduction);
         let clear = |x: f64, bound: f64| x.is_finite() && x <= crate::local_rows::ESCALATE * bound;
         if !clear(est, b.value) {
             return None;

@@ -22,6 +22,9 @@ use std::path::{Path, PathBuf};
 enum Dt {
     Bf16,
     F16,
+    /// FP8 e4m3 storage of every op's output tensor and weight, with a per-tensor scale (the
+    /// tensor's largest magnitude to e4m3's 448); the elementwise steps inside an op in bf16.
+    Fp8,
 }
 
 /// Round to the dtype, nearest even.
@@ -35,7 +38,20 @@ fn round(dt: Dt, x: f32) -> f32 {
             f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
         }
         Dt::F16 => f16_round(x),
+        Dt::Fp8 => round(Dt::Bf16, x),
     }
+}
+
+/// Nearest e4m3 value (3 stored mantissa bits, exponent bias 7, subnormal quantum 2^-9,
+/// largest 448) of `y`.
+fn e4m3(y: f32) -> f32 {
+    let a = y.abs();
+    let q = if a < 2f32.powi(-6) {
+        2f32.powi(-9)
+    } else {
+        2f32.powi(a.log2().floor() as i32 - 3)
+    };
+    ((y / q).round_ties_even() * q).clamp(-448.0, 448.0)
 }
 
 /// f32 → nearest f16 value (as f32), normal range only (SmolLM2's activations fit).
@@ -52,6 +68,14 @@ fn f16_round(x: f32) -> f32 {
 }
 
 fn rounded(dt: Dt, v: Vec<f32>) -> Vec<f32> {
+    if dt == Dt::Fp8 {
+        let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        if max == 0.0 || !max.is_finite() {
+            return v;
+        }
+        let scale = max / 448.0;
+        return v.into_iter().map(|x| e4m3(x / scale) * scale).collect();
+    }
     v.into_iter().map(|x| round(dt, x)).collect()
 }
 
@@ -181,7 +205,11 @@ fn write_dump(path: &Path, tokens: &[u32], dt: Dt, taps: &[(String, usize, Vec<f
     meta.insert("tp".into(), "1".into());
     meta.insert("mapping".into(), "{}".into());
     if declare {
-        let name = if dt == Dt::Bf16 { "bf16" } else { "f16" };
+        let name = match dt {
+            Dt::Bf16 => "bf16",
+            Dt::F16 => "f16",
+            Dt::Fp8 => "fp8-e4m3",
+        };
         meta.insert("llmdiff.compute_dtype".into(), name.into());
     }
     header.insert("__metadata__".into(), serde_json::Value::Object(meta));
@@ -189,16 +217,21 @@ fn write_dump(path: &Path, tokens: &[u32], dt: Dt, taps: &[(String, usize, Vec<f
     for (k, width, v) in taps {
         let start = data.len();
         for &x in v {
-            let bits: u16 = match dt {
-                Dt::Bf16 => (x.to_bits() >> 16) as u16,
-                Dt::F16 => half_bits(x),
-            };
-            data.extend_from_slice(&bits.to_le_bytes());
+            match dt {
+                Dt::Bf16 => data.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+                Dt::F16 => data.extend_from_slice(&half_bits(x).to_le_bytes()),
+                // Scaled e4m3 values: stored as f32 (safetensors has no scaled fp8).
+                Dt::Fp8 => data.extend_from_slice(&x.to_le_bytes()),
+            }
         }
         header.insert(
             k.clone(),
             serde_json::json!({
-                "dtype": if dt == Dt::Bf16 { "BF16" } else { "F16" },
+                "dtype": match dt {
+                    Dt::Bf16 => "BF16",
+                    Dt::F16 => "F16",
+                    Dt::Fp8 => "F32",
+                },
                 "shape": [n, width],
                 "data_offsets": [start, data.len()],
             }),
@@ -531,5 +564,58 @@ fn sampled_rows_keep_the_verdict_and_a_one_row_fault_is_found() {
             .unwrap();
         assert!(local.rows.is_none(), "decided on every row: {local:?}");
         assert!(local.rel_l2 > local.bound, "{local:?}");
+    }
+}
+
+/// FP8: a synthetic candidate whose every tensor is rounded to e4m3 with a per-tensor scale, its
+/// metadata naming fp8-e4m3, gets fp8's bound (u = 2^-4, and the accumulator term on its sums):
+/// healthy agrees, where bf16's bound would flag it; o_proj's input zeroed and two heads
+/// swapped are each localized at their tap.
+#[test]
+fn fp8_candidate_gets_fp8s_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let healthy = diff_sim(dir.path(), "fp8", Dt::Fp8, Faults::default());
+    let d = healthy.dtype.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.source.as_str()), ("fp8-e4m3", "dump metadata"));
+    assert_eq!(d.unit_roundoff, 2f64.powi(-4));
+    let (ratio, at) = worst_ratio(&healthy);
+    eprintln!("fp8 healthy: worst local/(u·rho) {ratio:.3} at {at}");
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    // The same values judged at bf16's u would be far over: the dtype is what lets it pass.
+    let worst_local = healthy
+        .taps
+        .iter()
+        .filter_map(|t| t.local.as_ref())
+        .map(|l| l.rel_l2 / l.rho)
+        .fold(0f64, f64::max);
+    assert!(worst_local > 1.5 * 2f64.powi(-8) * 4.0, "{worst_local}");
+    for (name, f, tap) in [
+        (
+            "zero",
+            Faults {
+                zero_attn_out: Some(9),
+                ..Faults::default()
+            },
+            "blk.9.attn_out",
+        ),
+        (
+            "swap",
+            Faults {
+                head_swap: Some((14, 2, 7)),
+                ..Faults::default()
+            },
+            "blk.14.attn_out",
+        ),
+    ] {
+        let run = diff_sim(dir.path(), name, Dt::Fp8, f);
+        assert_eq!(
+            run.first_divergence.as_ref().map(|f| f.tap.as_str()),
+            Some(tap),
+            "{name}"
+        );
     }
 }

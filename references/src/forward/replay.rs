@@ -35,6 +35,9 @@ pub struct Replayed {
     pub rho_heads: Vec<f64>,
     /// The token rows `out` holds, ascending (`None`: every row). See [`Reference::replay_rows`].
     pub rows: Option<Vec<usize>>,
+    /// The reduction length K of the op's last sum of products (0 for ops that are not one):
+    /// the noise model's accumulator term, for narrow accumulators, grows with it.
+    pub reduction: usize,
 }
 
 impl Replayed {
@@ -45,6 +48,7 @@ impl Replayed {
             rho_sum: 0.0,
             rho_heads: Vec::new(),
             rows: None,
+            reduction: 0,
         }
     }
 }
@@ -345,6 +349,7 @@ impl Reference<'_> {
                             rho_sum,
                             rho_heads: Vec::new(),
                             rows: None,
+                            reduction: w.cols,
                         })
                     }
                     _ => None,
@@ -375,6 +380,7 @@ impl Reference<'_> {
                 rho_sum,
                 rho_heads: Vec::new(),
                 rows: None,
+                reduction: w.cols,
             }
         };
         let norm = match key.site {
@@ -600,6 +606,7 @@ impl Reference<'_> {
                             rho_sum,
                             rho_heads: Vec::new(),
                             rows: None,
+                            reduction: down.cols,
                         })
                     }
                     _ => None,
@@ -622,6 +629,7 @@ impl Reference<'_> {
                             rho_sum: 0.0,
                             rho_heads,
                             rows: None,
+                            reduction: 0,
                         })
                     }
                     _ => None,
@@ -640,6 +648,7 @@ impl Reference<'_> {
                         rho_sum: 0.0,
                         rho_heads,
                         rows: None,
+                        reduction: 0,
                     })
                 }
                 (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => at(Site::KPe)
