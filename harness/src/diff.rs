@@ -5,7 +5,7 @@ use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
 use crate::local_rows::RowSample;
-use crate::noise::{local_bound, local_bound_sum};
+use crate::noise::{head_bound, local_bound_sum};
 use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
@@ -375,6 +375,7 @@ impl<'a> Comparator<'a> {
             rho,
             source: b.source.to_string(),
             rows: None,
+            heads: profile.as_ref().map_or_else(Vec::new, |p| p.heads.clone()),
         };
         Some((local, over, want, profile))
     }
@@ -413,6 +414,7 @@ impl<'a> Comparator<'a> {
             return None;
         }
         let c = self.config;
+        let mut heads = Vec::new();
         if c.mla.is_none() && matches!(key.site, Site::Q | Site::K | Site::V | Site::AttnOut) {
             let hd = c.head_dim;
             if hd == 0 || width % hd != 0 {
@@ -425,9 +427,16 @@ impl<'a> Comparator<'a> {
             for h in 0..width / hd {
                 let rel = crate::local_rows::weighted_rel_l2(&mine, &want, width, h * hd..(h + 1) * hd, w);
                 let rho_h = rep.rho_heads.get(offset + h).copied().unwrap_or(rep.rho);
-                if !clear(rel, local_bound(tol, key, self.dtype, rho_h).value) {
+                let bound = head_bound(tol, key, self.dtype, rho_h, offset + h).value;
+                if !clear(rel, bound) {
                     return None;
                 }
+                heads.push(HeadLocal {
+                    head: offset + h,
+                    rel_l2: rel,
+                    bound,
+                    scale: crate::local_rows::weighted_scale(&mine, &want, width, h * hd..(h + 1) * hd, w),
+                });
             }
         }
         Some(LocalError {
@@ -436,6 +445,7 @@ impl<'a> Comparator<'a> {
             rho,
             source: b.source.to_string(),
             rows: Some(rows),
+            heads,
         })
     }
 
@@ -476,7 +486,7 @@ impl<'a> Comparator<'a> {
             heads.push(HeadLocal {
                 head,
                 rel_l2: hm.rel_l2,
-                bound: local_bound(&self.plan.tolerances, key, self.dtype, rho).value,
+                bound: head_bound(&self.plan.tolerances, key, self.dtype, rho, head).value,
                 scale: if bb > 0.0 { ab / bb } else { f64::NAN },
             });
         }

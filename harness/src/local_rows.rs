@@ -106,6 +106,23 @@ pub fn weighted_rel_l2(eng: &[f32], want: &[f32], width: usize, cols: std::ops::
     (d2 / r2).sqrt()
 }
 
+/// The weighted least-squares scale s of `eng ≈ s · want` over the columns `cols` (NaN when
+/// `want` is zero there).
+pub fn weighted_scale(eng: &[f32], want: &[f32], width: usize, cols: std::ops::Range<usize>, weights: &[f64]) -> f64 {
+    let (mut er, mut rr) = (0f64, 0f64);
+    for ((e, r), &w) in eng.chunks(width).zip(want.chunks(width)).zip(weights) {
+        for (&x, &y) in e[cols.clone()].iter().zip(&r[cols.clone()]) {
+            er += w * x as f64 * y as f64;
+            rr += w * y as f64 * y as f64;
+        }
+    }
+    if rr > 0.0 {
+        er / rr
+    } else {
+        f64::NAN
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

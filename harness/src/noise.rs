@@ -78,6 +78,22 @@ pub fn local_bound_sum(
     local_bound(tol, key, dtype, rho + extra)
 }
 
+/// The bound of one head's local error at an attention tap: a user override; else the healthy
+/// baseline's error of that head × the margin where the baseline has per-head figures (its
+/// per-head profile: heads differ in noise, a quiet head is held tighter than the tap); else
+/// [`local_bound`] with the head's own rho.
+pub fn head_bound(tol: &Tolerances, key: &TapKey, dtype: ActDtype, rho: f64, head: usize) -> Bound {
+    if tol.user(key).is_none() {
+        if let Some(b) = tol.head_baseline(key, head) {
+            return Bound {
+                value: tol.floor(key).max(BASELINE_MARGIN * b),
+                source: "baseline",
+            };
+        }
+    }
+    local_bound(tol, key, dtype, rho)
+}
+
 /// The local-error bound of `key` for noise scale `rho` at `dtype`.
 pub fn local_bound(tol: &Tolerances, key: &TapKey, dtype: ActDtype, rho: f64) -> Bound {
     if let Some(v) = tol.user(key) {
@@ -131,6 +147,27 @@ mod tests {
         assert_eq!((b.value, b.source), (BASELINE_MARGIN * 1e-3, "baseline"));
         t.set("blk.*.attn_out=0.5").unwrap();
         assert_eq!(local_bound(&t, &k, ActDtype::Bf16, 2.0).value, 0.5);
+    }
+
+    #[test]
+    fn a_head_baseline_sets_that_heads_bound() {
+        let mut t = Tolerances::default();
+        let k: TapKey = "blk.2.attn_out.r1".parse().unwrap();
+        t.add_baseline(
+            "blk.2.attn_out",
+            Baseline {
+                local: Some(1e-3),
+                end_to_end: 1e-2,
+            },
+        );
+        t.add_head_baseline("blk.2.attn_out.r0", 4, 2e-4);
+        t.add_head_baseline("blk.2.attn_out", 4, 1e-4);
+        let b = head_bound(&t, &k, ActDtype::Bf16, 2.0, 4);
+        assert_eq!((b.value, b.source), (BASELINE_MARGIN * 2e-4, "baseline"));
+        // A head without per-head figures keeps the tap's baseline bound.
+        assert_eq!(head_bound(&t, &k, ActDtype::Bf16, 2.0, 5).value, BASELINE_MARGIN * 1e-3);
+        t.set("*=0.5").unwrap();
+        assert_eq!(head_bound(&t, &k, ActDtype::Bf16, 2.0, 4).value, 0.5);
     }
 
     #[test]

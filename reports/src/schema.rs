@@ -77,6 +77,10 @@ pub struct LocalError {
     /// not replayed on every row): how many rows. Absent: every row was replayed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rows: Option<usize>,
+    /// Per head at an attention tap of the GQA families (q, k, v, attn_out): each head's local
+    /// error and bound (empty elsewhere). A `--baseline` of this run sets per-head bounds from it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub heads: Vec<HeadLocal>,
 }
 
 /// Per-head local error at an attention tap: each head's rel_l2 against the reference op on the

@@ -472,7 +472,24 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
                 end_to_end: row.metrics.rel_l2,
             },
         );
+        for h in row.local.iter().flat_map(|l| &l.heads) {
+            t.add_head_baseline(&row.tap, h.head, h.rel_l2);
+        }
     }
+    let healthy_heads = &healthy
+        .taps
+        .iter()
+        .find(|r| r.tap == "blk.12.attn_out")
+        .unwrap()
+        .local
+        .as_ref()
+        .unwrap()
+        .heads;
+    assert_eq!(
+        healthy_heads.len(),
+        9,
+        "attn_out's per-head profile is in the run document"
+    );
     let again = diff_sim_with(dir.path(), "h2", Dt::Bf16, Faults::default(), false, t.clone());
     assert_eq!(again.verdict, "agree");
     let row = again.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
@@ -487,6 +504,19 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
     };
     let run = diff_sim_with(dir.path(), "f", Dt::Bf16, faulty, false, t.clone());
     assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+    // The per-head profile is held to each head's own healthy error × the margin.
+    let profile = run.head_profile.as_ref().expect("a head profile at the divergence");
+    for (h, seen) in profile.heads.iter().zip(healthy_heads) {
+        assert_eq!(h.head, seen.head);
+        assert_eq!(h.bound, (BASELINE_MARGIN * seen.rel_l2).max(5e-5), "head {}", h.head);
+    }
+    let over: Vec<usize> = profile
+        .heads
+        .iter()
+        .filter(|h| h.rel_l2 > h.bound)
+        .map(|h| h.head)
+        .collect();
+    assert_eq!(over, vec![4], "{profile:?}");
     // A pattern loosening every attention output hides it; one for another layer does not.
     let mut loose = t.clone();
     loose.set("blk.*.attn_out=0.2").unwrap();
