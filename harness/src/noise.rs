@@ -152,7 +152,7 @@ mod tests {
     #[test]
     fn a_head_baseline_sets_that_heads_bound() {
         let mut t = Tolerances::default();
-        let k: TapKey = "blk.2.attn_out.r1".parse().unwrap();
+        let k: TapKey = "blk.2.attn_out@r1".parse().unwrap();
         t.add_baseline(
             "blk.2.attn_out",
             Baseline {
@@ -160,7 +160,7 @@ mod tests {
                 end_to_end: 1e-2,
             },
         );
-        t.add_head_baseline("blk.2.attn_out.r0", 4, 2e-4);
+        t.add_head_baseline("blk.2.attn_out@r0", 4, 2e-4);
         t.add_head_baseline("blk.2.attn_out", 4, 1e-4);
         let b = head_bound(&t, &k, ActDtype::Bf16, 2.0, 4);
         assert_eq!((b.value, b.source), (BASELINE_MARGIN * 2e-4, "baseline"));
