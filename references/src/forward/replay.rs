@@ -291,7 +291,7 @@ impl Reference<'_> {
         let subset = rows.len() < n
             && rows.windows(2).all(|w| w[0] < w[1])
             && rows.last().is_some_and(|&t| t < n)
-            && (row_local(key.site) || self.config.arch == Arch::Llama);
+            && (row_local(key.site) || self.config.arch == Arch::Llama || qwen_block(self.config.arch));
         if !subset {
             return self.replay_local(key, inputs, n);
         }
@@ -317,8 +317,8 @@ impl Reference<'_> {
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
-            if !llama_or_mla(c.arch) {
-                // gemma soft-caps its logits; the families' heads are not replayed here.
+            if !llama_or_mla(c.arch) && !qwen_block(c.arch) {
+                // gemma soft-caps its logits; gpt-oss's head is not replayed here.
                 return Ok(None);
             }
             return Ok(match key.site {
@@ -359,7 +359,10 @@ impl Reference<'_> {
         };
         // The GQA/MoE families share only the residual adds and the attention norm with the
         // llama/MLA ops below (their FFN norm, post-norms, biases and RoPE differ).
-        if !llama_or_mla(c.arch) && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut) {
+        if !llama_or_mla(c.arch)
+            && !qwen_block(c.arch)
+            && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
+        {
             return Ok(None);
         }
         let at = |s: Site| inputs(&TapKey::layer(l, s));
@@ -385,6 +388,8 @@ impl Reference<'_> {
         };
         let norm = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
+            // glm4moe stores its pre-FFN norm as post_attention_norm.
+            Site::FfnNorm if c.arch == Arch::Glm4Moe => at(Site::ResidAttn).map(|x| (x, "post_attention_norm")),
             Site::FfnNorm => at(Site::ResidAttn).map(|x| (x, "ffn_norm")),
             _ => None,
         };
@@ -397,6 +402,7 @@ impl Reference<'_> {
             )));
         }
         let llama = c.arch == Arch::Llama;
+        let qwen = qwen_block(c.arch);
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         Ok(match key.site {
             Site::ResidAttn => match (resid_in(), at(Site::AttnProj)) {
@@ -452,6 +458,35 @@ impl Reference<'_> {
                     // RoPE keeps the norm and adds one rounding (of its output; the angle table's
                     // rounding is of the same order).
                     r.rho += 1.0;
+                    Some(r)
+                }
+                _ => None,
+            },
+            // The qwen GQA block (qwen2/3, qwen3moe, glm4moe; see `super::qwen`): q/k/v with
+            // their biases where the file has them, per-head q/k RMSNorm (qwen3, qwen3moe), then
+            // NeoX RoPE on the first rope_dim values of each head.
+            Site::Q | Site::K | Site::V if qwen => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match key.site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
+                    super::qwen::add_bias(self, &format!("blk.{l}.{wname}.bias"), &mut r.out, heads * hd)?;
+                    if key.site != Site::V {
+                        let norm = format!("{wname}_norm");
+                        r.out = super::qwen::head_norm(self, &name(&norm), std::mem::take(&mut r.out), hd)?;
+                        if self.file.tensor(&name(&norm)).is_some() {
+                            // The head norm rounds once more (its input's error passes at most
+                            // as is, as RMSNorm's does).
+                            r.rho += 1.0;
+                        }
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, c.rope_base);
+                        }
+                        r.rho += 1.0;
+                    }
                     Some(r)
                 }
                 _ => None,
@@ -620,7 +655,7 @@ impl Reference<'_> {
                 let last = p.last().map_or(0, |&t| t + 1);
                 let full = |s: Site| all(&TapKey::layer(l, s)).filter(|x| x.len() >= last * nkv * hd);
                 match (c.arch, full(Site::K), full(Site::V)) {
-                    (Arch::Llama, Some(k), Some(v)) if q.len() == n * nh * hd => {
+                    (arch, Some(k), Some(v)) if (arch == Arch::Llama || qwen) && q.len() == n * nh * hd => {
                         let scale = 1.0 / (hd as f64).sqrt();
                         let (out, rho, rho_heads) = attention_rows(&q, &k, &v, p, nh, nkv, hd, hd, scale);
                         Some(Replayed {
@@ -636,8 +671,11 @@ impl Reference<'_> {
                 }
             }
             Site::AttnOut => match (c.arch, at(Site::Q), at(Site::K), at(Site::V)) {
-                (Arch::Llama, Some(q), Some(k), Some(v))
-                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                (arch, Some(q), Some(k), Some(v))
+                    if (arch == Arch::Llama || qwen)
+                        && q.len() == n * nh * hd
+                        && k.len() == n * nkv * hd
+                        && v.len() == n * nkv * hd =>
                 {
                     let scale = 1.0 / (hd as f64).sqrt();
                     let out = ops::causal_attention(&q, &k, &v, n, nh, nkv, hd, hd, scale);
@@ -671,7 +709,13 @@ impl Reference<'_> {
 }
 
 /// The families whose ops the replay below implements beyond the norms and residual adds: llama
-/// and the MLA ones (deepseek2, deepseek32, glm-dsa).
+/// and the MLA ones (deepseek2, deepseek32, glm-dsa); see also [`qwen_block`].
 fn llama_or_mla(arch: Arch) -> bool {
     arch == Arch::Llama || arch.is_mla()
+}
+
+/// The families built on the qwen GQA block (`super::qwen::gqa_block`), replayed with it: q/k/v
+/// biases, q/k norms, NeoX RoPE (partial for glm4moe), dense or routed FFN with a shared expert.
+fn qwen_block(arch: Arch) -> bool {
+    matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe)
 }
