@@ -317,7 +317,8 @@ impl Reference<'_> {
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
-            if !llama_or_mla(c.arch) && !qwen_block(c.arch) {
+            let gemma_norm = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && key.site == Site::OutputNorm;
+            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && !gemma_norm {
                 // gemma soft-caps its logits; gpt-oss's head is not replayed here.
                 return Ok(None);
             }
@@ -359,8 +360,10 @@ impl Reference<'_> {
         };
         // The GQA/MoE families share only the residual adds and the attention norm with the
         // llama/MLA ops below (their FFN norm, post-norms, biases and RoPE differ).
+        let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
         if !llama_or_mla(c.arch)
             && !qwen_block(c.arch)
+            && !gemma
             && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
         {
             return Ok(None);
@@ -400,6 +403,14 @@ impl Reference<'_> {
                 ops::rms_norm(&x, d, &self.vector(&name(norm), d)?, c.rms_eps),
                 2.0,
             )));
+        }
+        if gemma
+            && matches!(
+                key.site,
+                Site::Q | Site::K | Site::V | Site::AttnOut | Site::AttnProj | Site::FfnOut
+            )
+        {
+            return self.replay_gemma(key.site, l, &at, n, &position);
         }
         let llama = c.arch == Arch::Llama;
         let qwen = qwen_block(c.arch);
@@ -701,6 +712,103 @@ impl Reference<'_> {
                         _ => None,
                     }
                 }
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+}
+
+impl Reference<'_> {
+    /// The gemma2/gemma3 ops that differ from llama's (see `super::gemma`): q/k/v with gemma3's
+    /// q/k norms and NeoX RoPE at the layer's base, attention with the family's scale, sliding
+    /// window and score soft-cap, and o_proj / the GeGLU FFN's down each followed by its post-norm
+    /// (ffn_gate and ffn_up are plain projections, replayed as llama's). The attention's rho is
+    /// taken as 3 (as MLA's: the mask and soft-cap are not in [`attention_rho`]); a post-norm
+    /// adds 2 (it passes its input's relative error and rounds twice).
+    fn replay_gemma(
+        &self,
+        site: Site,
+        l: usize,
+        at: &dyn Fn(Site) -> Option<Vec<f32>>,
+        n: usize,
+        position: &dyn Fn(usize) -> usize,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let c = &self.config;
+        let fam = &c.family;
+        let (d, hd, nh, nkv, f) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_dim);
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let lin = |x: &[f32], w: &Mat, c_in: f64| {
+            let y = linear(x, n, w);
+            let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
+            Replayed {
+                out: y,
+                rho,
+                rho_sum,
+                rho_heads: Vec::new(),
+                rows: None,
+                reduction: w.cols,
+            }
+        };
+        let post_norm = |mut r: Replayed, norm: &str| -> Result<Replayed, ForwardError> {
+            r.out = ops::rms_norm(&r.out, d, &self.vector(&name(norm), d)?, c.rms_eps);
+            r.rho += 2.0;
+            Ok(r)
+        };
+        let swa = fam.is_swa(l);
+        Ok(match site {
+            Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
+                    if site != Site::V {
+                        let norm = name(&format!("{wname}_norm"));
+                        // gemma3 requires its q/k norms (as the forward does); gemma2 has none.
+                        if c.arch == Arch::Gemma3 || self.file.tensor(&norm).is_some() {
+                            r.out = ops::rms_norm(&r.out, hd, &self.vector(&norm, hd)?, c.rms_eps);
+                            r.rho += 1.0;
+                        }
+                        let base = if swa { fam.rope_base_swa } else { c.rope_base };
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
+                        }
+                        r.rho += 1.0;
+                    }
+                    Some(r)
+                }
+                _ => None,
+            },
+            Site::AttnOut => match (at(Site::Q), at(Site::K), at(Site::V)) {
+                (Some(q), Some(k), Some(v))
+                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                {
+                    let mask = ops::AttnMask {
+                        window: if swa { fam.sliding_window } else { None },
+                        softcap: fam.attn_softcap.map(|s| s as f64),
+                        sinks: None,
+                    };
+                    let scale = fam.attn_scale.unwrap_or(1.0 / (hd as f64).sqrt());
+                    let out = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, scale, mask);
+                    Some(Replayed::plain(out, 3.0))
+                }
+                _ => None,
+            },
+            Site::AttnProj => match at(Site::AttnOut) {
+                Some(a) if a.len() == n * nh * hd => Some(post_norm(
+                    lin(&a, &self.matrix(&name("attn_output"), d, nh * hd)?, 1.0),
+                    "post_attention_norm",
+                )?),
+                _ => None,
+            },
+            Site::FfnOut => match (at(Site::FfnGate), at(Site::FfnUp)) {
+                (Some(g), Some(u)) if g.len() == n * f && u.len() == n * f => Some(post_norm(
+                    lin(&ops::geglu(&g, &u), &self.matrix(&name("ffn_down"), d, f)?, 3f64.sqrt()),
+                    "post_ffw_norm",
+                )?),
                 _ => None,
             },
             _ => None,
