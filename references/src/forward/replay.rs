@@ -318,8 +318,8 @@ impl Reference<'_> {
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
             let gemma_norm = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && key.site == Site::OutputNorm;
-            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && !gemma_norm {
-                // gemma soft-caps its logits; gpt-oss's head is not replayed here.
+            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && c.arch != Arch::GptOss && !gemma_norm {
+                // gemma soft-caps its logits.
                 return Ok(None);
             }
             return Ok(match key.site {
@@ -361,9 +361,11 @@ impl Reference<'_> {
         // The GQA/MoE families share only the residual adds and the attention norm with the
         // llama/MLA ops below (their FFN norm, post-norms, biases and RoPE differ).
         let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
+        let gpt_oss = c.arch == Arch::GptOss;
         if !llama_or_mla(c.arch)
             && !qwen_block(c.arch)
             && !gemma
+            && !gpt_oss
             && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
         {
             return Ok(None);
@@ -391,8 +393,10 @@ impl Reference<'_> {
         };
         let norm = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
-            // glm4moe stores its pre-FFN norm as post_attention_norm.
-            Site::FfnNorm if c.arch == Arch::Glm4Moe => at(Site::ResidAttn).map(|x| (x, "post_attention_norm")),
+            // glm4moe and gpt-oss store their pre-FFN norm as post_attention_norm.
+            Site::FfnNorm if matches!(c.arch, Arch::Glm4Moe | Arch::GptOss) => {
+                at(Site::ResidAttn).map(|x| (x, "post_attention_norm"))
+            }
             Site::FfnNorm => at(Site::ResidAttn).map(|x| (x, "ffn_norm")),
             _ => None,
         };
@@ -411,6 +415,9 @@ impl Reference<'_> {
             )
         {
             return self.replay_gemma(key.site, l, &at, n, &position);
+        }
+        if gpt_oss && !matches!(key.site, Site::ResidAttn | Site::ResidOut) {
+            return self.replay_gpt_oss(key.site, l, &at, n, &position);
         }
         let llama = c.arch == Arch::Llama;
         let qwen = qwen_block(c.arch);
@@ -809,6 +816,105 @@ impl Reference<'_> {
                     lin(&ops::geglu(&g, &u), &self.matrix(&name("ffn_down"), d, f)?, 3f64.sqrt()),
                     "post_ffw_norm",
                 )?),
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+}
+
+impl Reference<'_> {
+    /// The gpt-oss ops (see `super::gpt_oss`): q/k/v with their biases and NeoX RoPE at the
+    /// layer's base, attention with the sinks and the sliding window (rho 3, as gemma's), o_proj
+    /// with its bias, the router logits with theirs and the expert choice from the candidate's own
+    /// logits (exact). The expert mix (`ffn_out`) keeps the end-to-end rule.
+    fn replay_gpt_oss(
+        &self,
+        site: Site,
+        l: usize,
+        at: &dyn Fn(Site) -> Option<Vec<f32>>,
+        n: usize,
+        position: &dyn Fn(usize) -> usize,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        use super::gpt_oss::{add_rows, route};
+        let c = &self.config;
+        let fam = &c.family;
+        let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let biased = |x: &[f32], w: &Mat, b: &str| -> Result<Replayed, ForwardError> {
+            let y = add_rows(linear(x, n, w), &self.vector(&format!("blk.{l}.{b}.bias"), w.rows)?);
+            let (rho, rho_sum) = linear_rho(x, n, w, &y, 1.0);
+            Ok(Replayed {
+                out: y,
+                rho,
+                rho_sum,
+                rho_heads: Vec::new(),
+                rows: None,
+                reduction: w.cols,
+            })
+        };
+        let swa = fam.is_swa(l);
+        Ok(match site {
+            Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = biased(&h, &self.matrix(&name(wname), heads * hd, d)?, wname)?;
+                    if site != Site::V {
+                        let base = if swa { fam.rope_base_swa } else { c.rope_base };
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
+                        }
+                        r.rho += 1.0;
+                    }
+                    Some(r)
+                }
+                _ => None,
+            },
+            Site::AttnOut => match (at(Site::Q), at(Site::K), at(Site::V)) {
+                (Some(q), Some(k), Some(v))
+                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                {
+                    let sinks = self.vector(&name("attn_sinks"), nh)?;
+                    let mask = ops::AttnMask {
+                        window: if swa { fam.sliding_window } else { None },
+                        softcap: None,
+                        sinks: Some(&sinks),
+                    };
+                    let scale = 1.0 / (hd as f64).sqrt();
+                    let out = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, scale, mask);
+                    Some(Replayed::plain(out, 3.0))
+                }
+                _ => None,
+            },
+            Site::AttnProj => match at(Site::AttnOut) {
+                Some(a) if a.len() == n * nh * hd => Some(biased(
+                    &a,
+                    &self.matrix(&name("attn_output"), d, nh * hd)?,
+                    "attn_output",
+                )?),
+                _ => None,
+            },
+            Site::MoeLogits => match (at(Site::FfnNorm), c.moe.as_ref()) {
+                (Some(h), Some(m)) if h.len() == n * d => Some(biased(
+                    &h,
+                    &self.matrix(&name("ffn_gate_inp"), m.n_experts, d)?,
+                    "ffn_gate_inp",
+                )?),
+                _ => None,
+            },
+            Site::MoeTopk => match (at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(z), Some(m)) if m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let out = z
+                        .chunks(m.n_experts)
+                        .flat_map(|zt| route(zt, m.n_used).0)
+                        .map(|e| e as f32)
+                        .collect();
+                    Some(Replayed::plain(out, 0.0))
+                }
                 _ => None,
             },
             _ => None,
