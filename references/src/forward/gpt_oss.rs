@@ -66,7 +66,7 @@ pub(super) fn layer(
 }
 
 /// `x·wᵀ + b` with the bias vector named `b`.
-pub(super) fn biased(r: &Reference, x: &[f32], n: usize, w: &Mat, b: &str) -> Result<Vec<f32>, ForwardError> {
+fn biased(r: &Reference, x: &[f32], n: usize, w: &Mat, b: &str) -> Result<Vec<f32>, ForwardError> {
     let b = r.vector(b, w.rows)?;
     Ok(add_rows(linear(x, n, w), &b))
 }
