@@ -80,10 +80,14 @@ fn dump(path: &Path, file: &GgufFile, tokens: &[u32], fault: Option<(usize, usiz
 }
 
 fn diff(dir: &Path, model: &str, fault: Option<(usize, usize, f32)>) -> DiffRun {
+    diff_n(dir, model, 12, fault)
+}
+
+fn diff_n(dir: &Path, model: &str, n: u32, fault: Option<(usize, usize, f32)>) -> DiffRun {
     let file = GgufFile::open(golden(model)).unwrap();
     let vocab = Reference::new(&file).unwrap().config.vocab as u32;
-    let tokens: Vec<u32> = (0..12).map(|i| (3 + 7 * i) % vocab).collect();
-    let path = dir.join(format!("{model}-{}.safetensors", fault.is_some()));
+    let tokens: Vec<u32> = (0..n).map(|i| (3 + 7 * i) % vocab).collect();
+    let path = dir.join(format!("{model}-{n}-{}.safetensors", fault.is_some()));
     dump(&path, &file, &tokens, fault);
     let dump = Dump::open(&[path]).unwrap();
     let plan = DiffPlan {
@@ -133,5 +137,41 @@ fn gqa_families_are_replayed_and_a_scaled_head_is_localized() {
         let p = run.head_profile.as_ref().expect("a head profile");
         let over: Vec<usize> = p.heads.iter().filter(|h| h.rel_l2 > h.bound).map(|h| h.head).collect();
         assert_eq!(over, vec![1], "{model}: {p:?}");
+    }
+}
+
+/// On 50 tokens the local error is estimated on sampled rows (NeoX RoPE at the rows' positions,
+/// attention over every earlier key, the routed experts per row): healthy agrees with most taps
+/// sampled, and the scaled head is still localized, on the full replay.
+#[test]
+fn sampled_rows_in_the_qwen_block_families() {
+    let dir = tempfile::tempdir().unwrap();
+    for model in ["qwen3moe-tiny.f32.gguf", "glm4moe-tiny.f32.gguf"] {
+        let healthy = diff_n(dir.path(), model, 50, None);
+        assert_eq!(healthy.verdict, "agree", "{model}: {:?}", healthy.first_divergence);
+        let sampled = healthy
+            .taps
+            .iter()
+            .filter(|t| t.local.as_ref().is_some_and(|l| l.rows.is_some()))
+            .count();
+        let attn = healthy
+            .taps
+            .iter()
+            .filter(|t| t.site == "attn_out" && t.local.as_ref().is_some_and(|l| l.rows.is_some()))
+            .count();
+        assert!(
+            sampled * 10 >= healthy.taps.len() * 8,
+            "{model}: {sampled} of {}",
+            healthy.taps.len()
+        );
+        assert!(attn > 0, "{model}: attention sampled");
+        let run = diff_n(dir.path(), model, 50, Some((1, 1, 1.05)));
+        assert_eq!(
+            run.first_divergence.as_ref().map(|f| f.tap.as_str()),
+            Some("blk.1.attn_out"),
+            "{model}"
+        );
+        let at = run.taps.iter().find(|t| t.tap == "blk.1.attn_out").unwrap();
+        assert!(at.local.as_ref().unwrap().rows.is_none(), "decided on every row");
     }
 }
