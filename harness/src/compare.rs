@@ -190,6 +190,8 @@ pub struct Tolerances {
     baseline: HashMap<String, Baseline>,
     /// Where the baselines came from (file names), for the run document.
     baseline_names: Vec<String>,
+    /// Per-head local errors of a healthy baseline, by (unranked printed key, head).
+    head_baseline: HashMap<(String, usize), f64>,
 }
 
 /// What a healthy baseline run says about one tap.
@@ -274,6 +276,7 @@ impl Default for Tolerances {
             patterns: Vec::new(),
             baseline: HashMap::new(),
             baseline_names: Vec::new(),
+            head_baseline: HashMap::new(),
         }
     }
 }
@@ -378,6 +381,24 @@ impl Tolerances {
     /// True when a baseline was loaded.
     pub fn has_baseline(&self) -> bool {
         !self.baseline.is_empty()
+    }
+
+    /// Records a healthy run's local error of `head` (the model's head index) at the attention
+    /// tap `key` (ranked or not); several baselines keep the larger.
+    pub fn add_head_baseline(&mut self, key: &str, head: usize, local: f64) {
+        if !local.is_finite() {
+            return;
+        }
+        let key = key
+            .parse::<TapKey>()
+            .map_or_else(|_| key.to_string(), |k| k.unranked().to_string());
+        let e = self.head_baseline.entry((key, head)).or_insert(local);
+        *e = e.max(local);
+    }
+
+    /// The healthy baseline's local error of `head` at `key` (its unranked form).
+    pub fn head_baseline(&self, key: &TapKey, head: usize) -> Option<f64> {
+        self.head_baseline.get(&(key.unranked().to_string(), head)).copied()
     }
 
     /// Records a healthy run's errors at `key`; several baselines keep the larger.

@@ -4,7 +4,8 @@
 use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
-use crate::noise::local_bound;
+use crate::local_rows::RowSample;
+use crate::noise::{head_bound, local_bound_sum};
 use crate::selection::{compare_rows, compare_taps, Noise, Rule};
 use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
 use anyhow::bail;
@@ -38,6 +39,9 @@ pub struct DiffPlan<'a> {
     pub repro: String,
 }
 
+/// A replay on a sample of rows, with the sample.
+type SampledReplay = (Rc<RowSample>, Rc<Replayed>);
+
 struct Comparator<'a> {
     plan: &'a DiffPlan<'a>,
     config: &'a ModelConfig,
@@ -49,6 +53,10 @@ struct Comparator<'a> {
     pending: Vec<(TapKey, usize)>,
     /// Replays by unranked key (None: not replayable), dropped with their layer.
     replays: HashMap<TapKey, Option<Rc<Replayed>>>,
+    /// Replays on a sample of token rows (see [`crate::local_rows`]), with the sample.
+    sampled: HashMap<TapKey, Option<SampledReplay>>,
+    /// Seconds spent in replays.
+    local_s: f64,
     /// At the first divergence (when decided by the local rule): the replay, sliced like the
     /// tap, and the per-head profile of an attention tap.
     first_local: Option<(TapKey, Vec<f32>, Option<HeadProfile>)>,
@@ -81,6 +89,8 @@ impl<'a> Comparator<'a> {
             dtype,
             pending: Vec::new(),
             replays: HashMap::new(),
+            sampled: HashMap::new(),
+            local_s: 0.0,
             first_local: None,
             eng: Store::new(),
             refs: Store::new(),
@@ -215,21 +225,66 @@ impl<'a> Comparator<'a> {
                     rho: 1.0,
                     rho_sum: 0.0,
                     rho_heads: Vec::new(),
+                    rows: None,
+                    reduction: 0,
                 })
             })
         } else {
+            let t0 = Instant::now();
             let (config, tp, eng) = (self.config, self.plan.engine.tp, &self.eng);
             let inputs = |k: &TapKey| engine_full(config, tp, eng, k);
             let n = self.plan.tokens.len();
             // A replay that fails (a weight the file lacks) leaves the end-to-end rule.
-            self.reference
+            let r = self
+                .reference
                 .replay_local(&full, &inputs, n)
                 .ok()
                 .flatten()
-                .map(Rc::new)
+                .map(Rc::new);
+            self.local_s += t0.elapsed().as_secs_f64();
+            r
         };
         self.replays.insert(full, r.clone());
         r
+    }
+
+    /// The replay of `key` (unranked) on a sample of token rows chosen from its end-to-end
+    /// errors, once; `None` where every row is to be replayed (few rows, the embedding, an op
+    /// that cannot be replayed on a subset) or the op is not replayable.
+    fn replay_sampled(&mut self, key: &TapKey) -> Option<SampledReplay> {
+        let full = key.unranked();
+        if let Some(r) = self.sampled.get(&full) {
+            return r.clone();
+        }
+        let t0 = Instant::now();
+        let (config, tp, eng) = (self.config, self.plan.engine.tp, &self.eng);
+        let n = self.plan.tokens.len();
+        let block = match (&config.mla, full.site) {
+            (None, Site::Q | Site::K | Site::V | Site::AttnOut) => config.head_dim,
+            _ => 0,
+        };
+        let r = (full.site != Site::Embed)
+            .then(|| Some((engine_full(config, tp, eng, &full)?, self.refs.get(&full)?)))
+            .flatten()
+            .and_then(|(e, r)| crate::local_rows::choose(&e, &r.data, n, block))
+            .and_then(|sample| {
+                let inputs = |k: &TapKey| engine_full(config, tp, eng, k);
+                let rep = self
+                    .reference
+                    .replay_rows(&full, &inputs, n, &sample.rows)
+                    .ok()
+                    .flatten()?;
+                rep.rows.is_some().then(|| (Rc::new(sample), Rc::new(rep)))
+            });
+        self.local_s += t0.elapsed().as_secs_f64();
+        self.sampled.insert(full, r.clone());
+        r
+    }
+
+    /// Whether every tap's local error is computed (below f32, or with a baseline), not only
+    /// those above the f32 floor.
+    fn every_tap(&self) -> bool {
+        self.dtype != ActDtype::F32 || self.plan.tolerances.has_baseline()
     }
 
     /// Decides the pending rows whose layer (capped progress) is at most `upto`, in key order.
@@ -272,7 +327,7 @@ impl<'a> Comparator<'a> {
         let gate = self.plan.tolerances.floor(key);
         // At f32 without a baseline, a tap under the floor cannot be over and a tap after the
         // first divergence cannot be first: their replays are skipped (the old cost).
-        let every_tap = self.dtype != ActDtype::F32 || self.plan.tolerances.has_baseline();
+        let every_tap = self.every_tap();
         let needed = every_tap || (m.rel_l2 > gate && self.first_over.is_none_or(|f| *key < f));
         let wants_local = !hard && !matches!(key.site, Site::Weight(_)) && !is_partial_sum(key) && needed;
         let mut local_over = None;
@@ -384,6 +439,11 @@ impl<'a> Comparator<'a> {
     /// The local error of `key` against its replay: (the row's entry, whether it is over, the
     /// replay sliced like the tap, the per-head profile at an attention tap).
     fn local_error(&mut self, key: &TapKey) -> Option<(LocalError, bool, Vec<f32>, Option<HeadProfile>)> {
+        if self.every_tap() {
+            if let Some(local) = self.sampled_local_error(key) {
+                return Some((local, false, Vec::new(), None));
+            }
+        }
         let rep = self.replay(key)?;
         let e = self.eng.get(key)?;
         let n = self.plan.tokens.len();
@@ -410,7 +470,7 @@ impl<'a> Comparator<'a> {
         } else {
             self.dtype
         };
-        let b = local_bound(tol, key, bound_dtype, rho);
+        let b = local_bound_sum(tol, key, bound_dtype, rho, rep.rho_sum, rep.reduction);
         let mut over = lm.rel_l2.is_nan() || lm.rel_l2 > b.value;
         let profile = self.head_profile(key, &e.data, &want, &rep, e.shape[1]);
         if let Some(p) = &profile {
@@ -421,8 +481,79 @@ impl<'a> Comparator<'a> {
             bound: b.value,
             rho,
             source: b.source.to_string(),
+            rows: None,
+            heads: profile.as_ref().map_or_else(Vec::new, |p| p.heads.clone()),
         };
         Some((local, over, want, profile))
+    }
+
+    /// The local error of `key` estimated on a sample of rows, when that estimate is clearly
+    /// under its bound (below [`crate::local_rows::ESCALATE`] × the bound, in total and at every
+    /// head of an attention tap); `None` sends the tap to the full replay.
+    fn sampled_local_error(&mut self, key: &TapKey) -> Option<LocalError> {
+        let (sample, rep) = self.replay_sampled(key)?;
+        let e = self.eng.get(key)?;
+        let n = self.plan.tokens.len();
+        let rows = sample.rows.len();
+        if rows == 0 || rep.out.len() % rows != 0 {
+            return None;
+        }
+        let full = Captured {
+            key: key.unranked(),
+            shape: [rows, rep.out.len() / rows],
+            data: rep.out.clone(),
+        };
+        let want = reference_slice(self.config, self.plan.engine.tp, key, &full);
+        let mine = references::forward::replay::select_rows(&e.data, n, &sample.rows);
+        let width = e.shape[1];
+        if want.len() != mine.len() || mine.len() != rows * width {
+            return None;
+        }
+        let w = &sample.weights;
+        let est = crate::local_rows::weighted_rel_l2(&mine, &want, width, 0..width, w);
+        let tp = self.plan.engine.tp;
+        let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
+        let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
+        let tol = &self.plan.tolerances;
+        let b = local_bound_sum(tol, key, self.dtype, rho, rep.rho_sum, rep.reduction);
+        let clear = |x: f64, bound: f64| x.is_finite() && x <= crate::local_rows::ESCALATE * bound;
+        if !clear(est, b.value) {
+            return None;
+        }
+        let c = self.config;
+        let mut heads = Vec::new();
+        if c.mla.is_none() && matches!(key.site, Site::Q | Site::K | Site::V | Site::AttnOut) {
+            let hd = c.head_dim;
+            if hd == 0 || width % hd != 0 {
+                return None;
+            }
+            let offset = key
+                .rank
+                .and_then(|r| rank_columns(key.site, c, tp, r as usize))
+                .map_or(0, |cols| cols.start / hd);
+            for h in 0..width / hd {
+                let rel = crate::local_rows::weighted_rel_l2(&mine, &want, width, h * hd..(h + 1) * hd, w);
+                let rho_h = rep.rho_heads.get(offset + h).copied().unwrap_or(rep.rho);
+                let bound = head_bound(tol, key, self.dtype, rho_h, offset + h).value;
+                if !clear(rel, bound) {
+                    return None;
+                }
+                heads.push(HeadLocal {
+                    head: offset + h,
+                    rel_l2: rel,
+                    bound,
+                    scale: crate::local_rows::weighted_scale(&mine, &want, width, h * hd..(h + 1) * hd, w),
+                });
+            }
+        }
+        Some(LocalError {
+            rel_l2: est,
+            bound: b.value,
+            rho,
+            source: b.source.to_string(),
+            rows: Some(rows),
+            heads,
+        })
     }
 
     /// Per-head local errors at a llama attention tap (q, k, v, attn_out): each head's rel_l2,
@@ -462,7 +593,7 @@ impl<'a> Comparator<'a> {
             heads.push(HeadLocal {
                 head,
                 rel_l2: hm.rel_l2,
-                bound: local_bound(&self.plan.tolerances, key, self.dtype, rho).value,
+                bound: head_bound(&self.plan.tolerances, key, self.dtype, rho, head).value,
                 scale: if bb > 0.0 { ab / bb } else { f64::NAN },
             });
         }
@@ -511,6 +642,7 @@ impl<'a> Comparator<'a> {
             .retain(|k, _| progress(k).min(cap) >= keep_from || waiting.contains(k));
         self.refs.retain(|k, _| progress(k).min(cap) >= keep_from);
         self.replays.retain(|k, _| progress(k).min(cap) >= keep_from);
+        self.sampled.retain(|k, _| progress(k).min(cap) >= keep_from);
     }
 }
 
@@ -814,6 +946,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             reference: sides.reference_s,
             compare: cmp.compare_s,
             total: sides.t0.elapsed().as_secs_f64(),
+            local: cmp.local_s,
         },
         dtype: Some(DtypeInfo {
             name: dtype.name().to_string(),

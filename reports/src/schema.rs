@@ -107,6 +107,14 @@ pub struct LocalError {
     /// Where the bound came from: "model" (safety × u × rho), "floor" (the f32 threshold, when
     /// above the model's), "baseline" (a healthy run's error × margin) or "tolerance" (a user override).
     pub source: String,
+    /// When the local error was estimated on a sample of token rows (well under its bound, so
+    /// not replayed on every row): how many rows. Absent: every row was replayed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<usize>,
+    /// Per head at an attention tap of the GQA families (q, k, v, attn_out): each head's local
+    /// error and bound (empty elsewhere). A `--baseline` of this run sets per-head bounds from it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub heads: Vec<HeadLocal>,
 }
 
 /// Per-head local error at an attention tap: each head's rel_l2 against the reference op on the
@@ -310,6 +318,10 @@ pub struct Timings {
     pub reference: f64,
     pub compare: f64,
     pub total: f64,
+    /// The part of `compare` spent re-running reference ops on the candidate's inputs (the
+    /// local rule's replays).
+    #[serde(default)]
+    pub local: f64,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ use std::path::{Path, PathBuf};
 enum Dt {
     Bf16,
     F16,
+    /// FP8 e4m3 storage of every op's output tensor and weight, with a per-tensor scale (the
+    /// tensor's largest magnitude to e4m3's 448); the elementwise steps inside an op in bf16.
+    Fp8,
 }
 
 /// Round to the dtype, nearest even.
@@ -35,7 +38,20 @@ fn round(dt: Dt, x: f32) -> f32 {
             f32::from_bits(b.wrapping_add(0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000)
         }
         Dt::F16 => f16_round(x),
+        Dt::Fp8 => round(Dt::Bf16, x),
     }
+}
+
+/// Nearest e4m3 value (3 stored mantissa bits, exponent bias 7, subnormal quantum 2^-9,
+/// largest 448) of `y`.
+fn e4m3(y: f32) -> f32 {
+    let a = y.abs();
+    let q = if a < 2f32.powi(-6) {
+        2f32.powi(-9)
+    } else {
+        2f32.powi(a.log2().floor() as i32 - 3)
+    };
+    ((y / q).round_ties_even() * q).clamp(-448.0, 448.0)
 }
 
 /// f32 → nearest f16 value (as f32), normal range only (SmolLM2's activations fit).
@@ -52,6 +68,14 @@ fn f16_round(x: f32) -> f32 {
 }
 
 fn rounded(dt: Dt, v: Vec<f32>) -> Vec<f32> {
+    if dt == Dt::Fp8 {
+        let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+        if max == 0.0 || !max.is_finite() {
+            return v;
+        }
+        let scale = max / 448.0;
+        return v.into_iter().map(|x| e4m3(x / scale) * scale).collect();
+    }
     v.into_iter().map(|x| round(dt, x)).collect()
 }
 
@@ -68,6 +92,8 @@ struct Faults {
     rope_div: Option<f32>,
     /// Every RMSNorm's eps.
     eps: Option<f32>,
+    /// (layer, token row, scale) on the FFN output: a fault confined to one row.
+    row_scale: Option<(usize, usize, f32)>,
 }
 
 /// The simulated candidate's taps: (key, [n, width], values), in execution order.
@@ -151,7 +177,12 @@ fn simulate(file: &GgufFile, tokens: &[u32], dt: Dt, f: Faults) -> Vec<(String, 
             .zip(&u)
             .map(|(&g, &u)| round(dt, round(dt, ops::silu(g as f64) as f32) * u))
             .collect();
-        let o = mm(&act, &w(&name("ffn_down")), ff, d);
+        let mut o = mm(&act, &w(&name("ffn_down")), ff, d);
+        if let Some((_, row, s)) = f.row_scale.filter(|r| r.0 == l) {
+            for x in &mut o[row * d..(row + 1) * d] {
+                *x = round(dt, *x * s);
+            }
+        }
         out.push((key("ffn_out"), d, o.clone()));
         x = rounded(dt, ops::add(&x, &o));
         out.push((key("resid_out"), d, x.clone()));
@@ -174,7 +205,11 @@ fn write_dump(path: &Path, tokens: &[u32], dt: Dt, taps: &[(String, usize, Vec<f
     meta.insert("tp".into(), "1".into());
     meta.insert("mapping".into(), "{}".into());
     if declare {
-        let name = if dt == Dt::Bf16 { "bf16" } else { "f16" };
+        let name = match dt {
+            Dt::Bf16 => "bf16",
+            Dt::F16 => "f16",
+            Dt::Fp8 => "fp8-e4m3",
+        };
         meta.insert("llmdiff.compute_dtype".into(), name.into());
     }
     header.insert("__metadata__".into(), serde_json::Value::Object(meta));
@@ -182,16 +217,21 @@ fn write_dump(path: &Path, tokens: &[u32], dt: Dt, taps: &[(String, usize, Vec<f
     for (k, width, v) in taps {
         let start = data.len();
         for &x in v {
-            let bits: u16 = match dt {
-                Dt::Bf16 => (x.to_bits() >> 16) as u16,
-                Dt::F16 => half_bits(x),
-            };
-            data.extend_from_slice(&bits.to_le_bytes());
+            match dt {
+                Dt::Bf16 => data.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+                Dt::F16 => data.extend_from_slice(&half_bits(x).to_le_bytes()),
+                // Scaled e4m3 values: stored as f32 (safetensors has no scaled fp8).
+                Dt::Fp8 => data.extend_from_slice(&x.to_le_bytes()),
+            }
         }
         header.insert(
             k.clone(),
             serde_json::json!({
-                "dtype": if dt == Dt::Bf16 { "BF16" } else { "F16" },
+                "dtype": match dt {
+                    Dt::Bf16 => "BF16",
+                    Dt::F16 => "F16",
+                    Dt::Fp8 => "F32",
+                },
                 "shape": [n, width],
                 "data_offsets": [start, data.len()],
             }),
@@ -227,10 +267,22 @@ fn diff_sim(dir: &Path, name: &str, dt: Dt, f: Faults) -> DiffRun {
 }
 
 fn diff_sim_with(dir: &Path, name: &str, dt: Dt, f: Faults, declare: bool, tolerances: Tolerances) -> DiffRun {
+    diff_sim_tokens(dir, name, &TOKENS, dt, f, declare, tolerances)
+}
+
+fn diff_sim_tokens(
+    dir: &Path,
+    name: &str,
+    tokens: &[u32],
+    dt: Dt,
+    f: Faults,
+    declare: bool,
+    tolerances: Tolerances,
+) -> DiffRun {
     let file = GgufFile::open(smollm2()).unwrap();
-    let taps = simulate(&file, &TOKENS, dt, f);
+    let taps = simulate(&file, tokens, dt, f);
     let path: PathBuf = dir.join(format!("{name}.safetensors"));
-    write_dump(&path, &TOKENS, dt, &taps, declare);
+    write_dump(&path, tokens, dt, &taps, declare);
     let dump = Dump::open(&[path]).unwrap();
     let plan = DiffPlan {
         file: &file,
@@ -420,7 +472,24 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
                 end_to_end: row.metrics.rel_l2,
             },
         );
+        for h in row.local.iter().flat_map(|l| &l.heads) {
+            t.add_head_baseline(&row.tap, h.head, h.rel_l2);
+        }
     }
+    let healthy_heads = &healthy
+        .taps
+        .iter()
+        .find(|r| r.tap == "blk.12.attn_out")
+        .unwrap()
+        .local
+        .as_ref()
+        .unwrap()
+        .heads;
+    assert_eq!(
+        healthy_heads.len(),
+        9,
+        "attn_out's per-head profile is in the run document"
+    );
     let again = diff_sim_with(dir.path(), "h2", Dt::Bf16, Faults::default(), false, t.clone());
     assert_eq!(again.verdict, "agree");
     let row = again.taps.iter().find(|r| r.tap == "blk.12.attn_out").unwrap();
@@ -435,6 +504,19 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
     };
     let run = diff_sim_with(dir.path(), "f", Dt::Bf16, faulty, false, t.clone());
     assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+    // The per-head profile is held to each head's own healthy error × the margin.
+    let profile = run.head_profile.as_ref().expect("a head profile at the divergence");
+    for (h, seen) in profile.heads.iter().zip(healthy_heads) {
+        assert_eq!(h.head, seen.head);
+        assert_eq!(h.bound, (BASELINE_MARGIN * seen.rel_l2).max(5e-5), "head {}", h.head);
+    }
+    let over: Vec<usize> = profile
+        .heads
+        .iter()
+        .filter(|h| h.rel_l2 > h.bound)
+        .map(|h| h.head)
+        .collect();
+    assert_eq!(over, vec![4], "{profile:?}");
     // A pattern loosening every attention output hides it; one for another layer does not.
     let mut loose = t.clone();
     loose.set("blk.*.attn_out=0.2").unwrap();
@@ -447,4 +529,123 @@ fn baseline_and_patterns_set_the_bounds_and_the_dtype_comes_from_the_tensors() {
     other.set("blk.1?.q=0.2").unwrap();
     let run = diff_sim_with(dir.path(), "f3", Dt::Bf16, faulty, false, other);
     assert_eq!(run.first_divergence.as_ref().unwrap().tap, "blk.12.attn_out");
+}
+
+/// On a longer prompt the local error of a healthy tap is estimated on a sample of token rows
+/// (harness/src/local_rows.rs) and the verdict stays; a fault confined to one token row, sized
+/// at twice what the exact rule can see (its row error spread over every row is 2 × the tap's
+/// bound), is still localized at its tap, decided on the full replay.
+#[test]
+fn sampled_rows_keep_the_verdict_and_a_one_row_fault_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..60).map(|i| 100 + 37 * i).collect();
+    let n = tokens.len();
+    let sim =
+        |name: &str, f: Faults| diff_sim_tokens(dir.path(), name, &tokens, Dt::Bf16, f, true, Tolerances::default());
+    let healthy = sim("long", Faults::default());
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    let sampled = healthy
+        .taps
+        .iter()
+        .filter(|t| t.local.as_ref().is_some_and(|l| l.rows.is_some_and(|r| r < n)))
+        .count();
+    assert!(
+        sampled * 10 >= healthy.taps.len() * 9,
+        "{sampled} of {} taps sampled",
+        healthy.taps.len()
+    );
+    let bound = healthy
+        .taps
+        .iter()
+        .find(|t| t.tap == "blk.20.ffn_out")
+        .and_then(|t| t.local.as_ref())
+        .unwrap()
+        .bound;
+    // The row's share of the tap's norm sizes the fault: scaling row r by s adds a local error
+    // of (s − 1)·‖y_r‖/‖y‖, set to 2 × the bound.
+    let file = GgufFile::open(smollm2()).unwrap();
+    let taps = simulate(&file, &tokens, Dt::Bf16, Faults::default());
+    let y = &taps.iter().find(|t| t.0 == "blk.20.ffn_out").unwrap().2;
+    let d = y.len() / n;
+    let norm2 = |v: &[f32]| v.iter().map(|&x| x as f64 * x as f64).sum::<f64>();
+    for row in [0, 31, 59] {
+        let share = (norm2(&y[row * d..(row + 1) * d]) / norm2(y)).sqrt();
+        let scale = 1.0 + 2.0 * bound / share;
+        let run = sim(
+            &format!("row{row}"),
+            Faults {
+                row_scale: Some((20, row, scale as f32)),
+                ..Faults::default()
+            },
+        );
+        let first = run.first_divergence.as_ref().map(|f| f.tap.as_str());
+        assert_eq!(first, Some("blk.20.ffn_out"), "row {row}, scale {scale}");
+        let local = run
+            .taps
+            .iter()
+            .find(|t| t.tap == "blk.20.ffn_out")
+            .unwrap()
+            .local
+            .clone()
+            .unwrap();
+        assert!(local.rows.is_none(), "decided on every row: {local:?}");
+        assert!(local.rel_l2 > local.bound, "{local:?}");
+    }
+}
+
+/// FP8: a synthetic candidate whose every tensor is rounded to e4m3 with a per-tensor scale, its
+/// metadata naming fp8-e4m3, gets fp8's bound (u = 2^-4, and the accumulator term on its sums):
+/// healthy agrees, where bf16's bound would flag it; o_proj's input zeroed and two heads
+/// swapped are each localized at their tap.
+#[test]
+fn fp8_candidate_gets_fp8s_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let healthy = diff_sim(dir.path(), "fp8", Dt::Fp8, Faults::default());
+    let d = healthy.dtype.as_ref().unwrap();
+    assert_eq!((d.name.as_str(), d.source.as_str()), ("fp8-e4m3", "dump metadata"));
+    assert_eq!(d.unit_roundoff, 2f64.powi(-4));
+    let (ratio, at) = worst_ratio(&healthy);
+    eprintln!("fp8 healthy: worst local/(u·rho) {ratio:.3} at {at}");
+    assert_eq!(
+        healthy.verdict, "agree",
+        "{:?} {:?}",
+        healthy.first_divergence, healthy.diagnosis
+    );
+    // The same values judged at bf16's u would be far over: the dtype is what lets it pass.
+    let worst_local = healthy
+        .taps
+        .iter()
+        .filter_map(|t| t.local.as_ref())
+        .map(|l| l.rel_l2 / l.rho)
+        .fold(0f64, f64::max);
+    assert!(worst_local > 1.5 * 2f64.powi(-8) * 4.0, "{worst_local}");
+    for (name, f, tap) in [
+        (
+            "zero",
+            Faults {
+                zero_attn_out: Some(9),
+                ..Faults::default()
+            },
+            "blk.9.attn_out",
+        ),
+        (
+            "swap",
+            Faults {
+                head_swap: Some((14, 2, 7)),
+                ..Faults::default()
+            },
+            "blk.14.attn_out",
+        ),
+    ] {
+        let run = diff_sim(dir.path(), name, Dt::Fp8, f);
+        assert_eq!(
+            run.first_divergence.as_ref().map(|f| f.tap.as_str()),
+            Some(tap),
+            "{name}"
+        );
+    }
 }

@@ -101,6 +101,9 @@ fn load_baselines(t: &mut Tolerances, paths: &[PathBuf], file: &references::Gguf
     }
     for (name, run) in runs {
         for row in &run.taps {
+            for h in row.local.iter().flat_map(|l| &l.heads) {
+                t.add_head_baseline(&row.tap, h.head, h.rel_l2);
+            }
             t.add_baseline(
                 &row.tap,
                 Baseline {

@@ -117,7 +117,7 @@ fn biased(r: &Reference, x: &[f32], n: usize, w: &Mat, b: &str) -> Result<Vec<f3
     Ok(add_rows(linear(x, n, w), &b))
 }
 
-fn add_rows(mut y: Vec<f32>, b: &[f32]) -> Vec<f32> {
+pub(super) fn add_rows(mut y: Vec<f32>, b: &[f32]) -> Vec<f32> {
     for row in y.chunks_mut(b.len()) {
         for (v, &bv) in row.iter_mut().zip(b) {
             *v = (*v as f64 + bv as f64) as f32;

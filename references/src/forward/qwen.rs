@@ -19,7 +19,7 @@ pub(super) fn layer(
 }
 
 /// Adds `bias` (when the file has `name`) to every row of `y`.
-fn add_bias(r: &Reference, name: &str, y: &mut [f32], width: usize) -> Result<(), ForwardError> {
+pub(super) fn add_bias(r: &Reference, name: &str, y: &mut [f32], width: usize) -> Result<(), ForwardError> {
     if r.file.tensor(name).is_some() {
         let b = r.vector(name, width)?;
         for row in y.chunks_mut(width) {
@@ -33,7 +33,7 @@ fn add_bias(r: &Reference, name: &str, y: &mut [f32], width: usize) -> Result<()
 
 /// Per-head RMSNorm of `y` (`[n, heads·hd]`) by `name` (`[hd]`), when the file has it or the
 /// architecture requires it (qwen3, qwen3moe: as llama.cpp's loader, a missing norm is an error).
-fn head_norm(r: &Reference, name: &str, y: Vec<f32>, hd: usize) -> Result<Vec<f32>, ForwardError> {
+pub(super) fn head_norm(r: &Reference, name: &str, y: Vec<f32>, hd: usize) -> Result<Vec<f32>, ForwardError> {
     let required = matches!(r.config.arch, Arch::Qwen3 | Arch::Qwen3Moe);
     if r.file.tensor(name).is_none() && !required {
         return Ok(y);

@@ -33,6 +33,11 @@ pub struct Replayed {
     pub rho_sum: f64,
     /// Per head, for attention outputs: rho over that head's columns (empty elsewhere).
     pub rho_heads: Vec<f64>,
+    /// The token rows `out` holds, ascending (`None`: every row). See [`Reference::replay_rows`].
+    pub rows: Option<Vec<usize>>,
+    /// The reduction length K of the op's last sum of products (0 for ops that are not one):
+    /// the noise model's accumulator term, for narrow accumulators, grows with it.
+    pub reduction: usize,
 }
 
 impl Replayed {
@@ -42,8 +47,97 @@ impl Replayed {
             rho,
             rho_sum: 0.0,
             rho_heads: Vec::new(),
+            rows: None,
+            reduction: 0,
         }
     }
+}
+
+/// Rows `rows` of `x [n, width]` (width = x.len() / n).
+pub fn select_rows(x: &[f32], n: usize, rows: &[usize]) -> Vec<f32> {
+    if n == 0 || x.len() % n != 0 {
+        return Vec::new();
+    }
+    let w = x.len() / n;
+    rows.iter()
+        .filter(|&&t| t < n)
+        .flat_map(|&t| x[t * w..(t + 1) * w].iter().copied())
+        .collect()
+}
+
+/// Whether `site`'s op treats each token row on its own (no position, no other row), so that a
+/// replay on a subset of rows is the full replay's rows, in every family this module replays.
+fn row_local(site: Site) -> bool {
+    matches!(
+        site,
+        Site::AttnNorm
+            | Site::FfnNorm
+            | Site::ResidAttn
+            | Site::ResidOut
+            | Site::AttnProj
+            | Site::FfnGate
+            | Site::FfnUp
+            | Site::FfnOut
+            | Site::MoeLogits
+            | Site::MoeTopk
+            | Site::OutputNorm
+            | Site::Logits
+    )
+}
+
+/// Causal attention for the query positions `pos` only (`q [pos.len(), H·dk]`, `k`/`v` every
+/// row up to the last position), computed exactly as [`ops::causal_attention`] computes those
+/// rows, with the per-head noise scale of [`attention_rho`] on them.
+#[allow(clippy::too_many_arguments)]
+fn attention_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos: &[usize],
+    n_heads: usize,
+    n_kv_heads: usize,
+    dk: usize,
+    dv: usize,
+    scale: f64,
+) -> (Vec<f32>, f64, Vec<f64>) {
+    let group = (n_heads / n_kv_heads.max(1)).max(1);
+    let mut out = vec![0f32; pos.len() * n_heads * dv];
+    let mut num = vec![0f64; n_heads];
+    let mut den = vec![0f64; n_heads];
+    let mut acc = vec![0f64; dv];
+    let mut sq = vec![0f64; dv];
+    for (i, &t) in pos.iter().enumerate() {
+        let mut scores = vec![0f64; t + 1];
+        for h in 0..n_heads {
+            let kvh = h / group;
+            let qh = &q[(i * n_heads + h) * dk..(i * n_heads + h + 1) * dk];
+            for (s, score) in scores.iter_mut().enumerate() {
+                let kh = &k[(s * n_kv_heads + kvh) * dk..(s * n_kv_heads + kvh + 1) * dk];
+                *score = ops::dot64(qh, kh) * scale;
+            }
+            ops::softmax(&mut scores);
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            sq.iter_mut().for_each(|a| *a = 0.0);
+            for (s, &p) in scores.iter().enumerate() {
+                let vh = &v[(s * n_kv_heads + kvh) * dv..(s * n_kv_heads + kvh + 1) * dv];
+                for ((a, b), &x) in acc.iter_mut().zip(sq.iter_mut()).zip(vh) {
+                    let pv = p * x as f64;
+                    *a += pv;
+                    *b += pv * pv;
+                }
+            }
+            let o = &mut out[(i * n_heads + h) * dv..(i * n_heads + h + 1) * dv];
+            for ((o, &a), &b) in o.iter_mut().zip(&acc).zip(&sq) {
+                *o = a as f32;
+                let y = (a as f32).abs() as f64;
+                num[h] += (b.sqrt() + y).powi(2);
+                den[h] += y * y;
+            }
+        }
+    }
+    let ratio = |a: f64, b: f64| if b == 0.0 { 1.0 } else { (a / b).sqrt() };
+    let heads = num.iter().zip(&den).map(|(&a, &b)| ratio(a, b)).collect();
+    (out, ratio(num.iter().sum(), den.iter().sum()), heads)
 }
 
 /// rho of `y = x · wᵀ` (`x [n, k]`, `w [m, k]`) from a fixed sample of output elements, the
@@ -179,11 +273,53 @@ impl Reference<'_> {
     /// router logits, the expert choice and the MoE mix made from them, the output norm and the
     /// logits; for MLA also q_a, q, the latent, the shared rope key and the per-head k/v.
     pub fn replay_local(&self, key: &TapKey, inputs: &Inputs, n: usize) -> Result<Option<Replayed>, ForwardError> {
+        self.replay_inner(key, inputs, inputs, n, None)
+    }
+
+    /// [`Reference::replay_local`] on the token rows `rows` (ascending, below `n`) only: each
+    /// input is cut to those rows, RoPE takes their positions, and attention reads every key and
+    /// value row before them. The result's `rows` says which rows `out` holds: all of them where
+    /// the op cannot be replayed on a subset here (the MLA families' attention-side ops), or
+    /// where `rows` covers every row.
+    pub fn replay_rows(
+        &self,
+        key: &TapKey,
+        inputs: &Inputs,
+        n: usize,
+        rows: &[usize],
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let subset = rows.len() < n
+            && rows.windows(2).all(|w| w[0] < w[1])
+            && rows.last().is_some_and(|&t| t < n)
+            && (row_local(key.site) || self.config.arch == Arch::Llama || qwen_block(self.config.arch));
+        if !subset {
+            return self.replay_local(key, inputs, n);
+        }
+        let sub = |k: &TapKey| inputs(k).map(|v| select_rows(&v, n, rows));
+        let mut r = self.replay_inner(key, &sub, inputs, rows.len(), Some(rows))?;
+        if let Some(r) = r.as_mut() {
+            r.rows = Some(rows.to_vec());
+        }
+        Ok(r)
+    }
+
+    /// The replay over `n` rows of `inputs` (the rows at positions `pos`, or 0..n), with `all`
+    /// giving every row (the keys and values attention reads).
+    fn replay_inner(
+        &self,
+        key: &TapKey,
+        inputs: &Inputs,
+        all: &Inputs,
+        n: usize,
+        pos: Option<&[usize]>,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let position = |t: usize| pos.map_or(t, |p| p[t]);
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
-            if !llama_or_mla(c.arch) {
-                // gemma soft-caps its logits; the families' heads are not replayed here.
+            let gemma_norm = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && key.site == Site::OutputNorm;
+            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && c.arch != Arch::GptOss && !gemma_norm {
+                // gemma soft-caps its logits.
                 return Ok(None);
             }
             return Ok(match key.site {
@@ -213,6 +349,8 @@ impl Reference<'_> {
                             rho,
                             rho_sum,
                             rho_heads: Vec::new(),
+                            rows: None,
+                            reduction: w.cols,
                         })
                     }
                     _ => None,
@@ -222,7 +360,14 @@ impl Reference<'_> {
         };
         // The GQA/MoE families share only the residual adds and the attention norm with the
         // llama/MLA ops below (their FFN norm, post-norms, biases and RoPE differ).
-        if !llama_or_mla(c.arch) && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut) {
+        let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
+        let gpt_oss = c.arch == Arch::GptOss;
+        if !llama_or_mla(c.arch)
+            && !qwen_block(c.arch)
+            && !gemma
+            && !gpt_oss
+            && !matches!(key.site, Site::AttnNorm | Site::ResidAttn | Site::ResidOut)
+        {
             return Ok(None);
         }
         let at = |s: Site| inputs(&TapKey::layer(l, s));
@@ -242,10 +387,16 @@ impl Reference<'_> {
                 rho,
                 rho_sum,
                 rho_heads: Vec::new(),
+                rows: None,
+                reduction: w.cols,
             }
         };
         let norm = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
+            // glm4moe and gpt-oss store their pre-FFN norm as post_attention_norm.
+            Site::FfnNorm if matches!(c.arch, Arch::Glm4Moe | Arch::GptOss) => {
+                at(Site::ResidAttn).map(|x| (x, "post_attention_norm"))
+            }
             Site::FfnNorm => at(Site::ResidAttn).map(|x| (x, "ffn_norm")),
             _ => None,
         };
@@ -257,7 +408,19 @@ impl Reference<'_> {
                 2.0,
             )));
         }
+        if gemma
+            && matches!(
+                key.site,
+                Site::Q | Site::K | Site::V | Site::AttnOut | Site::AttnProj | Site::FfnOut
+            )
+        {
+            return self.replay_gemma(key.site, l, &at, n, &position);
+        }
+        if gpt_oss && !matches!(key.site, Site::ResidAttn | Site::ResidOut) {
+            return self.replay_gpt_oss(key.site, l, &at, n, &position);
+        }
         let llama = c.arch == Arch::Llama;
+        let qwen = qwen_block(c.arch);
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         Ok(match key.site {
             Site::ResidAttn => match (resid_in(), at(Site::AttnProj)) {
@@ -299,7 +462,16 @@ impl Reference<'_> {
                     };
                     let divisor = c.rope_scaling.linear_factor.map_or(1.0, |f| f as f64);
                     for (t, row) in r.out.chunks_mut(rows * hd).enumerate() {
-                        ops::rope_norm_scaled(row, hd, 0, t, c.rope_dim, c.rope_base, divisor, freq_factors.as_deref());
+                        ops::rope_norm_scaled(
+                            row,
+                            hd,
+                            0,
+                            position(t),
+                            c.rope_dim,
+                            c.rope_base,
+                            divisor,
+                            freq_factors.as_deref(),
+                        );
                     }
                     // RoPE keeps the norm and adds one rounding (of its output; the angle table's
                     // rounding is of the same order).
@@ -327,6 +499,35 @@ impl Reference<'_> {
                     _ => None,
                 }
             }
+            // The qwen GQA block (qwen2/3, qwen3moe, glm4moe; see `super::qwen`): q/k/v with
+            // their biases where the file has them, per-head q/k RMSNorm (qwen3, qwen3moe), then
+            // NeoX RoPE on the first rope_dim values of each head.
+            Site::Q | Site::K | Site::V if qwen => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match key.site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
+                    super::qwen::add_bias(self, &format!("blk.{l}.{wname}.bias"), &mut r.out, heads * hd)?;
+                    if key.site != Site::V {
+                        let norm = format!("{wname}_norm");
+                        r.out = super::qwen::head_norm(self, &name(&norm), std::mem::take(&mut r.out), hd)?;
+                        if self.file.tensor(&name(&norm)).is_some() {
+                            // The head norm rounds once more (its input's error passes at most
+                            // as is, as RMSNorm's does).
+                            r.rho += 1.0;
+                        }
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, c.rope_base);
+                        }
+                        r.rho += 1.0;
+                    }
+                    Some(r)
+                }
+                _ => None,
+            },
             Site::QA if !llama => match (at(Site::AttnNorm), c.mla.as_ref().and_then(|m| m.q_lora_rank)) {
                 (Some(h), Some(ql)) if h.len() == n * d => Some(lin(&h, &self.matrix(&name("attn_q_a"), ql, d)?, 1.0)),
                 _ => None,
@@ -476,14 +677,42 @@ impl Reference<'_> {
                             rho,
                             rho_sum,
                             rho_heads: Vec::new(),
+                            rows: None,
+                            reduction: down.cols,
+                        })
+                    }
+                    _ => None,
+                }
+            }
+            Site::AttnOut if pos.is_some() => {
+                // Sampled query rows: every key and value row up to the last one.
+                let (Some(p), Some(q)) = (pos, at(Site::Q)) else {
+                    return Ok(None);
+                };
+                let last = p.last().map_or(0, |&t| t + 1);
+                let full = |s: Site| all(&TapKey::layer(l, s)).filter(|x| x.len() >= last * nkv * hd);
+                match (c.arch, full(Site::K), full(Site::V)) {
+                    (arch, Some(k), Some(v)) if (arch == Arch::Llama || qwen) && q.len() == n * nh * hd => {
+                        let scale = 1.0 / (hd as f64).sqrt();
+                        let (out, rho, rho_heads) = attention_rows(&q, &k, &v, p, nh, nkv, hd, hd, scale);
+                        Some(Replayed {
+                            out,
+                            rho,
+                            rho_sum: 0.0,
+                            rho_heads,
+                            rows: None,
+                            reduction: 0,
                         })
                     }
                     _ => None,
                 }
             }
             Site::AttnOut => match (c.arch, at(Site::Q), at(Site::K), at(Site::V)) {
-                (Arch::Llama, Some(q), Some(k), Some(v))
-                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                (arch, Some(q), Some(k), Some(v))
+                    if (arch == Arch::Llama || qwen)
+                        && q.len() == n * nh * hd
+                        && k.len() == n * nkv * hd
+                        && v.len() == n * nkv * hd =>
                 {
                     let scale = 1.0 / (hd as f64).sqrt();
                     let out = ops::causal_attention(&q, &k, &v, n, nh, nkv, hd, hd, scale);
@@ -493,6 +722,8 @@ impl Reference<'_> {
                         rho,
                         rho_sum: 0.0,
                         rho_heads,
+                        rows: None,
+                        reduction: 0,
                     })
                 }
                 (Arch::Deepseek2, Some(q), Some(k_nope), Some(v)) => at(Site::KPe)
@@ -514,8 +745,210 @@ impl Reference<'_> {
     }
 }
 
+impl Reference<'_> {
+    /// The gemma2/gemma3 ops that differ from llama's (see `super::gemma`): q/k/v with gemma3's
+    /// q/k norms and NeoX RoPE at the layer's base, attention with the family's scale, sliding
+    /// window and score soft-cap, and o_proj / the GeGLU FFN's down each followed by its post-norm
+    /// (ffn_gate and ffn_up are plain projections, replayed as llama's). The attention's rho is
+    /// taken as 3 (as MLA's: the mask and soft-cap are not in [`attention_rho`]); a post-norm
+    /// adds 2 (it passes its input's relative error and rounds twice).
+    fn replay_gemma(
+        &self,
+        site: Site,
+        l: usize,
+        at: &dyn Fn(Site) -> Option<Vec<f32>>,
+        n: usize,
+        position: &dyn Fn(usize) -> usize,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        let c = &self.config;
+        let fam = &c.family;
+        let (d, hd, nh, nkv, f) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_dim);
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let lin = |x: &[f32], w: &Mat, c_in: f64| {
+            let y = linear(x, n, w);
+            let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
+            Replayed {
+                out: y,
+                rho,
+                rho_sum,
+                rho_heads: Vec::new(),
+                rows: None,
+                reduction: w.cols,
+            }
+        };
+        let post_norm = |mut r: Replayed, norm: &str| -> Result<Replayed, ForwardError> {
+            r.out = ops::rms_norm(&r.out, d, &self.vector(&name(norm), d)?, c.rms_eps);
+            r.rho += 2.0;
+            Ok(r)
+        };
+        let swa = fam.is_swa(l);
+        Ok(match site {
+            Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
+                    if site != Site::V {
+                        let norm = name(&format!("{wname}_norm"));
+                        // gemma3 requires its q/k norms (as the forward does); gemma2 has none.
+                        if c.arch == Arch::Gemma3 || self.file.tensor(&norm).is_some() {
+                            r.out = ops::rms_norm(&r.out, hd, &self.vector(&norm, hd)?, c.rms_eps);
+                            r.rho += 1.0;
+                        }
+                        let base = if swa { fam.rope_base_swa } else { c.rope_base };
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
+                        }
+                        r.rho += 1.0;
+                    }
+                    Some(r)
+                }
+                _ => None,
+            },
+            Site::AttnOut => match (at(Site::Q), at(Site::K), at(Site::V)) {
+                (Some(q), Some(k), Some(v))
+                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                {
+                    let mask = ops::AttnMask {
+                        window: if swa { fam.sliding_window } else { None },
+                        softcap: fam.attn_softcap.map(|s| s as f64),
+                        sinks: None,
+                    };
+                    let scale = fam.attn_scale.unwrap_or(1.0 / (hd as f64).sqrt());
+                    let out = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, scale, mask);
+                    Some(Replayed::plain(out, 3.0))
+                }
+                _ => None,
+            },
+            Site::AttnProj => match at(Site::AttnOut) {
+                Some(a) if a.len() == n * nh * hd => Some(post_norm(
+                    lin(&a, &self.matrix(&name("attn_output"), d, nh * hd)?, 1.0),
+                    "post_attention_norm",
+                )?),
+                _ => None,
+            },
+            Site::FfnOut => match (at(Site::FfnGate), at(Site::FfnUp)) {
+                (Some(g), Some(u)) if g.len() == n * f && u.len() == n * f => Some(post_norm(
+                    lin(&ops::geglu(&g, &u), &self.matrix(&name("ffn_down"), d, f)?, 3f64.sqrt()),
+                    "post_ffw_norm",
+                )?),
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+}
+
+impl Reference<'_> {
+    /// The gpt-oss ops (see `super::gpt_oss`): q/k/v with their biases and NeoX RoPE at the
+    /// layer's base, attention with the sinks and the sliding window (rho 3, as gemma's), o_proj
+    /// with its bias, the router logits with theirs and the expert choice from the candidate's own
+    /// logits (exact). The expert mix (`ffn_out`) keeps the end-to-end rule.
+    fn replay_gpt_oss(
+        &self,
+        site: Site,
+        l: usize,
+        at: &dyn Fn(Site) -> Option<Vec<f32>>,
+        n: usize,
+        position: &dyn Fn(usize) -> usize,
+    ) -> Result<Option<Replayed>, ForwardError> {
+        use super::gpt_oss::{add_rows, route};
+        let c = &self.config;
+        let fam = &c.family;
+        let (d, hd, nh, nkv) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads);
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let biased = |x: &[f32], w: &Mat, b: &str| -> Result<Replayed, ForwardError> {
+            let y = add_rows(linear(x, n, w), &self.vector(&format!("blk.{l}.{b}.bias"), w.rows)?);
+            let (rho, rho_sum) = linear_rho(x, n, w, &y, 1.0);
+            Ok(Replayed {
+                out: y,
+                rho,
+                rho_sum,
+                rho_heads: Vec::new(),
+                rows: None,
+                reduction: w.cols,
+            })
+        };
+        let swa = fam.is_swa(l);
+        Ok(match site {
+            Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
+                Some(h) if h.len() == n * d => {
+                    let (heads, wname) = match site {
+                        Site::Q => (nh, "attn_q"),
+                        Site::K => (nkv, "attn_k"),
+                        _ => (nkv, "attn_v"),
+                    };
+                    let mut r = biased(&h, &self.matrix(&name(wname), heads * hd, d)?, wname)?;
+                    if site != Site::V {
+                        let base = if swa { fam.rope_base_swa } else { c.rope_base };
+                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
+                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
+                        }
+                        r.rho += 1.0;
+                    }
+                    Some(r)
+                }
+                _ => None,
+            },
+            Site::AttnOut => match (at(Site::Q), at(Site::K), at(Site::V)) {
+                (Some(q), Some(k), Some(v))
+                    if q.len() == n * nh * hd && k.len() == n * nkv * hd && v.len() == n * nkv * hd =>
+                {
+                    let sinks = self.vector(&name("attn_sinks"), nh)?;
+                    let mask = ops::AttnMask {
+                        window: if swa { fam.sliding_window } else { None },
+                        softcap: None,
+                        sinks: Some(&sinks),
+                    };
+                    let scale = 1.0 / (hd as f64).sqrt();
+                    let out = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, scale, mask);
+                    Some(Replayed::plain(out, 3.0))
+                }
+                _ => None,
+            },
+            Site::AttnProj => match at(Site::AttnOut) {
+                Some(a) if a.len() == n * nh * hd => Some(biased(
+                    &a,
+                    &self.matrix(&name("attn_output"), d, nh * hd)?,
+                    "attn_output",
+                )?),
+                _ => None,
+            },
+            Site::MoeLogits => match (at(Site::FfnNorm), c.moe.as_ref()) {
+                (Some(h), Some(m)) if h.len() == n * d => Some(biased(
+                    &h,
+                    &self.matrix(&name("ffn_gate_inp"), m.n_experts, d)?,
+                    "ffn_gate_inp",
+                )?),
+                _ => None,
+            },
+            Site::MoeTopk => match (at(Site::MoeLogits), c.moe.as_ref()) {
+                (Some(z), Some(m)) if m.n_experts > 0 && z.len() == n * m.n_experts => {
+                    let out = z
+                        .chunks(m.n_experts)
+                        .flat_map(|zt| route(zt, m.n_used).0)
+                        .map(|e| e as f32)
+                        .collect();
+                    Some(Replayed::plain(out, 0.0))
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+}
+
 /// The families whose ops the replay below implements beyond the norms and residual adds: llama
-/// and the MLA ones (deepseek2, deepseek32, glm-dsa).
+/// and the MLA ones (deepseek2, deepseek32, glm-dsa); see also [`qwen_block`].
 fn llama_or_mla(arch: Arch) -> bool {
     arch == Arch::Llama || arch.is_mla()
+}
+
+/// The families built on the qwen GQA block (`super::qwen::gqa_block`), replayed with it: q/k/v
+/// biases, q/k norms, NeoX RoPE (partial for glm4moe), dense or routed FFN with a shared expert.
+fn qwen_block(arch: Arch) -> bool {
+    matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe)
 }
