@@ -173,15 +173,18 @@ fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     )))
 }
 
-/// Refuses YaRN RoPE (a file with `rope.scaling.type = yarn`, factor ≠ 1): the engine applies
-/// YaRN's softmax scale but not its frequency ramp (`references::forward::yarn`), so it would
-/// compute a different model.
+/// YaRN RoPE runs where the engine can express it: in the MLA families, whose YaRN is a per-pair
+/// frequency divisor (`RankShard::rope_freqs`, from `YarnConfig::inv_freq`) with the softmax
+/// scale's mscale and no factor on cos/sin. Elsewhere (or with an explicit cos/sin factor) it is
+/// refused rather than computed as another model.
 fn check_yarn(c: &ModelConfig) -> Result<(), EngineError> {
     match &c.yarn {
-        Some(y) if y.factor != 1.0 => Err(EngineError::Unsupported(format!(
-            "the TP engine does not implement YaRN rope scaling (factor {}) yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
-            y.factor
-        ))),
+        Some(y) if y.factor != 1.0 && (c.mla.is_none() || y.attention_factor(true) != 1.0) => {
+            Err(EngineError::Unsupported(format!(
+                "the TP engine implements YaRN rope scaling (factor {}) for the MLA families without a cos/sin factor only; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
+                y.factor
+            )))
+        }
         _ => Ok(()),
     }
 }

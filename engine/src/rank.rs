@@ -449,8 +449,11 @@ impl Rank {
                     ctx.pos0,
                     hy.rope_base,
                     hy.rope_style,
-                    // The config refuses frequency scaling for MLA (deepseek2's YaRN is refused).
-                    RopeFreqs::default(),
+                    // YaRN's per-pair divisors where the file declares it.
+                    RopeFreqs {
+                        divisor: 1.0,
+                        factors: self.shard.rope_freqs.as_deref().map(Vec::as_slice),
+                    },
                 );
                 taps.emit_buf(be, Site::Q, &qv, q.rows, Emit::Column);
                 taps.emit_buf(be, Site::KPe, &k_pe, rope, Emit::Replicated);

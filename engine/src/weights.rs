@@ -228,8 +228,9 @@ pub struct RankShard {
     pub vocab_range: Range<usize>,
     pub layers: Vec<LayerShard>,
     pub output_norm: Arc<Vec<f32>>,
-    /// Llama 3.1+'s per-pair RoPE frequency factors (`rope_freqs.weight`, `[rope_dim / 2]`),
-    /// replicated; None when the model has none.
+    /// Per-pair RoPE frequency divisors, `[rope_dim / 2]`, replicated: Llama 3.1+'s
+    /// `rope_freqs.weight`, or YaRN's ramp (each pair's plain frequency over YaRN's, from
+    /// `YarnConfig::inv_freq`); None when the model scales no frequency.
     pub rope_freqs: Option<Arc<Vec<f32>>>,
     /// lm_head rows `[V_r, d]`; the embedding shard when the embeddings are tied.
     pub lm_head: Linear,
@@ -621,7 +622,12 @@ impl<'a> Loader<'a> {
         let rope_freqs = if c.rope_scaling.freq_factors {
             Some(self.replicated_f32("rope_freqs.weight", &[c.rope_dim / 2])?)
         } else {
-            None
+            c.yarn.as_ref().filter(|y| y.factor != 1.0).map(|y| {
+                let (base, dim) = (c.rope_base as f64, c.rope_dim);
+                let yarn = y.inv_freq(base, dim);
+                let divisors = (0..dim / 2).map(|i| (base.powf(-((2 * i) as f64) / dim as f64) / yarn[i]) as f32);
+                Arc::new(divisors.collect())
+            })
         };
         let layers = (0..c.n_layers)
             .map(|layer_idx| self.load_layer(layer_idx, rank_idx))

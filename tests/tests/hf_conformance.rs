@@ -88,17 +88,37 @@ fn deepseek_v3_yarn_tiny_reference_matches_hf_fp32() {
     assert!(plain > 0.05, "{plain}");
 }
 
-/// The TP engine applies YaRN's softmax scale but not its frequencies: it refuses a YaRN file in
-/// one line naming what works, instead of computing a different model.
+/// The TP engine runs the YaRN file (its MLA RoPE takes YaRN's per-pair divisors, its softmax
+/// the log-multiplier scale) and agrees with the reference at every tap, prefill and decode, at
+/// TP 1 and 2. Control: the ramp is not a no-op on this file (the divisors differ from 1 on the
+/// pairs it interpolates), so an engine without it would rotate differently.
 #[test]
-fn the_engine_refuses_yarn_in_one_line() {
+fn the_engine_runs_yarn_and_agrees_with_the_reference() {
+    use harness::diff::run_diff;
+    use llmdiff_tests::models::{plan, tokens};
     let f = GgufFile::open(golden("deepseek-v3-yarn-tiny.f32.gguf")).unwrap();
-    let err = match engine::engine::Engine::load(&f, engine::engine::EngineOptions::default()) {
-        Ok(_) => panic!("the engine loaded a YaRN model"),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        !err.contains('\n') && err.contains("YaRN") && err.contains("--candidate"),
-        "{err}"
-    );
+    let c = references::ModelConfig::from_header(&f.header).unwrap();
+    let y = c.yarn.clone().expect("the file declares YaRN");
+    let plain: Vec<f64> = (0..c.rope_dim / 2)
+        .map(|i| (c.rope_base as f64).powf(-((2 * i) as f64) / c.rope_dim as f64))
+        .collect();
+    let ramped = y.inv_freq(c.rope_base as f64, c.rope_dim);
+    let scaled = plain
+        .iter()
+        .zip(&ramped)
+        .filter(|(p, r)| (*p / *r - 1.0).abs() > 1e-3)
+        .count();
+    assert!(scaled > 0, "YaRN scales no pair on this fixture");
+    for tp in [1, 2] {
+        for decode_steps in [0, 2] {
+            let run = run_diff(&plan(&f, tokens(c.vocab, 20), tp, vec![], decode_steps)).unwrap();
+            assert!(
+                run.first_divergence.is_none(),
+                "tp {tp} decode {decode_steps}: diverged at {:?} ({})",
+                run.first_divergence.as_ref().map(|d| &d.tap),
+                run.verdict
+            );
+            assert!(run.taps.iter().any(|t| t.tap == "logits"));
+        }
+    }
 }
