@@ -14,6 +14,7 @@ pub mod golden;
 pub mod junit;
 pub mod kernel_trace;
 pub mod kld_verdict;
+pub mod layout;
 pub mod logprobs;
 pub mod noise;
 pub mod output;
