@@ -387,6 +387,21 @@ pub fn apply(
         let Some(((r0, first), rest)) = copies.split_first() else {
             continue;
         };
+        // Ranks whose copy of a reduced tap is their own pre-reduce partial.
+        let mut unreduced = Vec::new();
+        for (r, copy) in &copies {
+            let pk = TapKey {
+                rank: Some(*r as u32),
+                ..key
+            };
+            if dump.partial_ranges.contains_key(&pk) {
+                let p = dump.tensor(&pk, c)?;
+                if p.data.len() == copy.data.len() && metrics(&copy.data, &p.data).rel_l2 < 1e-6 {
+                    unreduced.push(*r);
+                }
+            }
+        }
+        let mut differs = Vec::new();
         for (r, copy) in rest {
             *compared.entry("replica".to_string()).or_default() += 1;
             let m = metrics(&copy.data, &first.data);
@@ -397,16 +412,35 @@ pub fn apply(
                     m.rel_l2
                 );
                 replica_lines.push(line.clone());
-                findings.push(Finding {
-                    key: TapKey {
-                        rank: Some(*r as u32),
-                        ..key
-                    },
-                    class: "rank-disagreement",
-                    confidence: "high",
-                    explanation: format!("{line}: a replicated tensor must be the same on every rank"),
-                });
+                differs.push((*r, line));
             }
+        }
+        if !unreduced.is_empty() && (!differs.is_empty() || unreduced.len() == copies.len()) {
+            let r = unreduced[0];
+            findings.push(Finding {
+                key: TapKey {
+                    rank: Some(r as u32),
+                    ..key
+                },
+                class: "missing-reduction",
+                confidence: "high",
+                explanation: format!(
+                    "{key}: {}'s copy equals {} own pre-reduce partial ({key}@rN#partial): the all-reduce did not run there{}",
+                    ranks_list(&unreduced),
+                    if unreduced.len() > 1 { "their" } else { "its" },
+                    if differs.is_empty() { String::new() } else { ", so the ranks' copies differ".to_string() }
+                ),
+            });
+        } else if let Some((r, line)) = differs.first() {
+            findings.push(Finding {
+                key: TapKey {
+                    rank: Some(*r as u32),
+                    ..key
+                },
+                class: "rank-disagreement",
+                confidence: "high",
+                explanation: format!("{line}: a replicated tensor must be the same on every rank"),
+            });
         }
     }
     // Partials: against the reference's per-rank partial from the same weight shard.

@@ -14,7 +14,7 @@ before it and removed after):
   oproj-swap-r01     ranks 0 and 1 hold each other's o_proj weight shard in layer FAULT_LAYER
   qproj-rank0        the last rank's q_proj shard in layer FAULT_LAYER replaced by rank 0's
   attn-zero-r1       rank 1's attention output (o_proj input) in layer FAULT_LAYER zeroed
-  rope-base-r2       the last rank runs with rope_theta / 10 (config and inverse frequencies)
+  rope-base-last       the last rank runs with rope_theta / 10 (config and inverse frequencies)
 Not run by CI (needs torch + transformers); its output for the small case is committed in
 golden/candidate-smollm2-tp{2,3}/ (see golden/README.md).
 """
@@ -30,7 +30,7 @@ import llmdiff_dump  # noqa: E402
 
 TOKENS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 FAULTS = ["healthy", "skip-oproj-reduce", "skip-down-reduce", "oproj-swap-r01", "qproj-rank0",
-          "attn-zero-r1", "rope-base-r2"]
+          "attn-zero-r1", "rope-base-last"]
 
 
 def gather_local(w):
@@ -113,7 +113,7 @@ def main():
                 return lambda: None
             h = attn.o_proj.register_forward_pre_hook(lambda m, a: (torch.zeros_like(a[0]),))
             return h.remove
-        if name == "rope-base-r2":
+        if name == "rope-base-last":
             if rank != last:
                 return lambda: None
             rot = model.model.rotary_emb
@@ -135,8 +135,9 @@ def main():
         dumper = llmdiff_dump.Dumper(model, mapping=mapping, layers=layers)
         with dumper, torch.no_grad():
             model(torch.tensor([tokens]))
-        undo()
+        # Saved before the undo: the metadata records the config the forward ran with.
         path = dumper.save(os.path.join(args.outdir, f"{name}.safetensors"), tokens, model=f)
+        undo()
         print(path, len(dumper.tensors), "tensors", os.path.getsize(path), "bytes", flush=True)
     dist.barrier()
     dist.destroy_process_group()
