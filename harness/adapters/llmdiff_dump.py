@@ -237,12 +237,13 @@ class Dumper:
                 mod = names.get(src[0].format(i=layer))
                 w = getattr(mod, "weight", None)
                 rng = _local_range(w, src[1])
-                if rng is not None:
+                if rng is not None and not partial and self.tensors[key].shape[-1] == w.shape[src[1]]:
+                    # The module gathers its shards (e.g. lm_head "colwise_gather_output").
+                    lay = "gathered"
+                elif rng is not None:
                     lay = f"partial({rng[0]}:{rng[1]})" if partial else f"sharded(1,{rng[0]}:{rng[1]})"
             if lay is None and partial:
                 raise ValueError(f"{key}: a partial without a row-parallel weight")
-            if lay is None and cls == "logits" and _sharded_dim(getattr(names.get("lm_head"), "weight", None)) == 0:
-                lay = "gathered"
             out[cls] = lay or "replicated"
         return out
 
@@ -377,7 +378,9 @@ def effective_config(model):
     }
     for name, mod in model.named_modules():
         inv = getattr(mod, "inv_freq", None)
-        if name.endswith("rotary_emb") and inv is not None and inv.numel() > 1:
+        # Only a plain rotation's frequencies give the base back (scaled types change them).
+        if name.endswith("rotary_emb") and inv is not None and inv.numel() > 1 \
+                and getattr(mod, "rope_type", "default") == "default":
             dim = 2 * inv.numel()
             out["rope_theta_effective"] = float(inv.double()[1] ** (-dim / 2))
             break

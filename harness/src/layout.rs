@@ -242,24 +242,49 @@ pub fn config_check(dump: &Dump, c: &ModelConfig) -> ConfigCheck {
             out.drift
                 .push(format!("{key} differs across ranks: {}", parts.join("; ")));
         }
+        // The RoPE type: the reference's scaling as the file states it.
+        if key == "rope_type" {
+            let want = if c.rope_scaling.freq_factors {
+                "llama3"
+            } else if c.rope_scaling.linear_factor.is_some() {
+                "linear"
+            } else if c.yarn.is_some() {
+                "yarn"
+            } else {
+                "default"
+            };
+            let bad: Vec<usize> = dump
+                .ranks
+                .iter()
+                .filter(|(_, m)| m.config.get(key).and_then(|v| v.as_str()).is_some_and(|v| v != want))
+                .map(|(&r, _)| r)
+                .collect();
+            out.keys += dump.ranks.len();
+            if let Some(&r) = bad.first() {
+                out.drift.push(format!(
+                    "rope_type: {} {} where the reference's is {want} (GGUF{})",
+                    ranks_list(&bad),
+                    dump.ranks[&r].config[key],
+                    if c.rope_scaling.freq_factors { " rope_freqs.weight" } else { " metadata" }
+                ));
+            }
+        }
         // Against the reference (the GGUF metadata the reference reads).
         if let Some((want, tol)) = reference_value(c, key) {
-            let mut bad = Vec::new();
-            let mut seen = None;
+            let mut bad: BTreeMap<String, Vec<usize>> = BTreeMap::new();
             for (&r, m) in &dump.ranks {
                 out.keys += 1;
                 let Some(v) = m.config.get(key).and_then(|v| v.as_f64()) else {
                     continue;
                 };
                 if (v - want).abs() > tol * want.abs() {
-                    bad.push(r);
-                    seen = Some(v);
+                    bad.entry(v.to_string()).or_default().push(r);
                 }
             }
-            if let Some(v) = seen {
+            for (v, ranks) in bad {
                 out.drift.push(format!(
                     "{key}: {} {v} where the reference's (GGUF metadata) is {want}",
-                    ranks_list(&bad)
+                    ranks_list(&ranks)
                 ));
             }
         }

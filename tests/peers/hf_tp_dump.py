@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--rope-parameters", default=None,
+                    help="JSON rope_parameters to set after loading (HF's GGUF loader drops Llama 3.1 "
+                         "rope scaling: llmdiff reports that as config-drift rope_type)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -60,6 +63,16 @@ def main():
     dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype, tp_plan="auto")
     model.eval()
+    if args.rope_parameters:
+        import json
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        model.config.rope_parameters.update(json.loads(args.rope_parameters))
+        rot = model.model.rotary_emb
+        rot.rope_type = model.config.rope_parameters["rope_type"]
+        inv, scale = ROPE_INIT_FUNCTIONS[rot.rope_type](model.config, None)
+        rot.inv_freq.copy_(inv)
+        rot.original_inv_freq.copy_(inv)
+        rot.attention_scaling = scale
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
     tokens = TOKENS if args.tokens is None else [int(x) for x in args.tokens.split(",")]
     mapping = dict(llmdiff_dump.HF_LLAMA)
@@ -120,7 +133,11 @@ def main():
             rp = model.config.rope_parameters
             old_theta, old_inv = rp["rope_theta"], rot.inv_freq.clone()
             rp["rope_theta"] = old_theta / 10
-            inv, _ = rot.compute_default_rope_parameters(model.config)
+            if rot.rope_type == "default":
+                inv, _ = rot.compute_default_rope_parameters(model.config)
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+                inv, _ = ROPE_INIT_FUNCTIONS[rot.rope_type](model.config, None)
             rot.inv_freq.copy_(inv)
 
             def undo():

@@ -1,0 +1,237 @@
+//! `diff-layers --candidate` on format 2 (tensor-parallel) dumps: HF transformers' own tensor
+//! parallelism (`tp_plan="auto"`, CPU, gloo, fp32) dumped by tests/peers/hf_tp_dump.py, committed
+//! in golden/candidate-smollm2-tp3/ (real SmolLM2, TP 3, layer 1, 4 tokens) and
+//! golden/candidate-llama31-tp2/ (the tiny Llama 3.1 model, TP 2, both layers and the logits).
+//! The healthy dumps agree with every tensor compared (none skipped); each planted fault is
+//! found at its tap and rank with its class named; a dump whose layouts do not explain a ranked
+//! tensor is refused.
+
+use harness::compare::{ActDtype, Tolerances};
+use harness::diff::{run_diff_candidate, DiffPlan};
+use harness::dump::Dump;
+use llmdiff_tests::fixtures::{golden, smollm2};
+use references::GgufFile;
+use reports::DiffRun;
+use std::path::{Path, PathBuf};
+
+struct Case {
+    model: PathBuf,
+    dir: &'static str,
+    tp: usize,
+    n_heads: usize,
+}
+
+fn tp3() -> Case {
+    Case {
+        model: smollm2().to_path_buf(),
+        dir: "candidate-smollm2-tp3",
+        tp: 3,
+        n_heads: 9,
+    }
+}
+
+fn tp2() -> Case {
+    Case {
+        model: golden("llama31-tiny.f32.gguf"),
+        dir: "candidate-llama31-tp2",
+        tp: 2,
+        n_heads: 4,
+    }
+}
+
+fn files(c: &Case, name: &str) -> Vec<PathBuf> {
+    (0..c.tp)
+        .map(|r| golden(c.dir).join(format!("{name}.rank{r}.safetensors")))
+        .collect()
+}
+
+fn diff_paths(model: &Path, paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
+    let file = GgufFile::open(model)?;
+    let dump = Dump::open(paths)?;
+    let plan = DiffPlan {
+        file: &file,
+        model_name: "tp".into(),
+        tokens: dump.tokens.clone(),
+        engine: engine::EngineOptions {
+            tp: dump.tp,
+            ..engine::EngineOptions::default()
+        },
+        tolerances: Tolerances::default(),
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        decode_steps: 0,
+        repro: String::new(),
+    };
+    run_diff_candidate(&plan, &dump)
+}
+
+fn diff(c: &Case, name: &str) -> DiffRun {
+    diff_paths(&c.model, &files(c, name)).unwrap()
+}
+
+/// The divergence's tap and class; the explanation must name every needle.
+fn found(run: &DiffRun, tap: &str, class: &str, needles: &[&str]) {
+    let first = run.first_divergence.as_ref().expect("diverged");
+    let d = run.diagnosis.as_ref().expect("diagnosis");
+    assert_eq!((first.tap.as_str(), d.class.as_str()), (tap, class), "{d:?}");
+    for n in needles {
+        assert!(d.explanation.contains(n), "{n:?} not in {}", d.explanation);
+    }
+}
+
+fn healthy_agrees_with_every_tensor_compared(c: &Case) {
+    let run = diff(c, "healthy");
+    assert_eq!(run.verdict, "agree", "{:?} {:?}", run.first_divergence, run.diagnosis);
+    let t = run.tp_layout.as_ref().expect("format 2 report");
+    assert_eq!(t.tp, c.tp);
+    assert!(t.config_drift.is_empty(), "{:?}", t.config_drift);
+    assert!(t.config_keys > 0);
+    // None skipped: every tensor of the files is a compared row or a replica checked against
+    // the lowest rank's copy.
+    let replicas = t.compared.get("replica").copied().unwrap_or(0);
+    assert_eq!(run.taps.len() + replicas, t.tensors, "{:?}", t.compared);
+    assert!(!t.compared.contains_key("partial-unchecked"), "{:?}", t.compared);
+    for kind in ["replicated", "replica", "sharded", "partial"] {
+        assert!(t.compared.get(kind).copied().unwrap_or(0) > 0, "{kind}: {:?}", t.compared);
+    }
+    // Every rank's partial is compared with the reference's per-rank partial.
+    let partials = run.taps.iter().filter(|r| r.site == "attn_proj" && r.rank.is_some()).count();
+    assert!(partials >= c.tp, "{partials}");
+    let worst = run.taps.iter().map(|t| t.metrics.rel_l2).fold(0f64, f64::max);
+    assert!(worst < 1e-4, "worst rel_l2 {worst:e}");
+}
+
+fn faults_are_found_at_their_tap_and_rank(c: &Case) {
+    let last = c.tp - 1;
+    found(
+        &diff(c, "skip-oproj-reduce"),
+        "blk.1.attn_proj@r0",
+        "missing-reduction",
+        &["pre-reduce partial", "all-reduce did not run"],
+    );
+    found(
+        &diff(c, "skip-down-reduce"),
+        "blk.1.ffn_out@r0",
+        "missing-reduction",
+        &["pre-reduce partial"],
+    );
+    let swap = diff(c, "oproj-swap-r01");
+    found(
+        &swap,
+        "blk.1.attn_proj@r0",
+        "head-permutation",
+        &["rank 0 holds rank 1's o_proj shard"],
+    );
+    let other = &swap.tp_layout.as_ref().unwrap().partial_findings;
+    assert!(
+        other.iter().any(|l| l.contains("rank 1 holds rank 0's o_proj shard")),
+        "{other:?}"
+    );
+    // The last rank computes with rank 0's q_proj shard: its q heads are rank 0's.
+    let heads = last * c.n_heads / c.tp;
+    found(
+        &diff(c, "qproj-rank0"),
+        &format!("blk.1.q@r{last}"),
+        "head-permutation",
+        &[&format!("engine heads {heads}.."), "match reference heads 0.."],
+    );
+    found(
+        &diff(c, "attn-zero-r1"),
+        "blk.1.attn_out@r1",
+        "stale-output",
+        &["no canary"],
+    );
+    let rope = diff(c, "rope-base-last");
+    let d = rope.diagnosis.as_ref().unwrap();
+    assert_eq!(d.class, "config-drift", "{d:?}");
+    assert!(
+        d.explanation.contains(&format!("rope_theta differs across ranks: rank {last} ")),
+        "{}",
+        d.explanation
+    );
+    assert!(
+        d.explanation.contains(&format!("rope_theta: rank {last} ")) && d.explanation.contains("GGUF metadata"),
+        "{}",
+        d.explanation
+    );
+}
+
+#[test]
+fn tp3_smollm2_healthy_agrees_with_every_tensor_compared() {
+    healthy_agrees_with_every_tensor_compared(&tp3());
+}
+
+#[test]
+fn tp3_smollm2_faults_are_found_at_their_tap_and_rank() {
+    faults_are_found_at_their_tap_and_rank(&tp3());
+}
+
+#[test]
+fn tp2_llama31_healthy_agrees_with_every_tensor_compared() {
+    let c = tp2();
+    healthy_agrees_with_every_tensor_compared(&c);
+    // The gathered logits are compared as a replicated tap.
+    let run = diff(&c, "healthy");
+    let t = run.tp_layout.unwrap();
+    assert_eq!(t.layouts["logits"], vec!["gathered", "gathered"]);
+    assert!(run.taps.iter().any(|r| r.tap == "logits"));
+}
+
+#[test]
+fn tp2_llama31_faults_are_found_at_their_tap_and_rank() {
+    faults_are_found_at_their_tap_and_rank(&tp2());
+}
+
+/// A copy of `src` with its metadata changed by `f`.
+fn with_meta(src: &Path, dst: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let bytes = std::fs::read(src).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    f(header["__metadata__"].as_object_mut().unwrap());
+    let h = serde_json::to_vec(&header).unwrap();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(dst, out).unwrap();
+}
+
+fn edit_layout(m: &mut serde_json::Map<String, serde_json::Value>, f: impl FnOnce(&mut serde_json::Value)) {
+    let mut l: serde_json::Value = serde_json::from_str(m["layout"].as_str().unwrap()).unwrap();
+    f(&mut l);
+    m.insert("layout".into(), serde_json::Value::String(l.to_string()));
+}
+
+#[test]
+fn a_ranked_tensor_the_layouts_do_not_explain_is_refused() {
+    let c = tp2();
+    let dir = tempfile::tempdir().unwrap();
+    let mut paths = files(&c, "healthy");
+    let err = |paths: &[PathBuf]| format!("{:#}", diff_paths(&c.model, paths).expect_err("must be refused"));
+
+    // A class without a declared layout.
+    let p = dir.path().join("nolayout.rank1.safetensors");
+    with_meta(&paths[1], &p, |m| {
+        edit_layout(m, |l| {
+            l.as_object_mut().unwrap().remove("attn_out");
+        })
+    });
+    let e = err(&[paths[0].clone(), p]);
+    assert!(e.contains("layout is not declared") && e.contains("attn_out"), "{e}");
+
+    // A declared range that does not match the tensor's width.
+    let p = dir.path().join("range.rank1.safetensors");
+    with_meta(&paths[1], &p, |m| edit_layout(m, |l| l["attn_out"] = "sharded(1,0:8)".into()));
+    let e = err(&[paths[0].clone(), p]);
+    assert!(e.contains("declared range 0:8"), "{e}");
+
+    // Expert-parallel layouts are parsed but not compared by this build: refused, not skipped.
+    let p = dir.path().join("experts.rank1.safetensors");
+    with_meta(&paths[1], &p, |m| edit_layout(m, |l| l["attn_out"] = "experts(0,1)".into()));
+    let e = err(&[paths[0].clone(), p]);
+    assert!(e.contains("experts"), "{e}");
+
+    // A rank's file missing.
+    paths.pop();
+    let e = err(&paths);
+    assert!(e.contains("lacks rank 1's file"), "{e}");
+}
