@@ -395,6 +395,61 @@ def tp_plan_of(model):
         return {"plan": str(plan)}
 
 
+# Weight fingerprints: module pattern -> the weight kind llmdiff names it by (blk.L.w.KIND).
+HF_LLAMA_WEIGHTS = {
+    "q": "model.layers.{i}.self_attn.q_proj", "k": "model.layers.{i}.self_attn.k_proj",
+    "v": "model.layers.{i}.self_attn.v_proj", "o": "model.layers.{i}.self_attn.o_proj",
+    "gate": "model.layers.{i}.mlp.gate_proj", "up": "model.layers.{i}.mlp.up_proj",
+    "down": "model.layers.{i}.mlp.down_proj",
+}
+SAMPLED_ROWS = 2
+SAMPLED_VALUES = 32
+
+
+def fingerprint(w):
+    """A weight as this rank loaded it: its layout (from the DTensor placement), local shape,
+    dtype, the sha256 of its local values as contiguous little-endian f32, every local row's L2
+    norm (f64) and the first SAMPLED_VALUES values of SAMPLED_ROWS rows (first and middle)."""
+    import hashlib
+    local = _local(w).detach()
+    dim = _sharded_dim(w)
+    rng = _local_range(w, dim) if dim is not None else None
+    layout = "replicated" if rng is None else f"sharded({dim},{rng[0]}:{rng[1]})"
+    f32 = local.to(torch.float32).contiguous()
+    rows = f32.shape[0]
+    picks = sorted({0, rows // 2})[:SAMPLED_ROWS]
+    return {
+        "layout": layout,
+        "shape": list(f32.shape),
+        "dtype": str(local.dtype).replace("torch.", ""),
+        "sha256": hashlib.sha256(f32.numpy().tobytes()).hexdigest(),
+        "row_norms": [float(x) for x in f32.double().norm(dim=1)],
+        "rows": {str(r): [float(x) for x in f32[r, :SAMPLED_VALUES]] for r in picks},
+    }
+
+
+def _fingerprints(self, weights=None):
+    """Fingerprints of the dumped layers' weights, keyed `blk.L.w.KIND@rN`."""
+    weights = HF_LLAMA_WEIGHTS if weights is None else weights
+    names = dict(self.model.named_modules())
+    n_layers = sum(1 for n in names if re.fullmatch(r"model\.layers\.\d+", n))
+    layers = range(n_layers) if self.layers is None else self.layers
+    out = {}
+    for layer in layers:
+        for kind, pattern in weights.items():
+            mod = names.get(pattern.format(i=layer))
+            w = getattr(mod, "weight", None)
+            if w is None:
+                continue
+            fp = fingerprint(w)
+            fp["module"] = pattern.format(i=layer)
+            out[f"blk.{layer}.w.{kind}@r{self.rank}"] = fp
+    return out
+
+
+Dumper.fingerprints = _fingerprints
+
+
 def _save_tp(self, path, tokens, model):
     from safetensors.torch import save_file
     root, ext = (path[:-len(".safetensors")], ".safetensors") if path.endswith(".safetensors") else (path, ".safetensors")
@@ -414,6 +469,7 @@ def _save_tp(self, path, tokens, model):
         "normalize": json.dumps(normalize),
         "config": json.dumps(effective_config(self.model)),
         "tp_plan": json.dumps(tp_plan_of(self.model)),
+        "weights": json.dumps(self.fingerprints()),
         "llmdiff.compute_dtype": self.compute_dtype,
     }
     save_file(self.tensors, out, metadata=meta)

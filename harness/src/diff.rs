@@ -597,7 +597,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let mut run = finish(plan, &reference, cmp, sides)?;
     run.missing = missing;
     if let Some(cfg) = tp_config {
-        crate::layout::apply(&mut run, dump, &reference, &plan.tolerances, dtype, cfg)?;
+        crate::layout::apply(&mut run, dump, &reference, plan.file, &plan.tolerances, dtype, cfg)?;
     }
     if let Some(d) = run.diagnosis.as_mut() {
         if d.class == "stale-output" {

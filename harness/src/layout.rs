@@ -109,6 +109,8 @@ pub struct RankMeta {
     pub config: BTreeMap<String, serde_json::Value>,
     /// The TP plan, as recorded (JSON text).
     pub tp_plan: String,
+    /// Weight fingerprints by key (`blk.5.w.o@r1`), as recorded (see [`crate::fingerprint`]).
+    pub weights: BTreeMap<String, serde_json::Value>,
 }
 
 impl RankMeta {
@@ -144,11 +146,17 @@ impl RankMeta {
         let config: BTreeMap<String, serde_json::Value> = serde_json::from_str(get("config")?)
             .with_context(|| format!("{}: metadata \"config\" is not a JSON object", p.display()))?;
         let tp_plan = m.get("tp_plan").cloned().unwrap_or_default();
+        let weights: BTreeMap<String, serde_json::Value> = match m.get("weights") {
+            Some(w) => serde_json::from_str(w)
+                .with_context(|| format!("{}: metadata \"weights\" is not a JSON object", p.display()))?,
+            None => BTreeMap::new(),
+        };
         Ok(RankMeta {
             rank,
             layout,
             config,
             tp_plan,
+            weights,
         })
     }
 }
@@ -265,7 +273,11 @@ pub fn config_check(dump: &Dump, c: &ModelConfig) -> ConfigCheck {
                     "rope_type: {} {} where the reference's is {want} (GGUF{})",
                     ranks_list(&bad),
                     dump.ranks[&r].config[key],
-                    if c.rope_scaling.freq_factors { " rope_freqs.weight" } else { " metadata" }
+                    if c.rope_scaling.freq_factors {
+                        " rope_freqs.weight"
+                    } else {
+                        " metadata"
+                    }
                 ));
             }
         }
@@ -385,6 +397,7 @@ pub fn apply(
     run: &mut DiffRun,
     dump: &Dump,
     reference: &Reference,
+    file: &references::GgufFile,
     tolerances: &Tolerances,
     dtype: ActDtype,
     cfg: ConfigCheck,
@@ -556,6 +569,41 @@ pub fn apply(
             explanation,
         });
     }
+    // Weight fingerprints against the reference's slices.
+    let mut prints = Vec::new();
+    for (&rank, m) in &dump.ranks {
+        for (k, v) in &m.weights {
+            let key: TapKey = k
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("weight fingerprint {k}: {e}"))?;
+            if key.rank != Some(rank as u32) {
+                bail!("weight fingerprint {k} in rank {rank}'s file");
+            }
+            let fp: crate::fingerprint::Fingerprint = serde_json::from_value(v.clone())
+                .with_context(|| format!("weight fingerprint {k}: not a fingerprint (docs/tp-dumps.md)"))?;
+            prints.push((rank, key, fp));
+        }
+    }
+    let mut weight_lines = Vec::new();
+    let mut hashes_equal = 0;
+    for ch in crate::fingerprint::check(file, c.head_dim, &prints)? {
+        *compared.entry("weight".to_string()).or_default() += 1;
+        hashes_equal += usize::from(ch.hash_equal);
+        if let Some(f) = ch.finding {
+            let class = if f.contains("rank ") || f.contains("loaded whole") {
+                "head-permutation"
+            } else {
+                "weight-mismatch"
+            };
+            weight_lines.push(format!("{class}: {f}"));
+            findings.push(Finding {
+                key: ch.key,
+                class,
+                confidence: if class == "weight-mismatch" { "low" } else { "high" },
+                explanation: format!("weight fingerprint: {f}"),
+            });
+        }
+    }
     run.taps
         .sort_by_key(|r| r.tap.parse::<TapKey>().map(|k| order(&k)).ok());
     // Merge: a rank-level finding before (or at the layer of) the first divergence wins.
@@ -571,9 +619,14 @@ pub fn apply(
                 site: f.key.site.name(),
                 rank: f.key.rank,
             });
+            // The activations' own diagnosis, where there was one, stays as evidence.
+            let before = match (&first, &run.diagnosis) {
+                (Some(k), Some(d)) => format!(" (the activations: {} at {k}: {})", d.class, d.explanation),
+                _ => String::new(),
+            };
             run.diagnosis = Some(Diagnosis {
                 class: f.class.to_string(),
-                explanation: f.explanation.clone(),
+                explanation: format!("{}{before}", f.explanation),
                 confidence: f.confidence.to_string(),
             });
         }
@@ -610,6 +663,8 @@ pub fn apply(
         config_drift: cfg.drift,
         replica_disagreements: replica_lines,
         partial_findings: partial_lines,
+        weight_findings: weight_lines,
+        weight_hashes_equal: hashes_equal,
         tp_plan: plans.into_iter().map(str::to_string).collect(),
     });
     Ok(())

@@ -10,6 +10,7 @@ pub mod diagnose;
 pub mod diff;
 pub mod dump;
 pub mod entropy;
+pub mod fingerprint;
 pub mod golden;
 pub mod junit;
 pub mod kernel_trace;

@@ -222,6 +222,12 @@ pub struct TpLayoutReport {
     pub config_drift: Vec<String>,
     pub replica_disagreements: Vec<String>,
     pub partial_findings: Vec<String>,
+    /// Weight fingerprints that miss the reference's slice for their declared layout.
+    #[serde(default)]
+    pub weight_findings: Vec<String>,
+    /// Weight fingerprints whose sha256 equals the reference slice's (f32 little-endian).
+    #[serde(default)]
+    pub weight_hashes_equal: usize,
     /// The TP plans the ranks recorded (one when they agree).
     pub tp_plan: Vec<String>,
 }

@@ -89,13 +89,27 @@ fn healthy_agrees_with_every_tensor_compared(c: &Case) {
     // None skipped: every tensor of the files is a compared row or a replica checked against
     // the lowest rank's copy.
     let replicas = t.compared.get("replica").copied().unwrap_or(0);
+    // (weights are fingerprints in the metadata, not tensors)
     assert_eq!(run.taps.len() + replicas, t.tensors, "{:?}", t.compared);
     assert!(!t.compared.contains_key("partial-unchecked"), "{:?}", t.compared);
+    // Every weight fingerprint matches the reference's slice, bit for bit.
+    assert!(t.weight_findings.is_empty(), "{:?}", t.weight_findings);
+    let weights = t.compared.get("weight").copied().unwrap_or(0);
+    assert!(weights >= 7 * c.tp, "{weights}");
+    assert_eq!(t.weight_hashes_equal, weights);
     for kind in ["replicated", "replica", "sharded", "partial"] {
-        assert!(t.compared.get(kind).copied().unwrap_or(0) > 0, "{kind}: {:?}", t.compared);
+        assert!(
+            t.compared.get(kind).copied().unwrap_or(0) > 0,
+            "{kind}: {:?}",
+            t.compared
+        );
     }
     // Every rank's partial is compared with the reference's per-rank partial.
-    let partials = run.taps.iter().filter(|r| r.site == "attn_proj" && r.rank.is_some()).count();
+    let partials = run
+        .taps
+        .iter()
+        .filter(|r| r.site == "attn_proj" && r.rank.is_some())
+        .count();
     assert!(partials >= c.tp, "{partials}");
     let worst = run.taps.iter().map(|t| t.metrics.rel_l2).fold(0f64, f64::max);
     assert!(worst < 1e-4, "worst rel_l2 {worst:e}");
@@ -115,25 +129,40 @@ fn faults_are_found_at_their_tap_and_rank(c: &Case) {
         "missing-reduction",
         &["pre-reduce partial"],
     );
+    // Ranks 0 and 1 swapped o_proj shards: the weight fingerprints name it first, and the
+    // per-rank partials name it from the activations alone.
     let swap = diff(c, "oproj-swap-r01");
     found(
         &swap,
-        "blk.1.attn_proj@r0",
+        "blk.1.w.o@r0",
         "head-permutation",
-        &["rank 0 holds rank 1's o_proj shard"],
+        &["weight fingerprint", "rank 1's shard", "not its declared"],
     );
-    let other = &swap.tp_layout.as_ref().unwrap().partial_findings;
-    assert!(
-        other.iter().any(|l| l.contains("rank 1 holds rank 0's o_proj shard")),
-        "{other:?}"
-    );
-    // The last rank computes with rank 0's q_proj shard: its q heads are rank 0's.
+    let t = swap.tp_layout.as_ref().unwrap();
+    for line in [
+        "rank 0 holds rank 1's o_proj shard",
+        "rank 1 holds rank 0's o_proj shard",
+    ] {
+        assert!(
+            t.partial_findings.iter().any(|l| l.contains(line)),
+            "{line}: {:?}",
+            t.partial_findings
+        );
+    }
+    assert_eq!(t.weight_findings.len(), 2, "{:?}", t.weight_findings);
+    // The last rank computes with rank 0's q_proj shard: its weight holds rank 0's rows and its
+    // q heads are the reference's heads 0.. (the activations' head-permutation).
     let heads = last * c.n_heads / c.tp;
     found(
         &diff(c, "qproj-rank0"),
-        &format!("blk.1.q@r{last}"),
+        &format!("blk.1.w.q@r{last}"),
         "head-permutation",
-        &[&format!("engine heads {heads}.."), "match reference heads 0.."],
+        &[
+            "rank 0's shard",
+            &format!("head-permutation at blk.1.q@r{last}"),
+            &format!("engine heads {heads}.."),
+            "match reference heads 0..",
+        ],
     );
     found(
         &diff(c, "attn-zero-r1"),
@@ -145,7 +174,8 @@ fn faults_are_found_at_their_tap_and_rank(c: &Case) {
     let d = rope.diagnosis.as_ref().unwrap();
     assert_eq!(d.class, "config-drift", "{d:?}");
     assert!(
-        d.explanation.contains(&format!("rope_theta differs across ranks: rank {last} ")),
+        d.explanation
+            .contains(&format!("rope_theta differs across ranks: rank {last} ")),
         "{}",
         d.explanation
     );
@@ -220,13 +250,17 @@ fn a_ranked_tensor_the_layouts_do_not_explain_is_refused() {
 
     // A declared range that does not match the tensor's width.
     let p = dir.path().join("range.rank1.safetensors");
-    with_meta(&paths[1], &p, |m| edit_layout(m, |l| l["attn_out"] = "sharded(1,0:8)".into()));
+    with_meta(&paths[1], &p, |m| {
+        edit_layout(m, |l| l["attn_out"] = "sharded(1,0:8)".into())
+    });
     let e = err(&[paths[0].clone(), p]);
     assert!(e.contains("declared range 0:8"), "{e}");
 
     // Expert-parallel layouts are parsed but not compared by this build: refused, not skipped.
     let p = dir.path().join("experts.rank1.safetensors");
-    with_meta(&paths[1], &p, |m| edit_layout(m, |l| l["attn_out"] = "experts(0,1)".into()));
+    with_meta(&paths[1], &p, |m| {
+        edit_layout(m, |l| l["attn_out"] = "experts(0,1)".into())
+    });
     let e = err(&[paths[0].clone(), p]);
     assert!(e.contains("experts"), "{e}");
 

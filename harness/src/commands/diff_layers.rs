@@ -366,6 +366,7 @@ pub fn print_summary(run: &DiffRun) {
             .iter()
             .chain(&t.replica_disagreements)
             .chain(&t.partial_findings)
+            .chain(&t.weight_findings)
         {
             println!("  {}", term(line));
         }

@@ -1,0 +1,236 @@
+//! Weight fingerprints of a format 2 dump (docs/tp-dumps.md): per rank and weight, as the
+//! engine loaded it, the layout (`sharded(0,A:B)` rows, `sharded(1,A:B)` columns, `replicated`),
+//! local shape, dtype, the sha256 of its values as little-endian f32, every local row's L2 norm
+//! and a few sampled rows. Each is checked against the reference's slice of the GGUF weight for
+//! the declared layout: shape, row norms and samples; the hash is compared too (HF and llmdiff
+//! dequantize the same bytes bit-exactly, so equal hashes are expected, and a difference is
+//! reported as such). A shard whose norms miss its own slice is tried against every other rank's
+//! slice, so "rank 0 holds rank 1's o_proj shard" is named from the weights alone, and a
+//! weight whose local shape is the whole tensor where a shard was declared is "loaded whole".
+
+use references::dequant::dequantize_to_vec;
+use references::tap::{Site, TapKey, WeightKind};
+use references::GgufFile;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// One fingerprint as the adapter recorded it.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct Fingerprint {
+    pub layout: String,
+    pub shape: [usize; 2],
+    #[serde(default)]
+    pub dtype: String,
+    pub sha256: String,
+    pub row_norms: Vec<f64>,
+    pub rows: BTreeMap<String, Vec<f64>>,
+    #[serde(default)]
+    pub module: String,
+}
+
+/// What the check found for one fingerprint.
+pub struct Checked {
+    pub key: TapKey,
+    /// Problem found, if any (one sentence).
+    pub finding: Option<String>,
+    pub hash_equal: bool,
+}
+
+fn gguf_name(layer: u32, kind: WeightKind) -> Option<String> {
+    let t = match kind {
+        WeightKind::Q => "attn_q",
+        WeightKind::K => "attn_k",
+        WeightKind::V => "attn_v",
+        WeightKind::O => "attn_output",
+        WeightKind::Gate => "ffn_gate",
+        WeightKind::Up => "ffn_up",
+        WeightKind::Down => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{t}.weight"))
+}
+
+/// Parses `sharded(D,A:B)` / `replicated` into (dim, range).
+fn parse_layout(s: &str) -> Option<Option<(usize, Range<usize>)>> {
+    if s == "replicated" {
+        return Some(None);
+    }
+    match crate::layout::TpLayout::parse(s)? {
+        crate::layout::TpLayout::Sharded { dim, range } if dim <= 1 => Some(Some((dim, range))),
+        _ => None,
+    }
+}
+
+/// The reference's weight `[rows, cols]` in the engine's (HF) row order: q/k rows are stored in
+/// GGUF permuted per head (llama.cpp's converter interleaves HF's rotate_half halves).
+struct RefWeight {
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+    head_dim: Option<usize>,
+}
+
+impl RefWeight {
+    fn row(&self, hf_row: usize) -> &[f32] {
+        let g = match self.head_dim {
+            Some(hd) if hd >= 2 => {
+                let (h, w) = (hf_row / hd, hf_row % hd);
+                let (t, j) = (w / (hd / 2), w % (hd / 2));
+                h * hd + 2 * j + t
+            }
+            _ => hf_row,
+        };
+        &self.data[g * self.cols..(g + 1) * self.cols]
+    }
+
+    /// The local matrix for a layout: rows (dim 0) or columns (dim 1) `range`, or all.
+    fn local(&self, slice: &Option<(usize, Range<usize>)>) -> Option<(Vec<f32>, [usize; 2])> {
+        let (rows, cols) = match slice {
+            None => (0..self.rows, 0..self.cols),
+            Some((0, r)) => (r.clone(), 0..self.cols),
+            Some((_, r)) => (0..self.rows, r.clone()),
+        };
+        if rows.end > self.rows || cols.end > self.cols {
+            return None;
+        }
+        let mut out = Vec::with_capacity(rows.len() * cols.len());
+        for i in rows.clone() {
+            out.extend_from_slice(&self.row(i)[cols.clone()]);
+        }
+        Some((out, [rows.len(), cols.len()]))
+    }
+}
+
+fn norms(m: &[f32], cols: usize) -> Vec<f64> {
+    m.chunks(cols.max(1))
+        .map(|r| r.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt())
+        .collect()
+}
+
+fn norms_match(a: &[f64], b: &[f64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-6))
+}
+
+/// Checks every fingerprint of every rank (`(rank, key, fingerprint)`) against the GGUF.
+pub fn check(
+    file: &GgufFile,
+    head_dim: usize,
+    prints: &[(usize, TapKey, Fingerprint)],
+) -> anyhow::Result<Vec<Checked>> {
+    let mut cache: BTreeMap<String, RefWeight> = BTreeMap::new();
+    let mut out = Vec::new();
+    for (_, key, fp) in prints {
+        let (Some(layer), Site::Weight(kind)) = (key.layer, key.site) else {
+            anyhow::bail!("weight fingerprint {key}: not a layer weight key");
+        };
+        let Some(name) = gguf_name(layer, kind) else {
+            anyhow::bail!("weight fingerprint {key}: weight kind not checked by this build");
+        };
+        if !cache.contains_key(&name) {
+            let t = file
+                .tensor(&name)
+                .ok_or_else(|| anyhow::anyhow!("weight fingerprint {key}: the model has no {name}"))?;
+            let data = dequantize_to_vec(t.ty, file.tensor_data(t))?;
+            let (cols, rows) = (t.ne[0] as usize, t.ne.get(1).copied().unwrap_or(1) as usize);
+            let hd = matches!(kind, WeightKind::Q | WeightKind::K).then_some(head_dim);
+            cache.insert(
+                name.clone(),
+                RefWeight {
+                    data,
+                    rows,
+                    cols,
+                    head_dim: hd,
+                },
+            );
+        }
+        let w = &cache[&name];
+        let slice = parse_layout(&fp.layout)
+            .ok_or_else(|| anyhow::anyhow!("weight fingerprint {key}: unknown layout {:?}", fp.layout))?;
+        let full = [w.rows, w.cols];
+        let mut finding = None;
+        let mut hash_equal = false;
+        match w.local(&slice) {
+            None => {
+                finding = Some(format!(
+                    "{key}: declared {} lies outside the weight's {full:?}",
+                    fp.layout
+                ))
+            }
+            Some((_, shape)) if shape != fp.shape => {
+                finding = Some(if fp.shape == full {
+                    format!(
+                        "{key}: loaded whole ({:?}) where its layout {} declares a {shape:?} shard",
+                        fp.shape, fp.layout
+                    )
+                } else {
+                    format!(
+                        "{key} is {:?} where the reference's slice for {} is {shape:?}",
+                        fp.shape, fp.layout
+                    )
+                })
+            }
+            Some((m, shape)) => {
+                let mut h = Sha256::new();
+                for x in &m {
+                    h.update(x.to_le_bytes());
+                }
+                hash_equal = format!("{:x}", h.finalize()) == fp.sha256;
+                let want = norms(&m, shape[1]);
+                let samples_ok = fp.rows.iter().all(|(r, vals)| {
+                    r.parse::<usize>().ok().is_some_and(|r| {
+                        r < shape[0]
+                            && vals
+                                .iter()
+                                .zip(&m[r * shape[1]..(r + 1) * shape[1]])
+                                .all(|(&a, &b)| (a - b as f64).abs() <= 1e-6 * (b.abs() as f64).max(1.0))
+                    })
+                });
+                if !norms_match(&fp.row_norms, &want) || !samples_ok {
+                    // Whose slice is it? Every other aligned slice of the same size.
+                    let mut whose = None;
+                    if let Some((dim, r)) = &slice {
+                        let len = r.len();
+                        let total = if *dim == 0 { w.rows } else { w.cols };
+                        for s in (0..total / len.max(1)).map(|i| i * len..(i + 1) * len) {
+                            if s == *r {
+                                continue;
+                            }
+                            if let Some((m2, sh2)) = w.local(&Some((*dim, s.clone()))) {
+                                if norms_match(&fp.row_norms, &norms(&m2, sh2[1])) {
+                                    whose = Some(s);
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let what = if matches!(slice, Some((1, _))) {
+                        "columns"
+                    } else {
+                        "rows"
+                    };
+                    finding = Some(match (whose, &slice) {
+                        (Some(s), Some((_, r))) => format!(
+                            "{key}: the weight holds the reference's {what} {}:{} (rank {}'s shard), not its declared {}:{}",
+                            s.start,
+                            s.end,
+                            s.start / s.len().max(1),
+                            r.start,
+                            r.end
+                        ),
+                        _ => format!(
+                            "{key}: row norms or sampled rows differ from the reference's slice for {}",
+                            fp.layout
+                        ),
+                    });
+                }
+            }
+        }
+        out.push(Checked {
+            key: *key,
+            finding,
+            hash_equal,
+        });
+    }
+    Ok(out)
+}
