@@ -406,15 +406,16 @@ SAMPLED_ROWS = 2
 SAMPLED_VALUES = 32
 
 
-def fingerprint(w):
+def fingerprint(w, layout=None):
     """A weight as this rank loaded it: its layout (from the DTensor placement), local shape,
     dtype, the sha256 of its local values as contiguous little-endian f32, every local row's L2
     norm (f64) and the first SAMPLED_VALUES values of SAMPLED_ROWS rows (first and middle)."""
     import hashlib
     local = _local(w).detach()
-    dim = _sharded_dim(w)
-    rng = _local_range(w, dim) if dim is not None else None
-    layout = "replicated" if rng is None else f"sharded({dim},{rng[0]}:{rng[1]})"
+    if layout is None:  # else declared by the caller (an engine that shards outside DTensor)
+        dim = _sharded_dim(w)
+        rng = _local_range(w, dim) if dim is not None else None
+        layout = "replicated" if rng is None else f"sharded({dim},{rng[0]}:{rng[1]})"
     f32 = local.to(torch.float32).contiguous()
     rows = f32.shape[0]
     picks = sorted({0, rows // 2})[:SAMPLED_ROWS]

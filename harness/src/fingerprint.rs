@@ -8,6 +8,7 @@
 //! slice, so "rank 0 holds rank 1's o_proj shard" is named from the weights alone, and a
 //! weight whose local shape is the whole tensor where a shard was declared is "loaded whole".
 
+use references::config::ModelConfig;
 use references::dequant::dequantize_to_vec;
 use references::tap::{Site, TapKey, WeightKind};
 use references::GgufFile;
@@ -46,6 +47,8 @@ fn gguf_name(layer: u32, kind: WeightKind) -> Option<String> {
         WeightKind::Gate => "ffn_gate",
         WeightKind::Up => "ffn_up",
         WeightKind::Down => "ffn_down",
+        // Reassembled from the llama.cpp split (attn_k_b, attn_v_b) as the reference does.
+        WeightKind::KvB => "attn_kv_b",
         _ => return None,
     };
     Some(format!("blk.{layer}.{t}.weight"))
@@ -112,12 +115,45 @@ fn norms_match(a: &[f64], b: &[f64]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-6))
 }
 
+/// The reference's weight as f32 `[rows, cols]` (kv_b reassembled from k_b and v_b when the
+/// file splits it).
+fn load(
+    file: &GgufFile,
+    c: &ModelConfig,
+    name: &str,
+    layer: u32,
+    kind: WeightKind,
+) -> anyhow::Result<(Vec<f32>, usize, usize)> {
+    if let Some(t) = file.tensor(name) {
+        let data = dequantize_to_vec(t.ty, file.tensor_data(t))?;
+        return Ok((data, t.ne.get(1).copied().unwrap_or(1) as usize, t.ne[0] as usize));
+    }
+    if let (WeightKind::KvB, Some(m)) = (kind, &c.mla) {
+        let (kb, vb) = (
+            format!("blk.{layer}.attn_k_b.weight"),
+            format!("blk.{layer}.attn_v_b.weight"),
+        );
+        if let (Some(k), Some(v)) = (file.tensor(&kb), file.tensor(&vb)) {
+            let k = dequantize_to_vec(k.ty, file.tensor_data(k))?;
+            let v = dequantize_to_vec(v.ty, file.tensor_data(v))?;
+            let kv_lora = m.kv_lora_rank;
+            if k.len() != c.n_heads * kv_lora * m.qk_nope || v.len() != c.n_heads * m.v_head_dim * kv_lora {
+                anyhow::bail!("{kb}/{vb}: sizes do not match the model's MLA dims");
+            }
+            let mat = references::forward::reassemble_kv_b(&k, &v, c.n_heads, m.qk_nope, m.v_head_dim, kv_lora);
+            return Ok((mat.to_f32(), mat.rows, mat.cols));
+        }
+    }
+    anyhow::bail!("the model has no {name}")
+}
+
 /// Checks every fingerprint of every rank (`(rank, key, fingerprint)`) against the GGUF.
 pub fn check(
     file: &GgufFile,
-    head_dim: usize,
+    c: &ModelConfig,
     prints: &[(usize, TapKey, Fingerprint)],
 ) -> anyhow::Result<Vec<Checked>> {
+    let head_dim = c.head_dim;
     let mut cache: BTreeMap<String, RefWeight> = BTreeMap::new();
     let mut out = Vec::new();
     for (_, key, fp) in prints {
@@ -128,12 +164,9 @@ pub fn check(
             anyhow::bail!("weight fingerprint {key}: weight kind not checked by this build");
         };
         if !cache.contains_key(&name) {
-            let t = file
-                .tensor(&name)
-                .ok_or_else(|| anyhow::anyhow!("weight fingerprint {key}: the model has no {name}"))?;
-            let data = dequantize_to_vec(t.ty, file.tensor_data(t))?;
-            let (cols, rows) = (t.ne[0] as usize, t.ne.get(1).copied().unwrap_or(1) as usize);
-            let hd = matches!(kind, WeightKind::Q | WeightKind::K).then_some(head_dim);
+            let (data, rows, cols) =
+                load(file, c, &name, layer, kind).map_err(|e| anyhow::anyhow!("weight fingerprint {key}: {e:#}"))?;
+            let hd = (c.mla.is_none() && matches!(kind, WeightKind::Q | WeightKind::K)).then_some(head_dim);
             cache.insert(
                 name.clone(),
                 RefWeight {

@@ -14,6 +14,11 @@
 //!   is a `head-permutation` naming the ranks and heads (a swapped or duplicated weight shard,
 //!   found from activations alone).
 //!
+//! Classes these checks add to `diagnose`'s: `rank-disagreement` (a replicated tap's copies
+//! differ across ranks), `wrong-partial` (a partial no weight shard explains) and, from
+//! [`crate::fingerprint`], `weight-mismatch`; a shard found on the wrong rank, or a weight loaded
+//! whole, is `head-permutation`, as in the engine's own diagnosis.
+//!
 //! The counts of what was compared go into the run document (`tp_layout`), so "none skipped" is
 //! checkable: every tensor of the files is a compared tap, a replica checked against rank 0's, or
 //! a partial, or the dump was refused.
@@ -586,7 +591,7 @@ pub fn apply(
     }
     let mut weight_lines = Vec::new();
     let mut hashes_equal = 0;
-    for ch in crate::fingerprint::check(file, c.head_dim, &prints)? {
+    for ch in crate::fingerprint::check(file, c, &prints)? {
         *compared.entry("weight".to_string()).or_default() += 1;
         hashes_equal += usize::from(ch.hash_equal);
         if let Some(f) = ch.finding {

@@ -269,3 +269,29 @@ fn a_ranked_tensor_the_layouts_do_not_explain_is_refused() {
     let e = err(&paths);
     assert!(e.contains("lacks rank 1's file"), "{e}");
 }
+
+/// A kv_b loaded whole on one rank (tests/peers/kv_b_sharded_load.py: the synthetic DeepSeek-V3's
+/// kv_b sharded by heads for TP 2 in PyTorch, rank 1 keeping the whole tensor) is named by its
+/// fingerprint; rank 0's shard matches the reference's reassembled kv_b bit for bit.
+#[test]
+fn weight_fingerprints_name_a_kv_b_loaded_whole() {
+    let file = GgufFile::open(golden("deepseek-v3-tiny.f32.gguf")).unwrap();
+    let config = references::forward::Reference::new(&file).unwrap().config;
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(golden("kv-b-fingerprints-tp2.json")).unwrap()).unwrap();
+    let mut prints = Vec::new();
+    for (k, v) in doc["weights"].as_object().unwrap() {
+        let key: references::TapKey = k.parse().unwrap();
+        let fp: harness::fingerprint::Fingerprint = serde_json::from_value(v.clone()).unwrap();
+        prints.push((key.rank.unwrap() as usize, key, fp));
+    }
+    let checked = harness::fingerprint::check(&file, &config, &prints).unwrap();
+    assert_eq!(checked.len(), 2);
+    let r0 = checked.iter().find(|c| c.key.rank == Some(0)).unwrap();
+    assert!(r0.finding.is_none(), "{:?}", r0.finding);
+    assert!(r0.hash_equal);
+    let r1 = checked.iter().find(|c| c.key.rank == Some(1)).unwrap();
+    let f = r1.finding.as_deref().expect("rank 1 loaded kv_b whole");
+    assert!(f.contains("blk.0.w.kv_b@r1: loaded whole ([256, 64])"), "{f}");
+    assert!(f.contains("sharded(0,128:256)"), "{f}");
+}
