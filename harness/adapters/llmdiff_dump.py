@@ -156,6 +156,10 @@ class Dumper:
         self._patched = None
         self._reduce_patched = None
         self._current = None
+        # Decode steps: set `d.step = k` (1, 2, ...) before the k-th one-token forward after the
+        # prefill; its taps are stored as `KEY#stepK` and `prefill` is recorded (format 2).
+        self.step = 0
+        self._max_step = 0
         self.dist = _dist()
         if self.dist is not None:
             if rank is not None and rank != self.dist.get_rank():
@@ -170,6 +174,9 @@ class Dumper:
         return k if self.rank is None else f"{k}@r{self.rank}"
 
     def _put(self, key, t):
+        if self.step:
+            key = f"{key}#step{self.step}"
+            self._max_step = max(self._max_step, self.step)
         self.tensors[key] = _rows(t, self.store)
 
     def __enter__(self):
@@ -224,7 +231,7 @@ class Dumper:
         names = dict(self.model.named_modules())
         out = {}
         for key in self.tensors:
-            m = re.fullmatch(r"(?:blk\.(\d+)\.)?([a-z_]+)@r\d+(#partial)?", key)
+            m = re.fullmatch(r"(?:blk\.(\d+)\.)?([a-z_]+)@r\d+(#partial)?(?:#step\d+)?", key)
             if not m:
                 continue
             layer, site, partial = m.group(1), m.group(2), m.group(3)
@@ -471,6 +478,7 @@ def _save_tp(self, path, tokens, model):
         "config": json.dumps(effective_config(self.model)),
         "tp_plan": json.dumps(tp_plan_of(self.model)),
         "weights": json.dumps(self.fingerprints()),
+        **({"prefill": str(len(tokens) - self._max_step)} if self._max_step else {}),
         "llmdiff.compute_dtype": self.compute_dtype,
     }
     save_file(self.tensors, out, metadata=meta)

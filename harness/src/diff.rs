@@ -590,7 +590,8 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
         engine_config: Some(config.clone()),
         engine_s: e.seconds,
         reference_s: r.seconds,
-        n_prefill: tokens.len(),
+        // A dump with decode steps: the prefill's rows, then one row per step.
+        n_prefill: dump.n_prefill.unwrap_or(tokens.len()),
         t0,
         dtype_source,
     };

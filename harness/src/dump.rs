@@ -55,11 +55,13 @@ impl Layout {
     }
 }
 
+/// One tensor: its rows in one or more parts (a prefill tensor, then one part per decode step).
+#[derive(Clone)]
 struct Entry {
     file: usize,
     dtype: Dtype,
     shape: [usize; 2],
-    bytes: std::ops::Range<usize>,
+    bytes: Vec<std::ops::Range<usize>>,
 }
 
 /// An opened, validated dump (one or more files).
@@ -85,8 +87,12 @@ pub struct Dump {
     pub declared_slices: BTreeMap<TapKey, std::ops::Range<usize>>,
     /// Format 2: a partial's declared input range (the columns of the row-parallel weight).
     pub partial_ranges: BTreeMap<TapKey, std::ops::Range<usize>>,
-    /// Tensors in the files (each is compared or is an error; see [`crate::layout`]).
+    /// Tensors in the files (each is compared or is an error; see [`crate::layout`]); a tap's
+    /// decode-step parts count as one tensor with it.
     pub n_tensors: usize,
+    /// Prompt tokens of the first forward pass (`prefill` in the metadata); the rest of `tokens`
+    /// were decoded one per step, each step's rows in `KEY#stepK` tensors (K = 1, 2, ...).
+    pub n_prefill: Option<usize>,
 }
 
 fn meta<'a>(m: &'a std::collections::HashMap<String, String>, k: &str, p: &Path) -> anyhow::Result<&'a str> {
@@ -119,6 +125,7 @@ impl Dump {
             declared_slices: BTreeMap::new(),
             partial_ranges: BTreeMap::new(),
             n_tensors: 0,
+            n_prefill: None,
         };
         for (i, p) in paths.iter().enumerate() {
             crate::output::check_regular(p)?;
@@ -162,15 +169,7 @@ impl Dump {
                 );
             }
             let (_, e) = copies.iter().next().expect("a copy");
-            self.entries.insert(
-                *key,
-                Entry {
-                    file: e.file,
-                    dtype: e.dtype,
-                    shape: e.shape,
-                    bytes: e.bytes.clone(),
-                },
-            );
+            self.entries.insert(*key, e.clone());
         }
         Ok(())
     }
@@ -261,7 +260,49 @@ impl Dump {
             self.layout.insert(s, l);
         }
         let n = self.tokens.len();
-        for (name, info) in metadata.tensors() {
+        // Decode steps: `prefill` prompt tokens, then one token per step in `NAME#stepK`.
+        let prefill = match m.get("prefill") {
+            Some(v) => Some(
+                v.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&p| p > 0 && p < n)
+                    .with_context(|| {
+                        format!(
+                            "{}: metadata \"prefill\" is not a count of prompt tokens below the dump's {n}",
+                            p.display()
+                        )
+                    })?,
+            ),
+            None => None,
+        };
+        if file > 0 && prefill != self.n_prefill {
+            bail!("{}: \"prefill\" differs from the other files'", p.display());
+        }
+        self.n_prefill = prefill;
+        let tensors = metadata.tensors();
+        let mut steps: BTreeMap<&str, BTreeMap<usize, &safetensors::tensor::TensorInfo>> = BTreeMap::new();
+        for (name, info) in &tensors {
+            if let Some((base, k)) = name.rsplit_once("#step") {
+                let k: usize = k
+                    .parse()
+                    .ok()
+                    .filter(|&k| k > 0)
+                    .with_context(|| format!("{}: tensor {name}: bad step index", p.display()))?;
+                if prefill.is_none_or(|pf| k > n - pf) {
+                    bail!(
+                        "{}: tensor {name}: step {k} but the metadata's \"prefill\" leaves {} decode steps",
+                        p.display(),
+                        prefill.map_or(0, |pf| n - pf)
+                    );
+                }
+                steps.entry(base).or_default().insert(k, *info);
+            }
+        }
+        for (name, info) in &tensors {
+            if name.contains("#step") {
+                continue;
+            }
             self.n_tensors += 1;
             let (base, partial) = match name.strip_suffix("#partial") {
                 Some(b) if tp2 => (b, true),
@@ -291,25 +332,51 @@ impl Dump {
                     info.shape
                 );
             };
-            if rows != n {
+            let want_rows = prefill.unwrap_or(n);
+            if rows != want_rows {
                 bail!(
-                    "{}: tensor {name} has {rows} rows but the dump's tokens are {n} (expected [n_tokens, width])",
-                    p.display()
+                    "{}: tensor {name} has {rows} rows but the dump's tokens are {n}{} (expected [n_tokens, width])",
+                    p.display(),
+                    prefill.map_or(String::new(), |pf| format!(", {pf} of them prefill"))
                 );
             }
-            let (a, b) = info.data_offsets;
-            let want = rows.checked_mul(width).and_then(|x| x.checked_mul(esize));
-            if b.checked_sub(a).is_none()
-                || b.checked_sub(a) != want
-                || data_start.checked_add(b).is_none_or(|e| e > buf.len())
-            {
-                bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
+            let span = |name: &str, info: &safetensors::tensor::TensorInfo, rows: usize| {
+                let (a, b) = info.data_offsets;
+                let want = rows.checked_mul(width).and_then(|x| x.checked_mul(esize));
+                if b.checked_sub(a).is_none()
+                    || b.checked_sub(a) != want
+                    || data_start.checked_add(b).is_none_or(|e| e > buf.len())
+                {
+                    bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
+                }
+                Ok(data_start + a..data_start + b)
+            };
+            let mut bytes = vec![span(name, info, rows)?];
+            if let Some(pf) = prefill {
+                let mine = steps.remove(name.as_str()).unwrap_or_default();
+                for k in 1..=n - pf {
+                    let part = mine.get(&k).with_context(|| {
+                        format!(
+                            "{}: tensor {name}: decode step {k} (\"{name}#step{k}\") is missing",
+                            p.display()
+                        )
+                    })?;
+                    if part.dtype != info.dtype || part.shape != [1, width] {
+                        bail!(
+                            "{}: tensor {name}#step{k} is {:?} {:?}; a step holds one [1, {width}] row in the prefill's dtype",
+                            p.display(),
+                            part.dtype,
+                            part.shape
+                        );
+                    }
+                    bytes.push(span(&format!("{name}#step{k}"), part, 1)?);
+                }
             }
             let entry = Entry {
                 file,
                 dtype: info.dtype,
-                shape: [rows, width],
-                bytes: data_start + a..data_start + b,
+                shape: [n, width],
+                bytes,
             };
             if let (Some(rm), Some(r)) = (&rank_meta, key.rank) {
                 if r as usize != rm.rank {
@@ -360,6 +427,12 @@ impl Dump {
                 );
             }
             self.entries.insert(key, entry);
+        }
+        if let Some((base, _)) = steps.iter().next() {
+            bail!(
+                "{}: tensor {base}#step…: decode steps of a tensor the dump lacks",
+                p.display()
+            );
         }
         if let Some(rm) = rank_meta {
             self.ranks.insert(rm.rank, rm);
@@ -516,21 +589,27 @@ impl Dump {
     }
 
     fn decode(&self, key: &TapKey, e: &Entry, c: &ModelConfig) -> anyhow::Result<Captured> {
-        let bytes = &self.maps[e.file][e.bytes.clone()];
-        let mut data: Vec<f32> = match e.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            _ => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        };
+        let mut data: Vec<f32> = Vec::with_capacity(e.shape[0] * e.shape[1]);
+        for part in &e.bytes {
+            let bytes = &self.maps[e.file][part.clone()];
+            match e.dtype {
+                Dtype::F32 => data.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                Dtype::BF16 => data.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+                _ => data.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+            }
+        }
         if self.layout.get(&key.site) == Some(&Layout::HfRotateHalf) {
             let hd = c.head_dim;
             if c.mla.is_some() || c.rope_dim != hd || hd % 2 != 0 {

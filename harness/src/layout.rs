@@ -326,10 +326,9 @@ fn reference_partial(
             rank: Some(input_rank),
             ..*key
         };
-        let (Some(shard), Some(full_w)) = (dump.keys().any(|x| *x == k).then_some(()), full_width(c, site)) else {
+        let Some(full_w) = full_width(c, site).filter(|_| dump.keys().any(|x| *x == k)) else {
             return Ok(None);
         };
-        let _ = shard;
         let t: Captured = dump.tensor(&k, c)?;
         if t.shape[1] != at.len() || at.end > full_w {
             return Ok(None);

@@ -15,6 +15,10 @@ before it and removed after):
   qproj-rank0        the last rank's q_proj shard in layer FAULT_LAYER replaced by rank 0's
   attn-zero-r1       rank 1's attention output (o_proj input) in layer FAULT_LAYER zeroed
   rope-base-last       the last rank runs with rope_theta / 10 (config and inverse frequencies)
+  decode-attn-zero-r1  with --decode-steps S >= 2: rank 1's attention output in layer FAULT_LAYER
+                       zeroed in decode step 2 only (the prefill and step 1 are healthy)
+With --decode-steps S the last S tokens are decoded one at a time with HF's KV cache after a
+prefill of the rest, and the dump holds every step (`KEY#stepK`, metadata `prefill`).
 Not run by CI (needs torch + transformers); its output for the small case is committed in
 golden/candidate-smollm2-tp{2,3}/ (see golden/README.md).
 """
@@ -30,7 +34,7 @@ import llmdiff_dump  # noqa: E402
 
 TOKENS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 FAULTS = ["healthy", "skip-oproj-reduce", "skip-down-reduce", "oproj-swap-r01", "qproj-rank0",
-          "attn-zero-r1", "rope-base-last"]
+          "attn-zero-r1", "rope-base-last", "decode-attn-zero-r1"]
 
 
 def gather_local(w):
@@ -51,6 +55,7 @@ def main():
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--decode-steps", type=int, default=0)
     ap.add_argument("--rope-parameters", default=None,
                     help="JSON rope_parameters to set after loading (HF's GGUF loader drops Llama 3.1 "
                          "rope scaling: llmdiff reports that as config-drift rope_type)")
@@ -121,6 +126,12 @@ def main():
                 with torch.no_grad():
                     w.to_local().copy_(saved)
             return undo
+        if name == "decode-attn-zero-r1":
+            if rank != 1:
+                return lambda: None
+            h = attn.o_proj.register_forward_pre_hook(
+                lambda m, a: (torch.zeros_like(a[0]),) if state["step"] == 2 else None)
+            return h.remove
         if name == "attn-zero-r1":
             if rank != 1:
                 return lambda: None
@@ -147,11 +158,27 @@ def main():
         assert name == "healthy", name
         return lambda: None
 
-    for name in args.faults.split(","):
+    state = {"step": 0}
+    faults = args.faults.split(",")
+    if args.decode_steps < 2:
+        faults = [x for x in faults if x != "decode-attn-zero-r1"]
+    for name in faults:
         undo = plant(name)
         dumper = llmdiff_dump.Dumper(model, mapping=mapping, layers=layers)
         with dumper, torch.no_grad():
-            model(torch.tensor([tokens]))
+            if args.decode_steps == 0:
+                model(torch.tensor([tokens]))
+            else:
+                from transformers import DynamicCache
+                p = len(tokens) - args.decode_steps
+                cache = DynamicCache()
+                state["step"] = 0
+                model(torch.tensor([tokens[:p]]), past_key_values=cache, use_cache=True)
+                for k, t in enumerate(tokens[p:], start=1):
+                    state["step"] = dumper.step = k
+                    model(torch.tensor([[t]]), past_key_values=cache, use_cache=True,
+                          position_ids=torch.tensor([[p + k - 1]]))
+                state["step"] = dumper.step = 0
         # Saved before the undo: the metadata records the config the forward ran with.
         path = dumper.save(os.path.join(args.outdir, f"{name}.safetensors"), tokens, model=f)
         undo()

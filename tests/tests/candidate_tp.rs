@@ -295,3 +295,49 @@ fn weight_fingerprints_name_a_kv_b_loaded_whole() {
     assert!(f.contains("blk.0.w.kv_b@r1: loaded whole ([256, 64])"), "{f}");
     assert!(f.contains("sharded(0,128:256)"), "{f}");
 }
+
+/// Decode steps (tests/peers/hf_tp_dump.py --decode-steps 2: a 4-token prefill, then two tokens
+/// decoded one at a time with HF's KV cache, every step in the dump as `KEY#stepK`): the healthy
+/// run agrees on all six rows of every tap; rank 1's attention output zeroed in decode step 2
+/// only is found at its tap and rank, localized to that step.
+#[test]
+fn tp2_decode_steps_localize_a_decode_only_fault_to_its_step() {
+    let c = Case {
+        model: golden("llama31-tiny.f32.gguf"),
+        dir: "candidate-llama31-tp2-decode",
+        tp: 2,
+        n_heads: 4,
+    };
+    let run = diff(&c, "healthy");
+    assert_eq!(run.verdict, "agree", "{:?} {:?}", run.first_divergence, run.diagnosis);
+    assert_eq!(run.tokens.len(), 6);
+    assert!(
+        run.taps.iter().all(|t| t.shape[0] == 6),
+        "every tap stitched to 4 + 2 rows"
+    );
+    let t = run.tp_layout.as_ref().unwrap();
+    assert_eq!(run.taps.len() + t.compared["replica"], t.tensors);
+    found(
+        &diff(&c, "decode-attn-zero-r1"),
+        "blk.1.attn_out@r1",
+        "unknown",
+        &[
+            "only decode diverges",
+            "the 4 prefill rows agree",
+            "first over at decode step 2 (token 5)",
+        ],
+    );
+
+    // A "prefill" that does not match the tensors' rows is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let paths = files(&c, "healthy");
+    let p = dir.path().join("prefill.rank1.safetensors");
+    with_meta(&paths[1], &p, |m| {
+        m.insert("prefill".into(), "3".into());
+    });
+    let e = format!(
+        "{:#}",
+        diff_paths(&c.model, &[paths[0].clone(), p]).expect_err("refused")
+    );
+    assert!(e.contains("differs from the other files'"), "{e}");
+}
