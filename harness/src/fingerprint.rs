@@ -166,7 +166,11 @@ pub fn check(
         if !cache.contains_key(&name) {
             let (data, rows, cols) =
                 load(file, c, &name, layer, kind).map_err(|e| anyhow::anyhow!("weight fingerprint {key}: {e:#}"))?;
-            let hd = (c.mla.is_none() && matches!(kind, WeightKind::Q | WeightKind::K)).then_some(head_dim);
+            let hd = (c.mla.is_none()
+                && matches!(kind, WeightKind::Q | WeightKind::K)
+                && head_dim >= 2
+                && rows.is_multiple_of(head_dim))
+            .then_some(head_dim);
             cache.insert(
                 name.clone(),
                 RefWeight {
