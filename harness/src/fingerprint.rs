@@ -2,7 +2,8 @@
 //! engine loaded it, the layout (`sharded(0,A:B)` rows, `sharded(1,A:B)` columns, `replicated`),
 //! local shape, dtype, the sha256 of its values as little-endian f32, every local row's L2 norm
 //! and a few sampled rows. Each is checked against the reference's slice of the GGUF weight for
-//! the declared layout: shape, row norms and samples; the hash is compared too (HF and llmdiff
+//! the declared layout (rounded to the weight's dtype when it is bf16 or f16): shape, row norms
+//! and samples; the hash is compared too (HF and llmdiff
 //! dequantize the same bytes bit-exactly, so equal hashes are expected, and a difference is
 //! reported as such). A shard whose norms miss its own slice is tried against every other rank's
 //! slice, so "rank 0 holds rank 1's o_proj shard" is named from the weights alone, and a
@@ -207,7 +208,15 @@ pub fn check(
                     )
                 })
             }
-            Some((m, shape)) => {
+            Some((mut m, shape)) => {
+                // An engine holding its weights in a 16-bit dtype holds the reference's values
+                // rounded to it (the fingerprint's values are those, widened to f32).
+                let round = |m: &mut Vec<f32>| match fp.dtype.as_str() {
+                    "bfloat16" => m.iter_mut().for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+                    "float16" => m.iter_mut().for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+                    _ => {}
+                };
+                round(&mut m);
                 let mut h = Sha256::new();
                 for x in &m {
                     h.update(x.to_le_bytes());
@@ -233,7 +242,8 @@ pub fn check(
                             if s == *r {
                                 continue;
                             }
-                            if let Some((m2, sh2)) = w.local(&Some((*dim, s.clone()))) {
+                            if let Some((mut m2, sh2)) = w.local(&Some((*dim, s.clone()))) {
+                                round(&mut m2);
                                 if norms_match(&fp.row_norms, &norms(&m2, sh2[1])) {
                                     whose = Some(s);
                                     break;
