@@ -117,6 +117,9 @@ fn healthy_agrees_with_every_tensor_compared(c: &Case) {
     assert!(partials >= c.tp, "{partials}");
     let worst = run.taps.iter().map(|t| t.metrics.rel_l2).fold(0f64, f64::max);
     assert!(worst < c.worst, "worst rel_l2 {worst:e}");
+    // The HTML report says what was compared.
+    let html = reports::render_diff(&run);
+    assert!(html.contains(&format!("TP {} dump: {} tensors", c.tp, t.tensors)));
 }
 
 fn faults_are_found_at_their_tap_and_rank(c: &Case) {
