@@ -1,4 +1,5 @@
-"""llmdiff tensor dumps from PyTorch engines (format 1; README "Foreign engines: tensor dumps").
+"""llmdiff tensor dumps from PyTorch engines (formats 1 and 2; README "Foreign engines: tensor dumps",
+docs/tp-dumps.md for format 2).
 
     from llmdiff_dump import Dumper
     with Dumper(model, layers=None) as d:          # registers forward hooks by module name
@@ -16,6 +17,15 @@ stored f32). `Dumper(..., store="f32")` forces f32 for every tensor. The metadat
 safetensors dtype it is stored in. A dump names each tensor by its tap key (`blk.3.attn_out`);
 rank-local values (`blk.3.attn_out@r1`) go in one file per rank.
 
+Under torch.distributed (world size > 1, e.g. HF `tp_plan="auto"` under torchrun) the Dumper writes
+format 2: one file per rank (`save("x.safetensors", ...)` writes `x.rank{r}.safetensors`), every
+tensor keyed `KEY@r{rank}`, with the layout of each site declared from the parameters' real DTensor
+placements (`replicated`, `gathered`, `sharded(1,A:B)`), each rank's effective model config, the TP
+degree and plan, and the true pre-reduce partial sums of the row-parallel modules (o_proj,
+down_proj) as `KEY@r{rank}#partial` with layout `partial(A:B)` (A:B: the input columns the rank
+holds). transformers 5 all-reduces inside the module's forward, so forward hooks see the reduced
+output; the partials are taken by wrapping `torch.distributed.all_reduce`.
+
 Module maps: HF_LLAMA and HF_DEEPSEEK_V3 run here (tests/peers/hf_dump_smollm2.py).
 VLLM_LLAMA and VLLM_DEEPSEEK_V2 are offered for users to try and were NOT run here (no vLLM on
 these machines): vLLM fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so those are split by
@@ -27,6 +37,7 @@ import re
 import torch
 
 FORMAT = "1"
+FORMAT_TP = "2"
 
 # Tap site -> (module name pattern with {i} for the layer, "in" | "out"): the tensor taken is the
 # module's first input ("in", a forward pre-hook) or its output ("out").
@@ -150,12 +161,29 @@ class Dumper:
         self.handles = []
         self._layer = None
         self._patched = None
+        self._reduce_patched = None
+        self._current = None
+        # Decode steps: set `d.step = k` (1, 2, ...) before the k-th one-token forward after the
+        # prefill; its taps are stored as `KEY#stepK` and `prefill` is recorded (format 2).
+        self.step = 0
+        self._max_step = 0
+        self.dist = _dist()
+        if self.dist is not None:
+            if rank is not None and rank != self.dist.get_rank():
+                raise ValueError(f"rank={rank} but torch.distributed says {self.dist.get_rank()}")
+            self.rank = self.dist.get_rank()
+            self.tp = self.dist.get_world_size()
+        else:
+            self.tp = None
 
     def _key(self, site, layer):
         k = site if layer is None else f"blk.{layer}.{site}"
         return k if self.rank is None else f"{k}@r{self.rank}"
 
     def _put(self, key, t):
+        if self.step:
+            key = f"{key}#step{self.step}"
+            self._max_step = max(self._max_step, self.step)
         self.tensors[key] = _rows(t, self.store)
 
     def __enter__(self):
@@ -177,7 +205,61 @@ class Dumper:
                 self.handles.append(h)
         if self.rope and getattr(getattr(self.model, "config", None), "model_type", None) == "llama":
             self._hook_rope(names, layers)
+        if self.dist is not None:
+            self._hook_reduce(names, layers)
         return self
+
+    def _hook_reduce(self, names, layers):
+        """Pre-reduce partials: the module's all_reduce (inside its forward in transformers 5) is
+        wrapped; the tensor handed to it while a row-parallel module runs is its partial."""
+        for site, pattern in ROW_PARALLEL.items():
+            for layer in layers:
+                name = pattern.format(i=layer)
+                mod = names.get(name)
+                if mod is None or not _sharded_dim(getattr(mod, "weight", None)) == 1:
+                    continue
+                key = self._key(site, layer) + "#partial"
+                self.used[key] = f"{name}:all_reduce input"
+                self.handles.append(mod.register_forward_pre_hook(lambda m, a, key=key: setattr(self, "_current", key)))
+                self.handles.append(mod.register_forward_hook(lambda m, a, o: setattr(self, "_current", None)))
+        orig = self.dist.all_reduce
+
+        def wrapped(tensor, *a, **kw):
+            if self._current is not None:
+                self._put(self._current, tensor)
+                self._current = None
+            return orig(tensor, *a, **kw)
+
+        self.dist.all_reduce = wrapped
+        self._reduce_patched = orig
+
+    def layouts(self):
+        """Each tensor class's layout on this rank, from the modules' real parameter placements."""
+        names = dict(self.model.named_modules())
+        out = {}
+        for key in self.tensors:
+            m = re.fullmatch(r"(?:blk\.(\d+)\.)?([a-z_]+)@r\d+(#partial)?(?:#step\d+)?", key)
+            if not m:
+                continue
+            layer, site, partial = m.group(1), m.group(2), m.group(3)
+            cls = site + (partial or "")
+            if cls in out:
+                continue
+            src = SHARD_SOURCES.get(cls)
+            lay = None
+            if src is not None:
+                mod = names.get(src[0].format(i=layer))
+                w = getattr(mod, "weight", None)
+                rng = _local_range(w, src[1])
+                if rng is not None and not partial and self.tensors[key].shape[-1] == w.shape[src[1]]:
+                    # The module gathers its shards (e.g. lm_head "colwise_gather_output").
+                    lay = "gathered"
+                elif rng is not None:
+                    lay = f"partial({rng[0]}:{rng[1]})" if partial else f"sharded(1,{rng[0]}:{rng[1]})"
+            if lay is None and partial:
+                raise ValueError(f"{key}: a partial without a row-parallel weight")
+            out[cls] = lay or "replicated"
+        return out
 
     def _hook_rope(self, names, layers):
         from transformers.models.llama import modeling_llama
@@ -209,9 +291,14 @@ class Dumper:
             mod, orig = self._patched
             mod.apply_rotary_pos_emb = orig
             self._patched = None
+        if self._reduce_patched is not None:
+            self.dist.all_reduce = self._reduce_patched
+            self._reduce_patched = None
 
     def save(self, path, tokens, model, tp=1, layout=None):
         from safetensors.torch import save_file
+        if self.dist is not None:
+            return self._save_tp(path, tokens, model)
         if layout is None and any(re.search(r"\.(q|k)(@r\d+)?$", k) for k in self.used):
             layout = {"q": "hf-rotate-half", "k": "hf-rotate-half"}
         meta = {
@@ -224,3 +311,185 @@ class Dumper:
             "llmdiff.compute_dtype": self.compute_dtype,
         }
         save_file(self.tensors, path, metadata=meta)
+
+
+# Row-parallel modules whose output the engine all-reduces: site -> module pattern.
+ROW_PARALLEL = {"attn_proj": "model.layers.{i}.self_attn.o_proj", "ffn_out": "model.layers.{i}.mlp.down_proj"}
+# Tensor class -> (module whose weight's placement gives the rank's range, the weight dim that
+# range is on): colwise outputs are the weight's rows (dim 0), row-parallel inputs and partials
+# its columns (dim 1).
+SHARD_SOURCES = {
+    "q": ("model.layers.{i}.self_attn.q_proj", 0),
+    "k": ("model.layers.{i}.self_attn.k_proj", 0),
+    "v": ("model.layers.{i}.self_attn.v_proj", 0),
+    "attn_out": ("model.layers.{i}.self_attn.o_proj", 1),
+    "attn_proj#partial": ("model.layers.{i}.self_attn.o_proj", 1),
+    "ffn_gate": ("model.layers.{i}.mlp.gate_proj", 0),
+    "ffn_up": ("model.layers.{i}.mlp.up_proj", 0),
+    "ffn_out#partial": ("model.layers.{i}.mlp.down_proj", 1),
+    "logits": ("lm_head", 0),
+}
+
+
+def _dist():
+    """torch.distributed when a multi-process group is running, else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _sharded_dim(w):
+    """The dim a DTensor parameter is sharded on over its first mesh dim, or None."""
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+    except ImportError:
+        return None
+    if not isinstance(w, DTensor):
+        return None
+    for p in w.placements[:1]:
+        if isinstance(p, Shard):
+            return p.dim % w.dim()
+    return None
+
+
+def _local_range(w, dim):
+    """[start, end) of this rank's slice of a DTensor parameter along `dim`, or None when not
+    sharded there (replicated)."""
+    if _sharded_dim(w) != dim % 2:
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return int(offset[dim]), int(offset[dim]) + int(shape[dim])
+
+
+def _local(w):
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def effective_config(model):
+    """The model's effective configuration as this process sees it: the config's values and what
+    the modules really use (the rotary base from the inverse frequencies). Keys: see docs/tp-dumps.md."""
+    cfg = model.config
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    out = {
+        "rope_theta": rp.get("rope_theta", getattr(cfg, "rope_theta", None)),
+        "rope_type": rp.get("rope_type", "default"),
+        "rope_scaling": json.dumps({k: v for k, v in sorted(rp.items()) if k not in ("rope_theta", "rope_type")}),
+        "rms_norm_eps": getattr(cfg, "rms_norm_eps", None),
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "vocab_size": cfg.vocab_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+    }
+    for name, mod in model.named_modules():
+        inv = getattr(mod, "inv_freq", None)
+        # Only a plain rotation's frequencies give the base back (scaled types change them).
+        if name.endswith("rotary_emb") and inv is not None and inv.numel() > 1 \
+                and getattr(mod, "rope_type", "default") == "default":
+            dim = 2 * inv.numel()
+            out["rope_theta_effective"] = float(inv.double()[1] ** (-dim / 2))
+            break
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def tp_plan_of(model):
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
+    try:
+        return {str(k): str(v) for k, v in dict(plan).items()}
+    except (TypeError, ValueError):
+        return {"plan": str(plan)}
+
+
+# Weight fingerprints: module pattern -> the weight kind llmdiff names it by (blk.L.w.KIND).
+HF_LLAMA_WEIGHTS = {
+    "q": "model.layers.{i}.self_attn.q_proj", "k": "model.layers.{i}.self_attn.k_proj",
+    "v": "model.layers.{i}.self_attn.v_proj", "o": "model.layers.{i}.self_attn.o_proj",
+    "gate": "model.layers.{i}.mlp.gate_proj", "up": "model.layers.{i}.mlp.up_proj",
+    "down": "model.layers.{i}.mlp.down_proj",
+}
+SAMPLED_ROWS = 2
+SAMPLED_VALUES = 32
+
+
+def fingerprint(w, layout=None):
+    """A weight as this rank loaded it: its layout (from the DTensor placement), local shape,
+    dtype, the sha256 of its local values as contiguous little-endian f32, every local row's L2
+    norm (f64) and the first SAMPLED_VALUES values of SAMPLED_ROWS rows (first and middle)."""
+    import hashlib
+    local = _local(w).detach()
+    if layout is None:  # else declared by the caller (an engine that shards outside DTensor)
+        dim = _sharded_dim(w)
+        rng = _local_range(w, dim) if dim is not None else None
+        layout = "replicated" if rng is None else f"sharded({dim},{rng[0]}:{rng[1]})"
+    f32 = local.to(torch.float32).contiguous()
+    rows = f32.shape[0]
+    picks = sorted({0, rows // 2})[:SAMPLED_ROWS]
+    return {
+        "layout": layout,
+        "shape": list(f32.shape),
+        "dtype": str(local.dtype).replace("torch.", ""),
+        "sha256": hashlib.sha256(f32.numpy().tobytes()).hexdigest(),
+        "row_norms": [float(x) for x in f32.double().norm(dim=1)],
+        "rows": {str(r): [float(x) for x in f32[r, :SAMPLED_VALUES]] for r in picks},
+    }
+
+
+def _fingerprints(self, weights=None):
+    """Fingerprints of the dumped layers' weights, keyed `blk.L.w.KIND@rN`."""
+    weights = HF_LLAMA_WEIGHTS if weights is None else weights
+    names = dict(self.model.named_modules())
+    n_layers = sum(1 for n in names if re.fullmatch(r"model\.layers\.\d+", n))
+    layers = range(n_layers) if self.layers is None else self.layers
+    out = {}
+    for layer in layers:
+        for kind, pattern in weights.items():
+            mod = names.get(pattern.format(i=layer))
+            w = getattr(mod, "weight", None)
+            if w is None:
+                continue
+            fp = fingerprint(w)
+            fp["module"] = pattern.format(i=layer)
+            out[f"blk.{layer}.w.{kind}@r{self.rank}"] = fp
+    return out
+
+
+Dumper.fingerprints = _fingerprints
+
+
+def _save_tp(self, path, tokens, model):
+    from safetensors.torch import save_file
+    root, ext = (path[:-len(".safetensors")], ".safetensors") if path.endswith(".safetensors") else (path, ".safetensors")
+    out = f"{root}.rank{self.rank}{ext}"
+    layout = self.layouts()
+    normalize = {}
+    if any(re.search(r"\.(q|k)@r\d+$", k) for k in self.used):
+        normalize = {"q": "hf-rotate-half", "k": "hf-rotate-half"}
+    meta = {
+        "llmdiff.format": FORMAT_TP,
+        "tokens": json.dumps([int(t) for t in tokens]),
+        "model": str(model),
+        "tp": str(self.tp),
+        "rank": str(self.rank),
+        "mapping": json.dumps(self.used),
+        "layout": json.dumps(layout),
+        "normalize": json.dumps(normalize),
+        "config": json.dumps(effective_config(self.model)),
+        "tp_plan": json.dumps(tp_plan_of(self.model)),
+        "weights": json.dumps(self.fingerprints()),
+        **({"prefill": str(len(tokens) - self._max_step)} if self._max_step else {}),
+        "llmdiff.compute_dtype": self.compute_dtype,
+    }
+    save_file(self.tensors, out, metadata=meta)
+    return out
+
+
+Dumper._save_tp = _save_tp

@@ -596,14 +596,19 @@ fn decode_only(
         .rel_l2
     };
     let (prefill, decode) = (rows(0..p), rows(p..n));
-    let worst_step = (p..n).map(|t| rows(t..t + 1)).fold(0f64, f64::max);
+    let (worst_at, worst_step) = (p..n)
+        .map(|t| (t, rows(t..t + 1)))
+        .fold((p, 0f64), |a, b| if b.1 > a.1 { b } else { a });
+    let first_at = (p..n).find(|&t| rows(t..t + 1) > threshold).unwrap_or(p);
     (prefill <= threshold && decode > threshold).then(|| {
         found(
             "unknown",
             "low",
             format!(
-                "only decode diverges at {key}: the {p} prefill rows agree (rel_l2 {prefill:.1e}) but the {} decode rows do not (rel_l2 {decode:.2e}, worst step {worst_step:.2e}), while every earlier tap agrees on every row: in decode the op reads state the prefill does not (the KV cache), so suspect the cache write/read path (slot mapping, positions)",
-                n - p
+                "only decode diverges at {key}: the {p} prefill rows agree (rel_l2 {prefill:.1e}) but the {} decode rows do not (rel_l2 {decode:.2e}; first over at decode step {} (token {first_at}), worst step {} at {worst_step:.2e}), while every earlier tap agrees on every row: in decode the op reads state the prefill does not (the KV cache), so suspect the cache write/read path (slot mapping, positions)",
+                n - p,
+                first_at - p + 1,
+                worst_at - p + 1
             ),
         )
     })

@@ -78,6 +78,8 @@ struct Comparator<'a> {
     /// The last `full` DSA indexer layer's scores the selection rule read (a `shared` layer
     /// reuses them), and whether they were replayed on the candidate's inputs.
     indexer_scores: Option<(usize, Rc<Vec<f32>>, &'static str)>,
+    /// A candidate's declared column ranges (format 2 `sharded`), used instead of `rank_columns`.
+    slices: BTreeMap<TapKey, std::ops::Range<usize>>,
 }
 
 impl<'a> Comparator<'a> {
@@ -104,6 +106,15 @@ impl<'a> Comparator<'a> {
             ref_keys: Vec::new(),
             shape_errors: Vec::new(),
             indexer_scores: None,
+            slices: BTreeMap::new(),
+        }
+    }
+
+    /// The reference's part for `key`: the declared range where the candidate gave one.
+    fn slice_of(&self, key: &TapKey, full: &Captured) -> Vec<f32> {
+        match self.slices.get(key) {
+            Some(r) if r.end <= full.shape[1] => crate::compare::columns(&full.data, full.shape[1], r.clone()),
+            _ => reference_slice(self.config, self.plan.engine.tp, key, full),
         }
     }
 
@@ -147,7 +158,7 @@ impl<'a> Comparator<'a> {
     fn compare(&mut self, key: &TapKey) {
         let e = &self.eng[key];
         let r = &self.refs[&key.unranked()];
-        let want = reference_slice(self.config, self.plan.engine.tp, key, r);
+        let want = self.slice_of(key, r);
         let m = if want.len() == e.data.len() {
             metrics(&e.data, &want)
         } else {
@@ -455,7 +466,7 @@ impl<'a> Comparator<'a> {
             shape: [n, rep.out.len() / n],
             data: rep.out.clone(),
         };
-        let want = reference_slice(self.config, self.plan.engine.tp, key, &full);
+        let want = self.slice_of(key, &full);
         if want.len() != e.data.len() {
             return None;
         }
@@ -575,9 +586,14 @@ impl<'a> Comparator<'a> {
             return None;
         }
         let n_heads = width / hd;
-        let offset = key
-            .rank
-            .and_then(|r| rank_columns(key.site, c, self.plan.engine.tp, r as usize))
+        let offset = self
+            .slices
+            .get(key)
+            .cloned()
+            .or_else(|| {
+                key.rank
+                    .and_then(|r| rank_columns(key.site, c, self.plan.engine.tp, r as usize))
+            })
             .map_or(0, |cols| cols.start / hd);
         let mut heads = Vec::with_capacity(n_heads);
         for h in 0..n_heads {
@@ -779,7 +795,10 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     } else {
         dump.compute_dtype(&config)?
     };
+    // Format 2: the ranks' configs against the reference's and each other's, before any tensor.
+    let tp_config = (!dump.ranks.is_empty()).then(|| crate::layout::config_check(dump, &config));
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
+    cmp.slices = dump.declared_slices.clone();
     let (e, r) = lockstep(
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
@@ -810,12 +829,16 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
         engine_config: Some(config.clone()),
         engine_s: e.seconds,
         reference_s: r.seconds,
-        n_prefill: tokens.len(),
+        // A dump with decode steps: the prefill's rows, then one row per step.
+        n_prefill: dump.n_prefill.unwrap_or(tokens.len()),
         t0,
         dtype_source,
     };
     let mut run = finish(plan, &reference, cmp, sides)?;
     run.missing = missing;
+    if let Some(cfg) = tp_config {
+        crate::layout::apply(&mut run, dump, &reference, plan.file, &plan.tolerances, dtype, cfg)?;
+    }
     if let Some(d) = run.diagnosis.as_mut() {
         if d.class == "stale-output" {
             // A dump has no canary: "never written" and "written as zeros" look the same.
@@ -957,6 +980,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
         head_profile,
         baselines: plan.tolerances.baseline_names().to_vec(),
         coverage_warnings: cmp.config.coverage_warnings(tokens.len()),
+        tp_layout: None,
     })
 }
 

@@ -8,9 +8,18 @@
 //! and optionally `layout` (JSON: site → declared layout, see [`Layout`]). Format errors (missing
 //! metadata, bad names, shapes or dtypes, truncation) are errors; non-finite values are data and
 //! are compared like any other (they show as a `nonfinite` divergence).
+//!
+//! Format 2 (docs/tp-dumps.md) is one file per rank of a tensor-parallel run: `rank`, a declared
+//! layout for every ranked tensor class (`replicated`, `gathered`, `sharded(1,A:B)`,
+//! `partial(A:B)`, `experts(ids)`; see [`crate::layout`]), the rank's effective model `config`
+//! and `tp_plan`; normalizations (`hf-rotate-half`) move to `normalize`. Pre-reduce partials are
+//! `KEY@rN#partial`. A replicated or gathered tap's lowest-rank copy stands as the unranked tap
+//! and the other copies are kept for the cross-rank check; sharded taps keep their declared
+//! column range; a ranked tensor whose class has no declared layout is an error.
 
 use crate::capture::Captured;
 use crate::compare::ActDtype;
+use crate::layout::{RankMeta, TpLayout};
 use anyhow::{bail, Context};
 use memmap2::Mmap;
 use references::config::ModelConfig;
@@ -19,8 +28,10 @@ use safetensors::{Dtype, SafeTensors};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// The dump format this build reads.
+/// The dump format this build reads (and [`DUMP_FORMAT_TP`]).
 pub const DUMP_FORMAT: &str = "1";
+/// Format 2: per-rank files with declared layouts and configs.
+pub const DUMP_FORMAT_TP: &str = "2";
 
 /// A declared, legitimate layout difference and the normalization applied before comparing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,11 +55,13 @@ impl Layout {
     }
 }
 
+/// One tensor: its rows in one or more parts (a prefill tensor, then one part per decode step).
+#[derive(Clone)]
 struct Entry {
     file: usize,
     dtype: Dtype,
     shape: [usize; 2],
-    bytes: std::ops::Range<usize>,
+    bytes: Vec<std::ops::Range<usize>>,
 }
 
 /// An opened, validated dump (one or more files).
@@ -65,6 +78,21 @@ pub struct Dump {
     /// `llmdiff.compute_dtype` from the metadata (the model's compute dtype), if declared.
     pub compute_dtype: Option<ActDtype>,
     entries: BTreeMap<TapKey, Entry>,
+    /// Format 2: each rank's metadata, by rank.
+    pub ranks: BTreeMap<usize, RankMeta>,
+    /// Format 2: replicated / gathered taps' copies by unranked key and rank (the lowest rank's
+    /// also stands as the unranked entry).
+    copies: BTreeMap<TapKey, BTreeMap<usize, Entry>>,
+    /// Format 2: a sharded ranked tap's declared column range of the full tensor.
+    pub declared_slices: BTreeMap<TapKey, std::ops::Range<usize>>,
+    /// Format 2: a partial's declared input range (the columns of the row-parallel weight).
+    pub partial_ranges: BTreeMap<TapKey, std::ops::Range<usize>>,
+    /// Tensors in the files (each is compared or is an error; see [`crate::layout`]); a tap's
+    /// decode-step parts count as one tensor with it.
+    pub n_tensors: usize,
+    /// Prompt tokens of the first forward pass (`prefill` in the metadata); the rest of `tokens`
+    /// were decoded one per step, each step's rows in `KEY#stepK` tensors (K = 1, 2, ...).
+    pub n_prefill: Option<usize>,
 }
 
 fn meta<'a>(m: &'a std::collections::HashMap<String, String>, k: &str, p: &Path) -> anyhow::Result<&'a str> {
@@ -92,6 +120,12 @@ impl Dump {
             layout: BTreeMap::new(),
             compute_dtype: None,
             entries: BTreeMap::new(),
+            ranks: BTreeMap::new(),
+            copies: BTreeMap::new(),
+            declared_slices: BTreeMap::new(),
+            partial_ranges: BTreeMap::new(),
+            n_tensors: 0,
+            n_prefill: None,
         };
         for (i, p) in paths.iter().enumerate() {
             crate::output::check_regular(p)?;
@@ -103,10 +137,41 @@ impl Dump {
             d.read_file(i, p, &map)?;
             d.maps.push(map);
         }
+        if !d.ranks.is_empty() {
+            d.finish_tp()?;
+        }
         if d.entries.is_empty() {
             bail!("{}: the dump holds no tensors", paths[0].display());
         }
         Ok(d)
+    }
+
+    /// Format 2 after every file: all ranks present, one format, replicated copies' primaries.
+    fn finish_tp(&mut self) -> anyhow::Result<()> {
+        if self.ranks.len() != self.paths.len() {
+            bail!(
+                "{}: format 1 and format 2 files mixed (one run's files only)",
+                self.paths[0].display()
+            );
+        }
+        if let Some(r) = (0..self.tp).find(|r| !self.ranks.contains_key(r)) {
+            bail!(
+                "{}: a format 2 dump of tp {} lacks rank {r}'s file (pass every NAME.rank*.safetensors)",
+                self.paths[0].display(),
+                self.tp
+            );
+        }
+        for (key, copies) in &self.copies {
+            if self.entries.contains_key(key) {
+                bail!(
+                    "{}: {key} is both an unranked tensor and a replicated rank's copy",
+                    self.paths[0].display()
+                );
+            }
+            let (_, e) = copies.iter().next().expect("a copy");
+            self.entries.insert(*key, e.clone());
+        }
+        Ok(())
     }
 
     fn read_file(&mut self, file: usize, p: &Path, buf: &[u8]) -> anyhow::Result<()> {
@@ -116,12 +181,13 @@ impl Dump {
         let empty = std::collections::HashMap::new();
         let m = metadata.metadata().as_ref().unwrap_or(&empty);
         let format = meta(m, "llmdiff.format", p)?;
-        if format != DUMP_FORMAT {
+        if format != DUMP_FORMAT && format != DUMP_FORMAT_TP {
             bail!(
-                "{}: dump format {format:?}, this llmdiff reads format {DUMP_FORMAT:?}",
+                "{}: dump format {format:?}, this llmdiff reads formats {DUMP_FORMAT:?} and {DUMP_FORMAT_TP:?}",
                 p.display()
             );
         }
+        let tp2 = format == DUMP_FORMAT_TP;
         let tokens: Vec<u32> = serde_json::from_str(meta(m, "tokens", p)?)
             .with_context(|| format!("{}: metadata \"tokens\" is not a JSON list of token ids", p.display()))?;
         if tokens.is_empty() {
@@ -136,10 +202,21 @@ impl Dump {
             .with_context(|| format!("{}: metadata \"tp\" is not a positive integer", p.display()))?;
         let mapping: BTreeMap<String, String> = serde_json::from_str(meta(m, "mapping", p)?)
             .with_context(|| format!("{}: metadata \"mapping\" is not a JSON object of strings", p.display()))?;
-        let layout: BTreeMap<String, String> = match m.get("layout") {
+        // Format 2 declares normalizations under "normalize" ("layout" holds the TP layouts).
+        let norm_key = if tp2 { "normalize" } else { "layout" };
+        let layout: BTreeMap<String, String> = match m.get(norm_key) {
             Some(s) => serde_json::from_str(s)
-                .with_context(|| format!("{}: metadata \"layout\" is not a JSON object of strings", p.display()))?,
+                .with_context(|| format!("{}: metadata {norm_key:?} is not a JSON object of strings", p.display()))?,
             None => BTreeMap::new(),
+        };
+        let rank_meta = if tp2 {
+            let rm = RankMeta::read(m, tp, p)?;
+            if self.ranks.contains_key(&rm.rank) {
+                bail!("{}: a second file for rank {}", p.display(), rm.rank);
+            }
+            Some(rm)
+        } else {
+            None
         };
         if let Some(dt) = m.get("llmdiff.compute_dtype") {
             let parsed = ActDtype::parse(dt).with_context(|| {
@@ -183,8 +260,55 @@ impl Dump {
             self.layout.insert(s, l);
         }
         let n = self.tokens.len();
-        for (name, info) in metadata.tensors() {
-            let key: TapKey = name
+        // Decode steps: `prefill` prompt tokens, then one token per step in `NAME#stepK`.
+        let prefill = match m.get("prefill") {
+            Some(v) => Some(
+                v.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&p| p > 0 && p < n)
+                    .with_context(|| {
+                        format!(
+                            "{}: metadata \"prefill\" is not a count of prompt tokens below the dump's {n}",
+                            p.display()
+                        )
+                    })?,
+            ),
+            None => None,
+        };
+        if file > 0 && prefill != self.n_prefill {
+            bail!("{}: \"prefill\" differs from the other files'", p.display());
+        }
+        self.n_prefill = prefill;
+        let tensors = metadata.tensors();
+        let mut steps: BTreeMap<&str, BTreeMap<usize, &safetensors::tensor::TensorInfo>> = BTreeMap::new();
+        for (name, info) in &tensors {
+            if let Some((base, k)) = name.rsplit_once("#step") {
+                let k: usize = k
+                    .parse()
+                    .ok()
+                    .filter(|&k| k > 0)
+                    .with_context(|| format!("{}: tensor {name}: bad step index", p.display()))?;
+                if prefill.is_none_or(|pf| k > n - pf) {
+                    bail!(
+                        "{}: tensor {name}: step {k} but the metadata's \"prefill\" leaves {} decode steps",
+                        p.display(),
+                        prefill.map_or(0, |pf| n - pf)
+                    );
+                }
+                steps.entry(base).or_default().insert(k, *info);
+            }
+        }
+        for (name, info) in &tensors {
+            if name.contains("#step") {
+                continue;
+            }
+            self.n_tensors += 1;
+            let (base, partial) = match name.strip_suffix("#partial") {
+                Some(b) if tp2 => (b, true),
+                _ => (name.as_str(), false),
+            };
+            let key: TapKey = base
                 .parse()
                 .map_err(|e: String| anyhow::anyhow!("{}: tensor {e}", p.display()))?;
             if matches!(key.site, Site::Weight(_)) {
@@ -208,32 +332,110 @@ impl Dump {
                     info.shape
                 );
             };
-            if rows != n {
+            let want_rows = prefill.unwrap_or(n);
+            if rows != want_rows {
                 bail!(
-                    "{}: tensor {name} has {rows} rows but the dump's tokens are {n} (expected [n_tokens, width])",
+                    "{}: tensor {name} has {rows} rows but the dump's tokens are {n}{} (expected [n_tokens, width])",
+                    p.display(),
+                    prefill.map_or(String::new(), |pf| format!(", {pf} of them prefill"))
+                );
+            }
+            let span = |name: &str, info: &safetensors::tensor::TensorInfo, rows: usize| {
+                let (a, b) = info.data_offsets;
+                let want = rows.checked_mul(width).and_then(|x| x.checked_mul(esize));
+                if b.checked_sub(a).is_none()
+                    || b.checked_sub(a) != want
+                    || data_start.checked_add(b).is_none_or(|e| e > buf.len())
+                {
+                    bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
+                }
+                Ok(data_start + a..data_start + b)
+            };
+            let mut bytes = vec![span(name, info, rows)?];
+            if let Some(pf) = prefill {
+                let mine = steps.remove(name.as_str()).unwrap_or_default();
+                for k in 1..=n - pf {
+                    let part = mine.get(&k).with_context(|| {
+                        format!(
+                            "{}: tensor {name}: decode step {k} (\"{name}#step{k}\") is missing",
+                            p.display()
+                        )
+                    })?;
+                    if part.dtype != info.dtype || part.shape != [1, width] {
+                        bail!(
+                            "{}: tensor {name}#step{k} is {:?} {:?}; a step holds one [1, {width}] row in the prefill's dtype",
+                            p.display(),
+                            part.dtype,
+                            part.shape
+                        );
+                    }
+                    bytes.push(span(&format!("{name}#step{k}"), part, 1)?);
+                }
+            }
+            let entry = Entry {
+                file,
+                dtype: info.dtype,
+                shape: [n, width],
+                bytes,
+            };
+            if let (Some(rm), Some(r)) = (&rank_meta, key.rank) {
+                if r as usize != rm.rank {
+                    bail!("{}: tensor {name} in rank {}'s file", p.display(), rm.rank);
+                }
+                let class = format!("{}{}", key.site.name(), if partial { "#partial" } else { "" });
+                let lay = rm.layout.get(&class).with_context(|| {
+                    format!(
+                        "{}: tensor {name}: its layout is not declared (format 2 declares every ranked tensor class; \"layout\" lacks {class:?})",
+                        p.display()
+                    )
+                })?;
+                match lay {
+                    TpLayout::Replicated | TpLayout::Gathered if !partial => {
+                        self.copies
+                            .entry(key.unranked())
+                            .or_default()
+                            .insert(rm.rank, entry);
+                        continue;
+                    }
+                    TpLayout::Sharded { dim: 1, range } if !partial => {
+                        if range.len() != width {
+                            bail!(
+                                "{}: tensor {name} is {width} wide but its declared range {}:{} is {}",
+                                p.display(),
+                                range.start,
+                                range.end,
+                                range.len()
+                            );
+                        }
+                        self.declared_slices.insert(key, range.clone());
+                    }
+                    TpLayout::Partial { range } if matches!(key.site, Site::AttnProj | Site::FfnOut) => {
+                        self.partial_ranges.insert(key, range.clone());
+                    }
+                    other => bail!(
+                        "{}: tensor {name}: layout {other} cannot be compared here (sharded on dim 1 only; partial at attn_proj/ffn_out only; experts not compared by this build)",
+                        p.display()
+                    ),
+                }
+            } else if partial {
+                bail!("{}: tensor {name}: a partial needs a rank", p.display());
+            }
+            if self.entries.contains_key(&key) {
+                bail!(
+                    "{}: tensor {name} appears twice (two files, or a partial and a partial layout)",
                     p.display()
                 );
             }
-            let (a, b) = info.data_offsets;
-            let want = rows.checked_mul(width).and_then(|x| x.checked_mul(esize));
-            if b.checked_sub(a).is_none()
-                || b.checked_sub(a) != want
-                || data_start.checked_add(b).is_none_or(|e| e > buf.len())
-            {
-                bail!("{}: tensor {name}: data out of bounds (truncated file?)", p.display());
-            }
-            if self.entries.contains_key(&key) {
-                bail!("{}: tensor {name} appears in two dump files", p.display());
-            }
-            self.entries.insert(
-                key,
-                Entry {
-                    file,
-                    dtype: info.dtype,
-                    shape: [rows, width],
-                    bytes: data_start + a..data_start + b,
-                },
+            self.entries.insert(key, entry);
+        }
+        if let Some((base, _)) = steps.iter().next() {
+            bail!(
+                "{}: tensor {base}#step…: decode steps of a tensor the dump lacks",
+                p.display()
             );
+        }
+        if let Some(rm) = rank_meta {
+            self.ranks.insert(rm.rank, rm);
         }
         Ok(())
     }
@@ -301,6 +503,33 @@ impl Dump {
                 }
             }
         }
+        for (key, range) in &self.declared_slices {
+            let full = crate::layout::full_width(c, key.site);
+            if full.is_none_or(|w| range.end > w) {
+                bail!(
+                    "{}: tensor {key}: declared range {}:{} is outside the model's {} columns{}",
+                    at(),
+                    range.start,
+                    range.end,
+                    key.site.name(),
+                    full.map_or(
+                        " (no sharded layout is known for this site in this model)".to_string(),
+                        |w| format!(" ({w})")
+                    )
+                );
+            }
+        }
+        for (key, range) in &self.partial_ranges {
+            let full = crate::layout::partial_input_width(c, key.site);
+            if full.is_none_or(|w| range.end > w) {
+                bail!(
+                    "{}: tensor {key}#partial: declared input range {}:{} is outside the op's input",
+                    at(),
+                    range.start,
+                    range.end
+                );
+            }
+        }
         Ok(())
     }
 
@@ -345,21 +574,45 @@ impl Dump {
             .entries
             .get(key)
             .with_context(|| format!("dump has no tensor {key}"))?;
-        let bytes = &self.maps[e.file][e.bytes.clone()];
-        let mut data: Vec<f32> = match e.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            _ => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-        };
+        self.decode(key, e, c)
+    }
+
+    /// Format 2: the replicated / gathered copies of an unranked tap, by rank (empty otherwise).
+    pub fn copies(&self, key: &TapKey, c: &ModelConfig) -> anyhow::Result<Vec<(usize, Captured)>> {
+        let mut out = Vec::new();
+        for (&r, e) in self.copies.get(key).into_iter().flatten() {
+            out.push((r, self.decode(key, e, c)?));
+        }
+        Ok(out)
+    }
+
+    /// Format 2: the unranked keys whose tensors are replicated copies.
+    pub fn replicated_keys(&self) -> impl Iterator<Item = &TapKey> {
+        self.copies.keys()
+    }
+
+    fn decode(&self, key: &TapKey, e: &Entry, c: &ModelConfig) -> anyhow::Result<Captured> {
+        let mut data: Vec<f32> = Vec::with_capacity(e.shape[0] * e.shape[1]);
+        for part in &e.bytes {
+            let bytes = &self.maps[e.file][part.clone()];
+            match e.dtype {
+                Dtype::F32 => data.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                Dtype::BF16 => data.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+                _ => data.extend(
+                    bytes
+                        .chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+            }
+        }
         if self.layout.get(&key.site) == Some(&Layout::HfRotateHalf) {
             let hd = c.head_dim;
             if c.mla.is_some() || c.rope_dim != hd || hd % 2 != 0 {

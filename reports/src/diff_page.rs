@@ -145,6 +145,27 @@ fn diagnosis(run: &DiffRun, out: &mut String) {
     for w in &run.coverage_warnings {
         let _ = writeln!(out, "<p class=warn>warning: {}</p>", escape(w));
     }
+    if let Some(t) = &run.tp_layout {
+        let counts: Vec<String> = t.compared.iter().map(|(k, v)| format!("{v} {k}")).collect();
+        let _ = writeln!(
+            out,
+            "<p>TP {} dump: {} tensors, compared as {}; {} config values compared; {} weight fingerprints hash equal</p>",
+            t.tp,
+            t.tensors,
+            escape(&counts.join(", ")),
+            t.config_keys,
+            t.weight_hashes_equal
+        );
+        for line in t
+            .config_drift
+            .iter()
+            .chain(&t.replica_disagreements)
+            .chain(&t.partial_findings)
+            .chain(&t.weight_findings)
+        {
+            let _ = writeln!(out, "<p class=warn>{}</p>", escape(line));
+        }
+    }
 }
 
 /// x position of a tap on the per-layer axis: layers as themselves, the embedding before them,

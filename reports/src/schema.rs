@@ -241,6 +241,37 @@ pub struct DiffRun {
     /// indexer's top_k, no MoE layer reached), so an agreement is not mistaken for coverage.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub coverage_warnings: Vec<String>,
+    /// A format 2 (tensor-parallel) candidate dump: what its declared layouts made comparable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_layout: Option<TpLayoutReport>,
+}
+
+/// What a tensor-parallel candidate dump's declared layouts made comparable, and what the
+/// rank-level checks found (docs/tp-dumps.md).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TpLayoutReport {
+    pub tp: usize,
+    /// Tensors in the dump's files (each one counted below, or the dump was refused).
+    pub tensors: usize,
+    /// Tensor class (a site, or `site#partial`) → its declared layout on each rank, in rank order.
+    pub layouts: std::collections::BTreeMap<String, Vec<String>>,
+    /// Comparisons by kind: `replicated` (the lowest rank's copy against the reference),
+    /// `replica` (another rank's copy against it), `sharded`, `partial` (against the reference's
+    /// per-rank partial), `unranked`, `partial-unchecked` (its input shard not in the dump).
+    pub compared: std::collections::BTreeMap<String, usize>,
+    /// Config values compared (per rank, against the reference and across ranks).
+    pub config_keys: usize,
+    pub config_drift: Vec<String>,
+    pub replica_disagreements: Vec<String>,
+    pub partial_findings: Vec<String>,
+    /// Weight fingerprints that miss the reference's slice for their declared layout.
+    #[serde(default)]
+    pub weight_findings: Vec<String>,
+    /// Weight fingerprints whose sha256 equals the reference slice's (f32 little-endian).
+    #[serde(default)]
+    pub weight_hashes_equal: usize,
+    /// The TP plans the ranks recorded (one when they agree).
+    pub tp_plan: Vec<String>,
 }
 
 /// The most tensor-parallel ranks a run document may name.

@@ -338,6 +338,15 @@ pub fn print_summary(run: &DiffRun) {
                 );
             }
         }
+        (None, Some(d)) => {
+            println!("{} no tap diverged, but:", paint("1;31", "DIVERGED:"));
+            println!(
+                "  class: {} ({} confidence)",
+                paint("1", &term(&d.class)),
+                term(&d.confidence)
+            );
+            println!("  {}", term(&d.explanation));
+        }
         _ => println!(
             "{} every one of the {} compared taps within tolerance",
             paint("1;32", "AGREE:"),
@@ -349,6 +358,26 @@ pub fn print_summary(run: &DiffRun) {
     }
     for w in &run.coverage_warnings {
         println!("  {} {}", paint("1;33", "warning:"), term(w));
+    }
+    if let Some(t) = &run.tp_layout {
+        let counts: Vec<String> = t.compared.iter().map(|(k, v)| format!("{v} {k}")).collect();
+        println!(
+            "  TP {} dump: {} tensors, compared as {}; {} config values compared, {} drift",
+            t.tp,
+            t.tensors,
+            term(&counts.join(", ")),
+            t.config_keys,
+            t.config_drift.len()
+        );
+        for line in t
+            .config_drift
+            .iter()
+            .chain(&t.replica_disagreements)
+            .chain(&t.partial_findings)
+            .chain(&t.weight_findings)
+        {
+            println!("  {}", term(line));
+        }
     }
     if !run.missing.is_empty() {
         println!(

@@ -20,6 +20,9 @@ mod qwen;
 pub mod replay;
 pub mod yarn;
 
+/// kv_b reassembled from llama.cpp's k_b/v_b split (weight fingerprints compare shards of it).
+pub use deepseek2::reassemble_kv_b;
+
 use crate::config::{Arch, ModelConfig};
 use crate::dequant::{dequantize, dequantize_to_vec};
 use crate::ggml_type::GgmlType;

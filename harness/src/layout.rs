@@ -1,0 +1,708 @@
+//! Format 2 dumps under tensor parallelism (docs/tp-dumps.md): each ranked tensor's declared
+//! layout ([`TpLayout`]), each rank's effective model config, and the checks a layout makes
+//! possible beyond the tap-by-tap comparison:
+//!
+//! - **config** ([`config_check`]), before any tensor: every rank's config against the
+//!   reference's (GGUF metadata) and against each other; a difference is `config-drift` naming
+//!   the key and the ranks;
+//! - **replicas**: every rank's copy of a replicated or gathered tap against the lowest rank's
+//!   (which stands as the unranked tap the comparator sees);
+//! - **partials**: a rank's pre-reduce partial (`KEY@rN#partial`, input columns A:B) against the
+//!   reference's per-rank partial, the reference op replayed on the candidate's own input shard
+//!   with every other input column zero (so the reference weight's same shard only). A partial
+//!   that misses its own shard is tried against every other rank's shard of the weight: a match
+//!   is a `head-permutation` naming the ranks and heads (a swapped or duplicated weight shard,
+//!   found from activations alone).
+//!
+//! Classes these checks add to `diagnose`'s: `rank-disagreement` (a replicated tap's copies
+//! differ across ranks), `wrong-partial` (a partial no weight shard explains) and, from
+//! [`crate::fingerprint`], `weight-mismatch`; a shard found on the wrong rank, or a weight loaded
+//! whole, is `head-permutation`, as in the engine's own diagnosis.
+//!
+//! The counts of what was compared go into the run document (`tp_layout`), so "none skipped" is
+//! checkable: every tensor of the files is a compared tap, a replica checked against rank 0's, or
+//! a partial, or the dump was refused.
+
+use crate::capture::{progress, Captured};
+use crate::compare::{metrics, ActDtype, Tolerances};
+use crate::dump::Dump;
+use anyhow::{bail, Context};
+use references::config::ModelConfig;
+use references::forward::Reference;
+use references::tap::{Site, TapKey};
+use reports::{Diagnosis, DiffRun, Location, TapRow, TpLayoutReport};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::ops::Range;
+use std::path::Path;
+
+/// How one rank's tensor of a tap relates to the full tensor the reference computes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TpLayout {
+    /// A full copy on every rank.
+    Replicated,
+    /// The full tensor, gathered from the ranks' shards (compared as a replicated copy).
+    Gathered,
+    /// Columns `range` of the full tensor (`dim` 1 of `[n_tokens, width]`).
+    Sharded { dim: usize, range: Range<usize> },
+    /// A pre-reduce partial sum over the op's input columns `range` (its weight's shard).
+    Partial { range: Range<usize> },
+    /// Expert parallelism: the experts this rank holds.
+    Experts(Vec<u32>),
+}
+
+fn parse_range(s: &str) -> Option<Range<usize>> {
+    let (a, b) = s.trim().split_once(':')?;
+    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    (a < b).then_some(a..b)
+}
+
+impl TpLayout {
+    /// `replicated`, `gathered`, `sharded(DIM,A:B)`, `partial(A:B)`, `experts(1,5,9)`.
+    pub fn parse(s: &str) -> Option<TpLayout> {
+        let s = s.trim();
+        match s {
+            "replicated" => return Some(TpLayout::Replicated),
+            "gathered" => return Some(TpLayout::Gathered),
+            _ => {}
+        }
+        let (head, rest) = s.split_once('(')?;
+        let body = rest.strip_suffix(')')?;
+        match head {
+            "sharded" => {
+                let (dim, range) = body.split_once(',')?;
+                Some(TpLayout::Sharded {
+                    dim: dim.trim().parse().ok()?,
+                    range: parse_range(range)?,
+                })
+            }
+            "partial" => Some(TpLayout::Partial {
+                range: parse_range(body)?,
+            }),
+            "experts" => body
+                .split(',')
+                .map(|x| x.trim().parse().ok())
+                .collect::<Option<Vec<u32>>>()
+                .map(TpLayout::Experts),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for TpLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TpLayout::Replicated => f.write_str("replicated"),
+            TpLayout::Gathered => f.write_str("gathered"),
+            TpLayout::Sharded { dim, range } => write!(f, "sharded({dim},{}:{})", range.start, range.end),
+            TpLayout::Partial { range } => write!(f, "partial({}:{})", range.start, range.end),
+            TpLayout::Experts(ids) => {
+                let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+                write!(f, "experts({})", ids.join(","))
+            }
+        }
+    }
+}
+
+/// One rank's format 2 metadata.
+#[derive(Clone, Debug)]
+pub struct RankMeta {
+    pub rank: usize,
+    /// Tensor class (a site name, or `site#partial`) → layout.
+    pub layout: BTreeMap<String, TpLayout>,
+    /// The rank's effective model config as the adapter saw it (key → JSON value).
+    pub config: BTreeMap<String, serde_json::Value>,
+    /// The TP plan, as recorded (JSON text).
+    pub tp_plan: String,
+    /// Weight fingerprints by key (`blk.5.w.o@r1`), as recorded (see [`crate::fingerprint`]).
+    pub weights: BTreeMap<String, serde_json::Value>,
+}
+
+impl RankMeta {
+    /// Reads `rank`, `layout`, `config` and `tp_plan` from a format 2 file's metadata.
+    pub fn read(m: &HashMap<String, String>, tp: usize, p: &Path) -> anyhow::Result<RankMeta> {
+        let get = |k: &str| {
+            m.get(k)
+                .map(String::as_str)
+                .with_context(|| format!("{}: format 2 dump metadata lacks {k:?} (docs/tp-dumps.md)", p.display()))
+        };
+        let rank: usize = get("rank")?
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&r| r < tp)
+            .with_context(|| format!("{}: metadata \"rank\" is not a rank below tp {tp}", p.display()))?;
+        let raw: BTreeMap<String, String> = serde_json::from_str(get("layout")?)
+            .with_context(|| format!("{}: metadata \"layout\" is not a JSON object of strings", p.display()))?;
+        let mut layout = BTreeMap::new();
+        for (class, spec) in raw {
+            let site = class.strip_suffix("#partial").unwrap_or(&class);
+            if Site::parse(site).is_none() {
+                bail!("{}: layout names unknown site {site:?}", p.display());
+            }
+            let l = TpLayout::parse(&spec).with_context(|| {
+                format!(
+                    "{}: unknown layout {spec:?} for {class} (known: replicated, gathered, sharded(DIM,A:B), partial(A:B), experts(IDS))",
+                    p.display()
+                )
+            })?;
+            layout.insert(class, l);
+        }
+        let config: BTreeMap<String, serde_json::Value> = serde_json::from_str(get("config")?)
+            .with_context(|| format!("{}: metadata \"config\" is not a JSON object", p.display()))?;
+        let tp_plan = m.get("tp_plan").cloned().unwrap_or_default();
+        let weights: BTreeMap<String, serde_json::Value> = match m.get("weights") {
+            Some(w) => serde_json::from_str(w)
+                .with_context(|| format!("{}: metadata \"weights\" is not a JSON object", p.display()))?,
+            None => BTreeMap::new(),
+        };
+        Ok(RankMeta {
+            rank,
+            layout,
+            config,
+            tp_plan,
+            weights,
+        })
+    }
+}
+
+/// The full width of a site's tensor that sharded layouts slice (None: not sliceable here).
+pub fn full_width(c: &ModelConfig, site: Site) -> Option<usize> {
+    match (&c.mla, site) {
+        (None, Site::Q | Site::AttnOut) => Some(c.n_heads * c.head_dim),
+        (None, Site::K | Site::V) => Some(c.n_kv_heads * c.head_dim),
+        (Some(m), Site::Q) => Some(c.n_heads * (m.qk_nope + m.qk_rope)),
+        (Some(m), Site::K) => Some(c.n_heads * m.qk_nope),
+        (Some(m), Site::V | Site::AttnOut) => Some(c.n_heads * m.v_head_dim),
+        (_, Site::FfnGate | Site::FfnUp) if c.moe.is_none() => Some(c.ffn_dim),
+        (_, Site::Logits) => Some(c.vocab),
+        (
+            _,
+            Site::Embed
+            | Site::AttnNorm
+            | Site::AttnProj
+            | Site::ResidAttn
+            | Site::FfnNorm
+            | Site::FfnOut
+            | Site::ResidOut
+            | Site::OutputNorm,
+        ) => Some(c.d_model),
+        _ => None,
+    }
+}
+
+/// The input sites of a row-parallel op whose partial is declared, and their width.
+fn partial_inputs(site: Site) -> &'static [Site] {
+    match site {
+        Site::AttnProj => &[Site::AttnOut],
+        Site::FfnOut => &[Site::FfnGate, Site::FfnUp],
+        _ => &[],
+    }
+}
+
+/// The width of the input a partial's range indexes (o_proj's: the heads; down's: the FFN).
+pub fn partial_input_width(c: &ModelConfig, site: Site) -> Option<usize> {
+    full_width(c, *partial_inputs(site).first()?)
+}
+
+/// The result of comparing the ranks' configs (before any tensor).
+#[derive(Clone, Debug, Default)]
+pub struct ConfigCheck {
+    /// Values compared (each rank's key with the reference's, and across ranks).
+    pub keys: usize,
+    /// One line per drifting key, naming the ranks.
+    pub drift: Vec<String>,
+}
+
+/// The reference's value of an adapter config key, and where it comes from (tolerance relative).
+fn reference_value(c: &ModelConfig, key: &str) -> Option<(f64, f64)> {
+    let exact = 0.0;
+    Some(match key {
+        "rope_theta" => (c.rope_base as f64, 1e-6),
+        // Recovered from the inverse frequencies in f32: a few ulps.
+        "rope_theta_effective" => (c.rope_base as f64, 1e-4),
+        "rms_norm_eps" => (c.rms_eps as f64, 1e-6),
+        "num_attention_heads" => (c.n_heads as f64, exact),
+        "num_key_value_heads" if c.mla.is_none() => (c.n_kv_heads as f64, exact),
+        "head_dim" if c.mla.is_none() => (c.head_dim as f64, exact),
+        "hidden_size" => (c.d_model as f64, exact),
+        "intermediate_size" if c.moe.is_none() => (c.ffn_dim as f64, exact),
+        "vocab_size" => (c.vocab as f64, exact),
+        "num_hidden_layers" => (c.n_layers as f64, exact),
+        _ => return None,
+    })
+}
+
+fn ranks_list(r: &[usize]) -> String {
+    let s: Vec<String> = r.iter().map(|x| x.to_string()).collect();
+    format!("rank{} {}", if r.len() > 1 { "s" } else { "" }, s.join(","))
+}
+
+/// Every rank's config against the reference's and against each other's.
+pub fn config_check(dump: &Dump, c: &ModelConfig) -> ConfigCheck {
+    let mut out = ConfigCheck::default();
+    let keys: std::collections::BTreeSet<&String> = dump.ranks.values().flat_map(|r| r.config.keys()).collect();
+    for key in keys {
+        // Across ranks: group the ranks by the value they hold (absent is a value too).
+        let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+        for (&r, m) in &dump.ranks {
+            let v = m.config.get(key).map_or("(absent)".to_string(), |v| v.to_string());
+            groups.entry(v).or_default().push(r);
+            out.keys += 1;
+        }
+        if groups.len() > 1 {
+            let parts: Vec<String> = groups.iter().map(|(v, rs)| format!("{} {v}", ranks_list(rs))).collect();
+            out.drift
+                .push(format!("{key} differs across ranks: {}", parts.join("; ")));
+        }
+        // The RoPE type: the reference's scaling as the file states it.
+        if key == "rope_type" {
+            let want = if c.rope_scaling.freq_factors {
+                "llama3"
+            } else if c.rope_scaling.linear_factor.is_some() {
+                "linear"
+            } else if c.yarn.is_some() {
+                "yarn"
+            } else {
+                "default"
+            };
+            let bad: Vec<usize> = dump
+                .ranks
+                .iter()
+                .filter(|(_, m)| m.config.get(key).and_then(|v| v.as_str()).is_some_and(|v| v != want))
+                .map(|(&r, _)| r)
+                .collect();
+            out.keys += dump.ranks.len();
+            if let Some(&r) = bad.first() {
+                out.drift.push(format!(
+                    "rope_type: {} {} where the reference's is {want} (GGUF{})",
+                    ranks_list(&bad),
+                    dump.ranks[&r].config[key],
+                    if c.rope_scaling.freq_factors {
+                        " rope_freqs.weight"
+                    } else {
+                        " metadata"
+                    }
+                ));
+            }
+        }
+        // Against the reference (the GGUF metadata the reference reads).
+        if let Some((want, tol)) = reference_value(c, key) {
+            let mut bad: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+            for (&r, m) in &dump.ranks {
+                out.keys += 1;
+                let Some(v) = m.config.get(key).and_then(|v| v.as_f64()) else {
+                    continue;
+                };
+                if (v - want).abs() > tol * want.abs() {
+                    bad.entry(v.to_string()).or_default().push(r);
+                }
+            }
+            for (v, ranks) in bad {
+                out.drift.push(format!(
+                    "{key}: {} {v} where the reference's (GGUF metadata) is {want}",
+                    ranks_list(&ranks)
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// A partial re-computed by the reference from a given input shard placed at given columns.
+fn reference_partial(
+    reference: &Reference,
+    dump: &Dump,
+    c: &ModelConfig,
+    key: &TapKey,
+    input_rank: u32,
+    at: &Range<usize>,
+    n: usize,
+) -> anyhow::Result<Option<Vec<f32>>> {
+    let mut inputs: BTreeMap<TapKey, Vec<f32>> = BTreeMap::new();
+    for &site in partial_inputs(key.site) {
+        let k = TapKey {
+            site,
+            rank: Some(input_rank),
+            ..*key
+        };
+        let Some(full_w) = full_width(c, site).filter(|_| dump.keys().any(|x| *x == k)) else {
+            return Ok(None);
+        };
+        let t: Captured = dump.tensor(&k, c)?;
+        if t.shape[1] != at.len() || at.end > full_w {
+            return Ok(None);
+        }
+        let mut full = vec![0f32; n * full_w];
+        for row in 0..n {
+            full[row * full_w + at.start..row * full_w + at.end]
+                .copy_from_slice(&t.data[row * at.len()..(row + 1) * at.len()]);
+        }
+        inputs.insert(k.unranked(), full);
+    }
+    let get = |k: &TapKey| inputs.get(k).cloned();
+    Ok(reference.replay(&key.unranked(), &get, n)?)
+}
+
+/// Names the heads (or columns) of an input range.
+fn describe(c: &ModelConfig, site: Site, r: &Range<usize>) -> String {
+    let hd = match (&c.mla, site) {
+        (None, Site::AttnProj) => c.head_dim,
+        (Some(m), Site::AttnProj) => m.v_head_dim,
+        _ => 0,
+    };
+    if hd > 0 && r.start.is_multiple_of(hd) && r.end.is_multiple_of(hd) {
+        format!("heads {}-{}", r.start / hd, r.end / hd - 1)
+    } else {
+        format!("columns {}:{}", r.start, r.end)
+    }
+}
+
+fn weight_name(site: Site) -> &'static str {
+    match site {
+        Site::AttnProj => "o_proj",
+        _ => "down_proj",
+    }
+}
+
+fn row(key: &TapKey, shape: [usize; 2], m: reports::Metrics, threshold: f64, over: bool) -> TapRow {
+    TapRow {
+        tap: key.to_string(),
+        layer: key.layer,
+        site: key.site.name(),
+        rank: key.rank,
+        shape,
+        metrics: m,
+        threshold,
+        over,
+        over_end_to_end: over,
+        local: None,
+        selection: None,
+    }
+}
+
+/// The order of a key for "which came first": layer progress, then the unranked key's order,
+/// ranked (rank-local) before reduced.
+fn order(key: &TapKey) -> (u64, TapKey, bool) {
+    (progress(key), key.unranked(), key.rank.is_none())
+}
+
+/// What the TP checks found, to be merged into the run.
+struct Finding {
+    key: TapKey,
+    class: &'static str,
+    confidence: &'static str,
+    explanation: String,
+}
+
+/// Runs the replica and partial checks of a format 2 dump and merges them, and the config check,
+/// into the comparator's run: rows for the partials, the counts, and the first divergence and
+/// diagnosis where a rank-level finding comes first (or the run had none).
+pub fn apply(
+    run: &mut DiffRun,
+    dump: &Dump,
+    reference: &Reference,
+    file: &references::GgufFile,
+    tolerances: &Tolerances,
+    dtype: ActDtype,
+    cfg: ConfigCheck,
+) -> anyhow::Result<()> {
+    let c = &reference.config;
+    let n = dump.tokens.len();
+    let mut compared: BTreeMap<String, usize> = BTreeMap::new();
+    let replicated: std::collections::BTreeSet<String> = dump.replicated_keys().map(|k| k.to_string()).collect();
+    for r in &run.taps {
+        let kind = if dump.declared_slices.keys().any(|k| k.to_string() == r.tap) {
+            "sharded"
+        } else if replicated.contains(&r.tap) {
+            "replicated"
+        } else {
+            "unranked"
+        };
+        *compared.entry(kind.to_string()).or_default() += 1;
+    }
+    let mut findings: Vec<Finding> = Vec::new();
+    let mut replica_lines = Vec::new();
+    // Replicas: each rank's copy against the lowest rank's (which the comparator compared).
+    let keys: Vec<TapKey> = dump.replicated_keys().copied().collect();
+    for key in keys {
+        let copies = dump.copies(&key, c)?;
+        let Some(((r0, first), rest)) = copies.split_first() else {
+            continue;
+        };
+        // Ranks whose copy of a reduced tap is their own pre-reduce partial.
+        let mut unreduced = Vec::new();
+        for (r, copy) in &copies {
+            let pk = TapKey {
+                rank: Some(*r as u32),
+                ..key
+            };
+            if dump.partial_ranges.contains_key(&pk) {
+                let p = dump.tensor(&pk, c)?;
+                if p.data.len() == copy.data.len() && metrics(&copy.data, &p.data).rel_l2 < 1e-6 {
+                    unreduced.push(*r);
+                }
+            }
+        }
+        let mut differs = Vec::new();
+        for (r, copy) in rest {
+            *compared.entry("replica".to_string()).or_default() += 1;
+            let m = metrics(&copy.data, &first.data);
+            let thr = tolerances.floor(&key);
+            if m.rel_l2.is_nan() || m.rel_l2 > thr || m.nonfinite > 0 {
+                let line = format!(
+                    "{key}: rank {r}'s copy differs from rank {r0}'s (rel_l2 {:.2e}, threshold {thr:.1e})",
+                    m.rel_l2
+                );
+                replica_lines.push(line.clone());
+                differs.push((*r, line));
+            }
+        }
+        if !unreduced.is_empty() && (!differs.is_empty() || unreduced.len() == copies.len()) {
+            let r = unreduced[0];
+            findings.push(Finding {
+                key: TapKey {
+                    rank: Some(r as u32),
+                    ..key
+                },
+                class: "missing-reduction",
+                confidence: "high",
+                explanation: format!(
+                    "{key}: {}'s copy equals {} own pre-reduce partial ({key}@rN#partial): the all-reduce did not run there{}",
+                    ranks_list(&unreduced),
+                    if unreduced.len() > 1 { "their" } else { "its" },
+                    if differs.is_empty() { String::new() } else { ", so the ranks' copies differ".to_string() }
+                ),
+            });
+        } else if let Some((r, line)) = differs.first() {
+            findings.push(Finding {
+                key: TapKey {
+                    rank: Some(*r as u32),
+                    ..key
+                },
+                class: "rank-disagreement",
+                confidence: "high",
+                explanation: format!("{line}: a replicated tensor must be the same on every rank"),
+            });
+        }
+    }
+    // Partials: against the reference's per-rank partial from the same weight shard.
+    let mut partial_lines = Vec::new();
+    let partials: Vec<(TapKey, Range<usize>)> = dump.partial_ranges.iter().map(|(k, r)| (*k, r.clone())).collect();
+    for (key, range) in &partials {
+        let rank = key.rank.expect("partials are ranked");
+        let e = dump.tensor(key, c)?;
+        let thr = tolerances.threshold(key, dtype);
+        let Some(want) = reference_partial(reference, dump, c, key, rank, range, n)? else {
+            partial_lines.push(format!(
+                "{key}#partial: not compared (its input shard {} is not in the dump with the same range)",
+                partial_inputs(key.site)
+                    .iter()
+                    .map(|s| s.name())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            ));
+            *compared.entry("partial-unchecked".to_string()).or_default() += 1;
+            continue;
+        };
+        *compared.entry("partial".to_string()).or_default() += 1;
+        let m = if want.len() == e.data.len() {
+            metrics(&e.data, &want)
+        } else {
+            bail!(
+                "{key}#partial is {:?} where the reference's partial is {} values",
+                e.shape,
+                want.len()
+            );
+        };
+        let over = m.rel_l2.is_nan() || m.rel_l2 > thr || m.nonfinite > 0;
+        run.taps.push(row(key, e.shape, m.clone(), thr, over));
+        if !over {
+            continue;
+        }
+        // Which weight shard (or whose input) explains it?
+        let mut explained = None;
+        for (other, orange) in &partials {
+            if other.layer != key.layer || other.site != key.site || other == key || orange.len() != range.len() {
+                continue;
+            }
+            let orank = other.rank.expect("ranked");
+            if let Some(p) = reference_partial(reference, dump, c, key, rank, orange, n)? {
+                if metrics(&e.data, &p).rel_l2 <= thr {
+                    explained = Some(format!(
+                        "{key} (rank {rank}'s partial) is its own {} multiplied by {}'s {} for {} (rank {orank}'s shard), not its own {}: rank {rank} holds rank {orank}'s {} shard (rel_l2 {:.2e} against its own shard's partial)",
+                        describe(c, key.site, range),
+                        weight_name(key.site),
+                        "columns",
+                        describe(c, key.site, orange),
+                        describe(c, key.site, range),
+                        weight_name(key.site),
+                        m.rel_l2
+                    ));
+                    break;
+                }
+            }
+            if let Some(p) = reference_partial(reference, dump, c, key, orank, range, n)? {
+                if metrics(&e.data, &p).rel_l2 <= thr {
+                    explained = Some(format!(
+                        "{key} (rank {rank}'s partial) is rank {orank}'s input ({}) multiplied by rank {rank}'s {} shard: rank {rank} reduced another rank's activations",
+                        describe(c, key.site, orange),
+                        weight_name(key.site)
+                    ));
+                    break;
+                }
+            }
+        }
+        let (class, confidence, explanation) = match explained {
+            Some(x) => ("head-permutation", "high", x),
+            None => (
+                "wrong-partial",
+                "low",
+                format!(
+                    "{key} (rank {rank}'s pre-reduce partial) differs from the reference's partial from the same {} shard ({}) on the rank's own input, rel_l2 {:.2e}; no other rank's shard explains it",
+                    weight_name(key.site),
+                    describe(c, key.site, range),
+                    m.rel_l2
+                ),
+            ),
+        };
+        partial_lines.push(format!("{class}: {explanation}"));
+        findings.push(Finding {
+            key: *key,
+            class,
+            confidence,
+            explanation,
+        });
+    }
+    // Weight fingerprints against the reference's slices.
+    let mut prints = Vec::new();
+    for (&rank, m) in &dump.ranks {
+        for (k, v) in &m.weights {
+            let key: TapKey = k
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("weight fingerprint {k}: {e}"))?;
+            if key.rank != Some(rank as u32) {
+                bail!("weight fingerprint {k} in rank {rank}'s file");
+            }
+            let fp: crate::fingerprint::Fingerprint = serde_json::from_value(v.clone())
+                .with_context(|| format!("weight fingerprint {k}: not a fingerprint (docs/tp-dumps.md)"))?;
+            prints.push((rank, key, fp));
+        }
+    }
+    let mut weight_lines = Vec::new();
+    let mut hashes_equal = 0;
+    for ch in crate::fingerprint::check(file, c, &prints)? {
+        *compared.entry("weight".to_string()).or_default() += 1;
+        hashes_equal += usize::from(ch.hash_equal);
+        if let Some(f) = ch.finding {
+            let class = if f.contains("rank ") || f.contains("loaded whole") {
+                "head-permutation"
+            } else {
+                "weight-mismatch"
+            };
+            weight_lines.push(format!("{class}: {f}"));
+            findings.push(Finding {
+                key: ch.key,
+                class,
+                confidence: if class == "weight-mismatch" { "low" } else { "high" },
+                explanation: format!("weight fingerprint: {f}"),
+            });
+        }
+    }
+    run.taps
+        .sort_by_key(|r| r.tap.parse::<TapKey>().map(|k| order(&k)).ok());
+    // Merge: a rank-level finding before (or at the layer of) the first divergence wins.
+    findings.sort_by_key(|f| order(&f.key));
+    if let Some(f) = findings.first() {
+        let first = run.first_divergence.as_ref().and_then(|l| l.tap.parse::<TapKey>().ok());
+        let wins = first.is_none_or(|k| progress(&f.key) <= progress(&k));
+        if wins {
+            run.verdict = "diverged".to_string();
+            run.first_divergence = Some(Location {
+                tap: f.key.to_string(),
+                layer: f.key.layer,
+                site: f.key.site.name(),
+                rank: f.key.rank,
+            });
+            // The activations' own diagnosis, where there was one, stays as evidence.
+            let before = match (&first, &run.diagnosis) {
+                (Some(k), Some(d)) => format!(" (the activations: {} at {k}: {})", d.class, d.explanation),
+                _ => String::new(),
+            };
+            run.diagnosis = Some(Diagnosis {
+                class: f.class.to_string(),
+                explanation: format!("{}{before}", f.explanation),
+                confidence: f.confidence.to_string(),
+            });
+        }
+    }
+    // Config drift comes before any tensor: it names the cause of whatever diverged.
+    if !cfg.drift.is_empty() {
+        run.verdict = "diverged".to_string();
+        let at = run
+            .first_divergence
+            .as_ref()
+            .map_or("no tap diverged".to_string(), |l| format!("first visible at {}", l.tap));
+        run.diagnosis = Some(Diagnosis {
+            class: "config-drift".to_string(),
+            explanation: format!(
+                "the ranks' effective model configs differ ({}); {at}",
+                cfg.drift.join("; ")
+            ),
+            confidence: "high".to_string(),
+        });
+    }
+    let mut layouts: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in dump.ranks.values() {
+        for (class, l) in &m.layout {
+            layouts.entry(class.clone()).or_default().push(l.to_string());
+        }
+    }
+    let plans: std::collections::BTreeSet<&str> = dump.ranks.values().map(|m| m.tp_plan.as_str()).collect();
+    run.tp_layout = Some(TpLayoutReport {
+        tp: dump.tp,
+        tensors: dump.n_tensors,
+        layouts,
+        compared,
+        config_keys: cfg.keys,
+        config_drift: cfg.drift,
+        replica_disagreements: replica_lines,
+        partial_findings: partial_lines,
+        weight_findings: weight_lines,
+        weight_hashes_equal: hashes_equal,
+        tp_plan: plans.into_iter().map(str::to_string).collect(),
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_parse_and_print_back() {
+        for s in [
+            "replicated",
+            "gathered",
+            "sharded(1,192:384)",
+            "partial(0:512)",
+            "experts(1,5,9)",
+        ] {
+            assert_eq!(TpLayout::parse(s).unwrap().to_string(), s);
+        }
+        assert_eq!(
+            TpLayout::parse("sharded(1, 0:64)"),
+            Some(TpLayout::Sharded { dim: 1, range: 0..64 })
+        );
+        for bad in [
+            "",
+            "shard(1,0:4)",
+            "sharded(1,4:4)",
+            "partial(0-4)",
+            "experts(a)",
+            "sharded(0:4)",
+        ] {
+            assert_eq!(TpLayout::parse(bad), None, "{bad}");
+        }
+    }
+}
