@@ -5,7 +5,7 @@ use crate::capture::{lockstep, progress, Captured, Side};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
 use crate::noise::local_bound;
-use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
+use crate::slice::{engine_full, is_partial_sum, reference_part, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
 use references::config::ModelConfig;
@@ -60,12 +60,16 @@ struct Comparator<'a> {
     frozen_eng: Store,
     frozen_ref: Store,
     compare_s: f64,
+    /// Of `compare_s`: re-running reference ops on the engine's inputs (the local error).
+    replay_s: f64,
     /// Per MoE layer: the lowest share of tokens with identical expert sets over its moe_topk taps.
     routing: BTreeMap<u32, f64>,
     /// Every key the reference emitted (for the candidate's `missing` list).
     ref_keys: Vec<TapKey>,
     /// Taps whose size differs from the reference's slice, as `key: engine [r, w] vs n values`.
     shape_errors: Vec<String>,
+    /// Unranked weight keys some engine tap diverged at: the reference's weight is kept.
+    kept_weights: std::collections::HashSet<TapKey>,
 }
 
 impl<'a> Comparator<'a> {
@@ -86,9 +90,11 @@ impl<'a> Comparator<'a> {
             frozen_eng: Store::new(),
             frozen_ref: Store::new(),
             compare_s: 0.0,
+            replay_s: 0.0,
             routing: BTreeMap::new(),
             ref_keys: Vec::new(),
             shape_errors: Vec::new(),
+            kept_weights: Default::default(),
         }
     }
 
@@ -132,7 +138,7 @@ impl<'a> Comparator<'a> {
     fn compare(&mut self, key: &TapKey) {
         let e = &self.eng[key];
         let r = &self.refs[&key.unranked()];
-        let want = reference_slice(self.config, self.plan.engine.tp, key, r);
+        let want = reference_part(self.config, self.plan.engine.tp, key, r);
         let m = if want.len() == e.data.len() {
             metrics(&e.data, &want)
         } else {
@@ -173,6 +179,16 @@ impl<'a> Comparator<'a> {
             over_end_to_end: over,
             local: None,
         });
+        if matches!(key.site, Site::Weight(_)) {
+            // A weight's verdict is end to end and final here (no replay reads it): an agreeing
+            // one is dropped now rather than held for three layers; a divergent one is kept, with
+            // the reference's, for the diagnosis.
+            if over {
+                self.kept_weights.insert(key.unranked());
+            } else {
+                self.eng.remove(key);
+            }
+        }
     }
 
     /// The end-to-end threshold: a user override, else the dtype's column (raised to a healthy
@@ -201,6 +217,7 @@ impl<'a> Comparator<'a> {
         if let Some(r) = self.replays.get(&full) {
             return r.clone();
         }
+        let t0 = Instant::now();
         let r = if full.site == Site::Embed {
             // No float inputs: the reference's own lookup is the op's answer.
             self.refs.get(&full).map(|c| {
@@ -223,6 +240,7 @@ impl<'a> Comparator<'a> {
                 .map(Rc::new)
         };
         self.replays.insert(full, r.clone());
+        self.replay_s += t0.elapsed().as_secs_f64();
         r
     }
 
@@ -402,7 +420,13 @@ impl<'a> Comparator<'a> {
         let cap = self.config.n_layers as u64 + 1;
         self.eng
             .retain(|k, _| progress(k).min(cap) >= keep_from || waiting.contains(k));
-        self.refs.retain(|k, _| progress(k).min(cap) >= keep_from);
+        // A reference weight is compared by the time the engine has moved past its layer (an
+        // engine taps its layer's weights first).
+        let kept = &self.kept_weights;
+        self.refs.retain(|k, _| {
+            progress(k).min(cap) >= keep_from
+                && (!matches!(k.site, Site::Weight(_)) || progress(k) >= e_at || kept.contains(k))
+        });
         self.replays.retain(|k, _| progress(k).min(cap) >= keep_from);
     }
 }
@@ -415,8 +439,9 @@ struct StitchTap {
 }
 
 impl references::tap::Tap for StitchTap {
-    fn wants(&self, _: &TapKey) -> bool {
-        true
+    fn wants(&self, key: &TapKey) -> bool {
+        // A weight once: the decode steps need not decode it again only to drop it.
+        !(matches!(key.site, Site::Weight(_)) && self.taps.contains_key(key))
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
         match self.taps.get_mut(key) {
@@ -449,6 +474,19 @@ impl StitchTap {
     }
 }
 
+/// The reference, cut to the engine's `n_layers` when it has one (the first N layers, then the
+/// output norm and head).
+fn truncated_reference<'a>(plan: &DiffPlan<'a>) -> anyhow::Result<Reference<'a>> {
+    let mut reference = Reference::new(plan.file)?;
+    if let Some(n) = plan.engine.n_layers {
+        if n == 0 || n > reference.config.n_layers {
+            bail!("--n-layers {n}: the model has {} layers", reference.config.n_layers);
+        }
+        reference.config.n_layers = n;
+    }
+    Ok(reference)
+}
+
 /// Runs the diff and builds the run document.
 pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
     run_diff_against(plan, plan.file)
@@ -459,7 +497,8 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
 /// change the taps can still localize.
 pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = Reference::new(plan.file)?;
+    let reference = truncated_reference(plan)?;
+    let bytes0 = references::forward::weight_bytes_read();
     let mut engine = Engine::load(engine_file, plan.engine.clone())?;
     if engine.backend_name() != "cpu" {
         // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
@@ -487,7 +526,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             )
         })?;
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
-    let (e, r) = lockstep(
+    let (e, r, d) = lockstep(
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
                 return engine.prefill(tokens, tap).map(|_| ());
@@ -513,8 +552,10 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     let sides = Sides {
         backend: engine.backend_name().to_string(),
         engine_config,
-        engine_s: e.seconds,
-        reference_s: r.seconds,
+        engine: (e.seconds, e.capture_s, e.wait_s),
+        reference: (r.seconds, r.capture_s, r.wait_s),
+        compare_wait_s: d.wait_s,
+        bytes0,
         n_prefill,
         t0,
         dtype_source,
@@ -529,7 +570,8 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
 /// from the reference's is a format error. There is no engine config, so config drift is not checked.
 pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = Reference::new(plan.file)?;
+    let reference = truncated_reference(plan)?;
+    let bytes0 = references::forward::weight_bytes_read();
     let config = reference.config.clone();
     // Keys, tokens and widths against the model before the reference runs.
     dump.check_model(&config)?;
@@ -541,7 +583,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
         dump.compute_dtype(&config)?
     };
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
-    let (e, r) = lockstep(
+    let (e, r, d) = lockstep(
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
                 if tap.wants(key) {
@@ -569,8 +611,10 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let sides = Sides {
         backend: "candidate".to_string(),
         engine_config: Some(config.clone()),
-        engine_s: e.seconds,
-        reference_s: r.seconds,
+        engine: (e.seconds, e.capture_s, e.wait_s),
+        reference: (r.seconds, r.capture_s, r.wait_s),
+        compare_wait_s: d.wait_s,
+        bytes0,
         n_prefill: tokens.len(),
         t0,
         dtype_source,
@@ -594,8 +638,12 @@ struct Sides {
     backend: String,
     /// The engine's config at the first divergence (config drift), if it diverged.
     engine_config: Option<ModelConfig>,
-    engine_s: f64,
-    reference_s: f64,
+    /// Each side's (seconds, capture seconds, wait seconds).
+    engine: (f64, f64, f64),
+    reference: (f64, f64, f64),
+    compare_wait_s: f64,
+    /// [`references::forward::weight_bytes_read`] at the start.
+    bytes0: u64,
     n_prefill: usize,
     t0: Instant,
     /// How the compute dtype was learned.
@@ -703,10 +751,17 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             .map(|(&layer, &agree_frac)| RoutingAgreement { layer, agree_frac })
             .collect(),
         timings_s: Timings {
-            engine: sides.engine_s,
-            reference: sides.reference_s,
+            engine: sides.engine.0,
+            reference: sides.reference.0,
             compare: cmp.compare_s,
+            replay: cmp.replay_s,
             total: sides.t0.elapsed().as_secs_f64(),
+            engine_capture: sides.engine.1,
+            engine_wait: sides.engine.2,
+            reference_capture: sides.reference.1,
+            reference_wait: sides.reference.2,
+            compare_wait: sides.compare_wait_s,
+            reference_weight_bytes: references::forward::weight_bytes_read().saturating_sub(sides.bytes0),
         },
         dtype: Some(DtypeInfo {
             name: dtype.name().to_string(),
