@@ -604,7 +604,9 @@ impl Engine {
         for r in &self.ranks {
             for (kind, w) in r.shard.layers[layer_idx].tappable() {
                 let key = TapKey::ranked(layer_idx, Site::Weight(kind), r.idx);
-                if plan.wants(&key) {
+                // Asked of the tap too, just before the weight is decoded: a tap that times its
+                // capture then sees the decode.
+                if plan.wants(&key) && tap.wants(&key) {
                     tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
                 }
             }

@@ -26,14 +26,15 @@ pub enum Side {
 }
 
 /// A tap that forwards copies over a channel until told to stop, timing what capture costs its
-/// side: `capture` from the side asking for a key (`wants`) to the tap handed over (the weight a
-/// side dequantizes for its tap, the copy), `wait` blocked on a full channel (the comparator is
-/// behind).
+/// side: `capture` from the side asking for a key (`wants`) to that key's tap handed over (the
+/// weight a side dequantizes for its tap, the copy), `wait` blocked on a full channel (the
+/// comparator is behind).
 pub struct ChannelTap {
     tx: SyncSender<Captured>,
     stop: Arc<AtomicBool>,
     filter: fn(&TapKey) -> bool,
-    asked: Cell<Option<Instant>>,
+    /// The key last asked for and when.
+    asked: Cell<Option<(TapKey, Instant)>>,
     capture: Duration,
     wait: Duration,
 }
@@ -49,13 +50,19 @@ impl ChannelTap {
             wait: Duration::ZERO,
         }
     }
+
+    /// When `key` was asked for, if it was the last key asked for (a side that plans its taps
+    /// ahead asks for many keys at once: those are not timed).
+    fn asked_at(&self, key: &TapKey) -> Option<Instant> {
+        self.asked.take().filter(|(k, _)| k == key).map(|(_, t)| t)
+    }
 }
 
 impl Tap for ChannelTap {
     fn wants(&self, key: &TapKey) -> bool {
         let yes = !self.stop.load(Ordering::Relaxed) && (self.filter)(key);
         if yes {
-            self.asked.set(Some(Instant::now()));
+            self.asked.set(Some((*key, Instant::now())));
         }
         yes
     }
@@ -63,14 +70,14 @@ impl Tap for ChannelTap {
         self.stop.load(Ordering::Relaxed)
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
-        let t0 = self.asked.take().unwrap_or_else(Instant::now);
+        let t0 = self.asked_at(key).unwrap_or_else(Instant::now);
         let data = data.to_vec();
-        self.asked.set(Some(t0));
+        self.asked.set(Some((*key, t0)));
         self.record_owned(key, data, shape);
     }
     fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
         let t1 = Instant::now();
-        if let Some(t0) = self.asked.take() {
+        if let Some(t0) = self.asked_at(key) {
             self.capture += t1 - t0;
         }
         // A closed channel means the comparator stopped early: drop the tap.
