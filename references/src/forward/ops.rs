@@ -9,9 +9,9 @@
 //!
 //! Speed comes only from doing many such sums at once: a block of [`ROWS`] weight rows ×
 //! [`TOKENS`] tokens keeps its lanes in registers while k runs, so each widened weight chunk
-//! feeds eight tokens and each token chunk feeds three rows; k runs in passes of [`K_BLOCK`]
-//! (the lanes kept between passes, so each still sums in ascending k) so that the tokens' inputs
-//! stay in cache across a task's rows at any k.
+//! feeds eight tokens and each token chunk feeds three rows; a long k (over 2 · [`K_BLOCK`])
+//! runs in passes of [`K_BLOCK`] (the lanes kept between passes, so each still sums in
+//! ascending k) so that the tokens' inputs stay in cache across a task's rows.
 
 use rayon::prelude::*;
 
@@ -21,11 +21,12 @@ const ROWS: usize = 3;
 const TOKENS: usize = 8;
 /// Weight rows per rayon task.
 const ROWS_PER_TASK: usize = 24;
-/// Elements of k per pass over a task's rows and tokens (a multiple of 8): a pass reads every
-/// token's `K_BLOCK` values (2 KiB a token in f64) for each row triple, so they stay in cache
-/// instead of streaming the whole `[n, k]` input from memory once per triple. The lanes carry
-/// over from pass to pass, so each lane still sums its elements in ascending k order.
-const K_BLOCK: usize = 256;
+/// Elements of k per pass over a task's rows and tokens when k is long (a multiple of 8): a pass
+/// reads every token's `K_BLOCK` values (8 KiB a token in f64) for each row triple, so they stay
+/// in cache instead of streaming the whole `[n, k]` input from memory once per triple. The lanes
+/// carry over from pass to pass, so each lane still sums its elements in ascending k order. Up
+/// to `2 · K_BLOCK` the whole k is one pass (a pass costs a load and store of the lanes).
+const K_BLOCK: usize = 1024;
 
 /// `x [n, k] · wᵀ` for `w [m, k]` (torch layout), giving `[n, m]`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
@@ -54,6 +55,18 @@ pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usiz
             let n_rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
             let w_rows = &mut w_rows[..n_rows * k];
             fill(p * ROWS_PER_TASK, w_rows);
+            if k8 <= 2 * K_BLOCK {
+                // One pass: each tile's lanes live in registers from the first chunk to the sum.
+                let mut r = 0;
+                while r + ROWS <= n_rows {
+                    one_pass_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
+                    r += ROWS;
+                }
+                for r in r..n_rows {
+                    one_pass_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
+                }
+                return;
+            }
             // lanes[r * n + t]: the 8 lanes of row r · token t.
             let lanes = &mut lanes[..n_rows * n];
             lanes.iter_mut().for_each(|l| *l = [0.0; 8]);
@@ -99,6 +112,48 @@ pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usiz
     out
 }
 
+/// `block[t][r0 + r] = x64[t] · w_rows[r]` for the `R` rows and every token t, in tiles of 8,
+/// 4 and 1 tokens, k in one pass.
+fn one_pass_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], r0: usize, block: &mut [f32]) {
+    let mut t = 0;
+    let mut tile = |t: usize, sums: &[[f64; R]]| {
+        for (u, s) in sums.iter().enumerate() {
+            for (r, &v) in s.iter().enumerate() {
+                block[(t + u) * ROWS_PER_TASK + r0 + r] = v as f32;
+            }
+        }
+    };
+    while t + TOKENS <= n {
+        tile(t, &dot_block::<R, TOKENS>(&x64[t * k..(t + TOKENS) * k], k, w_rows));
+        t += TOKENS;
+    }
+    while t + 4 <= n {
+        tile(t, &dot_block::<R, 4>(&x64[t * k..(t + 4) * k], k, w_rows));
+        t += 4;
+    }
+    for t in t..n {
+        tile(t, &dot_block::<R, 1>(&x64[t * k..(t + 1) * k], k, w_rows));
+    }
+}
+
+/// `sums[u][r] = x[u] · w[r]` for `T` token rows of `x` and `R` weight rows of `w`, each equal to
+/// [`dot64`]: the 8 lanes of the whole chunks (on the widest build the CPU has), then the tail
+/// into lanes 0.., then the pairwise lane sum.
+#[inline(always)]
+fn dot_block<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> [[f64; R]; T] {
+    let k8 = k - k % 8;
+    let mut lanes = chunk_lanes::<R, T>(x, k, w, 0..k8, None);
+    std::array::from_fn(|u| {
+        std::array::from_fn(|r| {
+            let l = &mut lanes[u][r];
+            for (j, i) in (k8..k).enumerate() {
+                l[j] += x[u * k + i] * w[r * k + i] as f64;
+            }
+            reduce_lanes(l)
+        })
+    })
+}
+
 /// Adds the chunks `c` of `x64[t] · w_rows[r]` to `lanes[r * n + t]` for the `R` rows and every
 /// token t, in tiles of 8, 4 and 1 tokens.
 fn token_tiles<const R: usize>(
@@ -136,7 +191,7 @@ fn tile_pass<const R: usize, const T: usize>(
     lanes: &mut [[f64; 8]],
 ) {
     let init: Lanes<R, T> = std::array::from_fn(|u| std::array::from_fn(|r| lanes[r * n + t0 + u]));
-    let out = chunk_lanes::<R, T>(&x64[t0 * k..(t0 + T) * k], k, w_rows, c, init);
+    let out = chunk_lanes::<R, T>(&x64[t0 * k..(t0 + T) * k], k, w_rows, c, Some(&init));
     for (u, l_u) in out.iter().enumerate() {
         for (r, l) in l_u.iter().enumerate() {
             lanes[r * n + t0 + u] = *l;
@@ -146,7 +201,7 @@ fn tile_pass<const R: usize, const T: usize>(
 
 type Lanes<const R: usize, const T: usize> = [[[f64; 8]; R]; T];
 
-/// `init` plus the products of the 8-element chunks starting in `c` (8-aligned, within k), lane
+/// `init` (zeros when None) plus the products of the 8-element chunks starting in `c` (8-aligned, within k), lane
 /// j of (u, r) summing elements j, j + 8, ... of row u of `x` times row r of `w`, in order.
 #[inline(always)]
 fn chunk_lanes<const R: usize, const T: usize>(
@@ -154,7 +209,7 @@ fn chunk_lanes<const R: usize, const T: usize>(
     k: usize,
     w: &[f32],
     c: std::ops::Range<usize>,
-    init: Lanes<R, T>,
+    init: Option<&Lanes<R, T>>,
 ) -> Lanes<R, T> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -179,13 +234,15 @@ unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(
     k: usize,
     w: &[f32],
     c: std::ops::Range<usize>,
-    init: Lanes<R, T>,
+    init: Option<&Lanes<R, T>>,
 ) -> Lanes<R, T> {
     use std::arch::x86_64::*;
     assert!(x.len() >= T * k && w.len() >= R * k && c.end <= k - k % 8 && c.start % 8 == 0);
-    // SAFETY: every `init` entry is 8 f64.
-    let mut acc: [[__m512d; R]; T] =
-        std::array::from_fn(|u| std::array::from_fn(|r| unsafe { _mm512_loadu_pd(init[u][r].as_ptr()) }));
+    let mut acc: [[__m512d; R]; T] = match init {
+        // SAFETY: every `init` entry is 8 f64.
+        Some(init) => std::array::from_fn(|u| std::array::from_fn(|r| unsafe { _mm512_loadu_pd(init[u][r].as_ptr()) })),
+        None => [[_mm512_setzero_pd(); R]; T],
+    };
     for c in c.step_by(8) {
         // SAFETY: c + 8 ≤ k, and every row start is below the lengths asserted above.
         let wv: [__m512d; R] =
@@ -216,7 +273,7 @@ unsafe fn chunk_lanes_avx2<const R: usize, const T: usize>(
     k: usize,
     w: &[f32],
     c: std::ops::Range<usize>,
-    init: Lanes<R, T>,
+    init: Option<&Lanes<R, T>>,
 ) -> Lanes<R, T> {
     chunk_lanes_portable::<R, T>(x, k, w, c, init)
 }
@@ -228,9 +285,9 @@ fn chunk_lanes_portable<const R: usize, const T: usize>(
     k: usize,
     w: &[f32],
     c: std::ops::Range<usize>,
-    init: Lanes<R, T>,
+    init: Option<&Lanes<R, T>>,
 ) -> Lanes<R, T> {
-    let mut lanes = init;
+    let mut lanes = init.copied().unwrap_or([[[0f64; 8]; R]; T]);
     for c in c.step_by(8) {
         let wv: [[f64; 8]; R] = std::array::from_fn(|r| std::array::from_fn(|j| w[r * k + c + j] as f64));
         for (u, l_u) in lanes.iter_mut().enumerate() {
@@ -523,7 +580,7 @@ mod tests {
         let w: Vec<f32> = (0..r * k)
             .map(|i| (i as f32 * 0.277).cos() / (1 + i % 7) as f32)
             .collect();
-        let z = [[[0.0; 8]; 3]; 8];
+        let z = Some(&[[[0.0; 8]; 3]; 8]);
         let portable = chunk_lanes_portable::<3, 8>(&x, k, &w, 0..k - k % 8, z);
         #[cfg(target_arch = "x86_64")]
         {
