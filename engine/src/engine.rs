@@ -53,6 +53,9 @@ pub struct EngineOptions {
     /// engines do (float weights and every op's output rounded to it, f32 accumulation; see
     /// [`crate::precision`]).
     pub compute_dtype: ComputeDtype,
+    /// Run only the first N layers, then the output norm and head (a truncated model, as
+    /// vLLM's `--hf-overrides '{"num_hidden_layers": N}'` runs one); None: every layer.
+    pub n_layers: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -64,6 +67,7 @@ impl Default for EngineOptions {
             storage: WeightStorage::default(),
             cuda: CudaOptions::default(),
             compute_dtype: ComputeDtype::F32,
+            n_layers: None,
         }
     }
 }
@@ -279,7 +283,16 @@ fn check_fault(
 impl Engine {
     /// Loads `file` sharded over `opts.tp` ranks, with `opts.faults` injected.
     pub fn load(file: &GgufFile, opts: EngineOptions) -> Result<Engine, EngineError> {
-        let config = ModelConfig::from_header(&file.header)?;
+        let mut config = ModelConfig::from_header(&file.header)?;
+        if let Some(n) = opts.n_layers {
+            if n == 0 || n > config.n_layers {
+                return Err(EngineError::Options(format!(
+                    "n_layers {n}: the model has {} layers (1..={0} allowed)",
+                    config.n_layers
+                )));
+            }
+            config.n_layers = n;
+        }
         check_arch(&config)?;
         check_yarn(&config)?;
         check_shapes(&config)?;
@@ -565,6 +578,11 @@ impl Engine {
         }
 
         for layer_idx in 0..c.n_layers {
+            if !recording && tap.stopped() {
+                // The tap's owner has its answer (diff-layers --stop-at-first): the step ends
+                // here, its logits unwritten and the caches not advanced.
+                return Ok(());
+            }
             self.weight_taps(tap, &plan, layer_idx);
             for (phase_site, resid_site) in [(Site::AttnProj, Site::ResidAttn), (Site::FfnOut, Site::ResidOut)] {
                 let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| match phase_site {
@@ -638,7 +656,9 @@ impl Engine {
         for r in &self.ranks {
             for (kind, w) in r.shard.layers[layer_idx].tappable() {
                 let key = TapKey::ranked(layer_idx, Site::Weight(kind), r.idx);
-                if plan.wants(&key) {
+                // Asked of the tap too, just before the weight is decoded: a tap that times its
+                // capture then sees the decode.
+                if plan.wants(&key) && tap.wants(&key) {
                     tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
                 }
             }

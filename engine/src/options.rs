@@ -223,9 +223,9 @@ pub struct CudaOptions {
     pub kernel_trace: bool,
     /// Default fast paths turned off.
     pub disable: CudaDisable,
-    /// Where compiled kernel modules (PTX) are kept between runs, keyed by a hash of their
-    /// source, compile options, device architecture and NVRTC version; `None` compiles every
-    /// run. Only [`CudaOptions::from_env`] sets it: a default engine never touches the disk.
+    /// Where compiled kernel modules (CUBIN for the device's arch) are kept between runs, keyed
+    /// by a hash of their source, compile options, device architecture and NVRTC version; `None`
+    /// compiles every run. Only [`CudaOptions::from_env`] sets it: a default engine never touches the disk.
     pub kernel_cache: Option<std::path::PathBuf>,
     /// Told, before a long step, what the backend is doing (e.g. "compiling 9 CUDA kernel
     /// modules"); the engine itself never prints.

@@ -4,6 +4,7 @@
 //! layers of taps, whatever the model size.
 
 use references::tap::{Site, Tap, TapKey};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
@@ -24,23 +25,64 @@ pub enum Side {
     Reference,
 }
 
-/// A tap that forwards copies over a channel until told to stop.
+/// A tap that forwards copies over a channel until told to stop, timing what capture costs its
+/// side: `capture` from the side asking for a key (`wants`) to that key's tap handed over (the
+/// weight a side dequantizes for its tap, the copy), `wait` blocked on a full channel (the
+/// comparator is behind).
 pub struct ChannelTap {
     tx: SyncSender<Captured>,
     stop: Arc<AtomicBool>,
     filter: fn(&TapKey) -> bool,
+    /// The key last asked for and when.
+    asked: Cell<Option<(TapKey, Instant)>>,
+    capture: Duration,
+    wait: Duration,
+}
+
+impl ChannelTap {
+    fn new(tx: SyncSender<Captured>, stop: Arc<AtomicBool>, filter: fn(&TapKey) -> bool) -> Self {
+        ChannelTap {
+            tx,
+            stop,
+            filter,
+            asked: Cell::new(None),
+            capture: Duration::ZERO,
+            wait: Duration::ZERO,
+        }
+    }
+
+    /// When `key` was asked for, if it was the last key asked for (a side that plans its taps
+    /// ahead asks for many keys at once: those are not timed).
+    fn asked_at(&self, key: &TapKey) -> Option<Instant> {
+        self.asked.take().filter(|(k, _)| k == key).map(|(_, t)| t)
+    }
 }
 
 impl Tap for ChannelTap {
     fn wants(&self, key: &TapKey) -> bool {
-        !self.stop.load(Ordering::Relaxed) && (self.filter)(key)
+        let yes = !self.stop.load(Ordering::Relaxed) && (self.filter)(key);
+        if yes {
+            self.asked.set(Some((*key, Instant::now())));
+        }
+        yes
+    }
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
-        self.record_owned(key, data.to_vec(), shape);
+        let t0 = self.asked_at(key).unwrap_or_else(Instant::now);
+        let data = data.to_vec();
+        self.asked.set(Some((*key, t0)));
+        self.record_owned(key, data, shape);
     }
     fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        let t1 = Instant::now();
+        if let Some(t0) = self.asked_at(key) {
+            self.capture += t1 - t0;
+        }
         // A closed channel means the comparator stopped early: drop the tap.
         let _ = self.tx.send(Captured { key: *key, shape, data });
+        self.wait += t1.elapsed();
     }
 }
 
@@ -67,6 +109,15 @@ pub fn progress(key: &TapKey) -> u64 {
 pub struct SideResult<T> {
     pub result: T,
     pub seconds: f64,
+    /// Of `seconds`: preparing and copying taps (see [`ChannelTap`]).
+    pub capture_s: f64,
+    /// Of `seconds`: blocked on a full channel.
+    pub wait_s: f64,
+}
+
+/// Seconds the comparator spent waiting for taps (see [`lockstep`]).
+pub struct DrainTimes {
+    pub wait_s: f64,
 }
 
 /// Runs `engine` and `reference` concurrently, calling `on_tap` for every tap in arrival order
@@ -75,7 +126,7 @@ pub fn lockstep<E, R, TE, TR>(
     engine: E,
     reference: R,
     mut on_tap: impl FnMut(Side, Captured) -> bool,
-) -> (SideResult<TE>, SideResult<TR>)
+) -> (SideResult<TE>, SideResult<TR>, DrainTimes)
 where
     E: FnOnce(&mut dyn Tap) -> TE + Send,
     R: FnOnce(&mut dyn Tap) -> TR + Send,
@@ -86,40 +137,41 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let (etx, erx) = sync_channel(CAPACITY);
     let (rtx, rrx) = sync_channel(CAPACITY);
-    let mut etap = ChannelTap {
-        tx: etx,
-        stop: stop.clone(),
-        filter: engine_filter,
-    };
-    let mut rtap = ChannelTap {
-        tx: rtx,
-        stop: stop.clone(),
-        filter: reference_filter,
-    };
+    let mut etap = ChannelTap::new(etx, stop.clone(), engine_filter);
+    let mut rtap = ChannelTap::new(rtx, stop.clone(), reference_filter);
     std::thread::scope(|s| {
         let eh = s.spawn(move || {
             let t0 = Instant::now();
             let result = engine(&mut etap);
+            let (capture_s, wait_s) = (etap.capture.as_secs_f64(), etap.wait.as_secs_f64());
             drop(etap);
             SideResult {
                 result,
                 seconds: t0.elapsed().as_secs_f64(),
+                capture_s,
+                wait_s,
             }
         });
         let rh = s.spawn(move || {
             let t0 = Instant::now();
             let result = reference(&mut rtap);
+            let (capture_s, wait_s) = (rtap.capture.as_secs_f64(), rtap.wait.as_secs_f64());
             drop(rtap);
             SideResult {
                 result,
                 seconds: t0.elapsed().as_secs_f64(),
+                capture_s,
+                wait_s,
             }
         });
-        drain(&erx, &rrx, &stop, &mut on_tap);
+        let wait = drain(&erx, &rrx, &stop, &mut on_tap);
         drop((erx, rrx));
         (
             eh.join().expect("engine thread panicked"),
             rh.join().expect("reference thread panicked"),
+            DrainTimes {
+                wait_s: wait.as_secs_f64(),
+            },
         )
     })
 }
@@ -129,7 +181,8 @@ fn drain(
     rrx: &Receiver<Captured>,
     stop: &AtomicBool,
     on_tap: &mut impl FnMut(Side, Captured) -> bool,
-) {
+) -> Duration {
+    let mut waited = Duration::ZERO;
     let (mut e_done, mut r_done) = (false, false);
     let (mut e_at, mut r_at) = (0u64, 0u64);
     let tick = Duration::from_millis(2);
@@ -150,11 +203,13 @@ fn drain(
             if *done {
                 continue;
             }
+            let t0 = Instant::now();
             let got = if order.len() == 1 {
                 rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
             } else {
                 rx.recv_timeout(tick)
             };
+            waited += t0.elapsed();
             match got {
                 Ok(c) => {
                     *at = (*at).max(progress(&c.key));
@@ -163,7 +218,7 @@ fn drain(
                         // Keep draining so the producers never block, but stop calling back.
                         while erx.recv().is_ok() {}
                         while rrx.recv().is_ok() {}
-                        return;
+                        return waited;
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -171,4 +226,5 @@ fn drain(
             }
         }
     }
+    waited
 }

@@ -163,6 +163,15 @@ pub struct DimArgs {
     /// Routed experts (deepseek2 only); the groups and top-k shrink to fit.
     #[arg(long)]
     pub n_experts: Option<usize>,
+    /// Experts each token is routed to (top-k; deepseek2 only; at most --n-experts).
+    #[arg(long)]
+    pub n_experts_used: Option<usize>,
+    /// Each routed (and shared) expert's FFN width (deepseek2 only; a multiple of 32).
+    #[arg(long)]
+    pub expert_ffn: Option<usize>,
+    /// Leading dense layers before the MoE ones (deepseek2 only; 0: every layer MoE).
+    #[arg(long)]
+    pub n_dense_lead: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -485,9 +494,16 @@ pub struct DiffLayersArgs {
     /// threshold at least 3 × the baseline's end-to-end error (never below the f32 floor).
     #[arg(long, value_name = "HEALTHY", num_args = 1..)]
     pub baseline: Vec<PathBuf>,
-    /// Stop comparing at the first divergence.
+    /// Stop at the first divergence: comparing ends there and both sides stop computing a layer
+    /// after it (the taps after it are not compared).
     #[arg(long)]
     pub stop_at_first: bool,
+    /// Run both sides truncated to the first N layers, then the output norm and head: a verdict
+    /// on layers 0..N without the rest of the model. A foreign engine must run with the same
+    /// truncation (vLLM: --hf-overrides '{"num_hidden_layers": N}'; HF: num_hidden_layers=N in
+    /// the config); see docs/perf.md.
+    #[arg(long, value_name = "N")]
+    pub n_layers: Option<usize>,
     /// Feed the last N tokens through the engine's decode path (KV cache) one at a time; some
     /// faults only show in decode. The reference still runs the whole sequence.
     #[arg(long, default_value_t = 0)]

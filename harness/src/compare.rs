@@ -24,25 +24,74 @@ struct Sums {
     canary: u64,
 }
 
+const LANES: usize = 8;
+
+/// [`Sums::over`]'s running sums, one per lane.
+#[derive(Default)]
+struct Lanes {
+    dot: [f64; LANES],
+    aa: [f64; LANES],
+    bb: [f64; LANES],
+    dd: [f64; LANES],
+    mx: [f64; LANES],
+}
+
+impl Lanes {
+    #[inline(always)]
+    fn add(&mut self, j: usize, x: f32, y: f32) {
+        let (x, y) = (x as f64, y as f64);
+        let d = x - y;
+        self.dot[j] += x * y;
+        self.aa[j] += x * x;
+        self.bb[j] += y * y;
+        self.dd[j] += d * d;
+        self.mx[j] = self.mx[j].max(d.abs());
+    }
+}
+
 impl Sums {
+    /// The sums over one part, in eight lanes (element i in lane i mod 8, the lanes added in
+    /// order at the end) so the loop has no serial dependency; a non-finite `a` value counts and
+    /// contributes nothing, its `b` value included.
     fn over(a: &[f32], b: &[f32]) -> Sums {
-        let mut s = Sums::default();
-        for (&x, &y) in a.iter().zip(b) {
-            if is_canary(x) {
-                s.canary += 1;
+        let mut l = Lanes::default();
+        let (mut nonfinite, mut canary) = (0u64, 0u64);
+        let mut odd = |l: &mut Lanes, j: usize, x: f32, y: f32| {
+            if x.is_finite() {
+                l.add(j, x, y);
+            } else {
+                // Every canary is a NaN: only a non-finite value needs the canary test.
+                nonfinite += 1;
+                canary += is_canary(x) as u64;
             }
-            if !x.is_finite() {
-                s.nonfinite += 1;
-                continue;
+        };
+        let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (xa, xb) in ca.zip(cb) {
+            if xa.iter().all(|x| x.is_finite()) {
+                // The common case, without a branch per value.
+                for j in 0..LANES {
+                    l.add(j, xa[j], xb[j]);
+                }
+            } else {
+                for j in 0..LANES {
+                    odd(&mut l, j, xa[j], xb[j]);
+                }
             }
-            let (x, y) = (x as f64, y as f64);
-            s.dot += x * y;
-            s.aa += x * x;
-            s.bb += y * y;
-            s.dd += (x - y) * (x - y);
-            s.max_abs = s.max_abs.max((x - y).abs());
         }
-        s
+        for (j, (&x, &y)) in ra.iter().zip(rb).enumerate() {
+            odd(&mut l, j, x, y);
+        }
+        let sum = |v: [f64; LANES]| v.iter().sum::<f64>();
+        Sums {
+            dot: sum(l.dot),
+            aa: sum(l.aa),
+            bb: sum(l.bb),
+            dd: sum(l.dd),
+            max_abs: l.mx.iter().fold(0f64, |m, &v| m.max(v)),
+            nonfinite,
+            canary,
+        }
     }
 
     fn then(self, o: Sums) -> Sums {

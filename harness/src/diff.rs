@@ -7,7 +7,7 @@ use crate::diagnose::{diagnose, DiagContext};
 use crate::local_rows::RowSample;
 use crate::noise::{head_bound, local_bound_sum};
 use crate::selection::{compare_rows, compare_taps, Noise, Rule};
-use crate::slice::{engine_full, is_partial_sum, reference_slice, Store};
+use crate::slice::{engine_full, is_partial_sum, reference_part, reference_slice, Store};
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
 use references::config::ModelConfig;
@@ -56,7 +56,6 @@ struct Comparator<'a> {
     /// Replays on a sample of token rows (see [`crate::local_rows`]), with the sample.
     sampled: HashMap<TapKey, Option<SampledReplay>>,
     /// Seconds spent in replays.
-    local_s: f64,
     /// At the first divergence (when decided by the local rule): the replay, sliced like the
     /// tap, and the per-head profile of an attention tap.
     first_local: Option<(TapKey, Vec<f32>, Option<HeadProfile>)>,
@@ -69,6 +68,8 @@ struct Comparator<'a> {
     frozen_eng: Store,
     frozen_ref: Store,
     compare_s: f64,
+    /// Of `compare_s`: re-running reference ops on the engine's inputs (the local error).
+    replay_s: f64,
     /// Per MoE layer: the lowest share of tokens with identical expert sets over its moe_topk taps.
     routing: BTreeMap<u32, f64>,
     /// Every key the reference emitted (for the candidate's `missing` list).
@@ -80,6 +81,8 @@ struct Comparator<'a> {
     indexer_scores: Option<(usize, Rc<Vec<f32>>, &'static str)>,
     /// A candidate's declared column ranges (format 2 `sharded`), used instead of `rank_columns`.
     slices: BTreeMap<TapKey, std::ops::Range<usize>>,
+    /// Unranked weight keys some engine tap diverged at: the reference's weight is kept.
+    kept_weights: std::collections::HashSet<TapKey>,
 }
 
 impl<'a> Comparator<'a> {
@@ -92,7 +95,6 @@ impl<'a> Comparator<'a> {
             pending: Vec::new(),
             replays: HashMap::new(),
             sampled: HashMap::new(),
-            local_s: 0.0,
             first_local: None,
             eng: Store::new(),
             refs: Store::new(),
@@ -102,19 +104,21 @@ impl<'a> Comparator<'a> {
             frozen_eng: Store::new(),
             frozen_ref: Store::new(),
             compare_s: 0.0,
+            replay_s: 0.0,
             routing: BTreeMap::new(),
             ref_keys: Vec::new(),
             shape_errors: Vec::new(),
             indexer_scores: None,
             slices: BTreeMap::new(),
+            kept_weights: Default::default(),
         }
     }
 
     /// The reference's part for `key`: the declared range where the candidate gave one.
-    fn slice_of(&self, key: &TapKey, full: &Captured) -> Vec<f32> {
+    fn slice_of<'c>(&self, key: &TapKey, full: &'c Captured) -> std::borrow::Cow<'c, [f32]> {
         match self.slices.get(key) {
-            Some(r) if r.end <= full.shape[1] => crate::compare::columns(&full.data, full.shape[1], r.clone()),
-            _ => reference_slice(self.config, self.plan.engine.tp, key, full),
+            Some(r) if r.end <= full.shape[1] => crate::compare::columns(&full.data, full.shape[1], r.clone()).into(),
+            _ => reference_part(self.config, self.plan.engine.tp, key, full),
         }
     }
 
@@ -200,6 +204,16 @@ impl<'a> Comparator<'a> {
             local: None,
             selection: None,
         });
+        if matches!(key.site, Site::Weight(_)) {
+            // A weight's verdict is end to end and final here (no replay reads it): an agreeing
+            // one is dropped now rather than held for three layers; a divergent one is kept, with
+            // the reference's, for the diagnosis.
+            if over {
+                self.kept_weights.insert(key.unranked());
+            } else {
+                self.eng.remove(key);
+            }
+        }
     }
 
     /// The end-to-end threshold: a user override, else the dtype's column (raised to a healthy
@@ -228,6 +242,7 @@ impl<'a> Comparator<'a> {
         if let Some(r) = self.replays.get(&full) {
             return r.clone();
         }
+        let t0 = Instant::now();
         let r = if full.site == Site::Embed {
             // No float inputs: the reference's own lookup is the op's answer.
             self.refs.get(&full).map(|c| {
@@ -241,21 +256,18 @@ impl<'a> Comparator<'a> {
                 })
             })
         } else {
-            let t0 = Instant::now();
             let (config, tp, eng) = (self.config, self.plan.engine.tp, &self.eng);
             let inputs = |k: &TapKey| engine_full(config, tp, eng, k);
             let n = self.plan.tokens.len();
             // A replay that fails (a weight the file lacks) leaves the end-to-end rule.
-            let r = self
-                .reference
+            self.reference
                 .replay_local(&full, &inputs, n)
                 .ok()
                 .flatten()
-                .map(Rc::new);
-            self.local_s += t0.elapsed().as_secs_f64();
-            r
+                .map(Rc::new)
         };
         self.replays.insert(full, r.clone());
+        self.replay_s += t0.elapsed().as_secs_f64();
         r
     }
 
@@ -287,7 +299,7 @@ impl<'a> Comparator<'a> {
                     .flatten()?;
                 rep.rows.is_some().then(|| (Rc::new(sample), Rc::new(rep)))
             });
-        self.local_s += t0.elapsed().as_secs_f64();
+        self.replay_s += t0.elapsed().as_secs_f64();
         self.sampled.insert(full, r.clone());
         r
     }
@@ -466,7 +478,7 @@ impl<'a> Comparator<'a> {
             shape: [n, rep.out.len() / n],
             data: rep.out.clone(),
         };
-        let want = self.slice_of(key, &full);
+        let want = self.slice_of(key, &full).into_owned();
         if want.len() != e.data.len() {
             return None;
         }
@@ -656,7 +668,13 @@ impl<'a> Comparator<'a> {
         let cap = self.config.n_layers as u64 + 1;
         self.eng
             .retain(|k, _| progress(k).min(cap) >= keep_from || waiting.contains(k));
-        self.refs.retain(|k, _| progress(k).min(cap) >= keep_from);
+        // A reference weight is compared by the time the engine has moved past its layer (an
+        // engine taps its layer's weights first).
+        let kept = &self.kept_weights;
+        self.refs.retain(|k, _| {
+            progress(k).min(cap) >= keep_from
+                && (!matches!(k.site, Site::Weight(_)) || progress(k) >= e_at || kept.contains(k))
+        });
         self.replays.retain(|k, _| progress(k).min(cap) >= keep_from);
         self.sampled.retain(|k, _| progress(k).min(cap) >= keep_from);
     }
@@ -670,8 +688,9 @@ struct StitchTap {
 }
 
 impl references::tap::Tap for StitchTap {
-    fn wants(&self, _: &TapKey) -> bool {
-        true
+    fn wants(&self, key: &TapKey) -> bool {
+        // A weight once: the decode steps need not decode it again only to drop it.
+        !(matches!(key.site, Site::Weight(_)) && self.taps.contains_key(key))
     }
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
         match self.taps.get_mut(key) {
@@ -704,6 +723,19 @@ impl StitchTap {
     }
 }
 
+/// The reference, cut to the engine's `n_layers` when it has one (the first N layers, then the
+/// output norm and head).
+fn truncated_reference<'a>(plan: &DiffPlan<'a>) -> anyhow::Result<Reference<'a>> {
+    let mut reference = Reference::new(plan.file)?;
+    if let Some(n) = plan.engine.n_layers {
+        if n == 0 || n > reference.config.n_layers {
+            bail!("--n-layers {n}: the model has {} layers", reference.config.n_layers);
+        }
+        reference.config.n_layers = n;
+    }
+    Ok(reference)
+}
+
 /// Runs the diff and builds the run document.
 pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
     run_diff_against(plan, plan.file)
@@ -714,7 +746,8 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
 /// change the taps can still localize.
 pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = Reference::new(plan.file)?;
+    let reference = truncated_reference(plan)?;
+    let bytes0 = references::forward::weight_bytes_read();
     let mut engine = Engine::load(engine_file, plan.engine.clone())?;
     if engine.backend_name() != "cpu" {
         // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
@@ -742,7 +775,7 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             )
         })?;
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
-    let (e, r) = lockstep(
+    let (e, r, d) = lockstep(
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
                 return engine.prefill(tokens, tap).map(|_| ());
@@ -768,8 +801,10 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     let sides = Sides {
         backend: engine.backend_name().to_string(),
         engine_config,
-        engine_s: e.seconds,
-        reference_s: r.seconds,
+        engine: (e.seconds, e.capture_s, e.wait_s),
+        reference: (r.seconds, r.capture_s, r.wait_s),
+        compare_wait_s: d.wait_s,
+        bytes0,
         n_prefill,
         t0,
         dtype_source,
@@ -784,7 +819,8 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
 /// from the reference's is a format error. There is no engine config, so config drift is not checked.
 pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = Reference::new(plan.file)?;
+    let reference = truncated_reference(plan)?;
+    let bytes0 = references::forward::weight_bytes_read();
     let config = reference.config.clone();
     // Keys, tokens and widths against the model before the reference runs.
     dump.check_model(&config)?;
@@ -799,7 +835,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let tp_config = (!dump.ranks.is_empty()).then(|| crate::layout::config_check(dump, &config));
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
     cmp.slices = dump.declared_slices.clone();
-    let (e, r) = lockstep(
+    let (e, r, d) = lockstep(
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
                 if tap.wants(key) {
@@ -827,8 +863,10 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let sides = Sides {
         backend: "candidate".to_string(),
         engine_config: Some(config.clone()),
-        engine_s: e.seconds,
-        reference_s: r.seconds,
+        engine: (e.seconds, e.capture_s, e.wait_s),
+        reference: (r.seconds, r.capture_s, r.wait_s),
+        compare_wait_s: d.wait_s,
+        bytes0,
         // A dump with decode steps: the prefill's rows, then one row per step.
         n_prefill: dump.n_prefill.unwrap_or(tokens.len()),
         t0,
@@ -856,8 +894,12 @@ struct Sides {
     backend: String,
     /// The engine's config at the first divergence (config drift), if it diverged.
     engine_config: Option<ModelConfig>,
-    engine_s: f64,
-    reference_s: f64,
+    /// Each side's (seconds, capture seconds, wait seconds).
+    engine: (f64, f64, f64),
+    reference: (f64, f64, f64),
+    compare_wait_s: f64,
+    /// [`references::forward::weight_bytes_read`] at the start.
+    bytes0: u64,
     n_prefill: usize,
     t0: Instant,
     /// How the compute dtype was learned.
@@ -965,11 +1007,17 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             .map(|(&layer, &agree_frac)| RoutingAgreement { layer, agree_frac })
             .collect(),
         timings_s: Timings {
-            engine: sides.engine_s,
-            reference: sides.reference_s,
+            engine: sides.engine.0,
+            reference: sides.reference.0,
             compare: cmp.compare_s,
+            replay: cmp.replay_s,
             total: sides.t0.elapsed().as_secs_f64(),
-            local: cmp.local_s,
+            engine_capture: sides.engine.1,
+            engine_wait: sides.engine.2,
+            reference_capture: sides.reference.1,
+            reference_wait: sides.reference.2,
+            compare_wait: sides.compare_wait_s,
+            reference_weight_bytes: references::forward::weight_bytes_read().saturating_sub(sides.bytes0),
         },
         dtype: Some(DtypeInfo {
             name: dtype.name().to_string(),

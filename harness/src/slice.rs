@@ -6,6 +6,7 @@ use crate::capture::Captured;
 use crate::compare::columns;
 use references::config::ModelConfig;
 use references::tap::{rank_columns, weight_in_columns, Site, TapKey};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// Taps of one side, by key.
@@ -19,26 +20,29 @@ pub fn is_partial_sum(key: &TapKey) -> bool {
 
 /// The part of the reference's full tensor that an engine tap corresponds to.
 pub fn reference_slice(c: &ModelConfig, tp: usize, key: &TapKey, full: &Captured) -> Vec<f32> {
+    reference_part(c, tp, key, full).into_owned()
+}
+
+/// [`reference_slice`], borrowed where the part is contiguous (an unranked tap, a replicated one,
+/// a column-parallel weight's rows): no copy of a whole weight per comparison.
+pub fn reference_part<'a>(c: &ModelConfig, tp: usize, key: &TapKey, full: &'a Captured) -> Cow<'a, [f32]> {
     let Some(rank) = key.rank.map(|r| r as usize) else {
-        return full.data.clone();
+        return Cow::Borrowed(&full.data);
     };
-    let [rows, width] = full.shape;
+    let width = full.shape[1];
     match key.site {
         Site::Weight(kind) => {
             if let Some(r) = rank_columns(key.site, c, tp, rank) {
-                full.data[r.start * width..r.end * width].to_vec()
+                Cow::Borrowed(&full.data[r.start * width..r.end * width])
             } else if let Some(cols) = weight_in_columns(kind, c, tp, rank) {
-                columns(&full.data, width, cols)
+                Cow::Owned(columns(&full.data, width, cols))
             } else {
-                full.data.clone()
+                Cow::Borrowed(&full.data)
             }
         }
         site => match rank_columns(site, c, tp, rank) {
-            Some(cols) if cols.end <= width => columns(&full.data, width, cols),
-            _ => {
-                let _ = rows;
-                full.data.clone()
-            }
+            Some(cols) if cols.end <= width && cols.len() < width => Cow::Owned(columns(&full.data, width, cols)),
+            _ => Cow::Borrowed(&full.data),
         },
     }
 }

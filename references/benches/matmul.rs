@@ -1,8 +1,10 @@
 //! The reference matmul (`references::forward::ops::matmul_t`, f64 accumulation) in GFLOP/s on
-//! SmolLM2-135M's shapes at 64 tokens, against this machine's f64 FMA peak measured in the same
-//! run (independent FMA chains on every rayon thread: the physical bound for f64 accumulation).
-//! After criterion's report a best-of-20 table prints the ratio. `cargo bench -p references
-//! --bench matmul -- NONE` prints only the table.
+//! SmolLM2-135M's shapes and the 8B llama's at 64 tokens, against this machine's f64 FMA peak
+//! measured in the same run at the same thread count (independent FMA chains on every rayon
+//! thread: the physical bound for f64 accumulation). After criterion's report a best-of-N table
+//! prints the ratio for 1, 2, 4, ... threads up to every logical CPU, and how many of those are
+//! physical cores (hyper-threads share one core's FMA units). `cargo bench -p references --bench
+//! matmul -- NONE` prints only the tables; `MATMUL_THREADS=1,16` picks the thread counts.
 
 use criterion::{black_box, criterion_group, Criterion, Throughput};
 use references::forward::ops::matmul_t;
@@ -15,6 +17,12 @@ const SHAPES: [(&str, usize, usize); 5] = [
     ("gate/up 576x1536", 576, 1536),
     ("down 1536x576", 1536, 576),
     ("lm_head chunk 576x8192", 576, 8192),
+];
+/// The 8B llama's projections (d 4096, kv 1024, ffn 14336), in the thread tables only.
+const SHAPES_8B: [(&str, usize, usize); 3] = [
+    ("8B q/o 4096x4096", 4096, 4096),
+    ("8B gate/up 4096x14336", 4096, 14336),
+    ("8B down 14336x4096", 14336, 4096),
 ];
 const N_TOKENS: usize = 64;
 
@@ -70,23 +78,50 @@ fn fma_peak_gflops() -> Option<f64> {
     None
 }
 
-fn table() {
+/// Physical cores (distinct core ids over packages) and logical CPUs, from Linux's sysfs.
+fn cores() -> (Option<usize>, usize) {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut ids = std::collections::BTreeSet::new();
+    for cpu in 0..logical {
+        let base = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+        let read = |f: &str| std::fs::read_to_string(format!("{base}/{f}")).ok();
+        if let (Some(p), Some(c)) = (read("physical_package_id"), read("core_id")) {
+            ids.insert((p.trim().to_string(), c.trim().to_string()));
+        }
+    }
+    ((!ids.is_empty()).then_some(ids.len()), logical)
+}
+
+fn thread_counts(logical: usize) -> Vec<usize> {
+    if let Ok(v) = std::env::var("MATMUL_THREADS") {
+        return v
+            .split(',')
+            .filter_map(|t| t.trim().parse().ok())
+            .filter(|&t| t > 0)
+            .collect();
+    }
+    let mut v: Vec<usize> = std::iter::successors(Some(1usize), |t| Some(t * 2))
+        .take_while(|&t| t < logical)
+        .collect();
+    v.push(logical);
+    v
+}
+
+fn table(threads: usize) {
     let peak = fma_peak_gflops();
-    println!(
-        "\nreference matmul, {N_TOKENS} tokens, best of 20, {} threads",
-        rayon::current_num_threads()
-    );
+    println!("\nreference matmul, {N_TOKENS} tokens, {threads} threads");
     match peak {
-        Some(p) => println!("f64 FMA peak (measured now): {p:.1} GFLOP/s"),
+        Some(p) => println!("f64 FMA peak (measured now, {threads} threads): {p:.1} GFLOP/s"),
         None => println!("f64 FMA peak: not measured (no AVX-512 here)"),
     }
     println!(
         "{:<24} {:>10} {:>10} {:>8}",
         "shape (k x m)", "ms", "GFLOP/s", "of peak"
     );
-    for (name, k, m) in SHAPES {
+    for (name, k, m) in SHAPES.iter().chain(&SHAPES_8B).copied() {
         let (x, w) = (data(N_TOKENS * k, 1), data(m * k, 2));
-        let best = (0..20)
+        let reps = if k * m > 10_000_000 { 3 } else { 20 };
+        let best = (0..reps)
             .map(|_| {
                 let t0 = Instant::now();
                 black_box(matmul_t(&x, N_TOKENS, k, &w, m));
@@ -104,5 +139,16 @@ criterion_group!(benches, bench);
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    table();
+    let (physical, logical) = cores();
+    println!(
+        "\nCPUs: {logical} logical, {} physical cores",
+        physical.map_or("?".to_string(), |p| p.to_string())
+    );
+    for t in thread_counts(logical) {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build()
+            .expect("a rayon pool");
+        pool.install(|| table(t));
+    }
 }

@@ -401,6 +401,11 @@ pub trait Tap: Send {
     fn wants_nothing(&self) -> bool {
         false
     }
+    /// True once the tap's owner has what it needs (`diff-layers --stop-at-first` past the first
+    /// divergence): a pass may end after its current layer, its result then incomplete.
+    fn stopped(&self) -> bool {
+        false
+    }
 }
 
 /// A tap that wants nothing.

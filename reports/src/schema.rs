@@ -343,16 +343,40 @@ pub struct RoutingAgreement {
     pub agree_frac: f64,
 }
 
+/// Wall seconds of a `diff-layers` run by stage. The engine, the reference and the comparator
+/// run at once (lockstep), so the stages overlap and do not add up to `total`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Timings {
+    /// The engine side, start to last tap.
     pub engine: f64,
+    /// The reference side, start to last tap.
     pub reference: f64,
+    /// The comparator's work (comparing, replaying, deciding), excluding its waits for taps.
     pub compare: f64,
     pub total: f64,
-    /// The part of `compare` spent re-running reference ops on the candidate's inputs (the
-    /// local rule's replays).
+    /// Of `compare`: re-running reference ops on the engine's captured inputs (local errors).
     #[serde(default)]
-    pub local: f64,
+    pub replay: f64,
+    /// Of `engine`: seconds blocked handing taps to the comparator (it was behind).
+    #[serde(default)]
+    pub engine_wait: f64,
+    /// Of `engine`: seconds spent copying its taps out (what capture cost it).
+    #[serde(default)]
+    pub engine_capture: f64,
+    /// Of `reference`: seconds blocked handing taps to the comparator.
+    #[serde(default)]
+    pub reference_wait: f64,
+    /// Of `reference`: seconds spent copying its taps out, weights dequantized for their taps
+    /// included.
+    #[serde(default)]
+    pub reference_capture: f64,
+    /// Seconds the comparator waited for a tap from either side.
+    #[serde(default)]
+    pub compare_wait: f64,
+    /// Bytes of stored weights the reference read (dequantized) over the run, replays included:
+    /// a MoE layer's routed experts only.
+    #[serde(default)]
+    pub reference_weight_bytes: u64,
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ use crate::moe_route::{route, Route};
 use crate::options::{ComputeDtype, CudaDisable, CudaOptions};
 use crate::EngineError;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
@@ -228,17 +228,17 @@ pub fn compile_all(arch: &'static str, trace: bool, opts: &CudaOptions) -> Resul
                 missing.len()
             ));
         }
-        let compiled: Vec<Result<Ptx, EngineError>> = std::thread::scope(|s| {
+        let compiled: Vec<Result<disk_cache::Code, EngineError>> = std::thread::scope(|s| {
             let jobs: Vec<_> = missing
                 .iter()
                 .map(|&i| s.spawn(move || compile_one(KernelId::ALL[i], arch, trace)))
                 .collect();
             jobs.into_iter().map(|j| j.join().expect("NVRTC thread")).collect()
         });
-        for (&i, ptx) in missing.iter().zip(compiled) {
-            let ptx = ptx?;
-            disk_cache::write(opts.kernel_cache.as_deref(), KernelId::ALL[i], arch, trace, &ptx);
-            out[i] = Some(ptx);
+        for (&i, code) in missing.iter().zip(compiled) {
+            let code = code?;
+            disk_cache::write(opts.kernel_cache.as_deref(), KernelId::ALL[i], arch, trace, &code);
+            out[i] = Some(code.into_ptx());
         }
     }
     let mut memo = memo.lock().expect("ptx memo");
@@ -262,30 +262,73 @@ fn nvrtc_options(trace: bool) -> Vec<String> {
     options
 }
 
-/// Compiles one module with NVRTC.
-fn compile_one(id: KernelId, arch: &'static str, trace: bool) -> Result<Ptx, EngineError> {
-    let opts = CompileOptions {
-        arch: Some(arch),
-        include_paths: vec!["/usr/local/cuda/include".into()],
-        options: nvrtc_options(trace),
-        ..Default::default()
-    };
+/// Compiles one module with NVRTC for the device's real architecture and returns its CUBIN (the
+/// SASS NVRTC makes for a real `sm_XX` anyway), so loading it needs no driver JIT; where NVRTC
+/// gives no CUBIN, its PTX.
+fn compile_one(id: KernelId, arch: &'static str, trace: bool) -> Result<disk_cache::Code, EngineError> {
+    use cudarc::nvrtc::{result, sys};
+    let mut options = vec![
+        "--include-path=/usr/local/cuda/include".to_string(),
+        format!("--gpu-architecture={arch}"),
+    ];
+    options.extend(nvrtc_options(trace));
+    let fail = |msg: String| EngineError::KernelCompile { kernel: id.file(), msg };
     guarded("NVRTC", || {
-        compile_ptx_with_opts(id.full_source(), opts).map_err(|e| {
-            let msg = match &e {
-                CompileError::CompileError { log, .. } => log.to_string_lossy().trim().to_string(),
-                other => other.to_string(),
+        let src = std::ffi::CString::new(id.full_source()).map_err(|e| fail(e.to_string()))?;
+        let prog = result::create_program(&src, None).map_err(|e| fail(e.to_string()))?;
+        // SAFETY: `prog` was just created and is destroyed once, below; every buffer handed to
+        // NVRTC is sized by the matching size query.
+        let out = unsafe {
+            let out = match result::compile_program(prog, &options) {
+                Err(e) => {
+                    let log = result::get_program_log(prog)
+                        .map(|l| {
+                            std::ffi::CStr::from_ptr(l.as_ptr())
+                                .to_string_lossy()
+                                .trim()
+                                .to_string()
+                        })
+                        .unwrap_or_else(|_| e.to_string());
+                    Err(fail(log))
+                }
+                Ok(()) => {
+                    let mut size = 0usize;
+                    let cubin = (sys::nvrtcGetCUBINSize(prog, &mut size).result().is_ok() && size > 0)
+                        .then(|| {
+                            let mut buf = vec![0u8; size];
+                            sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast())
+                                .result()
+                                .ok()
+                                .map(|_| buf)
+                        })
+                        .flatten();
+                    match cubin {
+                        Some(bin) => Ok(disk_cache::Code::Cubin(bin)),
+                        None => result::get_ptx(prog)
+                            .map(|image| {
+                                let bytes: Vec<u8> = image.iter().map(|&c| c as u8).collect();
+                                let text = bytes.split(|&b| b == 0).next().unwrap_or(&bytes);
+                                disk_cache::Code::Ptx(String::from_utf8_lossy(text).into_owned())
+                            })
+                            .map_err(|e| fail(e.to_string())),
+                    }
+                }
             };
-            EngineError::KernelCompile { kernel: id.file(), msg }
-        })
+            let _ = result::destroy_program(prog);
+            out
+        };
+        out
     })
 }
 
-/// The on-disk PTX cache: one file per module, named by the module and a SHA-256 of everything
-/// that determines its PTX (source with `common.cuh`, NVRTC options, target arch, NVRTC version).
-/// Best effort by design: a file that is missing, unreadable or not PTX is a miss and the module
-/// is compiled; a failed write only costs the next run the compile. Files are written to a
-/// temporary name and renamed, so concurrent runs never read half a file.
+/// The on-disk kernel cache: one file per module, named by the module and a SHA-256 of
+/// everything that determines its code (source with `common.cuh`, NVRTC options, target arch,
+/// NVRTC version). A module is cached as the CUBIN NVRTC built for the real arch (`.cubin`, an
+/// ELF image: a cached run skips both NVRTC and the driver's JIT), or as PTX (`.ptx`) where there
+/// was no CUBIN. Best effort by design: a file that is missing, unreadable or not what its name
+/// says is a miss and the module is compiled; a failed write only costs the next run the
+/// compile. Files are written to a temporary name and renamed, so concurrent runs never read
+/// half a file.
 mod disk_cache {
     use super::{nvrtc_options, KernelId, Ptx};
     use sha2::{Digest, Sha256};
@@ -302,6 +345,7 @@ mod disk_cache {
         .unwrap_or((0, 0))
     }
 
+    /// The cache file of a module, without its extension.
     pub(super) fn path(dir: &Path, id: KernelId, arch: &str, trace: bool) -> PathBuf {
         let mut h = Sha256::new();
         h.update(id.full_source().as_bytes());
@@ -313,29 +357,54 @@ mod disk_cache {
         h.update(format!("\0{arch}\0nvrtc {major}.{minor}").as_bytes());
         let hex: String = h.finalize()[..12].iter().map(|b| format!("{b:02x}")).collect();
         let stem = id.file().trim_end_matches(".cu");
-        dir.join(format!("{stem}-{arch}-{hex}.ptx"))
+        dir.join(format!("{stem}-{arch}-{hex}"))
     }
 
     pub(super) fn read(dir: Option<&Path>, id: KernelId, arch: &str, trace: bool) -> Option<Ptx> {
-        let text = std::fs::read_to_string(path(dir?, id, arch, trace)).ok()?;
+        let base = path(dir?, id, arch, trace);
+        if let Ok(bin) = std::fs::read(base.with_extension("cubin")) {
+            // An ELF image (64-bit) or it is not ours.
+            if bin.len() > 64 && bin.starts_with(b"\x7fELF\x02") {
+                return Some(Ptx::from_binary(bin));
+            }
+        }
+        let text = std::fs::read_to_string(base.with_extension("ptx")).ok()?;
         // NVRTC's PTX starts with its banner comment and names a `.version`; anything else is
         // not ours (or was cut short) and is compiled afresh.
         (text.contains(".version") && text.contains(".target") && text.trim_end().ends_with('}'))
             .then(|| Ptx::from_src(text))
     }
 
-    pub(super) fn write(dir: Option<&Path>, id: KernelId, arch: &str, trace: bool, ptx: &Ptx) {
+    /// Writes `code` (a CUBIN, or PTX text) for the module.
+    pub(super) fn write(dir: Option<&Path>, id: KernelId, arch: &str, trace: bool, code: &Code) {
         let Some(dir) = dir else { return };
-        let Some(bytes) = ptx.as_bytes() else { return };
-        // The image is NUL-terminated C text.
-        let text = bytes.split(|&b| b == 0).next().unwrap_or(bytes);
-        let target = path(dir, id, arch, trace);
+        let (bytes, ext) = match code {
+            Code::Cubin(b) => (b.as_slice(), "cubin"),
+            Code::Ptx(t) => (t.as_bytes(), "ptx"),
+        };
+        let target = path(dir, id, arch, trace).with_extension(ext);
         let tmp = target.with_extension(format!("tmp{}", std::process::id()));
         let ok = std::fs::create_dir_all(dir).is_ok()
-            && std::fs::write(&tmp, text).is_ok()
+            && std::fs::write(&tmp, bytes).is_ok()
             && std::fs::rename(&tmp, &target).is_ok();
         if !ok {
             let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    /// A compiled module's code as the cache stores it.
+    pub(super) enum Code {
+        Cubin(Vec<u8>),
+        Ptx(String),
+    }
+
+    impl Code {
+        /// The module image to load.
+        pub(super) fn into_ptx(self) -> Ptx {
+            match self {
+                Code::Cubin(b) => Ptx::from_binary(b),
+                Code::Ptx(t) => Ptx::from_src(t),
+            }
         }
     }
 }

@@ -22,7 +22,8 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     if backend == BackendArg::Reference {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
-    let (_, engine) = a.engine.engine_options(backend)?;
+    let (_, mut engine) = a.engine.engine_options(backend)?;
+    engine.n_layers = n_layers(a, &file)?;
     let tolerances = tolerances(a, &file)?;
     let tokens = input_tokens(&file, &a.input.as_input())?;
     let plan = DiffPlan {
@@ -38,6 +39,16 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
     };
     let run = run_diff(&plan)?;
     emit(a, &run)
+}
+
+/// `--n-layers`, checked against the model: 1 to its layer count.
+fn n_layers(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Result<Option<usize>> {
+    let Some(n) = a.n_layers else { return Ok(None) };
+    let total = references::config::ModelConfig::from_header(&file.header)?.n_layers;
+    if n == 0 || n > total {
+        bail!("--n-layers {n}: the model has {total} layers (1..={total} allowed)");
+    }
+    Ok(Some(n))
 }
 
 fn tolerances(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Result<Tolerances> {
@@ -146,6 +157,9 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
     for b in &a.baseline {
         repro.push_str(&format!(" --baseline {}", shell_quote(&b.display().to_string())));
     }
+    if let Some(n) = a.n_layers {
+        repro.push_str(&format!(" --n-layers {n}"));
+    }
     push_allow_unknown(&mut repro, &file.header.allow_unknown);
     let plan = DiffPlan {
         file,
@@ -153,6 +167,7 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
         tokens: dump.tokens.clone(),
         engine: engine::EngineOptions {
             tp: dump.tp,
+            n_layers: n_layers(a, file)?,
             ..engine::EngineOptions::default()
         },
         tolerances: tolerances(a, file)?,
@@ -221,6 +236,9 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32], allow_unknown: &[String]) -> String
     }
     for b in &a.baseline {
         s.push_str(&format!(" --baseline {}", shell_quote(&b.display().to_string())));
+    }
+    if let Some(n) = a.n_layers {
+        s.push_str(&format!(" --n-layers {n}"));
     }
     if a.decode_steps > 0 {
         s.push_str(&format!(" --decode-steps {}", a.decode_steps));
@@ -387,10 +405,19 @@ pub fn print_summary(run: &DiffRun) {
         );
     }
     println!("\n  reproduce: {}", term(&run.repro));
+    let t = &run.timings_s;
     println!(
-        "  time: engine {:.2}s, reference {:.2}s, compare {:.2}s, total {:.2}s",
-        run.timings_s.engine, run.timings_s.reference, run.timings_s.compare, run.timings_s.total
+        "  time: engine {:.2}s (capture {:.2}s, waited {:.2}s), reference {:.2}s (capture {:.2}s, waited {:.2}s), compare {:.2}s (replays {:.2}s, waited {:.2}s), total {:.2}s",
+        t.engine, t.engine_capture, t.engine_wait, t.reference, t.reference_capture, t.reference_wait, t.compare,
+        t.replay, t.compare_wait, t.total
     );
+    if t.reference_weight_bytes > 0 {
+        println!(
+            "  the reference read {:.3} GB of weights ({:.3} GB a token)",
+            t.reference_weight_bytes as f64 / 1e9,
+            t.reference_weight_bytes as f64 / 1e9 / run.tokens.len().max(1) as f64
+        );
+    }
 }
 
 /// The first `n` items and a count of the rest.

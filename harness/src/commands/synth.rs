@@ -129,6 +129,27 @@ fn apply_dims(mut s: SynthSpec, d: &DimArgs) -> anyhow::Result<SynthSpec> {
         moe.n_groups_used = moe.n_groups_used.min(moe.n_groups);
         moe.n_used = moe.n_used.min(v);
     }
+    if let Some(moe) = c.moe.as_mut() {
+        if let Some(v) = d.n_experts_used {
+            if v == 0 || v > moe.n_experts {
+                bail!("--n-experts-used {v}: 1 to the {} experts", moe.n_experts);
+            }
+            moe.n_used = v;
+            // Grouped routing must still offer v experts: every group stays eligible.
+            moe.n_groups_used = moe.n_groups;
+        }
+        if let Some(v) = d.expert_ffn {
+            if v == 0 || v % 32 != 0 {
+                bail!("--expert-ffn must be a positive multiple of 32 (the quant block size)");
+            }
+            moe.expert_ffn = v;
+        }
+        if let Some(v) = d.n_dense_lead {
+            moe.n_dense_lead = v;
+        }
+    } else if d.n_experts_used.is_some() || d.expert_ffn.is_some() || d.n_dense_lead.is_some() {
+        bail!("--n-experts-used, --expert-ffn and --n-dense-lead are for MoE models (deepseek2)");
+    }
     if c.n_layers == 0 || c.d_model == 0 || c.n_heads == 0 || c.n_kv_heads == 0 || c.ffn_dim == 0 {
         bail!("dims must be positive");
     }

@@ -5,6 +5,7 @@
 use super::{dense_ffn, emit, emit_weight, linear, ops, swiglu_ffn, ForwardError, Mat, Reference};
 use crate::config::{Gating, MoeConfig};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
+use rayon::prelude::*;
 
 /// One block; `dsa` is the DSA indexer state for deepseek32 / glm-dsa (`None` for deepseek2).
 pub(super) fn layer(
@@ -349,22 +350,33 @@ pub(super) fn moe_mix(
 ) -> Result<Vec<f32>, ForwardError> {
     let d = r.config.d_model;
     let (n_exp, eff) = (moe.n_experts, moe.expert_ffn);
+    // Each routed expert's tokens, in expert order.
+    let used: Vec<(usize, Vec<(usize, f64)>)> = (0..n_exp)
+        .map(|e| {
+            let users: Vec<(usize, f64)> = routes
+                .iter()
+                .enumerate()
+                .filter_map(|(t, rt)| rt.experts.iter().position(|&x| x == e).map(|i| (t, rt.weights[i])))
+                .collect();
+            (e, users)
+        })
+        .filter(|(_, users)| !users.is_empty())
+        .collect();
+    // The experts run in parallel (each product parallel inside too); their outputs are mixed
+    // below in expert order, so the sums are the same as one expert after another.
+    let ys: Vec<Vec<f32>> = used
+        .par_iter()
+        .map(|(e, users)| {
+            let [gate, up, down] = expert(r, l, *e, d, eff)?;
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
+                .collect();
+            Ok(swiglu_ffn(&xs, users.len(), &gate, &up, &down).2)
+        })
+        .collect::<Result<_, ForwardError>>()?;
     let mut out = vec![0f64; n * d];
-    for e in 0..n_exp {
-        let users: Vec<(usize, f64)> = routes
-            .iter()
-            .enumerate()
-            .filter_map(|(t, rt)| rt.experts.iter().position(|&x| x == e).map(|i| (t, rt.weights[i])))
-            .collect();
-        if users.is_empty() {
-            continue;
-        }
-        let [gate, up, down] = expert(r, l, e, d, eff)?;
-        let xs: Vec<f32> = users
-            .iter()
-            .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
-            .collect();
-        let (_, _, y) = swiglu_ffn(&xs, users.len(), &gate, &up, &down);
+    for ((_, users), y) in used.iter().zip(&ys) {
         for (i, &(t, w)) in users.iter().enumerate() {
             for j in 0..d {
                 out[t * d + j] += w * y[i * d + j] as f64;

@@ -8,6 +8,7 @@
 
 use super::{emit, emit_weight, linear, ops, ForwardError, Mat, Reference};
 use crate::tap::{Site, Tap, TapKey, WeightKind};
+use rayon::prelude::*;
 
 /// The clamped SwiGLU's constants (llama.cpp's `LLM_FFN_SWIGLU_OAI_MOE`, HF's `alpha`, `limit`).
 const ALPHA: f64 = 1.702;
@@ -185,24 +186,35 @@ fn moe(r: &Reference, l: usize, h: &[f32], n: usize, tap: &mut dyn Tap) -> Resul
     let (gates, bg) = stacked("ffn_gate_exps", eff, d)?;
     let (ups, bu) = stacked("ffn_up_exps", eff, d)?;
     let (downs, bd) = stacked("ffn_down_exps", d, eff)?;
+    // Each routed expert's tokens, in expert order; the experts run in parallel and are mixed
+    // below in expert order, so the sums are those of one expert after another.
+    let used: Vec<(usize, Vec<(usize, f64)>)> = (0..n_exp)
+        .map(|e| {
+            let users: Vec<(usize, f64)> = routes
+                .iter()
+                .enumerate()
+                .filter_map(|(t, (ex, w))| ex.iter().position(|&x| x == e).map(|i| (t, w[i])))
+                .collect();
+            (e, users)
+        })
+        .filter(|(_, users)| !users.is_empty())
+        .collect();
+    let ys: Vec<Vec<f32>> = used
+        .par_iter()
+        .map(|(e, users)| {
+            let e = *e;
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
+                .collect();
+            let m = users.len();
+            let g = add_rows(linear(&xs, m, &gates[e]), &bg[e * eff..(e + 1) * eff]);
+            let u = add_rows(linear(&xs, m, &ups[e]), &bu[e * eff..(e + 1) * eff]);
+            add_rows(linear(&swiglu_oai(&g, &u), m, &downs[e]), &bd[e * d..(e + 1) * d])
+        })
+        .collect();
     let mut out = vec![0f64; n * d];
-    for e in 0..n_exp {
-        let users: Vec<(usize, f64)> = routes
-            .iter()
-            .enumerate()
-            .filter_map(|(t, (ex, w))| ex.iter().position(|&x| x == e).map(|i| (t, w[i])))
-            .collect();
-        if users.is_empty() {
-            continue;
-        }
-        let xs: Vec<f32> = users
-            .iter()
-            .flat_map(|&(t, _)| h[t * d..(t + 1) * d].iter().copied())
-            .collect();
-        let m = users.len();
-        let g = add_rows(linear(&xs, m, &gates[e]), &bg[e * eff..(e + 1) * eff]);
-        let u = add_rows(linear(&xs, m, &ups[e]), &bu[e * eff..(e + 1) * eff]);
-        let y = add_rows(linear(&swiglu_oai(&g, &u), m, &downs[e]), &bd[e * d..(e + 1) * d]);
+    for ((_, users), y) in used.iter().zip(&ys) {
         for (i, &(t, w)) in users.iter().enumerate() {
             for j in 0..d {
                 out[t * d + j] += w * y[i * d + j] as f64;

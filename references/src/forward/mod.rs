@@ -8,6 +8,8 @@
 //! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
 //! the scalar reference dequantizer ([`Mat`]), and the pages of a finished layer are released,
 //! so peak memory is the activations plus about one layer of the file, never the model in f32.
+//! A weight a tap wants is decoded whole once (over all cores) and its products read that copy,
+//! so a tapped pass holds one layer's tapped weights in f32 as well.
 
 mod deepseek2;
 pub mod dsa;
@@ -48,6 +50,10 @@ pub struct Mat<'a> {
     pub rows: usize,
     pub cols: usize,
     data: MatData<'a>,
+    /// The whole matrix in f32 once a weight tap asked for it ([`Mat::to_f32`]): the products
+    /// then read their rows from it instead of dequantizing them a second time. Dropped with the
+    /// `Mat` (one layer), so a tapped run holds about one layer's weights in f32.
+    decoded: std::sync::OnceLock<Vec<f32>>,
 }
 
 enum MatData<'a> {
@@ -69,12 +75,20 @@ impl Mat<'_> {
             rows,
             cols,
             data: MatData::F32(data),
+            decoded: Default::default(),
         }
     }
 
     /// Rows `first..first + out.len() / cols`, as f32, into `out`.
     pub fn rows_into(&self, first: usize, out: &mut [f32]) {
+        if let (MatData::Stored { row_bytes, .. }, None) = (&self.data, self.decoded.get()) {
+            let n_rows = out.len() / self.cols.max(1);
+            WEIGHT_BYTES_READ.fetch_add((n_rows * row_bytes) as u64, std::sync::atomic::Ordering::Relaxed);
+        }
         let n_rows = out.len() / self.cols.max(1);
+        if let Some(d) = self.decoded.get() {
+            return out.copy_from_slice(&d[first * self.cols..(first + n_rows) * self.cols]);
+        }
         match &self.data {
             MatData::F32(d) => out.copy_from_slice(&d[first * self.cols..(first + n_rows) * self.cols]),
             MatData::Stored { ty, bytes, row_bytes } => {
@@ -84,12 +98,36 @@ impl Mat<'_> {
         }
     }
 
-    /// The whole matrix in f32 (for weight taps).
+    /// The whole matrix in f32 (for weight taps), dequantized over all cores in blocks of rows
+    /// (dequantization is per row, so the result does not depend on the split) and kept for
+    /// the products that follow (see `decoded`).
     pub fn to_f32(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.rows * self.cols];
-        self.rows_into(0, &mut out);
-        out
+        use rayon::prelude::*;
+        const ROWS_PER_TASK: usize = 64;
+        if let MatData::F32(d) = &self.data {
+            return d.clone();
+        }
+        self.decoded
+            .get_or_init(|| {
+                let mut out = vec![0f32; self.rows * self.cols];
+                if self.cols > 0 {
+                    out.par_chunks_mut(ROWS_PER_TASK * self.cols)
+                        .enumerate()
+                        .for_each(|(i, block)| self.rows_into(i * ROWS_PER_TASK, block));
+                }
+                out
+            })
+            .clone()
     }
+}
+
+/// Bytes of stored weights the reference has dequantized in this process (every product's rows,
+/// the routed experts' only; a weight decoded once for its tap counts once).
+static WEIGHT_BYTES_READ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`WEIGHT_BYTES_READ`]'s count so far: the difference over a pass is what it read.
+pub fn weight_bytes_read() -> u64 {
+    WEIGHT_BYTES_READ.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The reference model over an open GGUF file.
@@ -151,6 +189,10 @@ impl<'a> Reference<'a> {
                 .iter()
                 .filter(|t| t.name.starts_with(&prefix))
                 .for_each(|t| self.file.release(t));
+            if tap.stopped() {
+                // The tap's owner has its answer: no logits (an empty result).
+                return Ok(Vec::new());
+            }
         }
         let h = ops::rms_norm(&x, c.d_model, &self.vector("output_norm.weight", c.d_model)?, c.rms_eps);
         emit(tap, TapKey::global(Site::OutputNorm), &h, n);
@@ -216,6 +258,7 @@ impl<'a> Reference<'a> {
                 bytes,
                 row_bytes,
             },
+            decoded: Default::default(),
         })
     }
 

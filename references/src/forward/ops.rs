@@ -9,7 +9,9 @@
 //!
 //! Speed comes only from doing many such sums at once: a block of [`ROWS`] weight rows ×
 //! [`TOKENS`] tokens keeps its lanes in registers while k runs, so each widened weight chunk
-//! feeds eight tokens and each token chunk feeds three rows.
+//! feeds eight tokens and each token chunk feeds three rows; a long k (over 2 · [`K_BLOCK`])
+//! runs in passes of [`K_BLOCK`] (the lanes kept between passes, so each still sums in
+//! ascending k) so that the tokens' inputs stay in cache across a task's rows.
 
 use rayon::prelude::*;
 
@@ -19,6 +21,12 @@ const ROWS: usize = 3;
 const TOKENS: usize = 8;
 /// Weight rows per rayon task.
 const ROWS_PER_TASK: usize = 24;
+/// Elements of k per pass over a task's rows and tokens when k is long (a multiple of 8): a pass
+/// reads every token's `K_BLOCK` values (8 KiB a token in f64) for each row triple, so they stay
+/// in cache instead of streaming the whole `[n, k]` input from memory once per triple. The lanes
+/// carry over from pass to pass, so each lane still sums its elements in ascending k order. Up
+/// to `2 · K_BLOCK` the whole k is one pass (a pass costs a load and store of the lanes).
+const K_BLOCK: usize = 1024;
 
 /// `x [n, k] · wᵀ` for `w [m, k]` (torch layout), giving `[n, m]`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
@@ -37,22 +45,59 @@ pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usiz
         return vec![0.0; n * m];
     }
     let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let k8 = k - k % 8;
     // Each task fills a `[n, ROWS_PER_TASK]` block for its rows, so the scatter into `[n, m]`
     // below copies whole 96-byte rows.
     let mut blocks = vec![0f32; m.div_ceil(ROWS_PER_TASK) * n * ROWS_PER_TASK];
     blocks.par_chunks_mut(n * ROWS_PER_TASK).enumerate().for_each_init(
-        || vec![0f32; ROWS_PER_TASK * k],
-        |w_rows, (p, block)| {
+        || (vec![0f32; ROWS_PER_TASK * k], vec![[0f64; 8]; ROWS_PER_TASK * n]),
+        |(w_rows, lanes), (p, block)| {
             let n_rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
             let w_rows = &mut w_rows[..n_rows * k];
             fill(p * ROWS_PER_TASK, w_rows);
-            let mut r = 0;
-            while r + ROWS <= n_rows {
-                token_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
-                r += ROWS;
+            if k8 <= 2 * K_BLOCK {
+                // One pass: each tile's lanes live in registers from the first chunk to the sum.
+                let mut r = 0;
+                while r + ROWS <= n_rows {
+                    one_pass_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
+                    r += ROWS;
+                }
+                for r in r..n_rows {
+                    one_pass_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
+                }
+                return;
             }
-            for r in r..n_rows {
-                token_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
+            // lanes[r * n + t]: the 8 lanes of row r · token t.
+            let lanes = &mut lanes[..n_rows * n];
+            lanes.iter_mut().for_each(|l| *l = [0.0; 8]);
+            for c0 in (0..k8).step_by(K_BLOCK) {
+                let c = c0..(c0 + K_BLOCK).min(k8);
+                let mut r = 0;
+                while r + ROWS <= n_rows {
+                    token_tiles::<ROWS>(
+                        &x64,
+                        n,
+                        k,
+                        &w_rows[r * k..(r + ROWS) * k],
+                        c.clone(),
+                        &mut lanes[r * n..],
+                    );
+                    r += ROWS;
+                }
+                for r in r..n_rows {
+                    token_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], c.clone(), &mut lanes[r * n..]);
+                }
+            }
+            // The tail into lanes 0.., then the pairwise lane sum: `dot64` exactly.
+            for r in 0..n_rows {
+                let w_r = &w_rows[r * k..(r + 1) * k];
+                for t in 0..n {
+                    let l = &mut lanes[r * n + t];
+                    for (j, i) in (k8..k).enumerate() {
+                        l[j] += x64[t * k + i] * w_r[i] as f64;
+                    }
+                    block[t * ROWS_PER_TASK + r] = reduce_lanes(l) as f32;
+                }
             }
         },
     );
@@ -68,8 +113,8 @@ pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usiz
 }
 
 /// `block[t][r0 + r] = x64[t] · w_rows[r]` for the `R` rows and every token t, in tiles of 8,
-/// 4 and 1 tokens.
-fn token_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], r0: usize, block: &mut [f32]) {
+/// 4 and 1 tokens, k in one pass.
+fn one_pass_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], r0: usize, block: &mut [f32]) {
     let mut t = 0;
     let mut tile = |t: usize, sums: &[[f64; R]]| {
         for (u, s) in sums.iter().enumerate() {
@@ -97,7 +142,7 @@ fn token_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], 
 #[inline(always)]
 fn dot_block<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> [[f64; R]; T] {
     let k8 = k - k % 8;
-    let mut lanes = chunk_lanes::<R, T>(x, k, w);
+    let mut lanes = chunk_lanes::<R, T>(x, k, w, 0..k8, None);
     std::array::from_fn(|u| {
         std::array::from_fn(|r| {
             let l = &mut lanes[u][r];
@@ -109,33 +154,96 @@ fn dot_block<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> 
     })
 }
 
+/// Adds the chunks `c` of `x64[t] · w_rows[r]` to `lanes[r * n + t]` for the `R` rows and every
+/// token t, in tiles of 8, 4 and 1 tokens.
+fn token_tiles<const R: usize>(
+    x64: &[f64],
+    n: usize,
+    k: usize,
+    w_rows: &[f32],
+    c: std::ops::Range<usize>,
+    lanes: &mut [[f64; 8]],
+) {
+    let mut t = 0;
+    while t + TOKENS <= n {
+        tile_pass::<R, TOKENS>(x64, n, k, w_rows, c.clone(), t, lanes);
+        t += TOKENS;
+    }
+    while t + 4 <= n {
+        tile_pass::<R, 4>(x64, n, k, w_rows, c.clone(), t, lanes);
+        t += 4;
+    }
+    for t in t..n {
+        tile_pass::<R, 1>(x64, n, k, w_rows, c.clone(), t, lanes);
+    }
+}
+
+/// One tile of `T` tokens from `t0` × `R` rows over the chunks `c`: its lanes loaded from
+/// `lanes`, advanced, stored back.
+#[inline(always)]
+fn tile_pass<const R: usize, const T: usize>(
+    x64: &[f64],
+    n: usize,
+    k: usize,
+    w_rows: &[f32],
+    c: std::ops::Range<usize>,
+    t0: usize,
+    lanes: &mut [[f64; 8]],
+) {
+    let init: Lanes<R, T> = std::array::from_fn(|u| std::array::from_fn(|r| lanes[r * n + t0 + u]));
+    let out = chunk_lanes::<R, T>(&x64[t0 * k..(t0 + T) * k], k, w_rows, c, Some(&init));
+    for (u, l_u) in out.iter().enumerate() {
+        for (r, l) in l_u.iter().enumerate() {
+            lanes[r * n + t0 + u] = *l;
+        }
+    }
+}
+
 type Lanes<const R: usize, const T: usize> = [[[f64; 8]; R]; T];
 
+/// `init` (zeros when None) plus the products of the 8-element chunks starting in `c` (8-aligned, within k), lane
+/// j of (u, r) summing elements j, j + 8, ... of row u of `x` times row r of `w`, in order.
 #[inline(always)]
-fn chunk_lanes<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
+fn chunk_lanes<const R: usize, const T: usize>(
+    x: &[f64],
+    k: usize,
+    w: &[f32],
+    c: std::ops::Range<usize>,
+    init: Option<&Lanes<R, T>>,
+) -> Lanes<R, T> {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU supports AVX-512F and FMA, checked just above.
-            return unsafe { chunk_lanes_avx512::<R, T>(x, k, w) };
+            return unsafe { chunk_lanes_avx512::<R, T>(x, k, w, c, init) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { chunk_lanes_avx2::<R, T>(x, k, w) };
+            return unsafe { chunk_lanes_avx2::<R, T>(x, k, w, c, init) };
         }
     }
-    chunk_lanes_portable::<R, T>(x, k, w)
+    chunk_lanes_portable::<R, T>(x, k, w, c, init)
 }
 
 /// AVX-512: lane j of register (u, r) is lane j of that sum; per chunk, R widened weight loads
 /// and T token loads feed R·T fused multiply-adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
+unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(
+    x: &[f64],
+    k: usize,
+    w: &[f32],
+    c: std::ops::Range<usize>,
+    init: Option<&Lanes<R, T>>,
+) -> Lanes<R, T> {
     use std::arch::x86_64::*;
-    assert!(x.len() >= T * k && w.len() >= R * k);
-    let mut acc = [[_mm512_setzero_pd(); R]; T];
-    for c in (0..k - k % 8).step_by(8) {
+    assert!(x.len() >= T * k && w.len() >= R * k && c.end <= k - k % 8 && c.start % 8 == 0);
+    let mut acc: [[__m512d; R]; T] = match init {
+        // SAFETY: every `init` entry is 8 f64.
+        Some(init) => std::array::from_fn(|u| std::array::from_fn(|r| unsafe { _mm512_loadu_pd(init[u][r].as_ptr()) })),
+        None => [[_mm512_setzero_pd(); R]; T],
+    };
+    for c in c.step_by(8) {
         // SAFETY: c + 8 ≤ k, and every row start is below the lengths asserted above.
         let wv: [__m512d; R] =
             std::array::from_fn(|r| unsafe { _mm512_cvtps_pd(_mm256_loadu_ps(w.as_ptr().add(r * k + c))) });
@@ -160,15 +268,27 @@ unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(x: &[f64], k: usize
 /// AVX2: the portable code, compiled wider.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn chunk_lanes_avx2<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
-    chunk_lanes_portable::<R, T>(x, k, w)
+unsafe fn chunk_lanes_avx2<const R: usize, const T: usize>(
+    x: &[f64],
+    k: usize,
+    w: &[f32],
+    c: std::ops::Range<usize>,
+    init: Option<&Lanes<R, T>>,
+) -> Lanes<R, T> {
+    chunk_lanes_portable::<R, T>(x, k, w, c, init)
 }
 
 /// The lanes of the whole 8-element chunks, multiply then add.
 #[inline(always)]
-fn chunk_lanes_portable<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> Lanes<R, T> {
-    let mut lanes = [[[0f64; 8]; R]; T];
-    for c in (0..k - k % 8).step_by(8) {
+fn chunk_lanes_portable<const R: usize, const T: usize>(
+    x: &[f64],
+    k: usize,
+    w: &[f32],
+    c: std::ops::Range<usize>,
+    init: Option<&Lanes<R, T>>,
+) -> Lanes<R, T> {
+    let mut lanes = init.copied().unwrap_or([[[0f64; 8]; R]; T]);
+    for c in c.step_by(8) {
         let wv: [[f64; 8]; R] = std::array::from_fn(|r| std::array::from_fn(|j| w[r * k + c + j] as f64));
         for (u, l_u) in lanes.iter_mut().enumerate() {
             let xv: &[f64] = &x[u * k + c..u * k + c + 8];
@@ -424,7 +544,14 @@ mod tests {
     fn every_sum_equals_dot64_bit_for_bit() {
         // Shapes with partial token tiles and partial panels; values spanning many binades so a
         // different summation order would show in the low bits.
-        for (n, k, m) in [(1, 5, 1), (13, 37, 3), (8, 64, 16), (17, 576, 35), (3, 1536, 20)] {
+        for (n, k, m) in [
+            (1, 5, 1),
+            (13, 37, 3),
+            (8, 64, 16),
+            (17, 576, 35),
+            (3, 1536, 20),
+            (5, 1029, 7),
+        ] {
             let x: Vec<f32> = (0..n * k)
                 .map(|i| (i as f32 * 0.731).sin() * 10f32.powi((i % 9) as i32 - 4))
                 .collect();
@@ -453,19 +580,26 @@ mod tests {
         let w: Vec<f32> = (0..r * k)
             .map(|i| (i as f32 * 0.277).cos() / (1 + i % 7) as f32)
             .collect();
-        let portable = chunk_lanes_portable::<3, 8>(&x, k, &w);
+        let z = Some(&[[[0.0; 8]; 3]; 8]);
+        let portable = chunk_lanes_portable::<3, 8>(&x, k, &w, 0..k - k % 8, z);
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
                 // SAFETY: checked just above.
-                assert_eq!(unsafe { chunk_lanes_avx512::<3, 8>(&x, k, &w) }, portable);
+                assert_eq!(
+                    unsafe { chunk_lanes_avx512::<3, 8>(&x, k, &w, 0..k - k % 8, z) },
+                    portable
+                );
             }
             if std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: checked just above.
-                assert_eq!(unsafe { chunk_lanes_avx2::<3, 8>(&x, k, &w) }, portable);
+                assert_eq!(
+                    unsafe { chunk_lanes_avx2::<3, 8>(&x, k, &w, 0..k - k % 8, z) },
+                    portable
+                );
             }
         }
-        assert_eq!(chunk_lanes::<3, 8>(&x, k, &w), portable);
+        assert_eq!(chunk_lanes::<3, 8>(&x, k, &w, 0..k - k % 8, z), portable);
     }
 
     #[test]
