@@ -13,6 +13,8 @@
 #   healthy  diff-layers on CUDA, 3 presets x TP x prefill/decode: every case must agree
 #   bench    `bench` on smollm2-135m, the 8B llama shape in Q4_K and Q4_K_M (BENCH_MODELS picks); with OLD, both
 #            binaries interleaved over ROUNDS (default 2; A B, then B A) so drift cancels
+#   families the GQA/MoE families on CUDA: the committed tiny fixtures (golden/*-tiny.f32.gguf) at TP 1/2
+#            with decode, the qwen3 presets in Q4_K at TP 1/2/4, and faults cuda against cpu on them
 #   faults   the fault catalog on CUDA and on the CPU engine: the same verdict, tap and class
 #            (FAULT_MODELS picks the model:TP pairs)
 #   diff8b   diff-layers on the 8B shape, timed
@@ -28,7 +30,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 B=${LLMDIFF:-$PWD/target/release/llmdiff}
 OUT=${OUT:?OUT=the folder to write to}
-STEPS=" ${STEPS:-check healthy faults bench diff8b kbench nccl} "
+STEPS=" ${STEPS:-check healthy families faults bench diff8b kbench nccl} "
 S="python3 scripts/gpu_summary.py"
 W=/tmp/gpu-evidence; M=$W/models; mkdir -p $M $W/f "$OUT"
 LOG=$OUT/summary.txt; T0=$(date +%s)
@@ -64,6 +66,34 @@ if on healthy; then
     done; done
   done
   $S healthy $OUT/healthy.txt | tee -a $LOG
+fi
+
+if on families; then
+  say "GQA/MoE families on cuda"
+  for f in qwen2 qwen3 qwen3moe glm4moe gemma2 gemma3; do for tp in 1 2; do for d in 0 2; do
+    timeout 60 $B diff-layers golden/$f-tiny.f32.gguf --tokens $(seq -s, 1 20) --backend cuda --tp $tp --decode-steps $d --json \
+      >$W/h.json 2>>$OUT/stderr.txt
+    echo "$f tp$tp decode$d rc=$? $($S verdict $W/h.json)" >>$OUT/families.txt
+  done; done; done
+  for p in qwen3-mini qwen3moe-mini; do
+    $B synth --preset $p --quant Q4_K --seed 2 -o $M/$p-q4k.gguf >/dev/null
+    for tp in 1 2 4; do
+      timeout 60 $B diff-layers $M/$p-q4k.gguf --tokens $TOK --backend cuda --tp $tp --decode-steps 2 --json >$W/h.json 2>>$OUT/stderr.txt
+      echo "$p tp$tp decode2 rc=$? $($S verdict $W/h.json)" >>$OUT/families.txt
+    done
+  done
+  $S healthy $OUT/families.txt | tee -a $LOG
+  for m in qwen3-mini:2 qwen3moe-mini:2; do
+    p=${m%%:*}; tp=${m##*:}
+    for f in phantom-attn-out dequant-q4k-scale-min allreduce-skip rope-neox stale-attn-out config-drift kv-slot-off-by-one; do
+      x=""; [ $f = kv-slot-off-by-one ] && x="--decode-steps 2"
+      for be in cuda cpu; do
+        timeout 60 $B diff-layers $M/$p-q4k.gguf --tokens $TOK --backend $be --tp $tp --inject $f $x --json >$W/f/$be.json 2>$W/f/$be.err
+      done
+      echo "$p tp$tp $f $($S same $W/f)" >>$OUT/families_faults.txt
+    done
+  done
+  $S faults $OUT/families_faults.txt | tee -a $LOG
 fi
 
 bench() { # label binary model
