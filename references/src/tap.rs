@@ -723,6 +723,40 @@ mod tests {
     }
 
     #[test]
+    fn cache_rows_stack_each_decode_steps_prefix() {
+        // 4 tokens of width 2, the last 2 decoded: positions 2 and 3 read rows 0..=2 and 0..=3.
+        let x: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let c = cache_rows(&x, 4, 2);
+        assert_eq!(c.len(), (3 + 4) * 2);
+        assert_eq!(&c[..6], &x[..6]);
+        assert_eq!(&c[6..], &x[..]);
+        assert_eq!(cache_steps(7, 4), Some(2));
+        assert_eq!(cache_steps(4, 4), Some(1));
+        assert_eq!(cache_steps(9, 4), Some(3));
+        assert_eq!(cache_steps(5, 4), None);
+        assert_eq!(cache_step_rows(4, 2, 0), 0..3);
+        assert_eq!(cache_step_rows(4, 2, 1), 3..7);
+        assert_eq!(cache_step_rows(8, 3, 2), (6 + 7)..(6 + 7 + 8));
+    }
+
+    #[test]
+    fn decode_cache_tap_adds_the_cache_keys_after_v() {
+        let mut inner = CollectTap::new(|k: &TapKey| k.site != Site::K);
+        {
+            let mut t = DecodeCacheTap::new(&mut inner, 3, 2);
+            let (k, v) = (TapKey::layer(0, Site::K), TapKey::layer(0, Site::V));
+            assert!(t.wants(&k) && t.wants(&v));
+            t.record(&k, &[1.0, 2.0, 3.0], [3, 1]);
+            t.record(&v, &[4.0, 5.0, 6.0], [3, 1]);
+        }
+        let keys: Vec<String> = inner.recorded.iter().map(|r| r.key.to_string()).collect();
+        assert_eq!(keys, ["blk.0.v", "blk.0.kv_cache_k", "blk.0.kv_cache_v"]);
+        assert_eq!(inner.recorded[1].data, [1.0, 2.0, 3.0]);
+        assert_eq!(inner.recorded[1].shape, [3, 1]);
+        assert_eq!(inner.recorded[2].data, [4.0, 5.0, 6.0]);
+    }
+
+    #[test]
     fn canary_is_a_recognisable_nan() {
         assert!(canary().is_nan());
         assert!(is_canary(canary()));
