@@ -638,26 +638,33 @@ fn kv_cache(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32], width: u
         let bad: Vec<usize> = (0..r.len())
             .filter(|&s| differs(&row(eng, r.start + s), &row(want, r.start + s)))
             .collect();
-        let Some(&slot) = bad.first() else { continue };
-        let got = row(eng, r.start + slot);
-        let others = if bad.len() > 1 {
-            format!(" ({} of its {} slots differ: {})", bad.len(), r.len(), ranges(&bad))
+        if bad.is_empty() {
+            continue;
+        }
+        // What each differing slot holds (the first few).
+        let holds = |slot: usize| {
+            let got = row(eng, r.start + slot);
+            if got.iter().all(|&x| x == 0.0) {
+                return format!("slot {slot} is empty (zeros)");
+            }
+            match (0..last.len()).find(|&q| !differs(&got, &row(want, last.start + q))) {
+                Some(q) => format!("slot {slot} holds the {what} of position {q}"),
+                None => format!("slot {slot} differs from the {what} of every position"),
+            }
+        };
+        let said: Vec<String> = bad.iter().take(3).map(|&s| holds(s)).collect();
+        let more = if bad.len() > 3 {
+            format!("; {} of its {} slots differ: {}", bad.len(), r.len(), ranges(&bad))
         } else {
             String::new()
         };
-        let holds = if got.iter().all(|&x| x == 0.0) {
-            "is empty (zeros): nothing was written there".to_string()
-        } else {
-            match (0..last.len()).find(|&q| !differs(&got, &row(want, last.start + q))) {
-                Some(q) => format!("holds the {what} of position {q}"),
-                None => format!("differs from the {what} of every position"),
-            }
-        };
+        let holds = said.join(", ") + &more;
+        let slot = bad[0];
         return found(
             "kv-cache",
             "high",
             format!(
-                "at the decode step of position {pos}, {what} cache slot {slot} {holds}{others}; every earlier tap agrees, so the cache write/read path (slot mapping, positions) is wrong at {key}"
+                "at the decode step of position {pos}, the {what} cache read at {key} is wrong from slot {slot}: {holds}; every earlier tap agrees, so the cache write/read path (slot mapping, positions) is wrong"
             ),
         );
     }
