@@ -110,6 +110,18 @@ fn cache_write(be: &dyn Backend, cache: &mut Buf, new: &Buf, width: usize, pos0:
     be.kv_write(cache, new, width, pos0, slot0);
 }
 
+/// Taps the first `rows` rows of a KV cache `[_, width]` (a decode step's `kv_cache_k`/`_v`):
+/// only when wanted, copying that row range out of the backend's cache before the download.
+fn emit_cache(be: &dyn Backend, taps: &mut RankTaps<'_>, site: Site, cache: &Buf, rows: usize, width: usize) {
+    if !taps.wants_site(site) {
+        return;
+    }
+    let len = rows * width;
+    let mut part = be.alloc(len);
+    be.copy(cache, 0, &mut part, 0, len);
+    taps.emit_buf(be, site, &part, width, Emit::Column);
+}
+
 /// The output buffer for a custom op: sized `len` (zeros when first allocated), canary-filled
 /// when a tap will look at it, otherwise holding whatever it held.
 fn prepare_out(be: &dyn Backend, buf: &mut Buf, len: usize, canary_fill: bool) {
@@ -393,6 +405,12 @@ impl Rank {
                     op(&mut scratch);
                 } else {
                     op(&mut self.attn_out[write_idx]);
+                }
+                if ctx.is_decode {
+                    // The cache rows this step's attention read (positions 0..=pos).
+                    let rows = ctx.pos0 + n;
+                    emit_cache(be, &mut taps, Site::KvCacheK, &cache.k, rows, k.rows);
+                    emit_cache(be, &mut taps, Site::KvCacheV, &cache.v, rows, v.rows);
                 }
             }
             AttnShard::Mla {

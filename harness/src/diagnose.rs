@@ -3,7 +3,7 @@
 //! the reference's), `unwritten-output` (the tap still holds the canary its buffer was filled
 //! with), `nonfinite` (NaN/Inf), `missing-reduction` (a rank's partial sum where the all-reduced
 //! value belongs), `stale-output` (a buffer from an earlier op or step), `routing-flip` (MoE
-//! experts chosen differently), `head-permutation` (heads in the wrong order), `transposed-weight`,
+//! experts chosen differently), `kv-cache` (a decode step's KV cache slot holds the wrong entry), `head-permutation` (heads in the wrong order), `transposed-weight`,
 //! `scale-mismatch` (a constant factor off), `rope` (positions rotated wrongly), `precision`
 //! (small relative error, cosine near 1), `dequantization` (a quantized weight decoded wrongly)
 //! and `unknown`. Checks run from the most specific evidence to the least;
@@ -165,6 +165,9 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
                 e.data[idx]
             ),
         );
+    }
+    if matches!(key.site, Site::KvCacheK | Site::KvCacheV) {
+        return kv_cache(ctx, key, &e.data, &want, e.shape[1], row.threshold);
     }
     if let Some(d) = missing_reduction(ctx, key, &e.data) {
         return d;
@@ -612,6 +615,69 @@ fn decode_only(
             ),
         )
     })
+}
+
+/// A decode step's K/V cache differs from what a correct cache holds (the step's own k/v rows
+/// of every position so far): names the first step and slot that differ and, when it matches
+/// one, the position whose entry the slot holds (a slot mapping off by some rows), or says the
+/// slot is empty (never written).
+fn kv_cache(ctx: &DiagContext, key: &TapKey, eng: &[f32], want: &[f32], width: usize, threshold: f64) -> Diagnosis {
+    let n = ctx.n_tokens;
+    let what = if key.site == Site::KvCacheK { "K" } else { "V" };
+    let rows = eng.len() / width.max(1);
+    let steps = references::tap::cache_steps(rows, n).filter(|_| want.len() == eng.len() && width > 0);
+    let Some(d) = steps else {
+        return found(
+            "kv-cache",
+            "medium",
+            format!("the {what} cache the decode steps read differs at {key} (its shape {rows}×{width} does not split into decode steps over {n} tokens)"),
+        );
+    };
+    let row = |x: &[f32], r: usize| x[r * width..(r + 1) * width].to_vec();
+    let differs = |a: &[f32], b: &[f32]| metrics(a, b).rel_l2 > threshold.max(1e-6);
+    // The last step's reference rows: the correct entry of every position.
+    let last = references::tap::cache_step_rows(n, d, d - 1);
+    for i in 0..d {
+        let r = references::tap::cache_step_rows(n, d, i);
+        let pos = n - d + i;
+        let bad: Vec<usize> = (0..r.len())
+            .filter(|&s| differs(&row(eng, r.start + s), &row(want, r.start + s)))
+            .collect();
+        if bad.is_empty() {
+            continue;
+        }
+        // What each differing slot holds (the first few).
+        let holds = |slot: usize| {
+            let got = row(eng, r.start + slot);
+            if got.iter().all(|&x| x == 0.0) {
+                return format!("slot {slot} is empty (zeros)");
+            }
+            match (0..last.len()).find(|&q| !differs(&got, &row(want, last.start + q))) {
+                Some(q) => format!("slot {slot} holds the {what} of position {q}"),
+                None => format!("slot {slot} differs from the {what} of every position"),
+            }
+        };
+        let said: Vec<String> = bad.iter().take(3).map(|&s| holds(s)).collect();
+        let more = if bad.len() > 3 {
+            format!("; {} of its {} slots differ: {}", bad.len(), r.len(), ranges(&bad))
+        } else {
+            String::new()
+        };
+        let holds = said.join(", ") + &more;
+        let slot = bad[0];
+        return found(
+            "kv-cache",
+            "high",
+            format!(
+                "at the decode step of position {pos}, the {what} cache read at {key} is wrong from slot {slot}: {holds}; every earlier tap agrees, so the cache write/read path (slot mapping, positions) is wrong"
+            ),
+        );
+    }
+    found(
+        "kv-cache",
+        "low",
+        format!("the {what} cache the decode steps read differs at {key}, spread below any single slot's bound"),
+    )
 }
 
 fn stale(ctx: &DiagContext, key: &TapKey, eng: &[f32]) -> Option<Diagnosis> {

@@ -286,7 +286,8 @@ impl<'a> Comparator<'a> {
             (None, Site::Q | Site::K | Site::V | Site::AttnOut) => config.head_dim,
             _ => 0,
         };
-        let r = (full.site != Site::Embed)
+        // Cache taps are not [n, width]: replayed whole.
+        let r = (!matches!(full.site, Site::Embed | Site::KvCacheK | Site::KvCacheV))
             .then(|| Some((engine_full(config, tp, eng, &full)?, self.refs.get(&full)?)))
             .flatten()
             .and_then(|(e, r)| crate::local_rows::choose(&e, &r.data, n, block))
@@ -788,7 +789,11 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             stitch.replay(tap);
             Ok(())
         },
-        |tap| reference.forward(tokens, tap).map(|_| ()),
+        // The K/V cache each decode step read, as a correct cache holds it.
+        |tap| {
+            let mut tap = references::tap::DecodeCacheTap::new(tap, tokens.len(), n_prefill);
+            reference.forward(tokens, &mut tap).map(|_| ())
+        },
         |side, c| cmp.on_tap(side, c),
     );
     e.result?;

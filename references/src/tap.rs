@@ -163,6 +163,16 @@ pub enum Site {
     K,
     /// Values: llama `[n, KV·hd]`; MLA from kv_b `[n, H·v]`.
     V,
+    /// Decode steps only (GQA families): the K cache rows the step's attention read, positions
+    /// `0..=p` for the step at position p, `[p+1, KV·hd]` (rank-local: the rank's KV heads, as
+    /// `k`). Taps of several decode steps are stacked in step order, so over decode positions
+    /// `n_prefill..n` the tap has `Σ (p+1)` rows ([`cache_rows`]). A correct cache holds the
+    /// step's own `k` rows, so the reference's form is its `k` cut that way ([`DecodeCacheTap`]),
+    /// and a slot written at the wrong position or left stale diverges here, before `attn_out`.
+    /// Prefill does not emit it (attention reads the step's own `k`/`v` there).
+    KvCacheK,
+    /// As [`Site::KvCacheK`] for the V cache `[p+1, KV·hd]`.
+    KvCacheV,
     /// gpt-oss: the probability each query's attention sink takes, `[n, H]`: for head h at query
     /// t, `exp(sink_h) / (exp(sink_h) + Σ_s exp(score_ts))` over the keys it sees (its sliding
     /// window on windowed layers). 0 where sinks are ignored; the rest of the mass is what `attn_out`
@@ -201,7 +211,7 @@ pub enum Site {
 
 impl Site {
     /// Every activation site (weights excluded), in execution order.
-    pub const ACTIVATIONS: [Site; 24] = [
+    pub const ACTIVATIONS: [Site; 26] = [
         Site::Embed,
         Site::AttnNorm,
         Site::QA,
@@ -212,6 +222,8 @@ impl Site {
         Site::KPe,
         Site::K,
         Site::V,
+        Site::KvCacheK,
+        Site::KvCacheV,
         Site::AttnSink,
         Site::AttnOut,
         Site::AttnProj,
@@ -249,6 +261,8 @@ impl Site {
             Site::KPe => "k_pe",
             Site::K => "k",
             Site::V => "v",
+            Site::KvCacheK => "kv_cache_k",
+            Site::KvCacheV => "kv_cache_v",
             Site::AttnOut => "attn_out",
             Site::AttnSink => "attn_sink",
             Site::AttnProj => "attn_proj",
@@ -443,9 +457,15 @@ pub fn rank_columns(
         (None, Site::Q | Site::AttnOut | Site::Weight(WeightKind::Q)) => {
             split(c.n_heads * c.head_dim, heads_per_rank(c.n_heads)?)
         }
-        (None, Site::K | Site::V | Site::Weight(WeightKind::K) | Site::Weight(WeightKind::V)) => {
-            split(c.n_kv_heads * c.head_dim, heads_per_rank(c.n_kv_heads)?)
-        }
+        (
+            None,
+            Site::K
+            | Site::V
+            | Site::KvCacheK
+            | Site::KvCacheV
+            | Site::Weight(WeightKind::K)
+            | Site::Weight(WeightKind::V),
+        ) => split(c.n_kv_heads * c.head_dim, heads_per_rank(c.n_kv_heads)?),
         (Some(m), Site::Q | Site::Weight(WeightKind::QB)) => {
             split(c.n_heads * (m.qk_nope + m.qk_rope), heads_per_rank(c.n_heads)?)
         }
@@ -477,6 +497,138 @@ pub fn weight_in_columns(
         WeightKind::O => rank_columns(Site::AttnOut, c, tp, rank),
         WeightKind::Down => rank_columns(Site::FfnUp, c, tp, rank),
         _ => None,
+    }
+}
+
+/// The cache rows the decode steps at positions `n_prefill..n` read, stacked in step order: for
+/// each such position p, rows `0..=p` of `x [n, width]` (`Σ (p+1)` rows). What a correct KV
+/// cache holds when `x` is the `k` (or `v`) tap: the form of [`Site::KvCacheK`]/[`Site::KvCacheV`].
+pub fn cache_rows(x: &[f32], n: usize, n_prefill: usize) -> Vec<f32> {
+    let width = x.len().checked_div(n).unwrap_or(0);
+    let mut out = Vec::new();
+    for p in n_prefill..n {
+        out.extend_from_slice(&x[..(p + 1) * width]);
+    }
+    out
+}
+
+/// The number of decode steps D whose stacked cache taps ([`cache_rows`]) have `rows` rows over
+/// `n` tokens (the steps at positions `n - D..n`); `None` when no D fits.
+pub fn cache_steps(rows: usize, n: usize) -> Option<usize> {
+    let mut total = 0;
+    for d in 1..n {
+        total += n - d + 1;
+        if total == rows {
+            return Some(d);
+        }
+        if total > rows {
+            return None;
+        }
+    }
+    None
+}
+
+/// The row range of step `i` (0-based, position `n - d + i`) inside stacked cache taps of `d`
+/// decode steps over `n` tokens.
+pub fn cache_step_rows(n: usize, d: usize, i: usize) -> std::ops::Range<usize> {
+    let first = n - d;
+    // Σ_{j<i} (first + j + 1)
+    let start = i * (first + 1) + i * i.saturating_sub(1) / 2;
+    start..start + first + i + 1
+}
+
+/// Wraps the reference's tap for a run whose last `n - n_prefill` tokens the candidate ran as
+/// decode steps: besides what `inner` wants, it records each layer's [`Site::KvCacheK`] and
+/// [`Site::KvCacheV`] from the reference's own `k` and `v` ([`cache_rows`]: what a correct
+/// cache holds at each step), right after `v`, so they come in execution order.
+pub struct DecodeCacheTap<'a> {
+    inner: &'a mut dyn Tap,
+    n: usize,
+    n_prefill: usize,
+    held_k: Option<(TapKey, Vec<f32>, usize)>,
+}
+
+impl<'a> DecodeCacheTap<'a> {
+    pub fn new(inner: &'a mut dyn Tap, n: usize, n_prefill: usize) -> Self {
+        DecodeCacheTap {
+            inner,
+            n,
+            n_prefill,
+            held_k: None,
+        }
+    }
+
+    /// True when `key` is an unranked `k`/`v` whose layer's cache taps the inner tap wants.
+    fn feeds_cache(&self, key: &TapKey) -> bool {
+        let at = |site| TapKey { site, ..*key };
+        matches!(key.site, Site::K | Site::V)
+            && key.rank.is_none()
+            && key.layer.is_some()
+            && self.n_prefill < self.n
+            && (self.inner.wants(&at(Site::KvCacheK)) || self.inner.wants(&at(Site::KvCacheV)))
+    }
+}
+
+impl Tap for DecodeCacheTap<'_> {
+    fn wants(&self, key: &TapKey) -> bool {
+        self.inner.wants(key) || self.feeds_cache(key)
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        self.record_owned(key, data.to_vec(), shape);
+    }
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        let feeds = self.feeds_cache(key) && shape[0] == self.n;
+        let rows: usize = (self.n_prefill..self.n).map(|p| p + 1).sum();
+        let cache = |x: &[f32]| cache_rows(x, self.n, self.n_prefill);
+        let emit = |inner: &mut dyn Tap, k: TapKey, x: Vec<f32>, width: usize| {
+            if inner.wants(&k) {
+                inner.record_owned(&k, x, [rows, width]);
+            }
+        };
+        match key.site {
+            Site::K if feeds => {
+                let k_rows = cache(&data);
+                if self.inner.wants(key) {
+                    self.inner.record_owned(key, data, shape);
+                }
+                self.held_k = Some((
+                    TapKey {
+                        site: Site::KvCacheK,
+                        ..*key
+                    },
+                    k_rows,
+                    shape[1],
+                ));
+                return;
+            }
+            Site::V if feeds => {
+                let v_rows = cache(&data);
+                let held = self.held_k.take().filter(|(ck, _, _)| ck.layer == key.layer);
+                if self.inner.wants(key) {
+                    self.inner.record_owned(key, data, shape);
+                }
+                if let Some((ck, k_rows, wk)) = held {
+                    emit(&mut *self.inner, ck, k_rows, wk);
+                }
+                emit(
+                    &mut *self.inner,
+                    TapKey {
+                        site: Site::KvCacheV,
+                        ..*key
+                    },
+                    v_rows,
+                    shape[1],
+                );
+                return;
+            }
+            _ => {}
+        }
+        if self.inner.wants(key) {
+            self.inner.record_owned(key, data, shape);
+        }
+    }
+    fn wants_nothing(&self) -> bool {
+        self.inner.wants_nothing()
     }
 }
 
@@ -573,6 +725,40 @@ mod tests {
                 "logits"
             ]
         );
+    }
+
+    #[test]
+    fn cache_rows_stack_each_decode_steps_prefix() {
+        // 4 tokens of width 2, the last 2 decoded: positions 2 and 3 read rows 0..=2 and 0..=3.
+        let x: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let c = cache_rows(&x, 4, 2);
+        assert_eq!(c.len(), (3 + 4) * 2);
+        assert_eq!(&c[..6], &x[..6]);
+        assert_eq!(&c[6..], &x[..]);
+        assert_eq!(cache_steps(7, 4), Some(2));
+        assert_eq!(cache_steps(4, 4), Some(1));
+        assert_eq!(cache_steps(9, 4), Some(3));
+        assert_eq!(cache_steps(5, 4), None);
+        assert_eq!(cache_step_rows(4, 2, 0), 0..3);
+        assert_eq!(cache_step_rows(4, 2, 1), 3..7);
+        assert_eq!(cache_step_rows(8, 3, 2), (6 + 7)..(6 + 7 + 8));
+    }
+
+    #[test]
+    fn decode_cache_tap_adds_the_cache_keys_after_v() {
+        let mut inner = CollectTap::new(|k: &TapKey| k.site != Site::K);
+        {
+            let mut t = DecodeCacheTap::new(&mut inner, 3, 2);
+            let (k, v) = (TapKey::layer(0, Site::K), TapKey::layer(0, Site::V));
+            assert!(t.wants(&k) && t.wants(&v));
+            t.record(&k, &[1.0, 2.0, 3.0], [3, 1]);
+            t.record(&v, &[4.0, 5.0, 6.0], [3, 1]);
+        }
+        let keys: Vec<String> = inner.recorded.iter().map(|r| r.key.to_string()).collect();
+        assert_eq!(keys, ["blk.0.v", "blk.0.kv_cache_k", "blk.0.kv_cache_v"]);
+        assert_eq!(inner.recorded[1].data, [1.0, 2.0, 3.0]);
+        assert_eq!(inner.recorded[1].shape, [3, 1]);
+        assert_eq!(inner.recorded[2].data, [4.0, 5.0, 6.0]);
     }
 
     #[test]

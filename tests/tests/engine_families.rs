@@ -121,7 +121,16 @@ fn faults_are_localized_as_on_llama() {
                 reduction_classes(name),
             ),
             (Fault::ConfigDrift, 1, None, 2, 0, "q", Some(0), &["config-drift"]),
-            (Fault::KvSlotOffByOne, 0, None, 2, 3, "attn_out", Some(0), &["unknown"]),
+            (
+                Fault::KvSlotOffByOne,
+                0,
+                None,
+                2,
+                3,
+                "kv_cache_k",
+                Some(0),
+                &["kv-cache"],
+            ),
         ];
         if let Some(moe_layer) = (0..config.n_layers).find(|&l| config.is_moe_layer(l)) {
             cases.push((

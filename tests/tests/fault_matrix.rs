@@ -113,7 +113,9 @@ fn expect(m: &Model, s: &FaultSpec, tp: usize) -> Expect {
             rank,
             vec!["config-drift"],
         ),
-        // No class names a KV-cache fault: "unknown", with the decode-only evidence.
+        // GQA: the decode step's cache tap names the slot (kv-cache). MLA caches are not
+        // tapped: "unknown" at attn_out, with the decode-only evidence.
+        Fault::KvSlotOffByOne if m.config.mla.is_none() => (one("kv_cache_k"), rank, vec!["kv-cache"]),
         Fault::KvSlotOffByOne => (one("attn_out"), rank, vec!["unknown"]),
     };
     Expect { sites, rank, classes }

@@ -85,14 +85,14 @@ fn row_local(site: Site) -> bool {
     )
 }
 
-/// Causal attention for the query positions `pos` only (`q [pos.len(), H·dk]`, `k`/`v` every
-/// row up to the last position), computed exactly as [`ops::causal_attention`] computes those
-/// rows, with the per-head noise scale of [`attention_rho`] on them.
+/// Causal attention for the query positions `pos` only (`q [pos.len(), H·dk]`; `kv(t)` gives the
+/// key and value rows position t reads, at least `0..=t`), computed exactly as
+/// [`ops::causal_attention`] computes those rows, with the per-head noise scale of
+/// [`attention_rho`] on them.
 #[allow(clippy::too_many_arguments)]
-fn attention_rows(
+fn attention_rows<'a>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    kv: impl Fn(usize) -> (&'a [f32], &'a [f32]),
     pos: &[usize],
     n_heads: usize,
     n_kv_heads: usize,
@@ -108,6 +108,7 @@ fn attention_rows(
     let mut sq = vec![0f64; dv];
     for (i, &t) in pos.iter().enumerate() {
         let mut scores = vec![0f64; t + 1];
+        let (k, v) = kv(t);
         for h in 0..n_heads {
             let kvh = h / group;
             let qh = &q[(i * n_heads + h) * dk..(i * n_heads + h + 1) * dk];
@@ -138,6 +139,27 @@ fn attention_rows(
     let ratio = |a: f64, b: f64| if b == 0.0 { 1.0 } else { (a / b).sqrt() };
     let heads = num.iter().zip(&den).map(|(&a, &b)| ratio(a, b)).collect();
     (out, ratio(num.iter().sum(), den.iter().sum()), heads)
+}
+
+/// The key and value rows each query position of a `k`/`v` capture over `n` tokens read: the
+/// stacked decode-step cache taps ([`Site::KvCacheK`]/[`Site::KvCacheV`], `width` wide) for the
+/// positions that ran as decode steps, else `k`/`v` themselves. `None` without cache taps.
+fn decode_kv<'a>(
+    k: &'a [f32],
+    v: &'a [f32],
+    cache: Option<&'a (Vec<f32>, Vec<f32>)>,
+    n: usize,
+    width: usize,
+) -> Option<impl Fn(usize) -> (&'a [f32], &'a [f32])> {
+    let (ck, cv) = cache?;
+    let d = crate::tap::cache_steps(ck.len().checked_div(width)?, n).filter(|_| ck.len() == cv.len())?;
+    Some(move |t: usize| match t.checked_sub(n - d) {
+        Some(i) if i < d => {
+            let r = crate::tap::cache_step_rows(n, d, i);
+            (&ck[r.start * width..r.end * width], &cv[r.start * width..r.end * width])
+        }
+        _ => (k, v),
+    })
 }
 
 /// rho of `y = x · wᵀ` (`x [n, k]`, `w [m, k]`) from a fixed sample of output elements, the
@@ -289,6 +311,7 @@ impl Reference<'_> {
         rows: &[usize],
     ) -> Result<Option<Replayed>, ForwardError> {
         let subset = rows.len() < n
+            && !matches!(key.site, Site::KvCacheK | Site::KvCacheV)
             && rows.windows(2).all(|w| w[0] < w[1])
             && rows.last().is_some_and(|&t| t < n)
             && (row_local(key.site) || self.config.arch == Arch::Llama || qwen_block(self.config.arch));
@@ -391,6 +414,19 @@ impl Reference<'_> {
                 reduction: w.cols,
             }
         };
+        if matches!(key.site, Site::KvCacheK | Site::KvCacheV) {
+            // A correct cache holds, at each decode step, the k/v rows of every position so
+            // far: the candidate's cache is judged against its own k/v (a copy: rho 1).
+            let src = if key.site == Site::KvCacheK { Site::K } else { Site::V };
+            let width = c.n_kv_heads * c.head_dim;
+            return Ok(match (c.mla.is_none(), all(&TapKey::layer(l, src)), all(key)) {
+                (true, Some(x), Some(cached)) if x.len() == n * width && width > 0 => {
+                    crate::tap::cache_steps(cached.len() / width, n)
+                        .map(|d| Replayed::plain(crate::tap::cache_rows(&x, n, n - d), 1.0))
+                }
+                _ => None,
+            });
+        }
         let norm = match key.site {
             Site::AttnNorm => resid_in().map(|x| (x, "attn_norm")),
             // glm4moe and gpt-oss store their pre-FFN norm as post_attention_norm.
@@ -422,6 +458,15 @@ impl Reference<'_> {
         let llama = c.arch == Arch::Llama;
         let qwen = qwen_block(c.arch);
         let (hd, nh, nkv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+        // A run with decode steps: the K/V cache rows each step's attention read.
+        let cache = (key.site == Site::AttnOut)
+            .then(|| {
+                Some((
+                    all(&TapKey::layer(l, Site::KvCacheK))?,
+                    all(&TapKey::layer(l, Site::KvCacheV))?,
+                ))
+            })
+            .flatten();
         Ok(match key.site {
             Site::ResidAttn => match (resid_in(), at(Site::AttnProj)) {
                 (Some(x), Some(p)) if x.len() == p.len() => {
@@ -684,9 +729,11 @@ impl Reference<'_> {
                     _ => None,
                 }
             }
-            Site::AttnOut if pos.is_some() => {
-                // Sampled query rows: every key and value row up to the last one.
-                let (Some(p), Some(q)) = (pos, at(Site::Q)) else {
+            Site::AttnOut if pos.is_some() || cache.is_some() => {
+                // Sampled query rows: every key and value row up to the last one; or every row
+                // of a run with decode steps, each reading the cache its step read.
+                let every: Vec<usize> = (0..n).collect();
+                let (Some(p), Some(q)) = (pos.or(cache.as_ref().map(|_| every.as_slice())), at(Site::Q)) else {
                     return Ok(None);
                 };
                 let last = p.last().map_or(0, |&t| t + 1);
@@ -694,7 +741,11 @@ impl Reference<'_> {
                 match (c.arch, full(Site::K), full(Site::V)) {
                     (arch, Some(k), Some(v)) if (arch == Arch::Llama || qwen) && q.len() == n * nh * hd => {
                         let scale = 1.0 / (hd as f64).sqrt();
-                        let (out, rho, rho_heads) = attention_rows(&q, &k, &v, p, nh, nkv, hd, hd, scale);
+                        let n_all = k.len() / (nkv * hd);
+                        let (out, rho, rho_heads) = match decode_kv(&k, &v, cache.as_ref(), n_all, nkv * hd) {
+                            Some(kv) => attention_rows(&q, kv, p, nh, nkv, hd, hd, scale),
+                            None => attention_rows(&q, |_| (&k[..], &v[..]), p, nh, nkv, hd, hd, scale),
+                        };
                         Some(Replayed {
                             out,
                             rho,
