@@ -19,7 +19,7 @@
 
 use crate::capture::Captured;
 use crate::compare::ActDtype;
-use crate::layout::{RankMeta, TpLayout};
+use crate::tp_meta::{RankMeta, TpLayout};
 use anyhow::{bail, Context};
 use memmap2::Mmap;
 use references::config::ModelConfig;
@@ -504,7 +504,7 @@ impl Dump {
             }
         }
         for (key, range) in &self.declared_slices {
-            let full = crate::layout::full_width(c, key.site);
+            let full = crate::tp_meta::full_width(c, key.site);
             if full.is_none_or(|w| range.end > w) {
                 bail!(
                     "{}: tensor {key}: declared range {}:{} is outside the model's {} columns{}",
@@ -520,7 +520,7 @@ impl Dump {
             }
         }
         for (key, range) in &self.partial_ranges {
-            let full = crate::layout::partial_input_width(c, key.site);
+            let full = crate::tp_meta::partial_input_width(c, key.site);
             if full.is_none_or(|w| range.end > w) {
                 bail!(
                     "{}: tensor {key}#partial: declared input range {}:{} is outside the op's input",

@@ -60,8 +60,8 @@ fn parse_layout(s: &str) -> Option<Option<(usize, Range<usize>)>> {
     if s == "replicated" {
         return Some(None);
     }
-    match crate::layout::TpLayout::parse(s)? {
-        crate::layout::TpLayout::Sharded { dim, range } if dim <= 1 => Some(Some((dim, range))),
+    match crate::tp_meta::TpLayout::parse(s)? {
+        crate::tp_meta::TpLayout::Sharded { dim, range } if dim <= 1 => Some(Some((dim, range))),
         _ => None,
     }
 }

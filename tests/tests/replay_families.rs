@@ -126,7 +126,7 @@ fn gqa_families_are_replayed_and_a_scaled_head_is_localized() {
         let without: Vec<&str> = healthy
             .taps
             .iter()
-            .filter(|t| t.local.is_none() && !(model.starts_with("gemma") && t.tap == "logits"))
+            .filter(|t| t.local.is_none())
             .filter(|t| !(model.starts_with("gpt-oss") && t.site == "ffn_out"))
             .map(|t| t.tap.as_str())
             .collect();

@@ -29,20 +29,6 @@ pub(crate) struct DsaState {
     prev: Option<Vec<Vec<usize>>>,
 }
 
-/// RoPE in NeoX layout on one row of heads: in each `head_dim` chunk, the first `n_dims` values
-/// rotate in pairs (i, i + n_dims/2) by pos·base^(−2i/n_dims).
-pub fn rope_neox(row: &mut [f32], head_dim: usize, pos: usize, n_dims: usize, base: f32) {
-    let half = n_dims / 2;
-    for head in row.chunks_mut(head_dim) {
-        for i in 0..half {
-            let (sin, cos) = (pos as f64 * (base as f64).powf(-2.0 * i as f64 / n_dims as f64)).sin_cos();
-            let (x0, x1) = (head[i] as f64, head[i + half] as f64);
-            head[i] = (x0 * cos - x1 * sin) as f32;
-            head[i + half] = (x0 * sin + x1 * cos) as f32;
-        }
-    }
-}
-
 /// LayerNorm over rows of `d` with weight and bias, in f64.
 pub fn layer_norm(x: &[f32], d: usize, w: &[f32], b: &[f32], eps: f32) -> Vec<f32> {
     let mut out = Vec::with_capacity(x.len());
@@ -362,7 +348,7 @@ mod tests {
     #[test]
     fn neox_rope_rotates_halves_and_norm_rotates_pairs() {
         let mut a = [1.0f32, 0.0, 0.0, 0.0];
-        rope_neox(&mut a, 4, 1, 4, 10000.0);
+        super::super::ops::rope_neox(&mut a, 4, 1, 4, 10000.0);
         // Pair (0, 2) rotated by 1 rad.
         assert!((a[0] - 1f32.cos()).abs() < 1e-6 && (a[2] - 1f32.sin()).abs() < 1e-6 && a[1] == 0.0);
         let mut b = [1.0f32, 0.0, 0.0, 0.0];

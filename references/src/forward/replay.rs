@@ -340,10 +340,17 @@ impl Reference<'_> {
         let c = &self.config;
         let d = c.d_model;
         let Some(l) = key.layer.map(|l| l as usize) else {
-            let gemma_norm = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3) && key.site == Site::OutputNorm;
-            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && c.arch != Arch::GptOss && !gemma_norm {
-                // gemma soft-caps its logits.
+            let gemma = matches!(c.arch, Arch::Gemma2 | Arch::Gemma3);
+            if !llama_or_mla(c.arch) && !qwen_block(c.arch) && c.arch != Arch::GptOss && !gemma {
                 return Ok(None);
+            }
+            // Gemma's final soft-cap, on the candidate's own uncapped logits: elementwise, an
+            // input error passes at most as is (tanh' ≤ 1), and the output is rounded once.
+            if let (Site::Logits, Some(cap)) = (key.site, c.family.final_softcap) {
+                return Ok(inputs(&TapKey::global(Site::LogitsPreCap)).map(|z| {
+                    let capped = z.iter().map(|&v| ops::softcap(v as f64, cap as f64) as f32);
+                    Replayed::plain(capped.collect(), 2.0)
+                }));
             }
             return Ok(match key.site {
                 Site::OutputNorm => match inputs(&TapKey::layer(c.n_layers - 1, Site::ResidOut)) {
@@ -353,7 +360,7 @@ impl Reference<'_> {
                     )),
                     None => None,
                 },
-                Site::Logits => match inputs(&TapKey::global(Site::OutputNorm)) {
+                Site::Logits | Site::LogitsPreCap => match inputs(&TapKey::global(Site::OutputNorm)) {
                     Some(h) if h.len() == n * d => {
                         let name = if c.tied_embeddings {
                             "token_embd.weight"
@@ -957,6 +964,16 @@ impl Reference<'_> {
                     let scale = 1.0 / (hd as f64).sqrt();
                     let out = ops::causal_attention_masked(&q, &k, &v, n, nh, nkv, hd, hd, scale, mask);
                     Some(Replayed::plain(out, 3.0))
+                }
+                _ => None,
+            },
+            // The sink's probability on the candidate's q and k (a softmax: rho as attention's).
+            Site::AttnSink => match (at(Site::Q), at(Site::K)) {
+                (Some(q), Some(k)) if q.len() == n * nh * hd && k.len() == n * nkv * hd => {
+                    let sinks = self.vector(&name("attn_sinks"), nh)?;
+                    let window = if swa { fam.sliding_window } else { None };
+                    let mass = super::gpt_oss::sink_mass(&q, &k, n, nh, nkv, hd, window, &sinks);
+                    Some(Replayed::plain(mass, 3.0))
                 }
                 _ => None,
             },

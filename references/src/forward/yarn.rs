@@ -64,7 +64,7 @@ pub fn mla_rope(
             )
         }
         (None, false) => super::ops::rope_norm(row, head_dim, offset, pos, n_dims, c.rope_base),
-        (None, true) => super::dsa::rope_neox(row, head_dim, pos, n_dims, c.rope_base),
+        (None, true) => super::ops::rope_neox(row, head_dim, pos, n_dims, c.rope_base),
     }
 }
 
