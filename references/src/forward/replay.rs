@@ -211,6 +211,45 @@ fn gcd(a: usize, b: usize) -> usize {
     }
 }
 
+/// A replayed projection `y` of `x [n, k]` through `w` (`y` = `x · wᵀ`, plus a bias where the
+/// family has one), its rho from [`linear_rho`] with the products weighted by `c_in`.
+fn projected(x: &[f32], n: usize, w: &Mat, y: Vec<f32>, c_in: f64) -> Replayed {
+    let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
+    Replayed {
+        out: y,
+        rho,
+        rho_sum,
+        rho_heads: Vec::new(),
+        rows: None,
+        reduction: w.cols,
+    }
+}
+
+/// The heads and weight name of a GQA q, k or v projection.
+fn qkv_weight(site: Site, nh: usize, nkv: usize) -> (usize, &'static str) {
+    match site {
+        Site::Q => (nh, "attn_q"),
+        Site::K => (nkv, "attn_k"),
+        _ => (nkv, "attn_v"),
+    }
+}
+
+/// NeoX RoPE on the first `rope_dim` values of every head of `r`'s token rows (`width` values
+/// each, token `t` at `position(t)`); RoPE keeps the norm and rounds once: rho + 1.
+fn rope_neox_rows(
+    r: &mut Replayed,
+    width: usize,
+    hd: usize,
+    position: &dyn Fn(usize) -> usize,
+    rope_dim: usize,
+    base: f32,
+) {
+    for (t, row) in r.out.chunks_mut(width).enumerate() {
+        ops::rope_neox(row, hd, position(t), rope_dim, base);
+    }
+    r.rho += 1.0;
+}
+
 /// rho of an elementwise sum y = a + b: a = √(a² + b²) + |y|.
 fn add_rho(a: &[f32], b: &[f32], y: &[f32]) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
@@ -409,18 +448,7 @@ impl Reference<'_> {
             }
         };
         let name = |s: &str| format!("blk.{l}.{s}.weight");
-        let lin = |x: &[f32], w: &Mat, c_in: f64| {
-            let y = linear(x, n, w);
-            let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
-            Replayed {
-                out: y,
-                rho,
-                rho_sum,
-                rho_heads: Vec::new(),
-                rows: None,
-                reduction: w.cols,
-            }
-        };
+        let lin = |x: &[f32], w: &Mat, c_in: f64| projected(x, n, w, linear(x, n, w), c_in);
         if matches!(key.site, Site::KvCacheK | Site::KvCacheV) {
             // A correct cache holds, at each decode step, the k/v rows of every position so
             // far: the candidate's cache is judged against its own k/v (a copy: rho 1).
@@ -500,11 +528,7 @@ impl Reference<'_> {
             },
             Site::Q | Site::K if llama => match at(Site::AttnNorm) {
                 Some(h) if h.len() == n * d => {
-                    let (rows, wname) = if key.site == Site::Q {
-                        (nh, "attn_q")
-                    } else {
-                        (nkv, "attn_k")
-                    };
+                    let (rows, wname) = qkv_weight(key.site, nh, nkv);
                     let w = self.matrix(&name(wname), rows * hd, d)?;
                     let mut r = lin(&h, &w, 1.0);
                     let freq_factors = if c.rope_scaling.freq_factors {
@@ -556,11 +580,7 @@ impl Reference<'_> {
             // NeoX RoPE on the first rope_dim values of each head.
             Site::Q | Site::K | Site::V if qwen => match at(Site::AttnNorm) {
                 Some(h) if h.len() == n * d => {
-                    let (heads, wname) = match key.site {
-                        Site::Q => (nh, "attn_q"),
-                        Site::K => (nkv, "attn_k"),
-                        _ => (nkv, "attn_v"),
-                    };
+                    let (heads, wname) = qkv_weight(key.site, nh, nkv);
                     let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
                     super::qwen::add_bias(self, &format!("blk.{l}.{wname}.bias"), &mut r.out, heads * hd)?;
                     if key.site != Site::V {
@@ -571,10 +591,7 @@ impl Reference<'_> {
                             // as is, as RMSNorm's does).
                             r.rho += 1.0;
                         }
-                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
-                            ops::rope_neox(row, hd, position(t), c.rope_dim, c.rope_base);
-                        }
-                        r.rho += 1.0;
+                        rope_neox_rows(&mut r, heads * hd, hd, &position, c.rope_dim, c.rope_base);
                     }
                     Some(r)
                 }
@@ -822,18 +839,7 @@ impl Reference<'_> {
         let fam = &c.family;
         let (d, hd, nh, nkv, f) = (c.d_model, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_dim);
         let name = |s: &str| format!("blk.{l}.{s}.weight");
-        let lin = |x: &[f32], w: &Mat, c_in: f64| {
-            let y = linear(x, n, w);
-            let (rho, rho_sum) = linear_rho(x, n, w, &y, c_in);
-            Replayed {
-                out: y,
-                rho,
-                rho_sum,
-                rho_heads: Vec::new(),
-                rows: None,
-                reduction: w.cols,
-            }
-        };
+        let lin = |x: &[f32], w: &Mat, c_in: f64| projected(x, n, w, linear(x, n, w), c_in);
         let post_norm = |mut r: Replayed, norm: &str| -> Result<Replayed, ForwardError> {
             r.out = ops::rms_norm(&r.out, d, &self.vector(&name(norm), d)?, c.rms_eps);
             r.rho += 2.0;
@@ -843,11 +849,7 @@ impl Reference<'_> {
         Ok(match site {
             Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
                 Some(h) if h.len() == n * d => {
-                    let (heads, wname) = match site {
-                        Site::Q => (nh, "attn_q"),
-                        Site::K => (nkv, "attn_k"),
-                        _ => (nkv, "attn_v"),
-                    };
+                    let (heads, wname) = qkv_weight(site, nh, nkv);
                     let mut r = lin(&h, &self.matrix(&name(wname), heads * hd, d)?, 1.0);
                     if site != Site::V {
                         let norm = name(&format!("{wname}_norm"));
@@ -857,10 +859,7 @@ impl Reference<'_> {
                             r.rho += 1.0;
                         }
                         let base = if swa { fam.rope_base_swa } else { c.rope_base };
-                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
-                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
-                        }
-                        r.rho += 1.0;
+                        rope_neox_rows(&mut r, heads * hd, hd, position, c.rope_dim, base);
                     }
                     Some(r)
                 }
@@ -920,32 +919,17 @@ impl Reference<'_> {
         let name = |s: &str| format!("blk.{l}.{s}.weight");
         let biased = |x: &[f32], w: &Mat, b: &str| -> Result<Replayed, ForwardError> {
             let y = add_rows(linear(x, n, w), &self.vector(&format!("blk.{l}.{b}.bias"), w.rows)?);
-            let (rho, rho_sum) = linear_rho(x, n, w, &y, 1.0);
-            Ok(Replayed {
-                out: y,
-                rho,
-                rho_sum,
-                rho_heads: Vec::new(),
-                rows: None,
-                reduction: w.cols,
-            })
+            Ok(projected(x, n, w, y, 1.0))
         };
         let swa = fam.is_swa(l);
         Ok(match site {
             Site::Q | Site::K | Site::V => match at(Site::AttnNorm) {
                 Some(h) if h.len() == n * d => {
-                    let (heads, wname) = match site {
-                        Site::Q => (nh, "attn_q"),
-                        Site::K => (nkv, "attn_k"),
-                        _ => (nkv, "attn_v"),
-                    };
+                    let (heads, wname) = qkv_weight(site, nh, nkv);
                     let mut r = biased(&h, &self.matrix(&name(wname), heads * hd, d)?, wname)?;
                     if site != Site::V {
                         let base = if swa { fam.rope_base_swa } else { c.rope_base };
-                        for (t, row) in r.out.chunks_mut(heads * hd).enumerate() {
-                            ops::rope_neox(row, hd, position(t), c.rope_dim, base);
-                        }
-                        r.rho += 1.0;
+                        rope_neox_rows(&mut r, heads * hd, hd, position, c.rope_dim, base);
                     }
                     Some(r)
                 }
