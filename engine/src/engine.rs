@@ -302,8 +302,10 @@ impl Engine {
             BackendKind::Cuda => {
                 // Compile the kernels of the model's weight types up front.
                 let mut cuda = opts.cuda.clone();
-                cuda.weight_types
-                    .get_or_insert_with(|| file.tensors().iter().map(|t| t.ty).collect());
+                cuda.weight_types.get_or_insert_with(|| {
+                    let types: std::collections::BTreeSet<_> = file.tensors().iter().map(|t| t.ty).collect();
+                    types.into_iter().collect()
+                });
                 crate::cuda::backend_for(opts.tp, &cuda)?
             }
             #[cfg(not(feature = "cuda"))]

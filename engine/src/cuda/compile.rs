@@ -424,9 +424,19 @@ mod tests {
     use super::*;
     use references::GgmlType;
 
+    /// CPU seconds of the calling thread (Linux: `/proc/thread-self/stat`, in USER_HZ = 100
+    /// ticks), so a busy machine does not inflate the figure as it does wall time.
+    fn thread_cpu_s() -> f64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let f: Vec<f64> = after.split_whitespace().map(|x| x.parse().unwrap_or(0.0)).collect();
+        // Fields 14 (utime) and 15 (stime) of the line; `after` starts at field 3.
+        (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / 100.0
+    }
+
     /// Compiles every module for `LLMDIFF_NVRTC_ARCH` (default `sm_90a`) on one thread, no
     /// device needed (only libnvrtc: `LD_LIBRARY_PATH`), and prints each module's NVRTC time
-    /// and CUBIN size, the total, and the critical path of the 8B Q4_K shape (its slowest
+    /// (the thread's CPU seconds, and wall) and CUBIN size, the total, and the critical path of the 8B Q4_K shape (its slowest
     /// module: what a first run waits for with a core per module). Checks every listed entry
     /// point is in its module's CUBIN and that the type gate keeps other types' out. Run with
     /// `cargo test -p engine --features cuda --lib nvrtc_compile_times -- --ignored --nocapture`.
@@ -438,11 +448,11 @@ mod tests {
             .unwrap_or("sm_90a");
         let q4k_model = KernelId::for_types(&[GgmlType::F32, GgmlType::Q4K, GgmlType::Q6K]);
         let (mut total, mut critical) = (0.0f64, (0.0f64, String::new()));
-        println!("{:<20} {:>8} {:>10}", "module", "NVRTC s", "CUBIN KB");
+        println!("{:<20} {:>8} {:>8} {:>10}", "module", "CPU s", "wall s", "CUBIN KB");
         for id in KernelId::all() {
-            let t = std::time::Instant::now();
+            let (t, c) = (std::time::Instant::now(), thread_cpu_s());
             let code = compile_one(id, arch, false).unwrap_or_else(|e| panic!("{e}"));
-            let secs = t.elapsed().as_secs_f64();
+            let (wall, secs) = (t.elapsed().as_secs_f64(), thread_cpu_s() - c);
             let disk_cache::Code::Cubin(bin) = code else {
                 panic!("{}: no CUBIN for {arch}", id.name())
             };
@@ -464,7 +474,7 @@ mod tests {
             }
             let need = q4k_model.contains(&id);
             println!(
-                "{:<20} {secs:>8.2} {:>10.0}{}",
+                "{:<20} {secs:>8.2} {wall:>8.2} {:>10.0}{}",
                 id.name(),
                 bin.len() as f64 / 1024.0,
                 if need { "  (Q4_K model)" } else { "" }
@@ -475,7 +485,7 @@ mod tests {
             }
         }
         println!(
-            "all {} modules: {total:.2} s of one core; the Q4_K model's {} modules: critical path {:.2} s ({})",
+            "all {} modules: {total:.2} CPU s of one core; the Q4_K model's {} modules: critical path {:.2} s ({})",
             KernelId::all().len(),
             q4k_model.len(),
             critical.0,
