@@ -1,5 +1,8 @@
 // Causal attention over a KV cache. Three forms:
 //
+// Two NVRTC modules (about equal compile times): LLMDIFF_ATTN_PART 1 builds the per-(token, head)
+// and split entry points, 2 the tiled ones (undefined: all).
+//
 // - `gqa_attention`, `gqa_attention_dpos`, `mla_attention`: one block per (token, query head) of
 //   256 threads, or 1024 when there are fewer blocks than SMs (decode; see `attn_threads` in
 //   crate::cuda): scores in shared memory, max-subtracted softmax with the sum in f64, then the
@@ -114,6 +117,7 @@ __device__ __forceinline__ void gqa_attention_at(const float* __restrict__ q, co
     attn_weighted_sum(p, v + kv_off, kvw, hd, n_ctx, inv, part, out + (size_t)slot * hd);
 }
 
+#if LLMDIFF_ATTN_PART != 2  // the per-(token, head) and split kernels
 extern "C" __global__ void __launch_bounds__(1024) gqa_attention(const float* __restrict__ q, const float* __restrict__ k,
                                          const float* __restrict__ v, float* __restrict__ out, int pos0, int n_heads,
                                          int n_kv_heads, int hd, float scale) {
@@ -195,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __
     float inv = attn_softmax(p, n_ctx, mx, red, red64);
     attn_weighted_sum(p, v + (size_t)head * vd, vw, vd, n_ctx, inv, part, out + (size_t)tok * vw + (size_t)head * vd);
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Prefill GQA attention, tiled (flash-attention's online softmax, on CUDA cores, all f32 but the
@@ -444,9 +449,11 @@ __device__ __forceinline__ void gqa_tiled(const float* __restrict__ q, const flo
     }
 // Blocks per SM the register allocation aims at (the shared memory allows 5, 2 and 1 at hd 64, 128
 // and 256 on an H200).
+#if LLMDIFF_ATTN_PART != 1  // the tiled kernels
 GQA_TILED(64, 2)
 GQA_TILED(128, 2)
 GQA_TILED(256, 1)
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Prefill GQA attention on the tensor cores (`gqa_attn_tc_<HD>`, HD = 64, 128: head widths that
@@ -685,6 +692,7 @@ __device__ __forceinline__ void gqa_tc(const float* __restrict__ q, const float*
 
 // Arguments and grid as gqa_attn_tiled_<HD> (ceil(n·(H/KV) / 64) · KV blocks), blocks of 128
 // threads, dynamic shared memory as above; hd a multiple of 8, at most HD.
+#if LLMDIFF_ATTN_PART != 1  // the tiled kernels
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_64(
     const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ out,
     int n, int pos0, int n_heads, int n_kv_heads, int hd, float scale) {
@@ -695,6 +703,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) gqa_attn_tc_128(
     int n, int pos0, int n_heads, int n_kv_heads, int hd, float scale) {
     gqa_tc<128>(q, k, v, out, n, pos0, n_heads, n_kv_heads, hd, scale);
 }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Decode GQA attention split over the context (flash-decoding): one new token (n = 1), row 0
@@ -1077,7 +1086,9 @@ __device__ __forceinline__ void gqa_split_at(const float* __restrict__ q, const 
         gqa_split_at<CW, RUNS>(q, k, v, out, part, cnt, xq, *pos_dev, n_heads, n_kv_heads, hd, scale, s_cap,   \
                                s_max, hr);                                                                     \
     }
+#if LLMDIFF_ATTN_PART != 2  // the per-(token, head) and split kernels
 GQA_SPLIT(gqa_split_128, 1, false)
 GQA_SPLIT(gqa_split_256, 2, false)
 GQA_SPLIT(gqa_split_runs_128, 1, true)
 GQA_SPLIT(gqa_split_runs_256, 2, true)
+#endif

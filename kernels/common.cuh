@@ -2,6 +2,60 @@
 // fixed-width types, f16/bf16 decoding and the GEMVs' `GemvRows` are here. Prepended to every kernel
 // module by engine::cuda_kernels before compilation.
 
+// Per-type modules. The quantized products (matmul.cu, gemv.cu, gemv_rows.cu) and the prefill
+// GEMM (gemm.cu) are compiled once per weight type, each build keeping only that type's entry
+// points: the host passes -DLLMDIFF_TY_<id>=1 for the type (ids are the TY_* of matmul.cu), and an
+// entry macro wraps its body in FOR_TYPE(TY)(...), which keeps the body where LLMDIFF_TY_<TY> is
+// 1 and drops it where it is 0. Templates no entry instantiates cost NVRTC next to nothing, so a
+// type's module compiles only its own kernels (see kernels/README.md, "Modules").
+#define LLMDIFF_CAT_(a, b) a##b
+#define LLMDIFF_CAT(a, b) LLMDIFF_CAT_(a, b)
+#define LLMDIFF_KEEP_1(...) __VA_ARGS__
+#define LLMDIFF_KEEP_0(...)
+#define FOR_TYPE(TY) LLMDIFF_CAT(LLMDIFF_KEEP_, LLMDIFF_CAT(LLMDIFF_TY_, TY))
+#ifndef LLMDIFF_TY_0
+#define LLMDIFF_TY_0 0
+#endif
+#ifndef LLMDIFF_TY_1
+#define LLMDIFF_TY_1 0
+#endif
+#ifndef LLMDIFF_TY_2
+#define LLMDIFF_TY_2 0
+#endif
+#ifndef LLMDIFF_TY_3
+#define LLMDIFF_TY_3 0
+#endif
+#ifndef LLMDIFF_TY_4
+#define LLMDIFF_TY_4 0
+#endif
+#ifndef LLMDIFF_TY_5
+#define LLMDIFF_TY_5 0
+#endif
+#ifndef LLMDIFF_TY_6
+#define LLMDIFF_TY_6 0
+#endif
+#ifndef LLMDIFF_TY_7
+#define LLMDIFF_TY_7 0
+#endif
+#ifndef LLMDIFF_TY_8
+#define LLMDIFF_TY_8 0
+#endif
+#ifndef LLMDIFF_TY_9
+#define LLMDIFF_TY_9 0
+#endif
+#ifndef LLMDIFF_TY_10
+#define LLMDIFF_TY_10 0
+#endif
+#ifndef LLMDIFF_TY_11
+#define LLMDIFF_TY_11 0
+#endif
+#ifndef LLMDIFF_TY_12
+#define LLMDIFF_TY_12 0
+#endif
+#ifndef LLMDIFF_TY_13
+#define LLMDIFF_TY_13 0
+#endif
+
 typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;

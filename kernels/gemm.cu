@@ -86,6 +86,9 @@
 #define GEMM_BK 64
 #define GEMM_LDS 36  // shared row stride in 32-bit words (64 halves + 8 of padding)
 
+// The token pre-passes (gemm_split_x, gemm2_split_x, gemm6_split_x) are built in the module of
+// gemm.cu compiled with -DLLMDIFF_GEMM_X (no type), the typed modules hold only their GEMMs.
+#ifdef LLMDIFF_GEMM_X
 // Token pre-pass: see the file comment. One block of 256 threads per token of n_pad.
 extern "C" __global__ void gemm_split_x(const float* __restrict__ x, u16* __restrict__ xh, float* __restrict__ xs,
                                         float* __restrict__ inv, int n, int n_pad, int cols) {
@@ -132,6 +135,7 @@ extern "C" __global__ void gemm_split_x(const float* __restrict__ x, u16* __rest
         if (lane == 0) sums[b] = v;
     }
 }
+#endif
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -546,7 +550,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
 // [n_pad]; out: [n, rows]. Grid (n_pad / BN, ⌈rows / 128⌉), 256 threads; n_pad a multiple of
 // BN. cols % 64 == 0 (Q4_K: % 256), row_bytes % 4 == 0 (F16: 2·cols).
 #define GEMM_ENTRY(NAME, TY)                                                                                  \
-    extern "C" __global__ __launch_bounds__(256, 1) void gemm_##NAME(const u8* W, const u16* xh, const float* xs, \
+    FOR_TYPE(TY)(extern "C" __global__ __launch_bounds__(256, 1) void gemm_##NAME(const u8* W, const u16* xh, const float* xs, \
                                                                       const float* inv, float* out, int rows,  \
                                                                       int cols, int row_bytes, int n, int n_pad) { \
         gemm_body<TY, 4>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
@@ -555,7 +559,7 @@ __device__ __forceinline__ void gemm_body(const u8* __restrict__ W, const u16* _
         const u8* W, const u16* xh, const float* xs, const float* inv, float* out, int rows, int cols,       \
         int row_bytes, int n, int n_pad) {                                                                    \
         gemm_body<TY, 2>(W, xh, xs, inv, out, rows, cols, row_bytes, n, n_pad);                               \
-    }
+    })
 
 GEMM_ENTRY(q4_k, TY_Q4_K)
 GEMM_ENTRY(q8_0, TY_Q8_0)
@@ -675,6 +679,7 @@ __device__ __forceinline__ void split_x_body(const float* __restrict__ x, u16* _
     }
 }
 
+#ifdef LLMDIFF_GEMM_X
 extern "C" __global__ void __launch_bounds__(256) gemm2_split_x(const float* __restrict__ x, u16* __restrict__ xh,
                                                                   u32* __restrict__ xsb, float* __restrict__ inv,
                                                                   int n, int n_pad, int cols) {
@@ -685,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm6_split_x(const float* __r
                                                                   int n, int n_pad, int cols) {
     split_x_body<true>(x, xh, xsb, inv, n, n_pad, cols);
 }
+#endif
 
 __device__ __forceinline__ void mma1688(float (&d)[4], u32 a0, u32 a1, u32 b, const float (&c)[4]) {
     asm volatile(
@@ -1094,10 +1100,10 @@ __device__ __forceinline__ void gemm2_body(const Gemm2Parts& P, const u16* __res
 // row tiles of all parts, K splits: 1, or 2 with the outputs zeroed and at least two
 // super-blocks a row), 256 threads, dynamic shared memory G2<TY, NI>::SMEM bytes (checked).
 #define GEMM2_ENTRY(NAME, TY, NI)                                                                     \
-    extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
+    FOR_TYPE(TY)(extern "C" __global__ __launch_bounds__(256, 1) void NAME(Gemm2Parts P, const u16* xh, const u32* xsb, \
                                                                const float* inv, int cols, int n, int n_pad) { \
         gemm2_body<TY, NI>(P, xh, xsb, inv, cols, n, n_pad);                                      \
-    }
+    })
 
 GEMM2_ENTRY(gemm2_q4_k, TY_Q4_K, 8)
 GEMM2_ENTRY(gemm2_q4_k_n64, TY_Q4_K, 4)

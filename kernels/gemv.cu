@@ -285,7 +285,7 @@ __device__ __forceinline__ void gemv_x_load(const float* __restrict__ x, int u, 
 // or three instructions a weight (the H200 sweep found Q4_K and Q8_0 limited by that decode and
 // FMA work, not by memory: the same time for the same weights, although Q8_0 has twice the bytes).
 //
-// Precision argument. x_limbs4 (common.cuh: in the pre-pass gemv_x_limbs, one launch per x, or
+// Precision argument. x_limbs4 (common.cuh: in the pre-pass gemv_x_limbs of ops.cu, one launch per x, or
 // in the norm, SwiGLU or split GQA attention that wrote a decode row) writes, for every block of 32
 // x values with max |x| = m·2^e (m in [0.5, 1)), y = x·2^-e·(127/m) (|y| ≤ 127) as three int8
 // limbs y ≈ l0 + l1/128 + l2/128² (l0 = rint(y), l1 = rint(128·(y − l0)), l2 = rint(128·(128·(y −
@@ -334,16 +334,6 @@ __device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
     int d;
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
-}
-
-// A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
-extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
-    TRACE_BLOCK(TRACE_X_LIMBS);
-    griddep_launch();  // the GEMV after it may start early (PDL, common.cuh)
-    const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
-    const bool live = i4 < cols / 4;
-    const float4 v = live ? ((const float4*)x)[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    x_limbs4(v, i4, xq, cols, live);
 }
 
 // A unit's x in limbs: l[limb][word] in gemv_dot's word order (Q4_K: words 0..V/8 the
@@ -611,18 +601,18 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
 
 // Entry points gemv_<type>_r<R>_u<UPT>_m<MODE>; MAXT bounds the block (registers per thread).
 #define GEMV_ENTRY(NAME, TY, R, U, M, MAXT)                                                               \
-    extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
+    FOR_TYPE(TY)(extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
         gemv_##NAME##_r##R##_u##U##_m##M(const u8* W, const float* x, float* out, int rows, int cols,     \
                                           int row_bytes) {                                                \
         gemv_body<TY, R, U, M>(W, x, nullptr, out, rows, cols, row_bytes);                                \
-    }
+    })
 // Mode 2 (the integer form) takes the pre-pass's output (gemv_x_limbs) after x.
 #define GEMV_ENTRY_Q(NAME, TY, R, U, MAXT)                                                                \
-    extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
+    FOR_TYPE(TY)(extern "C" __global__ void __launch_bounds__(MAXT)                                                    \
         gemv_##NAME##_r##R##_u##U##_m2(const u8* W, const float* x, const u8* xq, float* out, int rows,   \
                                         int cols, int row_bytes) {                                        \
         gemv_body<TY, R, U, 2>(W, x, xq, out, rows, cols, row_bytes);                                     \
-    }
+    })
 #define GEMV_RU(NAME, TY, M, MAXT)        \
     GEMV_ENTRY(NAME, TY, 2, 1, M, MAXT)   \
     GEMV_ENTRY(NAME, TY, 2, 2, M, MAXT)   \
@@ -631,6 +621,7 @@ __device__ __forceinline__ void gemv_body(const u8* __restrict__ W, const float*
     GEMV_ENTRY(NAME, TY, 4, 2, M, MAXT)   \
     GEMV_ENTRY(NAME, TY, 4, 4, M, MAXT)
 
+#if LLMDIFF_QUANT_PART != 2  // see gemv_rows.cu
 GEMV_RU(f16, TY_F16, 0, 512)
 GEMV_RU(bf16, TY_BF16, 0, 512)
 GEMV_RU(q8_0, TY_Q8_0, 0, 512)
@@ -648,4 +639,5 @@ GEMV_ENTRY_Q(q4_1, TY_Q4_1, 4, 2, 512)
 GEMV_ENTRY_Q(q8_0, TY_Q8_0, 2, 2, 512)
 GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 1, 512)
 GEMV_ENTRY_Q(q8_0, TY_Q8_0, 4, 2, 512)
+#endif
 

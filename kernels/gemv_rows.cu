@@ -99,20 +99,24 @@ __device__ __forceinline__ void gemvw_body(const GemvRows& m, const float* __res
 // MODE 2 and 3 entries (GEMVW_ENTRY_Q) take the pre-pass's output (gemv_x_limbs) after x; MODE 3
 // ones are bounded by registers (128) instead of threads (see the integer form).
 #define GEMVW_ENTRY(NAME, TY, R, NW, U, M)                                                                \
-    extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
+    FOR_TYPE(TY)(extern "C" __global__ void __launch_bounds__(NW * 32)                                                 \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, int rows, int cols,         \
                                                   int row_bytes) {                                        \
         gemvw_body<TY, R, NW, U, M>(m, x, nullptr, rows, cols, row_bytes);                                \
-    }
+    })
 #define GEMVW_BOUNDS_2(NW) __launch_bounds__(NW * 32)
 #define GEMVW_BOUNDS_3(NW) __maxnreg__(128)
 #define GEMVW_ENTRY_Q(NAME, TY, R, NW, U, M)                                                              \
-    extern "C" __global__ void GEMVW_BOUNDS_##M(NW)                                                       \
+    FOR_TYPE(TY)(extern "C" __global__ void GEMVW_BOUNDS_##M(NW)                                                       \
         gemvw_##NAME##_r##R##_w##NW##_u##U##_m##M(GemvRows m, const float* x, const u8* xq, int rows,     \
                                                   int cols, int row_bytes) {                              \
         gemvw_body<TY, R, NW, U, M>(m, x, xq, rows, cols, row_bytes);                                     \
-    }
+    })
 
+// A type's module is built twice (LLMDIFF_QUANT_PART 1: matmul.cu's and gemv.cu's entry points;
+// 2: the warp-rows ones below, for the types that have them), so the two halves of the largest
+// module (Q4_K) compile in parallel; undefined: all.
+#if LLMDIFF_QUANT_PART != 1
 GEMVW_ENTRY(q4_k, TY_Q4_K, 1, 4, 2, 0)
 GEMVW_ENTRY(q4_k, TY_Q4_K, 1, 4, 4, 0)
 GEMVW_ENTRY(q4_k, TY_Q4_K, 2, 2, 2, 0)
@@ -201,6 +205,7 @@ GEMVW_ENTRY_Q(q4_k, TY_Q4_K, 8, 7, 1, 3)
 // word per warp goes to `out` (4 per block) so the loads are kept. Launched with PDL as the GEMVs
 // are, so back-to-back launches overlap as theirs do. Q4_K device layout, cols % 256 == 0; grid
 // ⌈rows/8⌉ blocks of 128 threads.
+#if LLMDIFF_TY_8  // TY_Q4_K: in the Q4_K module
 extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __restrict__ W, const u8* __restrict__ xq,
                                                                    int rows, int cols, int row_bytes, int pattern,
                                                                    u32* __restrict__ out) {
@@ -239,3 +244,5 @@ extern "C" __global__ void __launch_bounds__(128) gemv_read_probe(const u8* __re
     griddep_wait();  // the launch before it has stored (`out` is shared)
     if ((threadIdx.x & 31) == 0) out[blockIdx.x * 4 + (threadIdx.x >> 5)] = acc;
 }
+#endif
+#endif  // LLMDIFF_QUANT_PART != 1

@@ -299,6 +299,7 @@ __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int*
 }
 
 #define MATMUL_ENTRY(NAME, TY)                                                                            \
+    FOR_TYPE(TY)(                                                                                         \
     extern "C" __global__ void matvec_##NAME(const u8* W, const float* x, float* out, int rows, int cols, \
                                              int row_bytes, int n) {                                      \
         matmul_body<TY, 1>(W, x, out, rows, cols, row_bytes, n);                                          \
@@ -311,8 +312,9 @@ __device__ __forceinline__ void gather_body(const u8* __restrict__ W, const int*
                                              int row_bytes, int start, int n_rows) {                      \
         TRACE_BLOCK(TRACE_GATHER);                                                                        \
         gather_body<TY>(W, ids, out, n, cols, row_bytes, start, n_rows);                                  \
-    }
+    })
 
+#if LLMDIFF_QUANT_PART != 2  // see gemv_rows.cu
 MATMUL_ENTRY(f32, TY_F32)
 MATMUL_ENTRY(f16, TY_F16)
 MATMUL_ENTRY(bf16, TY_BF16)
@@ -327,4 +329,5 @@ MATMUL_ENTRY(q6_k, TY_Q6_K)
 MATMUL_ENTRY(iq4_nl, TY_IQ4_NL)
 MATMUL_ENTRY(iq4_xs, TY_IQ4_XS)
 MATMUL_ENTRY(mxfp4, TY_MXFP4)
+#endif
 

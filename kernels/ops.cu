@@ -553,3 +553,15 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, const flo
         }
     }
 }
+
+// The integer GEMV's x pre-pass (kernels/gemv.cu, "the integer form"): x as int8 limbs for the
+// quantized GEMVs of every type. A thread per 4 values (x_limbs4 in common.cuh); blocks of 256 threads.
+extern "C" __global__ void gemv_x_limbs(const float* __restrict__ x, u8* __restrict__ xq, int cols) {
+    TRACE_BLOCK(TRACE_X_LIMBS);
+    griddep_launch();  // the GEMV after it may start early (PDL, common.cuh)
+    const int i4 = blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = i4 < cols / 4;
+    const float4 v = live ? ((const float4*)x)[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x_limbs4(v, i4, xq, cols, live);
+}
+

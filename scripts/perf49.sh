@@ -11,7 +11,8 @@
 # (tables only) at MATMUL_THREADS (default: 1, 8, 16 and every logical CPU).
 # Steps (STEPS, space-separated; default all):
 #   ref      `logits --backend reference` on the 8B Q4_K shape, 58 tokens: wall, CPU, peak RSS
-#   cold     `logits --backend cuda` on the 8B shape: fresh (empty kernel caches), then cached
+#   cold     `logits --backend cuda` on the 8B shape: fresh (empty kernel caches), then cached;
+#            the modules each run compiled (its progress line) and the CUBINs cached after it
 #   diff8b   `diff-layers --backend cuda` on the 8B shape, 58 tokens, kernels cached; wall, CPU,
 #            peak RSS, the run document's stage timings (old, new, new, old)
 #   stop     the same with --stop-at-first and --n-layers 4 (new only)
@@ -78,8 +79,13 @@ if on cold; then
   bins | while read -r who bin; do
     rm -rf $W/kc-$who $W/jit-$who; mkdir -p $W/kc-$who $W/jit-$who
     for run in fresh cached; do
+      n0=$(grep -c 'CUDA kernel modules' $OUT/stderr.txt 2>/dev/null); n0=${n0:-0}
       LLMDIFF_KERNEL_CACHE=$W/kc-$who CUDA_CACHE_PATH=$W/jit-$who \
         timed cold-$run $who $bin logits $M/8b.gguf --tokens 1,2,3,4,5,6,7,8 --backend cuda
+      # The progress line of this run (the modules it compiled, on how many threads) and what the
+      # cache holds after it (new: the modules of the model's types only, e.g. 11 for Q4_K + Q6_K).
+      line=$(grep 'CUDA kernel modules' $OUT/stderr.txt 2>/dev/null | tail -n +$((n0 + 1)) | tail -1)
+      echo "  $who $run: ${line:-nothing compiled}; $(ls $W/kc-$who | grep -c cubin) CUBINs cached" | tee -a $LOG
     done
   done
 fi

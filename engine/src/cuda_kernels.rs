@@ -4,57 +4,145 @@
 
 use references::GgmlType;
 
-/// Code shared by every module (fixed-width types, f16 decoding, warp and block reductions).
+/// Code shared by every module (fixed-width types, f16 decoding, warp and block reductions, the
+/// per-type gate `FOR_TYPE`).
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 
-/// One NVRTC module.
+/// One NVRTC module. The quantized products and the prefill GEMM are built once per weight type
+/// (the same sources, with `LLMDIFF_TY_<id>` defined for the type: `FOR_TYPE` in
+/// `kernels/common.cuh` keeps that type's entry points only), so a model compiles the modules of
+/// its own weight types ([`KernelId::for_types`]), each on its own thread.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
-    /// Quantized matvec/matmul and the embedding gather (`kernels/matmul.cu`), and the one-token
-    /// GEMV (`kernels/gemv.cu`: per-unit decode, the integer form, x-stationary; `kernels/gemv_rows.cu`:
-    /// warp-rows), one module over their shared decoders.
-    Quant,
-    /// RMSNorm, RoPE, SwiGLU, GeGLU, soft-cap, scale, bias add, all-reduce sum, and the data movement of device-resident
-    /// activations (`kernels/ops.cu`).
+    /// RMSNorm, RoPE, SwiGLU, GeGLU, soft-cap, scale, bias add, all-reduce sum, the data movement
+    /// of device-resident activations, and the integer GEMV's x pre-pass (`kernels/ops.cu`).
     Ops,
-    /// GQA and MLA attention over a KV cache (`kernels/attention.cu`).
+    /// GQA and MLA attention over a KV cache per (token, head), and GQA decode split over the
+    /// context (`kernels/attention.cu` with `LLMDIFF_ATTN_PART` 1).
     Attention,
-    /// The tensor-core GEMM for prefill (n > 1) with Q4_K, Q8_0 and Q4_1 weights, and its x
-    /// pre-pass (`kernels/gemm.cu`; host side in `cuda/gemm.rs`).
-    Gemm,
+    /// GQA prefill attention, tiled on CUDA cores and on tensor cores (`kernels/attention.cu` with
+    /// `LLMDIFF_ATTN_PART` 2).
+    AttentionTiled,
+    /// One weight type's (of [`GPU_TYPES`]) quantized matvec/matmul and embedding gather
+    /// (`kernels/matmul.cu`) and x-stationary one-token GEMVs (`kernels/gemv.cu`), built from
+    /// `matmul.cu`, `gemv.cu` and `gemv_rows.cu` (their shared decoders) with `LLMDIFF_QUANT_PART` 1.
+    Quant(GgmlType),
+    /// One weight type's warp-rows one-token GEMVs (`kernels/gemv_rows.cu`; the same three files
+    /// with `LLMDIFF_QUANT_PART` 2), for the types that have them ([`has_rows`]).
+    QuantRows(GgmlType),
+    /// One weight type's (of [`GEMM_TYPES`]) tensor-core GEMM for prefill (n > 1) (`kernels/gemm.cu`;
+    /// host side in `cuda/gemm.rs`).
+    Gemm(GgmlType),
+    /// The GEMM's x pre-passes, shared by every type (`kernels/gemm.cu` with `LLMDIFF_GEMM_X`).
+    GemmX,
 }
 
-impl KernelId {
-    pub const ALL: [KernelId; 4] = [KernelId::Quant, KernelId::Ops, KernelId::Attention, KernelId::Gemm];
+/// The weight types with a tensor-core prefill GEMM (`GEMM_ENTRY` in `kernels/gemm.cu`).
+pub const GEMM_TYPES: [GgmlType; 5] = [
+    GgmlType::Q4K,
+    GgmlType::Q8_0,
+    GgmlType::Q4_1,
+    GgmlType::F16,
+    GgmlType::Q6K,
+];
 
-    /// The module's name in messages: its source file under `kernels/`, or its files joined by `+`.
-    pub fn file(self) -> &'static str {
+impl KernelId {
+    /// Every module: the type-free ones, then per weight type its products, warp-rows GEMVs
+    /// (where it has them) and prefill GEMM (where it has one).
+    pub fn all() -> Vec<KernelId> {
+        [
+            KernelId::Ops,
+            KernelId::Attention,
+            KernelId::AttentionTiled,
+            KernelId::GemmX,
+        ]
+        .into_iter()
+        .chain(GPU_TYPES.map(KernelId::Quant))
+        .chain(GPU_TYPES.into_iter().filter(|&t| has_rows(t)).map(KernelId::QuantRows))
+        .chain(GEMM_TYPES.map(KernelId::Gemm))
+        .collect()
+    }
+
+    /// The modules a model whose tensors have `types` uses: ops, attention and the f32 products
+    /// (f32 weights, and those of the types dequantized to f32 on upload) always; each GPU type's
+    /// products and warp-rows GEMVs; each GEMM type's GEMM with the pre-passes. In
+    /// [`KernelId::all`]'s order.
+    pub fn for_types(types: &[GgmlType]) -> Vec<KernelId> {
+        KernelId::all()
+            .into_iter()
+            .filter(|id| match *id {
+                KernelId::Ops | KernelId::Attention | KernelId::AttentionTiled | KernelId::Quant(GgmlType::F32) => true,
+                KernelId::Quant(t) | KernelId::QuantRows(t) | KernelId::Gemm(t) => types.contains(&t),
+                KernelId::GemmX => types.iter().any(|t| GEMM_TYPES.contains(t)),
+            })
+            .collect()
+    }
+
+    /// The module's short name (cache files, timings): `ops`, `attention`, `attention_tiled`,
+    /// `quant_<type>`, `quant_rows_<type>`, `gemm_<type>`, `gemm_x`.
+    pub fn name(self) -> String {
+        let suffix = |t: GgmlType| type_suffix(t).unwrap_or("unknown");
         match self {
-            KernelId::Quant => "matmul.cu+gemv.cu+gemv_rows.cu",
-            KernelId::Ops => "ops.cu",
-            KernelId::Attention => "attention.cu",
-            KernelId::Gemm => "gemm.cu",
+            KernelId::Ops => "ops".into(),
+            KernelId::Attention => "attention".into(),
+            KernelId::AttentionTiled => "attention_tiled".into(),
+            KernelId::Quant(t) => format!("quant_{}", suffix(t)),
+            KernelId::QuantRows(t) => format!("quant_rows_{}", suffix(t)),
+            KernelId::Gemm(t) => format!("gemm_{}", suffix(t)),
+            KernelId::GemmX => "gemm_x".into(),
         }
+    }
+
+    /// The module's name in messages: its name, then its source files under `kernels/` joined by `+`.
+    pub fn file(self) -> String {
+        let files: Vec<&str> = self.files().iter().map(|(n, _)| *n).collect();
+        format!("{} ({})", self.name(), files.join("+"))
     }
 
     /// The module's source files under `kernels/`, in compile order, each (name, text).
     pub fn files(self) -> &'static [(&'static str, &'static str)] {
         match self {
-            KernelId::Quant => &[
+            KernelId::Quant(_) | KernelId::QuantRows(_) => &[
                 ("matmul.cu", include_str!("../../kernels/matmul.cu")),
                 ("gemv.cu", include_str!("../../kernels/gemv.cu")),
                 ("gemv_rows.cu", include_str!("../../kernels/gemv_rows.cu")),
             ],
             KernelId::Ops => &[("ops.cu", include_str!("../../kernels/ops.cu"))],
-            KernelId::Attention => &[("attention.cu", include_str!("../../kernels/attention.cu"))],
-            KernelId::Gemm => &[("gemm.cu", include_str!("../../kernels/gemm.cu"))],
+            KernelId::Attention | KernelId::AttentionTiled => {
+                &[("attention.cu", include_str!("../../kernels/attention.cu"))]
+            }
+            KernelId::Gemm(_) | KernelId::GemmX => &[("gemm.cu", include_str!("../../kernels/gemm.cu"))],
         }
     }
 
-    /// The source NVRTC compiles: [`COMMON`], then the module's files in order, each after a
-    /// `#line` naming it (so a compile error names the file and line).
+    /// The module's preprocessor definitions, written at the top of its source: the type gate
+    /// `LLMDIFF_TY_<id>` (the type's `TY_*` id, its index in [`GPU_TYPES`]), the part of a file
+    /// built (`LLMDIFF_QUANT_PART`, `LLMDIFF_ATTN_PART`), or `LLMDIFF_GEMM_X`.
+    pub fn defines(self) -> Vec<(String, &'static str)> {
+        let ty = |t: GgmlType| {
+            let id = GPU_TYPES.iter().position(|&g| g == t).unwrap_or(usize::MAX);
+            (format!("LLMDIFF_TY_{id}"), "1")
+        };
+        match self {
+            KernelId::Quant(t) => vec![ty(t), ("LLMDIFF_QUANT_PART".into(), "1")],
+            KernelId::QuantRows(t) => vec![ty(t), ("LLMDIFF_QUANT_PART".into(), "2")],
+            KernelId::Gemm(t) => vec![ty(t)],
+            KernelId::GemmX => vec![("LLMDIFF_GEMM_X".into(), "1")],
+            KernelId::Attention => vec![("LLMDIFF_ATTN_PART".into(), "1")],
+            KernelId::AttentionTiled => vec![("LLMDIFF_ATTN_PART".into(), "2")],
+            KernelId::Ops => Vec::new(),
+        }
+    }
+
+    /// The source NVRTC compiles: the module's [`defines`](KernelId::defines), [`COMMON`], then
+    /// the module's files in order, each after a `#line` naming it (so a compile error names the
+    /// file and line). Everything that decides the module's code but the NVRTC options and arch.
     pub fn full_source(self) -> String {
-        let mut s = format!("{COMMON}\n");
+        let mut s = String::new();
+        for (name, value) in self.defines() {
+            s.push_str(&format!("#define {name} {value}\n"));
+        }
+        s.push_str(&format!("#line 1 \"common.cuh\"\n{COMMON}\n"));
         for (name, text) in self.files() {
             s.push_str(&format!("#line 1 \"{name}\"\n{text}"));
         }
@@ -64,14 +152,23 @@ impl KernelId {
     /// The `extern "C"` entry points the module defines.
     pub fn functions(self) -> Vec<String> {
         match self {
-            KernelId::Quant => GPU_TYPES
+            KernelId::Quant(ty) => {
+                let s = type_suffix(ty).unwrap_or("unknown");
+                [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
+                    .into_iter()
+                    .chain(
+                        GEMV_VARIANTS
+                            .iter()
+                            .filter(|v| v.ty == ty && v.kind == GemvKind::Xs)
+                            .map(|v| v.entry()),
+                    )
+                    .collect()
+            }
+            KernelId::QuantRows(ty) => GEMV_VARIANTS
                 .iter()
-                .flat_map(|&t| {
-                    let s = type_suffix(t).expect("GPU_TYPES have suffixes");
-                    [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")]
-                })
-                .chain(GEMV_VARIANTS.iter().map(|v| v.entry()))
-                .chain(["gemv_x_limbs", "gemv_read_probe"].map(String::from))
+                .filter(|v| v.ty == ty && v.kind == GemvKind::Wr)
+                .map(|v| v.entry())
+                .chain((ty == GgmlType::Q4K).then(|| "gemv_read_probe".to_string()))
                 .collect(),
             KernelId::Ops => [
                 "rms_norm",
@@ -96,6 +193,7 @@ impl KernelId {
                 "set_i32",
                 "nop",
                 "moe_route",
+                "gemv_x_limbs",
             ]
             .map(String::from)
             .to_vec(),
@@ -104,11 +202,6 @@ impl KernelId {
                 "gqa_attention_dpos",
                 "gqa_attention_masked",
                 "mla_attention",
-                "gqa_attn_tiled_64",
-                "gqa_attn_tiled_128",
-                "gqa_attn_tiled_256",
-                "gqa_attn_tc_64",
-                "gqa_attn_tc_128",
                 "gqa_split_128",
                 "gqa_split_128_dpos",
                 "gqa_split_256",
@@ -120,23 +213,30 @@ impl KernelId {
             ]
             .map(String::from)
             .to_vec(),
-            KernelId::Gemm => [
-                "gemm_split_x",
-                "gemm2_split_x",
-                "gemm6_split_x",
-                "gemm2_q4_k",
-                "gemm2_q4_k_n64",
-                "gemm2_q6_k",
-                "gemm2_q6_k_n64",
+            KernelId::AttentionTiled => [
+                "gqa_attn_tiled_64",
+                "gqa_attn_tiled_128",
+                "gqa_attn_tiled_256",
+                "gqa_attn_tc_64",
+                "gqa_attn_tc_128",
             ]
             .map(String::from)
-            .into_iter()
-            .chain(
-                ["q4_k", "q8_0", "q4_1", "f16", "q6_k"]
-                    .iter()
-                    .flat_map(|t| [format!("gemm_{t}"), format!("gemm_{t}_n32")]),
-            )
-            .collect(),
+            .to_vec(),
+            KernelId::Gemm(ty) => {
+                let s = type_suffix(ty).unwrap_or("unknown");
+                let v2: &[&str] = match ty {
+                    GgmlType::Q4K => &["gemm2_q4_k", "gemm2_q4_k_n64"],
+                    GgmlType::Q6K => &["gemm2_q6_k", "gemm2_q6_k_n64"],
+                    _ => &[],
+                };
+                [format!("gemm_{s}"), format!("gemm_{s}_n32")]
+                    .into_iter()
+                    .chain(v2.iter().map(|f| f.to_string()))
+                    .collect()
+            }
+            KernelId::GemmX => ["gemm_split_x", "gemm2_split_x", "gemm6_split_x"]
+                .map(String::from)
+                .to_vec(),
         }
     }
 }
@@ -400,6 +500,11 @@ pub const GPU_TYPES: [GgmlType; 14] = [
     GgmlType::MXFP4,
 ];
 
+/// Whether a weight type has warp-rows GEMVs (its [`KernelId::QuantRows`] module).
+pub fn has_rows(ty: GgmlType) -> bool {
+    GEMV_VARIANTS.iter().any(|v| v.ty == ty && v.kind == GemvKind::Wr)
+}
+
 /// The entry-point suffix for a weight type with a GPU decoder.
 pub fn type_suffix(ty: GgmlType) -> Option<&'static str> {
     Some(match ty {
@@ -427,7 +532,7 @@ mod tests {
 
     #[test]
     fn every_entry_point_is_defined_in_its_source() {
-        for id in KernelId::ALL {
+        for id in KernelId::all() {
             let src = id.full_source();
             for f in id.functions() {
                 // `void f(`, or `void __launch_bounds__(N) f(`.
@@ -494,8 +599,108 @@ mod tests {
                         })
                     };
                 assert!(defined, "{f} not defined in {}", id.file());
+                // Each entry point sits inside its module's gate, which the compile checks
+                // (`nvrtc_compile_times` in cuda/compile.rs); here: the gate's define is set.
+                if let KernelId::Quant(t) | KernelId::QuantRows(t) | KernelId::Gemm(t) = id {
+                    assert!(src.contains(&format!(
+                        "#define LLMDIFF_TY_{} 1",
+                        GPU_TYPES.iter().position(|&g| g == t).unwrap()
+                    )));
+                }
             }
         }
+    }
+
+    #[test]
+    fn every_entry_point_has_exactly_one_module() {
+        let mut seen = std::collections::HashMap::new();
+        for id in KernelId::all() {
+            for f in id.functions() {
+                if let Some(other) = seen.insert(f.clone(), id) {
+                    panic!("{f} is in {other:?} and {id:?}");
+                }
+            }
+        }
+        // Every type's products and GEMVs, the pre-passes, and nothing of one type in another's module.
+        for ty in GPU_TYPES {
+            let s = type_suffix(ty).unwrap();
+            for f in [format!("matvec_{s}"), format!("matmul_{s}"), format!("gather_{s}")] {
+                assert_eq!(seen.get(&f), Some(&KernelId::Quant(ty)), "{f}");
+            }
+        }
+        for v in GEMV_VARIANTS {
+            let want = match v.kind {
+                GemvKind::Xs => KernelId::Quant(v.ty),
+                GemvKind::Wr => KernelId::QuantRows(v.ty),
+            };
+            assert_eq!(seen.get(&v.entry()), Some(&want), "{}", v.entry());
+        }
+        for ty in GEMM_TYPES {
+            let s = type_suffix(ty).unwrap();
+            assert_eq!(seen.get(&format!("gemm_{s}")), Some(&KernelId::Gemm(ty)));
+        }
+        for f in [
+            "gemv_x_limbs",
+            "gemm_split_x",
+            "gemm2_split_x",
+            "gemm6_split_x",
+            "gemv_read_probe",
+        ] {
+            assert!(seen.contains_key(f), "{f}");
+        }
+        assert_eq!(
+            seen.len(),
+            14 * 3 + GEMV_VARIANTS.len() + 22 + 1 + 12 + 5 + 5 * 2 + 4 + 3 + 1
+        );
+    }
+
+    #[test]
+    fn a_model_compiles_the_modules_of_its_weight_types() {
+        use GgmlType::*;
+        use KernelId::*;
+        let base = [Ops, Attention, AttentionTiled];
+        // The 8B Q4_K shape: f32 norms, Q4_K, and Q6_K (output head, some v/down).
+        let q4k = KernelId::for_types(&[F32, Q4K, Q6K, Q4K]);
+        let want: Vec<KernelId> = base
+            .into_iter()
+            .chain([
+                GemmX,
+                Quant(F32),
+                Quant(Q4K),
+                Quant(Q6K),
+                QuantRows(Q4K),
+                QuantRows(Q6K),
+            ])
+            .chain([Gemm(Q4K), Gemm(Q6K)])
+            .collect();
+        assert_eq!(q4k, want);
+        // Types dequantized on upload need the f32 products only; no GEMM type, no pre-passes.
+        let q2k = KernelId::for_types(&[Q2K, F32]);
+        assert_eq!(q2k, base.into_iter().chain([Quant(F32)]).collect::<Vec<_>>());
+        // Q5_K has no warp-rows GEMVs and no GEMM.
+        assert_eq!(KernelId::for_types(&[Q5K]).last(), Some(&Quant(Q5K)));
+        assert_eq!(KernelId::all().len(), 4 + GPU_TYPES.len() + 6 + GEMM_TYPES.len());
+        assert!(KernelId::all()
+            .iter()
+            .all(|&id| KernelId::for_types(&GPU_TYPES).contains(&id)));
+    }
+
+    #[test]
+    fn every_module_has_its_own_source_and_name() {
+        // The disk cache keys a module by its full source (defines included) and names it.
+        let all = KernelId::all();
+        for (i, a) in all.iter().enumerate() {
+            let src = a.full_source();
+            for (name, value) in a.defines() {
+                assert!(src.starts_with("#define ") && src.contains(&format!("#define {name} {value}\n")));
+            }
+            for b in &all[i + 1..] {
+                assert_ne!(src, b.full_source(), "{a:?} {b:?}");
+                assert_ne!(a.name(), b.name());
+            }
+        }
+        assert_eq!(KernelId::QuantRows(GgmlType::Q4K).name(), "quant_rows_q4_k");
+        assert_eq!(KernelId::QuantRows(GgmlType::Q4K).defines()[0].0, "LLMDIFF_TY_8");
     }
 
     #[test]

@@ -299,7 +299,15 @@ impl Engine {
         let mut backend: Box<dyn Backend> = match opts.backend {
             BackendKind::Cpu => Box::new(CpuBackend),
             #[cfg(feature = "cuda")]
-            BackendKind::Cuda => crate::cuda::backend_for(opts.tp, &opts.cuda)?,
+            BackendKind::Cuda => {
+                // Compile the kernels of the model's weight types up front.
+                let mut cuda = opts.cuda.clone();
+                cuda.weight_types.get_or_insert_with(|| {
+                    let types: std::collections::BTreeSet<_> = file.tensors().iter().map(|t| t.ty).collect();
+                    types.into_iter().collect()
+                });
+                crate::cuda::backend_for(opts.tp, &cuda)?
+            }
             #[cfg(not(feature = "cuda"))]
             BackendKind::Cuda => {
                 return Err(EngineError::Cuda(

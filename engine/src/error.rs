@@ -28,7 +28,7 @@ pub enum EngineError {
     #[error("cuda: {0}")]
     Cuda(String),
     #[error("kernel {kernel} does not compile: {msg}")]
-    KernelCompile { kernel: &'static str, msg: String },
+    KernelCompile { kernel: String, msg: String },
     #[error("options: {0}")]
     Options(String),
     #[error("unsupported: {0}")]

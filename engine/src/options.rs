@@ -227,6 +227,11 @@ pub struct CudaOptions {
     /// by a hash of their source, compile options, device architecture and NVRTC version; `None`
     /// compiles every run. Only [`CudaOptions::from_env`] sets it: a default engine never touches the disk.
     pub kernel_cache: Option<std::path::PathBuf>,
+    /// The weight types of the model the backend will run: the kernel modules of these types
+    /// (and those every model uses) are compiled when the backend opens, any other on first use;
+    /// `None` compiles every module (`kernels --check`). [`crate::Engine::load`] sets it from the
+    /// model file when unset.
+    pub weight_types: Option<Vec<references::GgmlType>>,
     /// Told, before a long step, what the backend is doing (e.g. "compiling 9 CUDA kernel
     /// modules"); the engine itself never prints.
     pub progress: Option<fn(&str)>,
@@ -240,6 +245,7 @@ impl Default for CudaOptions {
             kernel_trace: false,
             disable: CudaDisable::default(),
             kernel_cache: None,
+            weight_types: None,
             progress: None,
         }
     }

@@ -147,7 +147,7 @@ impl XLimbs<'_> {
 }
 
 /// The f32 words of the integer GEMV's x limbs for `cols` values: three int8 planes, a scale per
-/// 32 values and a sum per 8 (`gemv_x_limbs` in kernels/gemv.cu).
+/// 32 values and a sum per 8 (`gemv_x_limbs` in kernels/ops.cu).
 pub(super) fn limbs_words(cols: usize) -> usize {
     3 * cols / 4 + cols / 32 + cols / 8
 }
@@ -515,7 +515,7 @@ impl CudaBackend {
         }
     }
 
-    /// The x pre-pass of the integer GEMV (modes 2 and 3, `gemv_x_limbs` in kernels/gemv.cu):
+    /// The x pre-pass of the integer GEMV (modes 2 and 3, `gemv_x_limbs` in kernels/ops.cu):
     /// x's three int8 limb planes (cols bytes each), its scale per 32 values and Σx per 8 values
     /// (f32), in pooled scratch that goes back to the pool when dropped (after the launches that
     /// use it are enqueued on this stream).
@@ -530,7 +530,7 @@ impl CudaBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches gemv_x_limbs in kernels/gemv.cu: x has cols floats (cols % 32 == 0), q
+        // SAFETY: matches gemv_x_limbs in kernels/ops.cu: x has cols floats (cols % 32 == 0), q
         // 3·cols bytes then cols/32 + cols/8 floats (a whole pooled allocation, 16-byte aligned).
         ok(unsafe { b.launch(cfg) });
         q

@@ -79,7 +79,7 @@ use crate::cuda_kernels::{pair_nw, type_suffix, GemvKind, GemvVariant, KernelId,
 use crate::moe_route::{route, Route};
 use crate::options::{ComputeDtype, CudaDisable, CudaOptions};
 use crate::EngineError;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg};
 use references::config::{Gating, MoeConfig};
 use references::GgmlType;
 use std::collections::HashMap;
@@ -107,7 +107,7 @@ pub use gemm::GemmBench;
 pub use nccl::NcclBackend;
 
 use self::compile::arch_name;
-pub use self::compile::compile_all;
+pub use self::compile::compile_modules;
 #[allow(unused_imports)]
 use self::{buffers::*, check::*, gemv::*, graph::*, ops::*};
 
@@ -211,7 +211,8 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     device: String,
     arch: &'static str,
-    funcs: HashMap<String, CudaFunction>,
+    /// The kernel entry points by name, their modules loaded up front or on first use (`compile.rs`).
+    funcs: compile::Kernels,
     /// The one stream all of this device's work goes on (see the module docs).
     stream: Arc<CudaStream>,
     weights: Mutex<HashMap<(usize, usize), Arc<DevWeight>>>,
@@ -274,7 +275,8 @@ impl CudaBackend {
         .map_or(0, |n| n.max(0) as usize)
     }
 
-    /// Opens device `ordinal` and compiles every kernel module for it, with the kernel trace
+    /// Opens device `ordinal` and compiles the kernel modules of `opts.weight_types` (every module
+    /// where it is `None`; any other is compiled on first use), with the kernel trace
     /// compiled in when `opts.kernel_trace` (see `trace.rs`; `Backend::kernel_trace_take` reads it).
     pub fn on_device(ordinal: usize, opts: &CudaOptions) -> Result<CudaBackend, EngineError> {
         let trace = opts.kernel_trace;
@@ -322,45 +324,12 @@ impl CudaBackend {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_or(48 << 10, |b| b.max(48 << 10) as usize);
         let trace = trace.then(|| trace::KernelTrace::new(&stream)).transpose()?;
-        let mut funcs = HashMap::new();
-        for (id, ptx) in KernelId::ALL.into_iter().zip(compile_all(arch, trace.is_some(), opts)?) {
-            let module = ctx
-                .load_module(ptx)
-                .map_err(drv(&format!("loading kernel module {}", id.file())))?;
-            if let Some(t) = &trace {
-                t.attach(&module, &stream)?;
-            }
-            for f in id.functions() {
-                let func = module
-                    .load_function(&f)
-                    .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                // Dynamic shared memory: the whole opt-in limit for the kernels that stage in it.
-                let smem =
-                    (f.starts_with("gqa_attn_tiled_") || f.starts_with("gqa_attn_tc_") || f.starts_with("gemm2_q"))
-                        .then_some(attn_smem_max);
-                if let Some(bytes) = smem {
-                    // Static shared memory (the kernel trace's word, where compiled in) counts
-                    // against the same limit.
-                    let fixed = func
-                        .get_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-                        .map_err(drv(&format!("static shared memory of {f}")))?
-                        .max(0) as usize;
-                    let bytes = bytes.min(attn_smem_max.saturating_sub(fixed));
-                    func.set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        bytes as i32,
-                    )
-                    .map_err(drv(&format!("shared memory size of {f}")))?;
-                }
-                funcs.insert(f, func);
-            }
-        }
         let d = opts.disable;
-        Ok(CudaBackend {
+        let be = CudaBackend {
             ctx,
             device,
             arch,
-            funcs,
+            funcs: compile::Kernels::new(opts, attn_smem_max),
             stream,
             weights: Mutex::new(HashMap::new()),
             sms,
@@ -381,7 +350,19 @@ impl CudaBackend {
             trace: trace.map(Mutex::new),
             norm_split: AtomicUsize::new(if d.norm_split { 1 } else { NORM_SPLIT_DEFAULT }),
             norm_arrive,
-        })
+        };
+        // The modules of the model's weight types (and those every model uses), or all of them.
+        let wanted = match &opts.weight_types {
+            Some(types) => KernelId::for_types(types),
+            None => KernelId::all(),
+        };
+        be.load_modules(&wanted)?;
+        Ok(be)
+    }
+
+    /// The kernel modules loaded so far (all of them after [`CudaBackend::new`]).
+    pub fn modules_loaded(&self) -> Vec<KernelId> {
+        self.funcs.loaded()
     }
 
     pub(crate) fn context(&self) -> &Arc<CudaContext> {
@@ -391,12 +372,6 @@ impl CudaBackend {
     /// The device's name and the arch the kernels were compiled for.
     pub fn device(&self) -> (&str, &'static str) {
         (&self.device, self.arch)
-    }
-
-    fn func(&self, name: &str) -> &CudaFunction {
-        self.funcs
-            .get(name)
-            .unwrap_or_else(|| panic!("cuda: kernel {name} is not in the module list"))
     }
 
     /// The device's stream.

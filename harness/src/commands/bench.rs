@@ -110,6 +110,9 @@ fn print_trace(t: &serde_json::Value) {
 pub fn run(a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let backend = a.engine.backend_or(BackendArg::Reference);
     let (kind, mut opts) = a.engine.engine_options(backend)?;
+    if a.json {
+        opts.cuda.progress = None; // the kernel compile note: quiet under --json
+    }
     opts.cuda.kernel_trace = a.trace.is_some();
     if a.n_prompt == 0 || a.reps == 0 {
         bail!("--n-prompt and --reps must be at least 1");

@@ -23,6 +23,9 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         bail!("diff-layers compares an engine backend (cpu, cuda) with the reference; --backend reference has nothing to diff");
     }
     let (_, mut engine) = a.engine.engine_options(backend)?;
+    if a.json {
+        engine.cuda.progress = None; // the kernel compile note: quiet under --json
+    }
     engine.n_layers = n_layers(a, &file)?;
     let tolerances = tolerances(a, &file)?;
     let tokens = input_tokens(&file, &a.input.as_input())?;

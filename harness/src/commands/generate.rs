@@ -28,7 +28,10 @@ pub struct Generated {
 
 /// Runs the greedy continuation `a` asks for.
 pub fn generate(a: &GenerateArgs) -> anyhow::Result<Generated> {
-    let (kind, opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Cpu))?;
+    let (kind, mut opts) = a.engine.engine_options(a.engine.backend_or(BackendArg::Cpu))?;
+    if a.json {
+        opts.cuda.progress = None; // the kernel compile note: quiet under --json
+    }
     let file = open_model(&a.model)?;
     let prompt = input_tokens(&file, &a.input)?;
     let tokenizer = Tokenizer::for_model(&file).ok();

@@ -36,11 +36,12 @@ pub fn run(a: &KernelsArgs) -> anyhow::Result<ExitCode> {
     let mut doc = json!({"device": device, "arch": arch, "backend": "cuda"});
     let mut failed = 0;
     if a.check {
-        let modules: Vec<_> = KernelId::ALL
-            .iter()
-            .map(|id| json!({"module": id.file(), "functions": id.functions().len(), "compiled": true}))
+        let loaded = be.modules_loaded();
+        let modules: Vec<_> = KernelId::all()
+            .into_iter()
+            .map(|id| json!({"module": id.file(), "functions": id.functions().len(), "compiled": loaded.contains(&id)}))
             .collect();
-        for id in KernelId::ALL {
+        for &id in &loaded {
             eprintln!("compiled {} ({} entry points)", id.file(), id.functions().len());
         }
         let checks = be.self_check();

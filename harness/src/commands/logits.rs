@@ -27,7 +27,10 @@ pub fn input_tokens(file: &GgufFile, input: &InputArgs) -> anyhow::Result<Vec<u3
 
 pub fn run(a: &LogitsArgs) -> anyhow::Result<ExitCode> {
     let backend = a.engine.backend_or(BackendArg::Reference);
-    let (kind, opts) = a.engine.engine_options(backend)?;
+    let (kind, mut opts) = a.engine.engine_options(backend)?;
+    if a.json {
+        opts.cuda.progress = None; // the kernel compile note: quiet under --json
+    }
     let file = open_model(&a.model)?;
     let tokens = input_tokens(&file, &a.input)?;
     let logits = Runner::new(&file, kind, opts)?.logits(&tokens, &mut NoTap)?;
