@@ -57,7 +57,11 @@ fn sglang_dumper_healthy_agrees_with_every_tensor_compared() {
     assert_eq!(t.tensors, 15 * TP);
     assert!(!t.compared.contains_key("partial-unchecked"), "{:?}", t.compared);
     for kind in ["replicated", "replica", "sharded", "partial"] {
-        assert!(t.compared.get(kind).copied().unwrap_or(0) > 0, "{kind}: {:?}", t.compared);
+        assert!(
+            t.compared.get(kind).copied().unwrap_or(0) > 0,
+            "{kind}: {:?}",
+            t.compared
+        );
     }
     // The layouts come from SGLang's dims annotations and the module table, per rank.
     assert_eq!(
@@ -78,14 +82,29 @@ fn sglang_dumper_faults_are_found_at_their_tap_and_rank() {
     let zero = diff("attn-zero-r1");
     let first = zero.first_divergence.as_ref().expect("diverged");
     let d = zero.diagnosis.as_ref().unwrap();
-    assert_eq!((first.tap.as_str(), d.class.as_str()), ("blk.1.attn_out@r1", "stale-output"), "{d:?}");
+    assert_eq!(
+        (first.tap.as_str(), d.class.as_str()),
+        ("blk.1.attn_out@r1", "stale-output"),
+        "{d:?}"
+    );
 
     // Ranks 0 and 1 hold each other's o_proj shard: no weights in an SGLang dump, so the
     // per-rank partials name it from the activations alone.
     let swap = diff("oproj-swap-r01");
-    assert_eq!(swap.verdict, "diverged");
+    let first = swap.first_divergence.as_ref().expect("diverged");
     let d = swap.diagnosis.as_ref().unwrap();
-    assert_eq!(d.class, "head-permutation", "{d:?}");
+    assert_eq!(
+        (first.tap.as_str(), d.class.as_str()),
+        ("blk.1.attn_proj@r0", "head-permutation"),
+        "{d:?}"
+    );
+    // Rank 2 computes its own shard: its partial agrees.
+    let r2 = swap
+        .taps
+        .iter()
+        .find(|r| r.tap == "blk.1.attn_proj@r2")
+        .expect("rank 2's partial compared");
+    assert!(r2.metrics.rel_l2 < 1e-4, "{:e}", r2.metrics.rel_l2);
     let t = swap.tp_layout.as_ref().unwrap();
     for line in [
         "rank 0 holds rank 1's o_proj shard",
