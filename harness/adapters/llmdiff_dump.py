@@ -27,9 +27,9 @@ holds). transformers 5 all-reduces inside the module's forward, so forward hooks
 output; the partials are taken by wrapping `torch.distributed.all_reduce`.
 
 Module maps: HF_LLAMA and HF_DEEPSEEK_V3 run here (tests/peers/hf_dump_smollm2.py).
-VLLM_LLAMA and VLLM_DEEPSEEK_V2 are offered for users to try and were NOT run here (no vLLM on
-these machines): vLLM fuses q/k/v (qkv_proj) and gate/up (gate_up_proj), so those are split by
-width, and its rotary runs in place inside the attention op.
+VLLM_LLAMA, VLLM_QWEN3 and VLLM_DEEPSEEK_V2 come from vllm_sites.json; their module paths,
+classes, fused splits and layouts were checked against vLLM's model classes built on the meta
+device (tests/peers/vllm_map_check.py), but no vLLM forward was run here (no GPU).
 """
 import json
 import re
@@ -77,28 +77,22 @@ HF_DEEPSEEK_V3 = {
     "logits": ("lm_head", "out"),
 }
 
-# Not run here (no vLLM on these machines). qkv_proj / gate_up_proj outputs are fused: split them
-# yourself or leave q/k/v/ffn_gate/ffn_up out (they are then listed as missing, not guessed).
-VLLM_LLAMA = {
-    "embed": ("model.embed_tokens", "out"),
-    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
-    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
-    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
-    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
-    "ffn_out": ("model.layers.{i}.mlp", "out"),
-    "output_norm": ("model.norm", "out"),
-}
-VLLM_DEEPSEEK_V2 = {
-    "embed": ("model.embed_tokens", "out"),
-    "attn_norm": ("model.layers.{i}.input_layernorm", "out"),
-    "q_a": ("model.layers.{i}.self_attn.q_a_proj", "out"),
-    "kv_latent": ("model.layers.{i}.self_attn.kv_a_layernorm", "out"),
-    "attn_out": ("model.layers.{i}.self_attn.o_proj", "in"),
-    "attn_proj": ("model.layers.{i}.self_attn.o_proj", "out"),
-    "ffn_norm": ("model.layers.{i}.post_attention_layernorm", "out"),
-    "ffn_out": ("model.layers.{i}.mlp", "out"),
-    "output_norm": ("model.norm", "out"),
-}
+# vLLM's module maps are data (vllm_sites.json beside this file), checked against vLLM's real model
+# classes on the meta device by tests/peers/vllm_map_check.py: fused qkv_proj / gate_up_proj are
+# split by the module's own output_sizes, RMSNorm's (normed, residual) pair and the decoder
+# layer's deferred residual add are taken apart (see "where" in the file).
+def _vllm_maps():
+    import os
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_sites.json")) as fh:
+        doc = json.load(fh)
+    return {fam: {site: (v[0], v[1]) for site, v in spec["sites"].items()}
+            for fam, spec in doc.items() if not fam.startswith("_")}
+
+
+VLLM_MAPS = _vllm_maps()
+VLLM_LLAMA = VLLM_MAPS["llama"]
+VLLM_QWEN3 = VLLM_MAPS["qwen3"]
+VLLM_DEEPSEEK_V2 = VLLM_MAPS["deepseek_v2"]
 
 # Family taps. Gemma 2/3 with `final_logit_softcapping` cap the logits after lm_head: HF's
 # lm_head output is `logits_pre_cap`, and the capped `logits` (the model's output) have no
@@ -114,6 +108,33 @@ def _first(x):
     while isinstance(x, (tuple, list)):
         x = x[0]
     return x
+
+
+def _take(where, mod, o):
+    """The tensor `where` names in a module's output (see vllm_sites.json): "out", "out.N",
+    "out.N:split(K)" (a fused output split by the module's output_sizes / tp), "out:sum"."""
+    if where == "out:sum":
+        parts = [t for t in o if isinstance(t, torch.Tensor)] if isinstance(o, (tuple, list)) else [o]
+        return sum(parts[1:], parts[0])
+    m = re.fullmatch(r"out(?:\.(\d+))?(?::split\((\d+)\))?", where)
+    if m is None:
+        raise ValueError(f"where={where!r} not understood")
+    # vLLM's RMSNorm returns a bare tensor when called without a residual (layer 0's
+    # input_layernorm): "out.0" is then that tensor.
+    if m.group(1) is not None and isinstance(o, (tuple, list)):
+        t = o[int(m.group(1))]
+    elif m.group(1) not in (None, "0"):
+        raise ValueError(f"where={where!r}: the module returned one tensor, not a tuple")
+    else:
+        t = o
+    t = _first(t)
+    if m.group(2) is not None:
+        tp = int(getattr(mod, "tp_size", 1) or 1)
+        sizes = [int(x) // tp for x in mod.output_sizes]
+        k = int(m.group(2))
+        a = sum(sizes[:k])
+        t = t[..., a:a + sizes[k]]
+    return t
 
 
 # torch dtype -> the name `llmdiff.compute_dtype` uses; these three are also the dtypes a dump
@@ -197,11 +218,14 @@ class Dumper:
                 if mod is None:
                     continue
                 key = self._key(site, layer)
-                self.used[key] = f"{name}:{'input' if where == 'in' else 'output'}"
+                self.used[key] = f"{name}:{'input' if where == 'in' else 'output' if where == 'out' else where}"
                 if where == "in":
                     h = mod.register_forward_pre_hook(lambda m, a, key=key: self._put(key, _first(a)))
-                else:
+                elif where == "out":
                     h = mod.register_forward_hook(lambda m, a, o, key=key: self._put(key, _first(o)))
+                else:
+                    h = mod.register_forward_hook(
+                        lambda m, a, o, key=key, where=where: self._put(key, _take(where, m, o)))
                 self.handles.append(h)
         if self.rope and getattr(getattr(self.model, "config", None), "model_type", None) == "llama":
             self._hook_rope(names, layers)
