@@ -110,6 +110,15 @@ impl Linear {
         }
     }
 
+    /// Rows `rows` decoded to f32, in that order (a weight tap on a sample of rows).
+    pub fn rows_to_f32(&self, rows: &[usize]) -> Vec<f32> {
+        let mut out = vec![0f32; rows.len() * self.cols];
+        for (&r, o) in rows.iter().zip(out.chunks_exact_mut(self.cols.max(1))) {
+            self.row_f32(r, o);
+        }
+        out
+    }
+
     /// The whole weight decoded to f32 (for weight taps).
     pub fn to_f32(&self) -> Vec<f32> {
         match &self.data {
