@@ -43,17 +43,20 @@ fn perturbed(src: &GgufFile, path: &Path, rows: &[usize], scale: f32) -> GgufFil
     GgufFile::open(path).unwrap()
 }
 
-/// (first divergent tap, the `blk.0.w.q` row's rel_l2) of the diff of `eng` against `orig`.
+/// (the first divergence's site in layer 0, else its tap; the `blk.0.w.q@r0` row's rel_l2) of
+/// the diff of `eng` against `orig` at TP 1.
 fn first(orig: &GgufFile, eng: &GgufFile, full_weights: bool) -> (String, f64) {
     let c = references::ModelConfig::from_header(&orig.header).unwrap();
     let mut p = plan(orig, tokens(c.vocab, 8), 1, Vec::new(), 0);
     p.full_weights = full_weights;
     let run = run_diff_against(&p, eng).unwrap();
-    let wq = run.taps.iter().find(|t| t.tap == "blk.0.w.q").expect("w.q compared");
-    (
-        run.first_divergence.map_or("agree".into(), |f| f.tap),
-        wq.metrics.rel_l2,
-    )
+    let wq = run.taps.iter().find(|t| t.tap == "blk.0.w.q@r0").expect("w.q compared");
+    let at = match run.first_divergence {
+        Some(f) if f.layer == Some(0) => f.site,
+        Some(f) => f.tap,
+        None => "agree".into(),
+    };
+    (at, wq.metrics.rel_l2)
 }
 
 #[test]
@@ -72,18 +75,18 @@ fn a_change_outside_the_sampled_rows_is_named_only_with_full_weights() {
     let (at, wq) = first(&orig, &eng, false);
     assert_eq!(
         (at.as_str(), wq),
-        ("blk.0.q", 0.0),
+        ("q", 0.0),
         "sampled: w.q agrees on its sample, q diverges"
     );
     let (at, wq) = first(&orig, &eng, true);
-    assert_eq!(at, "blk.0.w.q", "--full-weights names the weight");
+    assert_eq!(at, "w.q", "--full-weights names the weight");
     assert!(wq > 1e-3, "w.q rel_l2 {wq}");
 
     let eng = perturbed(&orig, &dir.path().join("inside.gguf"), &inside, 1.5);
     for full_weights in [false, true] {
         assert_eq!(
             first(&orig, &eng, full_weights).0,
-            "blk.0.w.q",
+            "w.q",
             "full_weights {full_weights}"
         );
     }
