@@ -84,10 +84,6 @@ fn a_change_outside_the_sampled_rows_is_named_only_with_full_weights() {
 
     let eng = perturbed(&orig, &dir.path().join("inside.gguf"), &inside, 1.5);
     for full_weights in [false, true] {
-        assert_eq!(
-            first(&orig, &eng, full_weights).0,
-            "w.q",
-            "full_weights {full_weights}"
-        );
+        assert_eq!(first(&orig, &eng, full_weights).0, "w.q", "full_weights {full_weights}");
     }
 }
