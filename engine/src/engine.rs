@@ -34,7 +34,7 @@ use crate::taps::{flush, gather_columns, TapPlan};
 use crate::weights::{Loader, WeightStorage};
 use crate::EngineError;
 use rayon::prelude::*;
-use references::tap::{NoTap, Site, Tap, TapKey};
+use references::tap::{NoTap, Site, Tap, TapKey, WeightKind};
 use references::{GgmlType, GgufFile, ModelConfig};
 
 /// How to build an engine.
@@ -329,6 +329,9 @@ impl Engine {
             .into_par_iter()
             .map(|r| loader.load_rank(r))
             .collect::<Result<Vec<_>, _>>()?;
+        // The shards hold copies: the file's pages the loader read are dropped from this process
+        // (they stay in the page cache), so a run's peak memory is not the model twice over.
+        file.tensors().iter().for_each(|t| file.release(t));
         let ranks = shards.into_iter().map(|s| Rank::new(s, config.n_layers)).collect();
         Ok(Engine {
             tp: opts.tp,
@@ -667,10 +670,24 @@ impl Engine {
                 // Asked of the tap too, just before the weight is decoded: a tap that times its
                 // capture then sees the decode.
                 if plan.wants(&key) && tap.wants(&key) {
-                    tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
+                    // The rows the tap asks for only (the CUDA backend's weights are tapped from
+                    // this host copy too: no device copy-back).
+                    references::tap::record_weight(tap, &key, [w.rows, w.cols], |rows| match rows {
+                        Some(rows) => w.rows_to_f32(rows),
+                        None => w.to_f32(),
+                    });
                 }
             }
         }
+    }
+
+    /// Rank `rank_idx`'s weight `kind` of layer `layer_idx` whole, as its weight tap shows it
+    /// (`[rows, cols]`), or `None` where the layer or rank has none: what a diagnosis reads after
+    /// a weight compared on a sample of rows diverged.
+    pub fn weight_f32(&self, layer_idx: usize, kind: WeightKind, rank_idx: usize) -> Option<(Vec<f32>, [usize; 2])> {
+        let layer = self.ranks.get(rank_idx)?.shard.layers.get(layer_idx)?;
+        let (_, w) = layer.tappable().into_iter().find(|(k, _)| *k == kind)?;
+        Some((w.to_f32(), [w.rows, w.cols]))
     }
 }
 

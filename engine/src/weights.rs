@@ -110,6 +110,15 @@ impl Linear {
         }
     }
 
+    /// Rows `rows` decoded to f32, in that order (a weight tap on a sample of rows).
+    pub fn rows_to_f32(&self, rows: &[usize]) -> Vec<f32> {
+        let mut out = vec![0f32; rows.len() * self.cols];
+        for (&r, o) in rows.iter().zip(out.chunks_exact_mut(self.cols.max(1))) {
+            self.row_f32(r, o);
+        }
+        out
+    }
+
     /// The whole weight decoded to f32 (for weight taps).
     pub fn to_f32(&self) -> Vec<f32> {
         match &self.data {
@@ -507,6 +516,10 @@ impl<'a> Loader<'a> {
         }
         let row_bytes = t.n_bytes as usize / n_rows.max(1);
         let bytes = self.file.tensor_data(t)[rows.start * row_bytes..rows.end * row_bytes].to_vec();
+        // The copy is what the engine keeps: the file's pages are dropped from this process now
+        // (another rank reading them faults them back from the page cache), so loading does not
+        // hold the model twice.
+        self.file.release(t);
         Ok(Linear {
             rows: rows.len(),
             cols: ne[0],
@@ -548,6 +561,7 @@ impl<'a> Loader<'a> {
         for row_idx in rows.clone() {
             bytes.extend_from_slice(&data[row_idx * row_bytes + b0..row_idx * row_bytes + b1]);
         }
+        self.file.release(t);
         Ok(Linear {
             rows: rows.len(),
             cols: cols.len(),

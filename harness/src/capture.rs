@@ -2,9 +2,15 @@
 //! they record over a bounded channel; the comparator joins them on the key as they arrive.
 //! The side that is ahead blocks once it is more than a layer ahead, so memory stays about two
 //! layers of taps, whatever the model size.
+//!
+//! A weight tap carries the rows it holds when the diff asked for a sample of them
+//! ([`crate::weight_rows`]). [`StitchTap`] joins an engine's prefill and decode-step taps into
+//! one prefill's before they go on.
 
+use crate::weight_rows::WeightSampling;
 use references::tap::{Site, Tap, TapKey};
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
@@ -14,8 +20,25 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Debug)]
 pub struct Captured {
     pub key: TapKey,
+    /// The whole tensor's shape, also where `rows` holds a sample of it.
     pub shape: [usize; 2],
+    /// Every row, or the rows `rows` only (`[rows.len(), shape[1]]`).
     pub data: Vec<f32>,
+    /// A weight taken on a sample of its rows ([`crate::weight_rows`]): which rows `data`
+    /// holds, ascending; `None` for every row.
+    pub rows: Option<Vec<usize>>,
+}
+
+impl Captured {
+    /// A tensor with every row.
+    pub fn whole(key: TapKey, shape: [usize; 2], data: Vec<f32>) -> Captured {
+        Captured {
+            key,
+            shape,
+            data,
+            rows: None,
+        }
+    }
 }
 
 /// Which side sent a tap.
@@ -33,6 +56,8 @@ pub struct ChannelTap {
     tx: SyncSender<Captured>,
     stop: Arc<AtomicBool>,
     filter: fn(&TapKey) -> bool,
+    /// Which rows of a weight to ask for.
+    sampling: Arc<WeightSampling>,
     /// The key last asked for and when.
     asked: Cell<Option<(TapKey, Instant)>>,
     capture: Duration,
@@ -40,11 +65,17 @@ pub struct ChannelTap {
 }
 
 impl ChannelTap {
-    fn new(tx: SyncSender<Captured>, stop: Arc<AtomicBool>, filter: fn(&TapKey) -> bool) -> Self {
+    fn new(
+        tx: SyncSender<Captured>,
+        stop: Arc<AtomicBool>,
+        filter: fn(&TapKey) -> bool,
+        sampling: Arc<WeightSampling>,
+    ) -> Self {
         ChannelTap {
             tx,
             stop,
             filter,
+            sampling,
             asked: Cell::new(None),
             capture: Duration::ZERO,
             wait: Duration::ZERO,
@@ -76,12 +107,29 @@ impl Tap for ChannelTap {
         self.record_owned(key, data, shape);
     }
     fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        self.send(Captured::whole(*key, shape, data));
+    }
+    fn weight_rows(&self, key: &TapKey, shape: [usize; 2]) -> Option<Vec<usize>> {
+        self.sampling.rows(key, shape)
+    }
+    fn record_weight_rows(&mut self, key: &TapKey, rows: &[usize], data: Vec<f32>, shape: [usize; 2]) {
+        self.send(Captured {
+            key: *key,
+            shape,
+            data,
+            rows: Some(rows.to_vec()),
+        });
+    }
+}
+
+impl ChannelTap {
+    fn send(&mut self, c: Captured) {
         let t1 = Instant::now();
-        if let Some(t0) = self.asked_at(key) {
+        if let Some(t0) = self.asked_at(&c.key) {
             self.capture += t1 - t0;
         }
         // A closed channel means the comparator stopped early: drop the tap.
-        let _ = self.tx.send(Captured { key: *key, shape, data });
+        let _ = self.tx.send(c);
         self.wait += t1.elapsed();
     }
 }
@@ -121,8 +169,10 @@ pub struct DrainTimes {
 }
 
 /// Runs `engine` and `reference` concurrently, calling `on_tap` for every tap in arrival order
-/// (reference taps arrive in execution order). `on_tap` returns false to stop capturing.
+/// (reference taps arrive in execution order). `on_tap` returns false to stop capturing. Both
+/// sides are asked for the weight rows `sampling` picks.
 pub fn lockstep<E, R, TE, TR>(
+    sampling: &WeightSampling,
     engine: E,
     reference: R,
     mut on_tap: impl FnMut(Side, Captured) -> bool,
@@ -137,8 +187,9 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let (etx, erx) = sync_channel(CAPACITY);
     let (rtx, rrx) = sync_channel(CAPACITY);
-    let mut etap = ChannelTap::new(etx, stop.clone(), engine_filter);
-    let mut rtap = ChannelTap::new(rtx, stop.clone(), reference_filter);
+    let sampling = Arc::new(sampling.clone());
+    let mut etap = ChannelTap::new(etx, stop.clone(), engine_filter, sampling.clone());
+    let mut rtap = ChannelTap::new(rtx, stop.clone(), reference_filter, sampling);
     std::thread::scope(|s| {
         let eh = s.spawn(move || {
             let t0 = Instant::now();
@@ -227,4 +278,125 @@ fn drain(
         }
     }
     waited
+}
+
+/// Collects the engine's taps over a prefill and decode steps and joins each key's rows, so the
+/// result has the same `[n_tokens, width]` taps as one prefill. Weights are kept once, on the
+/// rows `sampling` asks for (every row without one).
+#[derive(Default)]
+pub struct StitchTap {
+    taps: BTreeMap<TapKey, Captured>,
+    sampling: Option<WeightSampling>,
+}
+
+impl Tap for StitchTap {
+    fn wants(&self, key: &TapKey) -> bool {
+        // A weight once: the decode steps need not decode it again only to drop it.
+        !(matches!(key.site, Site::Weight(_)) && self.taps.contains_key(key))
+    }
+    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
+        match self.taps.get_mut(key) {
+            Some(_) if matches!(key.site, Site::Weight(_)) => {}
+            Some(c) => {
+                c.data.extend_from_slice(data);
+                c.shape[0] += shape[0];
+            }
+            None => self.record_owned(key, data.to_vec(), shape),
+        }
+    }
+    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
+        match self.taps.get_mut(key) {
+            None => {
+                self.taps.insert(*key, Captured::whole(*key, shape, data));
+            }
+            Some(_) => self.record(key, &data, shape),
+        }
+    }
+    fn weight_rows(&self, key: &TapKey, shape: [usize; 2]) -> Option<Vec<usize>> {
+        self.sampling.as_ref()?.rows(key, shape)
+    }
+    fn record_weight_rows(&mut self, key: &TapKey, rows: &[usize], data: Vec<f32>, shape: [usize; 2]) {
+        self.taps.entry(*key).or_insert_with(|| Captured {
+            key: *key,
+            shape,
+            data,
+            rows: Some(rows.to_vec()),
+        });
+    }
+}
+
+impl StitchTap {
+    /// A stitch that asks for the weight rows `sampling` picks (every row without one).
+    pub fn new(sampling: Option<WeightSampling>) -> Self {
+        StitchTap {
+            taps: BTreeMap::new(),
+            sampling,
+        }
+    }
+
+    /// Sends the stitched taps on, in execution order.
+    pub fn replay(self, tap: &mut dyn Tap) {
+        for (k, c) in self.taps {
+            if tap.wants(&k) {
+                match c.rows {
+                    Some(rows) => tap.record_weight_rows(&k, &rows, c.data, c.shape),
+                    None => tap.record_owned(&k, c.data, c.shape),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StitchTap;
+    use references::tap::{Site, Tap, TapKey, WeightKind};
+
+    #[test]
+    fn stitching_joins_activation_rows_and_keeps_a_weight_once_owned_or_borrowed() {
+        let mut s = StitchTap::default();
+        let act = TapKey::layer(0, Site::AttnOut);
+        let w = TapKey::layer(0, Site::Weight(WeightKind::Q));
+        s.record_owned(&act, vec![1.0, 2.0], [1, 2]);
+        s.record(&act, &[3.0, 4.0], [1, 2]);
+        s.record_owned(&act, vec![5.0, 6.0], [1, 2]);
+        s.record_owned(&w, vec![7.0; 4], [2, 2]);
+        s.record(&w, &[8.0; 4], [2, 2]);
+        s.record_owned(&w, vec![9.0; 4], [2, 2]);
+        let a = &s.taps[&act];
+        assert_eq!(
+            (a.shape, a.data.as_slice()),
+            ([3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0][..])
+        );
+        let wt = &s.taps[&w];
+        assert_eq!((wt.shape, wt.data.as_slice()), ([2, 2], &[7.0; 4][..]));
+    }
+
+    #[test]
+    fn a_stitch_asks_for_sampled_weight_rows_and_passes_them_on_with_the_whole_shape() {
+        let mut c = references::synth::preset("llama-tiny").unwrap().config;
+        c.n_layers = 1;
+        let sampling = crate::weight_rows::WeightSampling {
+            full: false,
+            tp: 1,
+            config: c,
+        };
+        let mut s = StitchTap::new(Some(sampling.clone()));
+        let w = TapKey::ranked(0, Site::Weight(WeightKind::Q), 0);
+        let shape = [256, 2];
+        let rows = s.weight_rows(&w, shape).expect("256 rows are sampled");
+        assert_eq!(Some(rows.clone()), sampling.rows(&w, shape));
+        let whole: Vec<f32> = (0..512).map(|i| i as f32).collect();
+        references::tap::record_weight(&mut s, &w, shape, |r| {
+            references::tap::select_rows(&whole, 2, r.expect("rows asked for"))
+        });
+        let mut out = references::tap::CollectTap::new(|_: &TapKey| true);
+        s.replay(&mut out);
+        // A CollectTap asks for no rows: it gets the sample as a [rows, 2] tensor.
+        assert_eq!(out.recorded[0].shape, [rows.len(), 2]);
+        assert_eq!(
+            out.recorded[0].data[2..4],
+            [rows[1] as f32 * 2.0, rows[1] as f32 * 2.0 + 1.0]
+        );
+    }
 }

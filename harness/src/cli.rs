@@ -498,6 +498,14 @@ pub struct DiffLayersArgs {
     /// after it (the taps after it are not compared).
     #[arg(long)]
     pub stop_at_first: bool,
+    /// Compare every row of the weight taps (blk.L.w.*). By default each weight is compared on
+    /// a sample of its rows (32 spread over each TP shard, its first and last row included;
+    /// shapes are still checked whole), which finds loading, sharding, transposition and
+    /// dequantization faults, as they reach every block, at a fraction of the cost. A fault
+    /// confined to rows outside the sample shows at the first activation that reads them
+    /// instead (one tap later), or not at all if that change is within tolerance.
+    #[arg(long)]
+    pub full_weights: bool,
     /// Run both sides truncated to the first N layers, then the output norm and head: a verdict
     /// on layers 0..N without the rest of the model. A foreign engine must run with the same
     /// truncation (vLLM: --hf-overrides '{"num_hidden_layers": N}'; HF: num_hidden_layers=N in

@@ -1,13 +1,16 @@
 //! `diff-layers` core: join engine and reference taps on the key as they arrive, compare each,
 //! find the first divergence in execution order, isolate the op there, and classify the fault.
 
-use crate::capture::{lockstep, progress, Captured, Side};
+use crate::capture::{lockstep, progress, Captured, Side, StitchTap};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
 use crate::local_rows::RowSample;
 use crate::noise::{head_bound, local_bound_sum};
 use crate::selection::{compare_rows, compare_taps, Noise, Rule};
-use crate::slice::{engine_full, is_partial_sum, reference_part, reference_slice, Store};
+use crate::slice::{
+    engine_full, is_partial_sum, reference_part, reference_slice, reference_weight_rows, weight_shard_shape, Store,
+};
+use crate::weight_rows::WeightSampling;
 use anyhow::bail;
 use engine::{Engine, EngineOptions};
 use references::config::ModelConfig;
@@ -37,6 +40,9 @@ pub struct DiffPlan<'a> {
     /// time, instead of the prefill. The engine's taps are then stitched row by row.
     pub decode_steps: usize,
     pub repro: String,
+    /// Compare every row of the weight taps (`--full-weights`) instead of a sample of rows per
+    /// shard ([`crate::weight_rows`]).
+    pub full_weights: bool,
 }
 
 /// A replay on a sample of rows, with the sample.
@@ -162,16 +168,31 @@ impl<'a> Comparator<'a> {
     fn compare(&mut self, key: &TapKey) {
         let e = &self.eng[key];
         let r = &self.refs[&key.unranked()];
-        let want = self.slice_of(key, r);
-        let m = if want.len() == e.data.len() {
-            metrics(&e.data, &want)
+        let sampled = matches!(key.site, Site::Weight(_)) && (e.rows.is_some() || r.rows.is_some());
+        let (want, shape_error) = if sampled {
+            // A weight on a sample of rows: its whole shape is checked, then the rows compared.
+            let (config, tp) = (self.config, self.plan.engine.tp);
+            let shard = weight_shard_shape(config, tp, key, r.shape);
+            let want = (e.shape == shard)
+                .then(|| reference_weight_rows(config, tp, key, e.rows.as_deref(), r))
+                .flatten()
+                .filter(|w| w.len() == e.data.len());
+            let why = format!("{key} is {:?} where the reference's shard is {shard:?}", e.shape);
+            (want.map(std::borrow::Cow::Owned), why)
         } else {
-            self.shape_errors.push(format!(
+            let want = self.slice_of(key, r);
+            let why = format!(
                 "{key} is {:?} where the reference's is {} values ({} per token)",
                 e.shape,
                 want.len(),
                 want.len() / e.shape[0].max(1)
-            ));
+            );
+            (Some(want).filter(|w| w.len() == e.data.len()), why)
+        };
+        let m = if let Some(want) = &want {
+            metrics(&e.data, want)
+        } else {
+            self.shape_errors.push(shape_error);
             Metrics {
                 cosine: 0.0,
                 rel_l2: f64::INFINITY,
@@ -183,7 +204,7 @@ impl<'a> Comparator<'a> {
             }
         };
         if let (Site::MoeTopk, Some(layer)) = (key.site, key.layer) {
-            let agree = routing_agreement(&e.data, &want, e.shape[1]);
+            let agree = routing_agreement(&e.data, want.as_deref().unwrap_or(&[]), e.shape[1]);
             let slot = self.routing.entry(layer).or_insert(agree);
             *slot = slot.min(agree);
         }
@@ -474,11 +495,7 @@ impl<'a> Comparator<'a> {
         if n == 0 || rep.out.len() % n != 0 {
             return None;
         }
-        let full = crate::capture::Captured {
-            key: key.unranked(),
-            shape: [n, rep.out.len() / n],
-            data: rep.out.clone(),
-        };
+        let full = Captured::whole(key.unranked(), [n, rep.out.len() / n], rep.out.clone());
         let want = self.slice_of(key, &full).into_owned();
         if want.len() != e.data.len() {
             return None;
@@ -522,11 +539,7 @@ impl<'a> Comparator<'a> {
         if rows == 0 || rep.out.len() % rows != 0 {
             return None;
         }
-        let full = Captured {
-            key: key.unranked(),
-            shape: [rows, rep.out.len() / rows],
-            data: rep.out.clone(),
-        };
+        let full = Captured::whole(key.unranked(), [rows, rep.out.len() / rows], rep.out.clone());
         let want = reference_slice(self.config, self.plan.engine.tp, key, &full);
         let mine = references::forward::replay::select_rows(&e.data, n, &sample.rows);
         let width = e.shape[1];
@@ -632,6 +645,11 @@ impl<'a> Comparator<'a> {
         })
     }
 
+    /// The divergent weight `key`'s kept taps back whole ([`crate::weight_rows::unsample`]).
+    fn whole_weights(&mut self, key: &TapKey, engine: &dyn Fn(&TapKey) -> Option<Captured>) {
+        crate::weight_rows::unsample(key, self.reference, &mut self.frozen_eng, &mut self.frozen_ref, engine);
+    }
+
     /// Decides every row left (both sides are done).
     fn settle_all(&mut self) {
         self.evict();
@@ -681,49 +699,6 @@ impl<'a> Comparator<'a> {
     }
 }
 
-/// Collects the engine's taps over a prefill and decode steps and joins each key's rows, so the
-/// result has the same `[n_tokens, width]` taps as one prefill. Weights are kept once.
-#[derive(Default)]
-struct StitchTap {
-    taps: BTreeMap<TapKey, Captured>,
-}
-
-impl references::tap::Tap for StitchTap {
-    fn wants(&self, key: &TapKey) -> bool {
-        // A weight once: the decode steps need not decode it again only to drop it.
-        !(matches!(key.site, Site::Weight(_)) && self.taps.contains_key(key))
-    }
-    fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
-        match self.taps.get_mut(key) {
-            Some(_) if matches!(key.site, Site::Weight(_)) => {}
-            Some(c) => {
-                c.data.extend_from_slice(data);
-                c.shape[0] += shape[0];
-            }
-            None => self.record_owned(key, data.to_vec(), shape),
-        }
-    }
-    fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
-        match self.taps.get_mut(key) {
-            None => {
-                self.taps.insert(*key, Captured { key: *key, shape, data });
-            }
-            Some(_) => self.record(key, &data, shape),
-        }
-    }
-}
-
-impl StitchTap {
-    /// Sends the stitched taps on, in execution order.
-    fn replay(self, tap: &mut dyn references::tap::Tap) {
-        for (k, c) in self.taps {
-            if tap.wants(&k) {
-                tap.record_owned(&k, c.data, c.shape);
-            }
-        }
-    }
-}
-
 /// The reference, cut to the engine's `n_layers` when it has one (the first N layers, then the
 /// output norm and head).
 fn truncated_reference<'a>(plan: &DiffPlan<'a>) -> anyhow::Result<Reference<'a>> {
@@ -735,6 +710,16 @@ fn truncated_reference<'a>(plan: &DiffPlan<'a>) -> anyhow::Result<Reference<'a>>
         reference.config.n_layers = n;
     }
     Ok(reference)
+}
+
+/// Which weight rows both sides are asked for: a sample per shard, or every row
+/// (`full_weights`).
+fn weight_sampling(plan: &DiffPlan, config: &ModelConfig) -> WeightSampling {
+    WeightSampling {
+        full: plan.full_weights,
+        tp: plan.engine.tp,
+        config: config.clone(),
+    }
 }
 
 /// Runs the diff and builds the run document.
@@ -776,12 +761,14 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
             )
         })?;
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
+    let sampling = weight_sampling(plan, &config);
     let (e, r, d) = lockstep(
+        &sampling,
         |tap| -> Result<(), engine::EngineError> {
             if n_prefill == tokens.len() {
                 return engine.prefill(tokens, tap).map(|_| ());
             }
-            let mut stitch = StitchTap::default();
+            let mut stitch = StitchTap::new(Some(sampling.clone()));
             engine.prefill(&tokens[..n_prefill], &mut stitch)?;
             for &t in &tokens[n_prefill..] {
                 engine.decode(t, &mut stitch)?;
@@ -800,6 +787,15 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     r.result?;
     // Every row's verdict before asking the engine for its config at the divergence.
     cmp.settle_all();
+    if let Some(k) = cmp.first_over {
+        cmp.whole_weights(&k, &|key: &TapKey| {
+            let (Some(layer), Site::Weight(kind), Some(rank)) = (key.layer, key.site, key.rank) else {
+                return None;
+            };
+            let (data, shape) = engine.weight_f32(layer as usize, kind, rank as usize)?;
+            Some(Captured::whole(*key, shape, data))
+        });
+    }
     let engine_config = cmp
         .first_over
         .map(|k| engine.effective_config(k.layer.unwrap_or(0) as usize, k.rank.unwrap_or(0) as usize));
@@ -840,12 +836,23 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     let tp_config = (!dump.ranks.is_empty()).then(|| crate::layout::config_check(dump, &config));
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
     cmp.slices = dump.declared_slices.clone();
+    let sampling = weight_sampling(plan, &config);
     let (e, r, d) = lockstep(
+        &sampling,
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
                 if tap.wants(key) {
                     let c = dump.tensor(key, &config)?;
-                    tap.record(key, &c.data, c.shape);
+                    if matches!(key.site, Site::Weight(_)) {
+                        // A whole weight in a dump is sampled as the engine's are.
+                        let width = c.shape[1];
+                        references::tap::record_weight(tap, key, c.shape, |rows| match rows {
+                            Some(rows) => references::tap::select_rows(&c.data, width, rows),
+                            None => c.data,
+                        });
+                    } else {
+                        tap.record(key, &c.data, c.shape);
+                    }
                 }
             }
             Ok(())
@@ -857,6 +864,10 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     r.result?;
     if let Some(bad) = cmp.shape_errors.first() {
         bail!("candidate dump: {bad} (wrong shape for this model)");
+    }
+    cmp.settle_all();
+    if let Some(k) = cmp.first_over {
+        cmp.whole_weights(&k, &|key: &TapKey| dump.tensor(key, &config).ok());
     }
     let have: std::collections::BTreeSet<TapKey> = dump.keys().map(|k| k.unranked()).collect();
     let missing: Vec<String> = cmp
@@ -1148,30 +1159,4 @@ fn head_matrix(ctx: &DiagContext, key: &TapKey) -> Option<HeadMatrix> {
         n_heads,
         cosine,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::StitchTap;
-    use references::tap::{Site, Tap, TapKey, WeightKind};
-
-    #[test]
-    fn stitching_joins_activation_rows_and_keeps_a_weight_once_owned_or_borrowed() {
-        let mut s = StitchTap::default();
-        let act = TapKey::layer(0, Site::AttnOut);
-        let w = TapKey::layer(0, Site::Weight(WeightKind::Q));
-        s.record_owned(&act, vec![1.0, 2.0], [1, 2]);
-        s.record(&act, &[3.0, 4.0], [1, 2]);
-        s.record_owned(&act, vec![5.0, 6.0], [1, 2]);
-        s.record_owned(&w, vec![7.0; 4], [2, 2]);
-        s.record(&w, &[8.0; 4], [2, 2]);
-        s.record_owned(&w, vec![9.0; 4], [2, 2]);
-        let a = &s.taps[&act];
-        assert_eq!(
-            (a.shape, a.data.as_slice()),
-            ([3, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0][..])
-        );
-        let wt = &s.taps[&w];
-        assert_eq!((wt.shape, wt.data.as_slice()), ([2, 2], &[7.0; 4][..]));
-    }
 }

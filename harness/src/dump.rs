@@ -623,11 +623,7 @@ impl Dump {
             }
             data = unrotate_half(&data, hd);
         }
-        Ok(Captured {
-            key: *key,
-            shape: e.shape,
-            data,
-        })
+        Ok(Captured::whole(*key, e.shape, data))
     }
 }
 

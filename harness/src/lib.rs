@@ -27,3 +27,4 @@ pub mod server_view;
 pub mod slice;
 pub mod topk;
 pub mod tp_meta;
+pub mod weight_rows;

@@ -88,3 +88,57 @@ pub fn engine_full(c: &ModelConfig, tp: usize, eng: &Store, key: &TapKey) -> Opt
     }
     Some(out)
 }
+
+/// A weight tap's whole shape at `key` given the reference's whole `[rows, cols]`: a rank's shard
+/// (its row range of a column-parallel weight, its input columns of a row-parallel one), or the
+/// whole weight (unranked, replicated).
+pub fn weight_shard_shape(c: &ModelConfig, tp: usize, key: &TapKey, whole: [usize; 2]) -> [usize; 2] {
+    let (Site::Weight(kind), Some(rank)) = (key.site, key.rank.map(|r| r as usize)) else {
+        return whole;
+    };
+    if let Some(r) = rank_columns(key.site, c, tp, rank) {
+        return [r.len(), whole[1]];
+    }
+    match weight_in_columns(kind, c, tp, rank) {
+        Some(cols) => [whole[0], cols.len()],
+        None => whole,
+    }
+}
+
+/// The reference's values for a weight tap at `key` that holds rows `rows` of its shard (`None`:
+/// every row), from the reference's `full` (which may itself hold a sample of rows): the same
+/// rows of the part [`reference_part`] gives. `None` when `full` lacks one of those rows.
+pub fn reference_weight_rows(
+    c: &ModelConfig,
+    tp: usize,
+    key: &TapKey,
+    rows: Option<&[usize]>,
+    full: &Captured,
+) -> Option<Vec<f32>> {
+    let Site::Weight(kind) = key.site else { return None };
+    let width = full.shape[1];
+    let rank = key.rank.map(|r| r as usize);
+    let row_range = rank.and_then(|r| rank_columns(key.site, c, tp, r));
+    let cols = match (&row_range, rank) {
+        (None, Some(r)) => weight_in_columns(kind, c, tp, r).unwrap_or(0..width),
+        _ => 0..width,
+    };
+    let (offset, n_rows) = row_range.map_or((0, full.shape[0]), |r| (r.start, r.len()));
+    if cols.end > width {
+        return None;
+    }
+    let local: Vec<usize> = rows.map_or_else(|| (0..n_rows).collect(), <[usize]>::to_vec);
+    let mut out = Vec::with_capacity(local.len() * cols.len());
+    for i in local {
+        let g = offset + i;
+        if i >= n_rows || g >= full.shape[0] {
+            return None;
+        }
+        let at = match &full.rows {
+            None => g,
+            Some(have) => have.binary_search(&g).ok()?,
+        };
+        out.extend_from_slice(&full.data[at * width + cols.start..at * width + cols.end]);
+    }
+    Some(out)
+}

@@ -410,6 +410,20 @@ pub trait Tap: Send {
     fn record_owned(&mut self, key: &TapKey, data: Vec<f32>, shape: [usize; 2]) {
         self.record(key, &data, shape);
     }
+    /// For a weight key the tap wants, of whole shape `shape` (`[rows, cols]`, torch layout): the
+    /// rows it asks for, ascending and below `rows`, or `None` for the whole weight (the
+    /// default). A side then decodes only those rows and hands them to
+    /// [`Tap::record_weight_rows`] ([`record_weight`] does both), so a weight tap costs a few
+    /// rows instead of the whole matrix in f32.
+    fn weight_rows(&self, _key: &TapKey, _shape: [usize; 2]) -> Option<Vec<usize>> {
+        None
+    }
+    /// Records rows `rows` (as [`Tap::weight_rows`] gave them) of a weight whose whole shape is
+    /// `shape`; `data` is `[rows.len(), shape[1]]`. A tap that asks for rows implements this;
+    /// the default records the rows as a `[rows.len(), shape[1]]` tensor.
+    fn record_weight_rows(&mut self, key: &TapKey, rows: &[usize], data: Vec<f32>, shape: [usize; 2]) {
+        self.record_owned(key, data, [rows.len(), shape[1]]);
+    }
     /// True when the tap wants no key at all, so a caller need not ask for each (a decode step
     /// asks for thousands).
     fn wants_nothing(&self) -> bool {
@@ -420,6 +434,33 @@ pub trait Tap: Send {
     fn stopped(&self) -> bool {
         false
     }
+}
+
+/// Hands weight `key` (whole shape `shape`) to `tap`, which must want it: the rows it asks for
+/// ([`Tap::weight_rows`]) decoded by `decode(Some(rows))`, or the whole weight by `decode(None)`.
+/// The one path both sides take, so the contract is the same on both.
+pub fn record_weight(
+    tap: &mut dyn Tap,
+    key: &TapKey,
+    shape: [usize; 2],
+    decode: impl FnOnce(Option<&[usize]>) -> Vec<f32>,
+) {
+    match tap.weight_rows(key, shape) {
+        Some(rows) => {
+            let data = decode(Some(&rows));
+            tap.record_weight_rows(key, &rows, data, shape);
+        }
+        None => tap.record_owned(key, decode(None), shape),
+    }
+}
+
+/// Rows `rows` of a row-major `[_, cols]` matrix, in that order.
+pub fn select_rows(data: &[f32], cols: usize, rows: &[usize]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * cols);
+    for &r in rows {
+        out.extend_from_slice(&data[r * cols..(r + 1) * cols]);
+    }
+    out
 }
 
 /// A tap that wants nothing.
@@ -626,6 +667,12 @@ impl Tap for DecodeCacheTap<'_> {
         if self.inner.wants(key) {
             self.inner.record_owned(key, data, shape);
         }
+    }
+    fn weight_rows(&self, key: &TapKey, shape: [usize; 2]) -> Option<Vec<usize>> {
+        self.inner.weight_rows(key, shape)
+    }
+    fn record_weight_rows(&mut self, key: &TapKey, rows: &[usize], data: Vec<f32>, shape: [usize; 2]) {
+        self.inner.record_weight_rows(key, rows, data, shape);
     }
     fn wants_nothing(&self) -> bool {
         self.inner.wants_nothing()

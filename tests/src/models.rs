@@ -56,6 +56,7 @@ pub fn plan<'a>(
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps,
         repro: String::new(),
     }

@@ -30,6 +30,7 @@ fn diff(paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

@@ -63,6 +63,7 @@ fn diff_paths(model: &Path, paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

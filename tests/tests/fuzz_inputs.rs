@@ -287,6 +287,7 @@ fn base_run() -> &'static Value {
             tolerances: Tolerances::default(),
             dtype: ActDtype::F32,
             stop_at_first: false,
+            full_weights: false,
             decode_steps: 0,
             repro: "llmdiff diff-layers tiny.gguf".into(),
         };

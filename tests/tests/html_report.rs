@@ -182,6 +182,7 @@ fn diff_run(model: &Path, tp: usize, fault: &str) -> DiffRun {
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: format!("llmdiff diff-layers {} --tp {tp} --inject {fault}", model.display()),
     };

@@ -292,6 +292,7 @@ fn diff_sim_tokens(
         tolerances,
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

@@ -98,6 +98,7 @@ fn diff_n(dir: &Path, model: &str, n: u32, fault: Option<(usize, usize, f32)>) -
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

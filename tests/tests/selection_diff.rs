@@ -79,6 +79,7 @@ fn diff_as(file: &GgufFile, toks: &[u32], taps: &[(TapKey, [usize; 2], Vec<f32>)
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

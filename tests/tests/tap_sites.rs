@@ -70,6 +70,7 @@ fn diff(file: &GgufFile, toks: &[u32], taps: &Taps) -> anyhow::Result<DiffRun> {
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro: String::new(),
     };

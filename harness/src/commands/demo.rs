@@ -37,6 +37,7 @@ pub fn run(a: &DemoArgs) -> anyhow::Result<ExitCode> {
         tolerances: Tolerances::default(),
         dtype: ActDtype::F32,
         stop_at_first: false,
+        full_weights: false,
         decode_steps: 0,
         repro,
     };

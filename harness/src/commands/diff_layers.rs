@@ -37,6 +37,7 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         tolerances,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
+        full_weights: a.full_weights,
         decode_steps: a.decode_steps,
         repro: repro(a, &tokens, &file.header.allow_unknown),
     };
@@ -102,6 +103,7 @@ fn load_baselines(t: &mut Tolerances, paths: &[PathBuf], file: &references::Gguf
             tolerances: Tolerances::default(),
             dtype: ActDtype::F32,
             stop_at_first: false,
+            full_weights: false,
             decode_steps: 0,
             repro: String::new(),
         };
@@ -163,6 +165,9 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
     if let Some(n) = a.n_layers {
         repro.push_str(&format!(" --n-layers {n}"));
     }
+    if a.full_weights {
+        repro.push_str(" --full-weights");
+    }
     push_allow_unknown(&mut repro, &file.header.allow_unknown);
     let plan = DiffPlan {
         file,
@@ -176,6 +181,7 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
         tolerances: tolerances(a, file)?,
         dtype: ActDtype::F32,
         stop_at_first: a.stop_at_first,
+        full_weights: a.full_weights,
         decode_steps: 0,
         repro,
     };
@@ -245,6 +251,9 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32], allow_unknown: &[String]) -> String
     }
     if a.decode_steps > 0 {
         s.push_str(&format!(" --decode-steps {}", a.decode_steps));
+    }
+    if a.full_weights {
+        s.push_str(" --full-weights");
     }
     push_allow_unknown(&mut s, allow_unknown);
     s

@@ -8,8 +8,11 @@
 //! softmax. Weights stay in the file's mmap: each matmul task dequantizes its own few rows with
 //! the scalar reference dequantizer ([`Mat`]), and the pages of a finished layer are released,
 //! so peak memory is the activations plus about one layer of the file, never the model in f32.
-//! A weight a tap wants is decoded whole once (over all cores) and its products read that copy,
-//! so a tapped pass holds one layer's tapped weights in f32 as well.
+//! A weight tap decodes only the rows its tap asks for ([`crate::tap::Tap::weight_rows`]: a
+//! sample, by default in `diff-layers`), and the products keep reading the stored weight as they
+//! do untapped. A tap that asks for a whole weight (`--full-weights`) has it decoded once (over
+//! all cores) and its products read that copy, so such a pass holds one layer's tapped weights
+//! in f32 as well.
 
 mod deepseek2;
 pub mod dsa;
@@ -50,7 +53,7 @@ pub struct Mat<'a> {
     pub rows: usize,
     pub cols: usize,
     data: MatData<'a>,
-    /// The whole matrix in f32 once a weight tap asked for it ([`Mat::to_f32`]): the products
+    /// The whole matrix in f32 once a weight tap asked for it whole ([`Mat::to_f32`]): the products
     /// then read their rows from it instead of dequantizing them a second time. Dropped with the
     /// `Mat` (one layer), so a tapped run holds about one layer's weights in f32.
     decoded: std::sync::OnceLock<Vec<f32>>,
@@ -96,6 +99,18 @@ impl Mat<'_> {
                     .expect("row sizes are checked when a stored Mat is made")
             }
         }
+    }
+
+    /// Rows `rows` in f32, in that order (a weight tap on a sample of rows): only those rows
+    /// are dequantized, and nothing is kept.
+    pub fn rows_f32(&self, rows: &[usize]) -> Vec<f32> {
+        let mut out = vec![0f32; rows.len() * self.cols];
+        if self.cols > 0 {
+            for (&r, o) in rows.iter().zip(out.chunks_exact_mut(self.cols)) {
+                self.rows_into(r, o);
+            }
+        }
+        out
     }
 
     /// The whole matrix in f32 (for weight taps), dequantized over all cores in blocks of rows
@@ -262,6 +277,44 @@ impl<'a> Reference<'a> {
         })
     }
 
+    /// Layer `l`'s weight `kind` whole, as the forward pass builds it (kv_b reassembled from
+    /// k_b and v_b), or `None` when the model has no such weight: what a diagnosis reads after
+    /// a weight tap compared on a sample of rows diverged.
+    pub fn weight(&self, l: usize, kind: WeightKind) -> Result<Option<Mat<'a>>, ForwardError> {
+        let name = |s: &str| format!("blk.{l}.{s}.weight");
+        let stored = match kind {
+            WeightKind::Q => "attn_q",
+            WeightKind::K => "attn_k",
+            WeightKind::V => "attn_v",
+            WeightKind::O => "attn_output",
+            WeightKind::QA => "attn_q_a",
+            WeightKind::QB => "attn_q_b",
+            WeightKind::KvA => "attn_kv_a_mqa",
+            WeightKind::Gate => "ffn_gate",
+            WeightKind::Up => "ffn_up",
+            WeightKind::Down => "ffn_down",
+            WeightKind::Router => "ffn_gate_inp",
+            WeightKind::KvB => {
+                let c = &self.config;
+                let Some(m) = c.mla.as_ref() else { return Ok(None) };
+                if self.file.tensor(&name("attn_k_b")).is_none() {
+                    return Ok(None);
+                }
+                let (nh, nope, dv, kvl) = (c.n_heads, m.qk_nope, m.v_head_dim, m.kv_lora_rank);
+                let k_b = self.load(&name("attn_k_b"), &[nope, kvl, nh])?;
+                let v_b = self.load(&name("attn_v_b"), &[kvl, dv, nh])?;
+                return Ok(Some(reassemble_kv_b(&k_b, &v_b, nh, nope, dv, kvl)));
+            }
+        };
+        let Some(t) = self.file.tensor(&name(stored)) else {
+            return Ok(None);
+        };
+        if t.ne.len() != 2 {
+            return Err(Self::bad(&t.name, format!("dims {:?}, expected a matrix", t.ne)));
+        }
+        self.stored_rows(t, 0, t.ne[1] as usize).map(Some)
+    }
+
     pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
         self.load(name, &[len])
     }
@@ -310,11 +363,15 @@ pub(crate) fn emit(tap: &mut dyn Tap, key: TapKey, data: &[f32], n: usize) {
     }
 }
 
-/// Records a weight (`blk.L.w.kind`, torch layout) if the tap wants it.
+/// Records a weight (`blk.L.w.kind`, torch layout) if the tap wants it: the rows it asks for
+/// only, or the whole weight ([`crate::tap::record_weight`]).
 pub(crate) fn emit_weight(tap: &mut dyn Tap, layer_idx: usize, kind: WeightKind, w: &Mat) {
     let key = TapKey::layer(layer_idx, Site::Weight(kind));
     if tap.wants(&key) {
-        tap.record_owned(&key, w.to_f32(), [w.rows, w.cols]);
+        crate::tap::record_weight(tap, &key, [w.rows, w.cols], |rows| match rows {
+            Some(rows) => w.rows_f32(rows),
+            None => w.to_f32(),
+        });
     }
 }
 
