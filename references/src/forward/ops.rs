@@ -1,32 +1,38 @@
 //! The reference's numeric building blocks: f32 storage, f64 accumulation.
 //!
-//! Every dot product sums in f64 over eight fixed lanes (element i goes to lane i mod 8), then
-//! adds the lanes pairwise ([`dot64`] is the definition). The order is fixed by the code, so
-//! results do not depend on the instruction set. The inputs are f32 values widened to f64, so
-//! each product is exact in f64 (24 + 24 significant bits < 53): a fused multiply-add rounds
-//! exactly as a multiply-then-add does. The AVX-512 build of [`matmul_t`] uses FMA, the others
-//! do not, and the tests hold every build to [`dot64`] bit for bit.
+//! Every dot product sums in f64 over eight fixed lanes (element i goes to lane i mod 8, each lane
+//! in ascending i), then adds the lanes pairwise ([`dot64`] is the definition). The order is fixed
+//! by the code, so results depend neither on the instruction set nor on the thread count. The
+//! inputs are f32 values widened to f64, so each product is exact in f64 (24 + 24 significant
+//! bits < 53, and no product of two f32 leaves f64's normal range): a fused multiply-add rounds
+//! exactly as a multiply-then-add does. The AVX-512 build of [`matmul_t`] uses FMA (one
+//! instruction for two flops, the only way to the FMA peak), the others multiply then add, and
+//! the tests hold every build to [`dot64`] bit for bit.
 //!
-//! Speed comes only from doing many such sums at once: a block of [`ROWS`] weight rows ×
-//! [`TOKENS`] tokens keeps its lanes in registers while k runs, so each widened weight chunk
-//! feeds eight tokens and each token chunk feeds three rows; a long k (over 2 · [`K_BLOCK`])
-//! runs in passes of [`K_BLOCK`] (the lanes kept between passes, so each still sums in
-//! ascending k) so that the tokens' inputs stay in cache across a task's rows.
+//! Speed comes only from doing many such sums at once, never from another order. A task takes
+//! a block of weight rows (`fill` dequantizes them once, to f32); k then runs in one pass up to
+//! [`ONE_PASS_MAX`], in passes of [`K_BLOCK`] above: the pass's slice of those rows is widened
+//! once into an f64 panel, the tokens' inputs are widened once a call, and a tile of
+//! [`TOKENS`] tokens × [`ROWS`] rows advances its lanes (one 8-wide register per output, kept
+//! in registers for the whole pass) over it. The tile's tokens' slice stays in L1 while the
+//! tile walks down the panel, which stays in L2; the lanes go to memory between passes. Each
+//! lane still sums its elements in ascending k, so tiles, passes, edges (partial tiles of 4 or
+//! 1 tokens and single rows) and tasks all give [`dot64`]'s bits.
 
 use rayon::prelude::*;
 
-/// Weight rows per register block (3 rows × 8 tokens: 24 of the 32 AVX-512 registers).
+/// Weight rows per register tile (3 rows × 8 tokens: 24 of the 32 AVX-512 registers hold lanes).
 const ROWS: usize = 3;
-/// Tokens per register block (then 4, then 1 for the remainder).
+/// Tokens per register tile (then 4, then 1 for the remainder).
 const TOKENS: usize = 8;
-/// Weight rows per rayon task.
-const ROWS_PER_TASK: usize = 24;
-/// Elements of k per pass over a task's rows and tokens when k is long (a multiple of 8): a pass
-/// reads every token's `K_BLOCK` values (8 KiB a token in f64) for each row triple, so they stay
-/// in cache instead of streaming the whole `[n, k]` input from memory once per triple. The lanes
-/// carry over from pass to pass, so each lane still sums its elements in ascending k order. Up
-/// to `2 · K_BLOCK` the whole k is one pass (a pass costs a load and store of the lanes).
-const K_BLOCK: usize = 1024;
+/// Elements of k per pass (a multiple of 8): a tile's tokens' slice is `TOKENS · K_BLOCK · 8`
+/// bytes (16 KiB, in L1), a task's widened panel `rows · K_BLOCK · 8` (in L2).
+const K_BLOCK: usize = 256;
+/// The longest k run in one pass.
+const ONE_PASS_MAX: usize = 2048;
+/// Most weight rows per rayon task (a multiple of [`ROWS`]): more rows amortize reading the
+/// tokens' inputs, fewer give more tasks for many threads (see [`rows_per_task`]).
+const MAX_ROWS_PER_TASK: usize = 48;
 
 /// `x [n, k] · wᵀ` for `w [m, k]` (torch layout), giving `[n, m]`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
@@ -38,270 +44,291 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
 
 /// [`matmul_t`] for a `w [m, k]` given by `fill(first, out)`, which writes rows `first..` of `w`
 /// (`out.len() / k` of them) as f32: each task asks for its own rows, so a stored weight is
-/// dequantized a few rows at a time, into a buffer that stays in cache, and never whole.
+/// dequantized a few rows at a time and never whole.
+///
+/// Output `[t, r]` is `dot64(x[t], w[r])` rounded to f32, bit for bit: lane j sums
+/// `x[t][i] · w[r][i]` for i ≡ j (mod 8), i < k − k mod 8, in ascending i (FMA or multiply-add:
+/// the same bits, see the module doc); the last k mod 8 products go to lanes 0, 1, ...; the lanes
+/// are added pairwise, `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
 pub fn matmul_t_with(x: &[f32], n: usize, k: usize, m: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
     assert_eq!(x.len(), n * k, "matmul_t: x is not [n, k]");
     if k == 0 || n == 0 {
         return vec![0.0; n * m];
     }
-    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let build = Build::detect();
     let k8 = k - k % 8;
-    // Each task fills a `[n, ROWS_PER_TASK]` block for its rows, so the scatter into `[n, m]`
-    // below copies whole 96-byte rows.
-    let mut blocks = vec![0f32; m.div_ceil(ROWS_PER_TASK) * n * ROWS_PER_TASK];
-    blocks.par_chunks_mut(n * ROWS_PER_TASK).enumerate().for_each_init(
-        || (vec![0f32; ROWS_PER_TASK * k], vec![[0f64; 8]; ROWS_PER_TASK * n]),
-        |(w_rows, lanes), (p, block)| {
-            let n_rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
-            let w_rows = &mut w_rows[..n_rows * k];
-            fill(p * ROWS_PER_TASK, w_rows);
-            if k8 <= 2 * K_BLOCK {
-                // One pass: each tile's lanes live in registers from the first chunk to the sum.
-                let mut r = 0;
-                while r + ROWS <= n_rows {
-                    one_pass_tiles::<ROWS>(&x64, n, k, &w_rows[r * k..(r + ROWS) * k], r, block);
-                    r += ROWS;
-                }
-                for r in r..n_rows {
-                    one_pass_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], r, block);
-                }
-                return;
-            }
+    let token_tiles = tiles(n, TOKENS);
+    let xp = pack_tokens(x, k, &token_tiles);
+    let rpt = rows_per_task(m);
+    let kc = pass_len(k8);
+    // Each task fills a `[n, rpt]` block for its rows, scattered into `[n, m]` below.
+    let mut blocks = vec![0f32; m.div_ceil(rpt) * n * rpt];
+    blocks.par_chunks_mut(n * rpt).enumerate().for_each_init(
+        || (vec![0f32; rpt * k], vec![0f64; rpt * kc], vec![[0f64; 8]; rpt * n]),
+        |(w32, panel, lanes), (p, block)| {
+            let n_rows = rpt.min(m - p * rpt);
+            let w32 = &mut w32[..n_rows * k];
+            fill(p * rpt, w32);
+            let row_groups = tiles(n_rows, ROWS);
             // lanes[r * n + t]: the 8 lanes of row r · token t.
             let lanes = &mut lanes[..n_rows * n];
-            lanes.iter_mut().for_each(|l| *l = [0.0; 8]);
-            for c0 in (0..k8).step_by(K_BLOCK) {
-                let c = c0..(c0 + K_BLOCK).min(k8);
-                let mut r = 0;
-                while r + ROWS <= n_rows {
-                    token_tiles::<ROWS>(
-                        &x64,
-                        n,
-                        k,
-                        &w_rows[r * k..(r + ROWS) * k],
-                        c.clone(),
-                        &mut lanes[r * n..],
-                    );
-                    r += ROWS;
-                }
-                for r in r..n_rows {
-                    token_tiles::<1>(&x64, n, k, &w_rows[r * k..(r + 1) * k], c.clone(), &mut lanes[r * n..]);
+            lanes.fill([0.0; 8]);
+            for c0 in (0..k8).step_by(kc) {
+                let len = kc.min(k8 - c0);
+                let panel = &mut panel[..n_rows * len];
+                pack_panel(build, w32, k, c0, len, &row_groups, panel);
+                for &(t0, tt) in &token_tiles {
+                    let x_tile = &xp[t0 * k8 + c0 * tt..t0 * k8 + (c0 + len) * tt];
+                    for &(r0, rr) in &row_groups {
+                        let w_group = &panel[r0 * len..(r0 + rr) * len];
+                        pass(build, rr, tt, x_tile, w_group, &mut lanes[r0 * n + t0..], n);
+                    }
                 }
             }
             // The tail into lanes 0.., then the pairwise lane sum: `dot64` exactly.
-            for r in 0..n_rows {
-                let w_r = &w_rows[r * k..(r + 1) * k];
+            for (r, w_r) in w32.chunks_exact(k).enumerate() {
                 for t in 0..n {
                     let l = &mut lanes[r * n + t];
                     for (j, i) in (k8..k).enumerate() {
-                        l[j] += x64[t * k + i] * w_r[i] as f64;
+                        l[j] += x[t * k + i] as f64 * w_r[i] as f64;
                     }
-                    block[t * ROWS_PER_TASK + r] = reduce_lanes(l) as f32;
+                    block[t * rpt + r] = reduce_lanes(l) as f32;
                 }
             }
         },
     );
     let mut out = vec![0f32; n * m];
-    for (p, block) in blocks.chunks_exact(n * ROWS_PER_TASK).enumerate() {
-        let rows = ROWS_PER_TASK.min(m - p * ROWS_PER_TASK);
-        let cols = p * ROWS_PER_TASK..p * ROWS_PER_TASK + rows;
-        for (out_t, block_t) in out.chunks_exact_mut(m).zip(block.chunks_exact(ROWS_PER_TASK)) {
+    for (p, block) in blocks.chunks_exact(n * rpt).enumerate() {
+        let rows = rpt.min(m - p * rpt);
+        let cols = p * rpt..p * rpt + rows;
+        for (out_t, block_t) in out.chunks_exact_mut(m).zip(block.chunks_exact(rpt)) {
             out_t[cols.clone()].copy_from_slice(&block_t[..rows]);
         }
     }
     out
 }
 
-/// `block[t][r0 + r] = x64[t] · w_rows[r]` for the `R` rows and every token t, in tiles of 8,
-/// 4 and 1 tokens, k in one pass.
-fn one_pass_tiles<const R: usize>(x64: &[f64], n: usize, k: usize, w_rows: &[f32], r0: usize, block: &mut [f32]) {
-    let mut t = 0;
-    let mut tile = |t: usize, sums: &[[f64; R]]| {
-        for (u, s) in sums.iter().enumerate() {
-            for (r, &v) in s.iter().enumerate() {
-                block[(t + u) * ROWS_PER_TASK + r0 + r] = v as f32;
-            }
-        }
-    };
-    while t + TOKENS <= n {
-        tile(t, &dot_block::<R, TOKENS>(&x64[t * k..(t + TOKENS) * k], k, w_rows));
-        t += TOKENS;
-    }
-    while t + 4 <= n {
-        tile(t, &dot_block::<R, 4>(&x64[t * k..(t + 4) * k], k, w_rows));
-        t += 4;
-    }
-    for t in t..n {
-        tile(t, &dot_block::<R, 1>(&x64[t * k..(t + 1) * k], k, w_rows));
+/// Elements of k per pass: all of `k8` up to [`ONE_PASS_MAX`] (each tile's lanes then go to
+/// memory once), [`K_BLOCK`] above.
+fn pass_len(k8: usize) -> usize {
+    if k8 <= ONE_PASS_MAX {
+        k8.max(8)
+    } else {
+        K_BLOCK
     }
 }
 
-/// `sums[u][r] = x[u] · w[r]` for `T` token rows of `x` and `R` weight rows of `w`, each equal to
-/// [`dot64`]: the 8 lanes of the whole chunks (on the widest build the CPU has), then the tail
-/// into lanes 0.., then the pairwise lane sum.
-#[inline(always)]
-fn dot_block<const R: usize, const T: usize>(x: &[f64], k: usize, w: &[f32]) -> [[f64; R]; T] {
+/// `0..len` cut into (start, size) tiles of `big`, then 4, then 1 (the sizes [`pass`] has).
+fn tiles(len: usize, big: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for size in [big, 4.min(big), 1] {
+        while at + size <= len {
+            out.push((at, size));
+            at += size;
+        }
+    }
+    out
+}
+
+/// The tokens' inputs widened to f64 once, in the order the tiles read them: tile (t0, T) holds
+/// `k8 · T` values from `t0 · k8`, chunk by chunk (8 elements of k), token by token within a
+/// chunk: `x[t0 + u][c + j]` is at `t0 · k8 + c · T + u · 8 + j` (c a multiple of 8). A pass over
+/// `c0..c0 + len` is then one contiguous slice per tile.
+fn pack_tokens(x: &[f32], k: usize, token_tiles: &[(usize, usize)]) -> Vec<f64> {
     let k8 = k - k % 8;
-    let mut lanes = chunk_lanes::<R, T>(x, k, w, 0..k8, None);
-    std::array::from_fn(|u| {
-        std::array::from_fn(|r| {
-            let l = &mut lanes[u][r];
-            for (j, i) in (k8..k).enumerate() {
-                l[j] += x[u * k + i] * w[r * k + i] as f64;
+    let n = token_tiles.last().map_or(0, |&(t0, tt)| t0 + tt);
+    let mut xp = vec![0f64; n * k8];
+    for &(t0, tt) in token_tiles {
+        let tile = &mut xp[t0 * k8..(t0 + tt) * k8];
+        for (c, chunk) in tile.chunks_exact_mut(8 * tt).enumerate() {
+            for (u, dst) in chunk.chunks_exact_mut(8).enumerate() {
+                let src = &x[(t0 + u) * k + c * 8..(t0 + u) * k + c * 8 + 8];
+                dst.iter_mut().zip(src).for_each(|(d, &s)| *d = s as f64);
             }
-            reduce_lanes(l)
-        })
-    })
-}
-
-/// Adds the chunks `c` of `x64[t] · w_rows[r]` to `lanes[r * n + t]` for the `R` rows and every
-/// token t, in tiles of 8, 4 and 1 tokens.
-fn token_tiles<const R: usize>(
-    x64: &[f64],
-    n: usize,
-    k: usize,
-    w_rows: &[f32],
-    c: std::ops::Range<usize>,
-    lanes: &mut [[f64; 8]],
-) {
-    let mut t = 0;
-    while t + TOKENS <= n {
-        tile_pass::<R, TOKENS>(x64, n, k, w_rows, c.clone(), t, lanes);
-        t += TOKENS;
-    }
-    while t + 4 <= n {
-        tile_pass::<R, 4>(x64, n, k, w_rows, c.clone(), t, lanes);
-        t += 4;
-    }
-    for t in t..n {
-        tile_pass::<R, 1>(x64, n, k, w_rows, c.clone(), t, lanes);
-    }
-}
-
-/// One tile of `T` tokens from `t0` × `R` rows over the chunks `c`: its lanes loaded from
-/// `lanes`, advanced, stored back.
-#[inline(always)]
-fn tile_pass<const R: usize, const T: usize>(
-    x64: &[f64],
-    n: usize,
-    k: usize,
-    w_rows: &[f32],
-    c: std::ops::Range<usize>,
-    t0: usize,
-    lanes: &mut [[f64; 8]],
-) {
-    let init: Lanes<R, T> = std::array::from_fn(|u| std::array::from_fn(|r| lanes[r * n + t0 + u]));
-    let out = chunk_lanes::<R, T>(&x64[t0 * k..(t0 + T) * k], k, w_rows, c, Some(&init));
-    for (u, l_u) in out.iter().enumerate() {
-        for (r, l) in l_u.iter().enumerate() {
-            lanes[r * n + t0 + u] = *l;
         }
     }
+    xp
 }
 
-type Lanes<const R: usize, const T: usize> = [[[f64; 8]; R]; T];
-
-/// `init` (zeros when None) plus the products of the 8-element chunks starting in `c` (8-aligned, within k), lane
-/// j of (u, r) summing elements j, j + 8, ... of row u of `x` times row r of `w`, in order.
-#[inline(always)]
-fn chunk_lanes<const R: usize, const T: usize>(
-    x: &[f64],
+/// One pass's weight panel: columns `c0..c0 + len` of the task's rows `w32 [rows, k]` widened to
+/// f64, group (r0, R) at `r0 · len`, chunk by chunk, row by row within a chunk:
+/// `w[r0 + r][c0 + c + j]` at `r0 · len + c · R + r · 8 + j`. Each element is widened once a task
+/// and then read by every token, so this must be cheap next to the products: the AVX-512 build
+/// widens 8 at a time.
+fn pack_panel(
+    build: Build,
+    w32: &[f32],
     k: usize,
-    w: &[f32],
-    c: std::ops::Range<usize>,
-    init: Option<&Lanes<R, T>>,
-) -> Lanes<R, T> {
+    c0: usize,
+    len: usize,
+    groups: &[(usize, usize)],
+    panel: &mut [f64],
+) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU supports AVX-512F and FMA, checked just above.
-            return unsafe { chunk_lanes_avx512::<R, T>(x, k, w, c, init) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2, checked just above.
-            return unsafe { chunk_lanes_avx2::<R, T>(x, k, w, c, init) };
-        }
+    if build == Build::Avx512 {
+        // SAFETY: `Build::Avx512` is only detected on a CPU with AVX-512F.
+        return unsafe { pack_panel_avx512(w32, k, c0, len, groups, panel) };
     }
-    chunk_lanes_portable::<R, T>(x, k, w, c, init)
+    let _ = build;
+    pack_panel_portable(w32, k, c0, len, groups, panel)
 }
 
-/// AVX-512: lane j of register (u, r) is lane j of that sum; per chunk, R widened weight loads
-/// and T token loads feed R·T fused multiply-adds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_panel_avx512(
+    w32: &[f32],
+    k: usize,
+    c0: usize,
+    len: usize,
+    groups: &[(usize, usize)],
+    panel: &mut [f64],
+) {
+    pack_panel_portable(w32, k, c0, len, groups, panel)
+}
+
+#[inline(always)]
+fn pack_panel_portable(w32: &[f32], k: usize, c0: usize, len: usize, groups: &[(usize, usize)], panel: &mut [f64]) {
+    for &(r0, rr) in groups {
+        let group = &mut panel[r0 * len..(r0 + rr) * len];
+        for (c, chunk) in group.chunks_exact_mut(8 * rr).enumerate() {
+            for (r, dst) in chunk.chunks_exact_mut(8).enumerate() {
+                let at = (r0 + r) * k + c0 + c * 8;
+                let src: &[f32; 8] = w32[at..at + 8].try_into().expect("8 values");
+                dst.copy_from_slice(&src.map(f64::from));
+            }
+        }
+    }
+}
+
+/// Weight rows per task: [`MAX_ROWS_PER_TASK`], fewer when that would leave under four tasks a
+/// thread (a multiple of [`ROWS`], at least one tile). Only the speed depends on it.
+fn rows_per_task(m: usize) -> usize {
+    let per_thread = m / (4 * rayon::current_num_threads()).max(1);
+    (per_thread / ROWS * ROWS).clamp(ROWS, MAX_ROWS_PER_TASK)
+}
+
+/// The instruction set the matmul's inner loops use, detected at run time (the results are the
+/// same on every one; only the speed differs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+enum Build {
+    /// AVX-512F with FMA: one register per output's 8 lanes.
+    Avx512,
+    /// AVX2: the portable code compiled wider.
+    Avx2,
+    /// Any CPU.
+    Portable,
+}
+
+impl Build {
+    fn detect() -> Build {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+                return Build::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Build::Avx2;
+            }
+        }
+        Build::Portable
+    }
+}
+
+/// One pass of an `r`-row × `t`-token tile (the shapes [`tiles`] gives): see [`pass_tile`].
+#[inline(always)]
+fn pass(build: Build, r: usize, t: usize, x: &[f64], w: &[f64], lanes: &mut [[f64; 8]], ls: usize) {
+    match (r, t) {
+        (ROWS, TOKENS) => pass_tile::<ROWS, TOKENS>(build, x, w, lanes, ls),
+        (ROWS, 4) => pass_tile::<ROWS, 4>(build, x, w, lanes, ls),
+        (ROWS, 1) => pass_tile::<ROWS, 1>(build, x, w, lanes, ls),
+        (1, TOKENS) => pass_tile::<1, TOKENS>(build, x, w, lanes, ls),
+        (1, 4) => pass_tile::<1, 4>(build, x, w, lanes, ls),
+        (1, 1) => pass_tile::<1, 1>(build, x, w, lanes, ls),
+        _ => unreachable!("tile {r} x {t}"),
+    }
+}
+
+/// Advances the lanes of `R` weight rows × `T` tokens over one pass of `len` elements:
+/// `lanes[r * ls + u][j] += x[c·T + u·8 + j] · w[c·R + r·8 + j]` for the chunks c = 0, 8, ...,
+/// len − 8 in order (`x` and `w` packed as [`pack_tokens`] and [`pack_panel`] lay them out,
+/// `x.len() = T · len`, `w.len() = R · len`; `lanes` from (first row, first token), row stride
+/// `ls`).
+#[inline(always)]
+fn pass_tile<const R: usize, const T: usize>(build: Build, x: &[f64], w: &[f64], lanes: &mut [[f64; 8]], ls: usize) {
+    let len = x.len() / T;
+    assert!(len.is_multiple_of(8) && x.len() == T * len && w.len() == R * len);
+    assert!(lanes.len() >= (R - 1) * ls + T);
+    match build {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Build::Avx512` is only detected on a CPU with AVX-512F and FMA; the bounds are
+        // asserted above.
+        Build::Avx512 => unsafe { pass_avx512::<R, T>(x, w, lanes, ls) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Build::Avx2` is only detected on a CPU with AVX2.
+        Build::Avx2 => unsafe { pass_avx2::<R, T>(x, w, lanes, ls) },
+        _ => pass_portable::<R, T>(x, w, lanes, ls),
+    }
+}
+
+/// AVX-512: register (u, r) holds the 8 lanes of token u · row r; per chunk, R panel loads and
+/// T token loads (both sequential in memory) feed R·T fused multiply-adds. Bounds as
+/// [`pass_tile`] asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-unsafe fn chunk_lanes_avx512<const R: usize, const T: usize>(
-    x: &[f64],
-    k: usize,
-    w: &[f32],
-    c: std::ops::Range<usize>,
-    init: Option<&Lanes<R, T>>,
-) -> Lanes<R, T> {
+unsafe fn pass_avx512<const R: usize, const T: usize>(x: &[f64], w: &[f64], lanes: &mut [[f64; 8]], ls: usize) {
     use std::arch::x86_64::*;
-    assert!(x.len() >= T * k && w.len() >= R * k && c.end <= k - k % 8 && c.start % 8 == 0);
-    let mut acc: [[__m512d; R]; T] = match init {
-        // SAFETY: every `init` entry is 8 f64.
-        Some(init) => std::array::from_fn(|u| std::array::from_fn(|r| unsafe { _mm512_loadu_pd(init[u][r].as_ptr()) })),
-        None => [[_mm512_setzero_pd(); R]; T],
-    };
-    for c in c.step_by(8) {
-        // SAFETY: c + 8 ≤ k, and every row start is below the lengths asserted above.
-        let wv: [__m512d; R] =
-            std::array::from_fn(|r| unsafe { _mm512_cvtps_pd(_mm256_loadu_ps(w.as_ptr().add(r * k + c))) });
+    let chunks = x.len() / (8 * T);
+    let (x, w, lanes) = (x.as_ptr(), w.as_ptr(), lanes.as_mut_ptr());
+    // SAFETY (every pointer below): within the bounds `pass_tile` asserted.
+    let mut acc: [[__m512d; R]; T] =
+        std::array::from_fn(|u| std::array::from_fn(|r| unsafe { _mm512_loadu_pd((*lanes.add(r * ls + u)).as_ptr()) }));
+    for c in 0..chunks {
+        let (xc, wc) = unsafe { (x.add(c * 8 * T), w.add(c * 8 * R)) };
+        let wv: [__m512d; R] = std::array::from_fn(|r| unsafe { _mm512_loadu_pd(wc.add(r * 8)) });
         for (u, acc_u) in acc.iter_mut().enumerate() {
-            // SAFETY: as above.
-            let xv = unsafe { _mm512_loadu_pd(x.as_ptr().add(u * k + c)) };
+            let xv = unsafe { _mm512_loadu_pd(xc.add(u * 8)) };
             for (a, wr) in acc_u.iter_mut().zip(&wv) {
                 *a = _mm512_fmadd_pd(xv, *wr, *a);
             }
         }
     }
-    let mut lanes = [[[0f64; 8]; R]; T];
-    for (l_u, a_u) in lanes.iter_mut().zip(&acc) {
-        for (l, a) in l_u.iter_mut().zip(a_u) {
-            // SAFETY: `l` is 8 f64.
-            unsafe { _mm512_storeu_pd(l.as_mut_ptr(), *a) };
+    for (u, acc_u) in acc.iter().enumerate() {
+        for (r, a) in acc_u.iter().enumerate() {
+            unsafe { _mm512_storeu_pd((*lanes.add(r * ls + u)).as_mut_ptr(), *a) };
         }
     }
-    lanes
 }
 
 /// AVX2: the portable code, compiled wider.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn chunk_lanes_avx2<const R: usize, const T: usize>(
-    x: &[f64],
-    k: usize,
-    w: &[f32],
-    c: std::ops::Range<usize>,
-    init: Option<&Lanes<R, T>>,
-) -> Lanes<R, T> {
-    chunk_lanes_portable::<R, T>(x, k, w, c, init)
+unsafe fn pass_avx2<const R: usize, const T: usize>(x: &[f64], w: &[f64], lanes: &mut [[f64; 8]], ls: usize) {
+    pass_portable::<R, T>(x, w, lanes, ls)
 }
 
-/// The lanes of the whole 8-element chunks, multiply then add.
+/// The pass with multiply then add, lane by lane.
 #[inline(always)]
-fn chunk_lanes_portable<const R: usize, const T: usize>(
-    x: &[f64],
-    k: usize,
-    w: &[f32],
-    c: std::ops::Range<usize>,
-    init: Option<&Lanes<R, T>>,
-) -> Lanes<R, T> {
-    let mut lanes = init.copied().unwrap_or([[[0f64; 8]; R]; T]);
-    for c in c.step_by(8) {
-        let wv: [[f64; 8]; R] = std::array::from_fn(|r| std::array::from_fn(|j| w[r * k + c + j] as f64));
-        for (u, l_u) in lanes.iter_mut().enumerate() {
-            let xv: &[f64] = &x[u * k + c..u * k + c + 8];
-            for (l, wr) in l_u.iter_mut().zip(&wv) {
+fn pass_portable<const R: usize, const T: usize>(x: &[f64], w: &[f64], lanes: &mut [[f64; 8]], ls: usize) {
+    let mut acc: [[[f64; 8]; R]; T] = std::array::from_fn(|u| std::array::from_fn(|r| lanes[r * ls + u]));
+    for (xc, wc) in x.chunks_exact(8 * T).zip(w.chunks_exact(8 * R)) {
+        for (acc_u, xv) in acc.iter_mut().zip(xc.chunks_exact(8)) {
+            for (a, wr) in acc_u.iter_mut().zip(wc.chunks_exact(8)) {
                 for j in 0..8 {
-                    l[j] += xv[j] * wr[j];
+                    a[j] += xv[j] * wr[j];
                 }
             }
         }
     }
-    lanes
+    for (u, acc_u) in acc.iter().enumerate() {
+        for (r, a) in acc_u.iter().enumerate() {
+            lanes[r * ls + u] = *a;
+        }
+    }
 }
 
+/// The pairwise sum of an output's 8 lanes.
 #[inline(always)]
 fn reduce_lanes(l: &[f64; 8]) -> f64 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
@@ -551,6 +578,8 @@ mod tests {
             (17, 576, 35),
             (3, 1536, 20),
             (5, 1029, 7),
+            (13, 777, 49),
+            (10, 2 * ONE_PASS_MAX + 77, 8),
         ] {
             let x: Vec<f32> = (0..n * k)
                 .map(|i| (i as f32 * 0.731).sin() * 10f32.powi((i % 9) as i32 - 4))
@@ -575,31 +604,59 @@ mod tests {
 
     #[test]
     fn every_build_gives_the_same_lanes() {
-        let (k, r, t) = (77, 3, 8);
-        let x: Vec<f64> = (0..t * k).map(|i| ((i as f32 * 0.731).sin() * 1e3) as f64).collect();
-        let w: Vec<f32> = (0..r * k)
-            .map(|i| (i as f32 * 0.277).cos() / (1 + i % 7) as f32)
+        // A pass of each tile shape on lanes already holding values, on every build this CPU has.
+        let (len, ls) = (72, 11);
+        let x: Vec<f64> = (0..TOKENS * len)
+            .map(|i| ((i as f32 * 0.731).sin() * 1e3) as f64)
             .collect();
-        let z = Some(&[[[0.0; 8]; 3]; 8]);
-        let portable = chunk_lanes_portable::<3, 8>(&x, k, &w, 0..k - k % 8, z);
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
-                // SAFETY: checked just above.
-                assert_eq!(
-                    unsafe { chunk_lanes_avx512::<3, 8>(&x, k, &w, 0..k - k % 8, z) },
-                    portable
-                );
+        let w: Vec<f64> = (0..ROWS * len)
+            .map(|i| ((i as f32 * 0.277).cos() / (1 + i % 7) as f32) as f64)
+            .collect();
+        let init: Vec<[f64; 8]> = (0..ROWS * ls)
+            .map(|i| std::array::from_fn(|j| (i * 8 + j) as f64 * 0.013 - 0.2))
+            .collect();
+        for (r, t) in [(ROWS, TOKENS), (ROWS, 4), (ROWS, 1), (1, TOKENS), (1, 4), (1, 1)] {
+            let run = |build| {
+                let mut lanes = init.clone();
+                pass(build, r, t, &x[..t * len], &w[..r * len], &mut lanes, ls);
+                lanes
+            };
+            let portable = run(Build::Portable);
+            assert_ne!(portable, init);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("fma") {
+                    assert_eq!(run(Build::Avx512), portable, "avx512 {r} x {t}");
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    assert_eq!(run(Build::Avx2), portable, "avx2 {r} x {t}");
+                }
             }
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: checked just above.
-                assert_eq!(
-                    unsafe { chunk_lanes_avx2::<3, 8>(&x, k, &w, 0..k - k % 8, z) },
-                    portable
-                );
-            }
+            assert_eq!(run(Build::detect()), portable);
         }
-        assert_eq!(chunk_lanes::<3, 8>(&x, k, &w, 0..k - k % 8, z), portable);
+    }
+
+    #[test]
+    fn thread_count_changes_no_bit() {
+        // Shapes whose tasks split differently on 1, 2 and 3 threads (rows per task follows the
+        // thread count), k over several passes with a tail.
+        for (n, k, m) in [(11, ONE_PASS_MAX + 2 * K_BLOCK + 13, 101), (9, 600, 50)] {
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| (i as f32 * 0.731).sin() * 10f32.powi((i % 9) as i32 - 4))
+                .collect();
+            let w: Vec<f32> = (0..m * k)
+                .map(|i| (i as f32 * 0.277).cos() * (1 + i % 5) as f32)
+                .collect();
+            let on = |threads| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| (rows_per_task(m), matmul_t(&x, n, k, &w, m)))
+            };
+            let (one, two, three) = (on(1), on(2), on(3));
+            assert_ne!(one.0, three.0, "the split must differ for the test to mean something");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&one.1), bits(&two.1));
+            assert_eq!(bits(&one.1), bits(&three.1));
+        }
     }
 
     #[test]
