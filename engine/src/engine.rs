@@ -56,6 +56,12 @@ pub struct EngineOptions {
     /// Run only the first N layers, then the output norm and head (a truncated model, as
     /// vLLM's `--hf-overrides '{"num_hidden_layers": N}'` runs one); None: every layer.
     pub n_layers: Option<usize>,
+    /// Run only layers A..B (Rust range: A included, B not), from a residual handed to
+    /// [`Engine::prefill_from`] (the input of layer A). The layers outside the range are neither
+    /// read nor dequantized nor uploaded. The output norm and head run only when B is the model's
+    /// last layer; otherwise a step's result is the residual after layer B-1 (`[n, d]`). Decode
+    /// is refused (the K/V cache of the range would need the prefill from A). Not with `n_layers`.
+    pub layers: Option<std::ops::Range<usize>>,
 }
 
 impl Default for EngineOptions {
@@ -68,6 +74,7 @@ impl Default for EngineOptions {
             cuda: CudaOptions::default(),
             compute_dtype: ComputeDtype::F32,
             n_layers: None,
+            layers: None,
         }
     }
 }
@@ -89,6 +96,12 @@ pub struct Engine {
     graph_warm: bool,
     /// The recorded decode step, with the logits buffers it writes.
     graph: Option<DecodeGraph>,
+    /// The first layer run (0 unless [`EngineOptions::layers`] starts later): a step then starts
+    /// from a residual, not the embeddings.
+    first_layer: usize,
+    /// Whether a step ends with the output norm and head (false: a range ending before the last
+    /// layer, whose result is the residual).
+    head: bool,
 }
 
 /// A recorded decode step (layers and head; the embedding runs before it) and the ranks' logits
@@ -293,6 +306,20 @@ impl Engine {
             }
             config.n_layers = n;
         }
+        let (first_layer, head) = match &opts.layers {
+            None => (0, true),
+            Some(r) => {
+                let total = config.n_layers;
+                if opts.n_layers.is_some() || r.start >= r.end || r.end > total {
+                    return Err(EngineError::Options(format!(
+                        "layers {}..{}: the model has {total} layers (A < B <= {total} allowed, not with n_layers)",
+                        r.start, r.end
+                    )));
+                }
+                config.n_layers = r.end;
+                (r.start, r.end == total)
+            }
+        };
         check_arch(&config)?;
         check_yarn(&config)?;
         check_shapes(&config)?;
@@ -324,7 +351,9 @@ impl Engine {
             check_fault(spec, file, &config, opts.tp, opts.compute_dtype)?;
         }
         let faults = FaultSet::new(opts.faults);
-        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage).compute_dtype(opts.compute_dtype);
+        let loader = Loader::new(file, &config, &faults, opts.tp, opts.storage)
+            .compute_dtype(opts.compute_dtype)
+            .first_layer(first_layer);
         let shards = (0..opts.tp)
             .into_par_iter()
             .map(|r| loader.load_rank(r))
@@ -343,6 +372,8 @@ impl Engine {
             decode_graphs: opts.cuda.graphs_on(),
             graph_warm: false,
             graph: None,
+            first_layer,
+            head,
             config,
         })
     }
@@ -436,11 +467,37 @@ impl Engine {
         self.graph_warm = false;
     }
 
-    /// Resets the cache and runs `tokens` at positions 0..n. Returns logits `[n, vocab]`.
+    /// Resets the cache and runs `tokens` at positions 0..n. Returns logits `[n, vocab]`, or
+    /// the residual `[n, d]` after the last layer run where the engine has no head (a layer range
+    /// ending before the model's last layer).
     pub fn prefill(&mut self, tokens: &[u32], tap: &mut dyn Tap) -> Result<Vec<f32>, EngineError> {
         self.reset();
         let mut logits = Vec::new();
-        self.step(tokens, tap, false, false, &mut logits)?;
+        self.step(tokens, None, tap, false, false, &mut logits)?;
+        Ok(logits)
+    }
+
+    /// [`Engine::prefill`] of an engine running a layer range A..B ([`EngineOptions::layers`]):
+    /// `residual` `[n, d]` is the input of layer A (the residual after layer A-1), `tokens` give
+    /// the positions and the count. Returns what `prefill` returns.
+    pub fn prefill_from(
+        &mut self,
+        tokens: &[u32],
+        residual: &[f32],
+        tap: &mut dyn Tap,
+    ) -> Result<Vec<f32>, EngineError> {
+        if residual.len() != tokens.len() * self.config.d_model {
+            return Err(EngineError::Options(format!(
+                "the residual at layer {} has {} values, not {} tokens × d_model {}",
+                self.first_layer,
+                residual.len(),
+                tokens.len(),
+                self.config.d_model
+            )));
+        }
+        self.reset();
+        let mut logits = Vec::new();
+        self.step(tokens, Some(residual), tap, false, false, &mut logits)?;
         Ok(logits)
     }
 
@@ -449,7 +506,7 @@ impl Engine {
     pub fn prefill_last(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         self.reset();
         let mut logits = Vec::new();
-        self.step(tokens, &mut NoTap, false, true, &mut logits)?;
+        self.step(tokens, None, &mut NoTap, false, true, &mut logits)?;
         Ok(logits)
     }
 
@@ -467,7 +524,12 @@ impl Engine {
         if self.n_past == 0 {
             return Err(EngineError::DecodeWithoutPrefill);
         }
-        self.step(&[token], tap, true, false, logits)
+        if self.first_layer > 0 || !self.head {
+            return Err(EngineError::Options(
+                "decode with a layer range is not supported: the K/V cache of the range would need the prefill from its first layer; diff the prefill".into(),
+            ));
+        }
+        self.step(&[token], None, tap, true, false, logits)
     }
 
     /// Greedy generation: prefill `prompt`, then decode up to `max_new` tokens, stopping after
@@ -492,6 +554,7 @@ impl Engine {
     fn step(
         &mut self,
         tokens: &[u32],
+        residual: Option<&[f32]>,
         tap: &mut dyn Tap,
         is_decode: bool,
         last_only: bool,
@@ -500,6 +563,17 @@ impl Engine {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(EngineError::Empty);
+        }
+        if residual.is_some() != (self.first_layer > 0) {
+            return Err(EngineError::Options(format!(
+                "this engine starts at layer {}: a step needs {}",
+                self.first_layer,
+                if self.first_layer > 0 {
+                    "the residual there (prefill_from)"
+                } else {
+                    "tokens, not a residual"
+                }
+            )));
         }
         if let Some((pos, &id)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab) {
             return Err(EngineError::TokenOutOfRange {
@@ -534,6 +608,8 @@ impl Engine {
         use references::config::Arch;
         let graphable = self.decode_graphs
             && is_decode
+            && self.head
+            && residual.is_none()
             && plan.is_empty()
             && self.faults.specs().is_empty()
             && matches!(c.arch, Arch::Llama | Arch::Qwen2 | Arch::Qwen3);
@@ -565,30 +641,41 @@ impl Engine {
             && be.graph_begin(self.n_past, tokens[0]);
         self.graph_warm = graphable;
 
-        // Vocab-parallel embedding (recorded with the step), then all-reduce.
-        let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.embed(&ctx, tokens));
-        let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
-        flush(tap, taps);
-        let sums = all_reduce_bufs(be, &partials);
-        for r in &mut self.ranks {
-            let idx = r.idx;
-            as_rank(idx, || {
-                let x = sum_for(&sums, &partials, idx);
-                if idx == 0 {
-                    record_if(be, tap, &plan, TapKey::global(Site::Embed), x, d);
-                }
-                // A new step: no normed input is left from an unfinished one.
-                r.normed = None;
-                // In place when the size allows: a recorded decode step keeps reading r.x there.
-                if r.x.len() == x.len() {
-                    be.copy(x, 0, &mut r.x, 0, x.len());
-                } else {
-                    r.x = be.dup(x);
-                }
-            });
+        if let Some(res) = residual {
+            // A layer range: every rank's replica of the residual is the given input of its
+            // first layer (no embedding).
+            for r in &mut self.ranks {
+                as_rank(r.idx, || {
+                    r.normed = None;
+                    r.x = be.upload(res);
+                });
+            }
+        } else {
+            // Vocab-parallel embedding (recorded with the step), then all-reduce.
+            let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.embed(&ctx, tokens));
+            let (partials, taps): (Vec<_>, Vec<_>) = outs.into_iter().map(|o| (o.data, o.taps)).unzip();
+            flush(tap, taps);
+            let sums = all_reduce_bufs(be, &partials);
+            for r in &mut self.ranks {
+                let idx = r.idx;
+                as_rank(idx, || {
+                    let x = sum_for(&sums, &partials, idx);
+                    if idx == 0 {
+                        record_if(be, tap, &plan, TapKey::global(Site::Embed), x, d);
+                    }
+                    // A new step: no normed input is left from an unfinished one.
+                    r.normed = None;
+                    // In place when the size allows: a recorded decode step keeps reading r.x there.
+                    if r.x.len() == x.len() {
+                        be.copy(x, 0, &mut r.x, 0, x.len());
+                    } else {
+                        r.x = be.dup(x);
+                    }
+                });
+            }
         }
 
-        for layer_idx in 0..c.n_layers {
+        for layer_idx in self.first_layer..c.n_layers {
             if !recording && tap.stopped() {
                 // The tap's owner has its answer (diff-layers --stop-at-first): the step ends
                 // here, its logits unwritten and the caches not advanced.
@@ -645,6 +732,12 @@ impl Engine {
             }
         }
 
+        if !self.head {
+            // A range ending before the last layer: the residual is the result.
+            *logits = as_rank(0, || be.download(&self.ranks[0].x));
+            self.n_past += n;
+            return Ok(());
+        }
         // output_norm and the vocab-parallel lm_head, then gather (on the host: the logits are
         // the step's result).
         let outs: Vec<PhaseOut> = per_rank(parallel, &mut self.ranks, |r| r.head(&ctx));

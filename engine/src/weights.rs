@@ -229,13 +229,38 @@ impl LayerShard {
     }
 }
 
+/// A rank's layer shards, indexed by the model's layer number: layers `first..` (0 unless the
+/// engine runs a layer range, `EngineOptions::layers`; the layers before it are never loaded).
+pub struct Layers {
+    pub first: usize,
+    pub shards: Vec<LayerShard>,
+}
+
+impl Layers {
+    /// Layer `layer_idx`'s shard, or None where it was not loaded.
+    pub fn get(&self, layer_idx: usize) -> Option<&LayerShard> {
+        self.shards.get(layer_idx.checked_sub(self.first)?)
+    }
+}
+
+impl std::ops::Index<usize> for Layers {
+    type Output = LayerShard;
+    fn index(&self, layer_idx: usize) -> &LayerShard {
+        match layer_idx.checked_sub(self.first) {
+            Some(i) => &self.shards[i],
+            None => panic!("layer {layer_idx} was not loaded (layers {}..)", self.first),
+        }
+    }
+}
+
 /// Everything one rank holds.
 pub struct RankShard {
     pub rank_idx: usize,
     /// Vocab rows `[V_r, d]` of token_embd.
     pub embd: Linear,
     pub vocab_range: Range<usize>,
-    pub layers: Vec<LayerShard>,
+    /// The layers this rank loaded (all, or a range: see [`Layers`]).
+    pub layers: Layers,
     pub output_norm: Arc<Vec<f32>>,
     /// Per-pair RoPE frequency divisors, `[rope_dim / 2]`, replicated: Llama 3.1+'s
     /// `rope_freqs.weight`, or YaRN's ramp (each pair's plain frequency over YaRN's, from
@@ -289,6 +314,8 @@ pub struct Loader<'a> {
     pub storage: WeightStorage,
     /// Float tensors are rounded to this as they are read (identity at f32).
     pub dtype: ComputeDtype,
+    /// Layers before this one are not loaded (a layer range starting there).
+    pub first_layer: usize,
     replicated: Mutex<ReplicatedCache>,
 }
 
@@ -316,7 +343,16 @@ impl<'a> Loader<'a> {
             tp,
             storage,
             dtype: ComputeDtype::F32,
+            first_layer: 0,
             replicated: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The loader that skips the layers before `first` (neither read nor dequantized).
+    pub fn first_layer(self, first: usize) -> Self {
+        Loader {
+            first_layer: first,
+            ..self
         }
     }
 
@@ -643,9 +679,13 @@ impl<'a> Loader<'a> {
                 Arc::new(divisors.collect())
             })
         };
-        let layers = (0..c.n_layers)
+        let shards = (self.first_layer..c.n_layers)
             .map(|layer_idx| self.load_layer(layer_idx, rank_idx))
             .collect::<Result<Vec<_>, _>>()?;
+        let layers = Layers {
+            first: self.first_layer,
+            shards,
+        };
         Ok(RankShard {
             rank_idx,
             embd,

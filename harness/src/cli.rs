@@ -512,6 +512,21 @@ pub struct DiffLayersArgs {
     /// the config); see docs/perf.md.
     #[arg(long, value_name = "N")]
     pub n_layers: Option<usize>,
+    /// Run both sides over layers A..B only, from one residual (the input of layer A): Rust range
+    /// syntax, A included, B not (`4..7` is layers 4, 5, 6; `A..` to the last layer, `..B` from
+    /// layer 0). The taps of other layers do not exist; the output norm and head run only when B
+    /// is the last layer, otherwise the verdict is on the range's layer taps. See docs/perf.md
+    /// (bisecting a long model).
+    #[arg(long, value_name = "A..B", conflicts_with = "n_layers")]
+    pub layers: Option<String>,
+    /// With --layers: where the residual at layer A comes from. `reference` (default): the
+    /// reference runs layers 0..A untapped; `engine`: each side's own hidden state (both run 0..A
+    /// untapped, and the two are compared first as blk.{A-1}.resid_out, so a fault before A is
+    /// named at that entry tap); a dump's path (.safetensors,
+    /// comma-separated for one file per rank) holding `blk.{A-1}.resid_out`: nothing runs before
+    /// A. With --candidate the default is the candidate dump's own (`candidate`).
+    #[arg(long, value_name = "reference|engine|candidate|DUMP", requires = "layers")]
+    pub residual_from: Option<String>,
     /// Feed the last N tokens through the engine's decode path (KV cache) one at a time; some
     /// faults only show in decode. The reference still runs the whole sequence.
     #[arg(long, default_value_t = 0)]

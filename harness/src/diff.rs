@@ -4,6 +4,7 @@
 use crate::capture::{lockstep, progress, Captured, Side, StitchTap};
 use crate::compare::{head_cosines, metrics, ActDtype, Tolerances};
 use crate::diagnose::{diagnose, DiagContext};
+use crate::layer_range::LayerRange;
 use crate::local_rows::RowSample;
 use crate::noise::{head_bound, local_bound_sum};
 use crate::selection::{compare_rows, compare_taps, Noise, Rule};
@@ -700,9 +701,18 @@ impl<'a> Comparator<'a> {
 }
 
 /// The reference, cut to the engine's `n_layers` when it has one (the first N layers, then the
-/// output norm and head).
-fn truncated_reference<'a>(plan: &DiffPlan<'a>) -> anyhow::Result<Reference<'a>> {
+/// output norm and head), or to a layer range's end.
+fn truncated_reference<'a>(plan: &DiffPlan<'a>, range: Option<&LayerRange>) -> anyhow::Result<Reference<'a>> {
     let mut reference = Reference::new(plan.file)?;
+    if let Some(r) = range {
+        if plan.engine.n_layers.is_some() || r.layers.end > reference.config.n_layers {
+            bail!(
+                "--layers takes no --n-layers and ends at the model's {} layers",
+                reference.config.n_layers
+            );
+        }
+        reference.config.n_layers = r.layers.end;
+    }
     if let Some(n) = plan.engine.n_layers {
         if n == 0 || n > reference.config.n_layers {
             bail!("--n-layers {n}: the model has {} layers", reference.config.n_layers);
@@ -731,10 +741,29 @@ pub fn run_diff(plan: &DiffPlan) -> anyhow::Result<DiffRun> {
 /// a perturbed copy of the weights (same shapes) against the original, to measure what size of
 /// change the taps can still localize.
 pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Result<DiffRun> {
+    run_diff_inner(plan, engine_file, None)
+}
+
+/// Runs the diff over a layer range only (`--layers A..B`, see [`crate::layer_range`]): both
+/// sides start at layer A from the range's residual.
+pub fn run_diff_range(plan: &DiffPlan, range: &LayerRange) -> anyhow::Result<DiffRun> {
+    run_diff_inner(plan, plan.file, Some(range))
+}
+
+fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerRange>) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = truncated_reference(plan)?;
+    let reference = truncated_reference(plan, range)?;
+    if range.is_some() && plan.decode_steps > 0 {
+        bail!("--decode-steps with --layers is not supported: the range's K/V cache would need the prefill from its first layer; diff the prefill");
+    }
+    // Counted from here: the reference's pass to the range's residual reads weights too.
     let bytes0 = references::forward::weight_bytes_read();
-    let mut engine = Engine::load(engine_file, plan.engine.clone())?;
+    let residuals = match range {
+        Some(r) => r.residuals(engine_file, &reference, &plan.tokens, &plan.engine)?,
+        None => Default::default(),
+    };
+    let opts = range.map_or_else(|| plan.engine.clone(), |r| r.engine_options(&plan.engine));
+    let mut engine = Engine::load(engine_file, opts)?;
     if engine.backend_name() != "cpu" {
         // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
         // that --json output stays one document.
@@ -765,6 +794,10 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
     let (e, r, d) = lockstep(
         &sampling,
         |tap| -> Result<(), engine::EngineError> {
+            if let Some(res) = &residuals.engine {
+                residuals.record_entry(tap, Some(res), tokens.len());
+                return engine.prefill_from(tokens, res, tap).map(|_| ());
+            }
             if n_prefill == tokens.len() {
                 return engine.prefill(tokens, tap).map(|_| ());
             }
@@ -779,7 +812,12 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         // The K/V cache each decode step read, as a correct cache holds it.
         |tap| {
             let mut tap = references::tap::DecodeCacheTap::new(tap, tokens.len(), n_prefill);
-            reference.forward(tokens, &mut tap).map(|_| ())
+            residuals.record_entry(&mut tap, residuals.reference.as_ref(), tokens.len());
+            let out = match range {
+                Some(r) => reference.forward_span(tokens, r.span(residuals.reference.clone()), &mut tap),
+                None => reference.forward(tokens, &mut tap),
+            };
+            out.map(|_| ())
         },
         |side, c| cmp.on_tap(side, c),
     );
@@ -810,7 +848,9 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
         t0,
         dtype_source,
     };
-    finish(plan, &reference, cmp, sides)
+    let mut run = finish(plan, &reference, cmp, sides)?;
+    run.layer_range = range.map(LayerRange::info);
+    Ok(run)
 }
 
 /// Diffs a foreign engine's tensor dump (see [`crate::dump`]) against the reference on the dump's
@@ -819,12 +859,40 @@ pub fn run_diff_against(plan: &DiffPlan, engine_file: &GgufFile) -> anyhow::Resu
 /// Reference activation taps the dump lacks are listed in `missing`; a tap whose width differs
 /// from the reference's is a format error. There is no engine config, so config drift is not checked.
 pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::Result<DiffRun> {
+    run_diff_candidate_inner(plan, dump, None)
+}
+
+/// [`run_diff_candidate`] over a layer range: the reference starts at layer A from the range's
+/// residual (by default the dump's own `blk.{A-1}.resid_out`), and only the dump's taps of the
+/// range are compared.
+pub fn run_diff_candidate_range(
+    plan: &DiffPlan,
+    dump: &crate::dump::Dump,
+    range: &LayerRange,
+) -> anyhow::Result<DiffRun> {
+    run_diff_candidate_inner(plan, dump, Some(range))
+}
+
+fn run_diff_candidate_inner(
+    plan: &DiffPlan,
+    dump: &crate::dump::Dump,
+    range: Option<&LayerRange>,
+) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
-    let reference = truncated_reference(plan)?;
+    let reference = truncated_reference(plan, range)?;
     let bytes0 = references::forward::weight_bytes_read();
     let config = reference.config.clone();
-    // Keys, tokens and widths against the model before the reference runs.
-    dump.check_model(&config)?;
+    // Keys, tokens and widths against the model before the reference runs (a range's dump
+    // holds the whole model's taps).
+    let mut whole = config.clone();
+    if let Some(r) = range {
+        whole.n_layers = r.total;
+    }
+    dump.check_model(&whole)?;
+    let residual = match range {
+        Some(r) => r.candidate_residual(dump, &reference, &plan.tokens)?,
+        None => None,
+    };
     let tokens = &plan.tokens;
     // The plan's dtype when the caller chose one, else the dump's (metadata, tensor dtypes, values).
     let (dtype, dtype_source) = if plan.dtype != ActDtype::F32 {
@@ -841,7 +909,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
         &sampling,
         |tap| -> anyhow::Result<()> {
             for key in dump.keys() {
-                if tap.wants(key) {
+                if range.is_none_or(|r| r.keeps(key)) && tap.wants(key) {
                     let c = dump.tensor(key, &config)?;
                     if matches!(key.site, Site::Weight(_)) {
                         // A whole weight in a dump is sampled as the engine's are.
@@ -857,7 +925,13 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
             }
             Ok(())
         },
-        |tap| reference.forward(tokens, tap).map(|_| ()),
+        |tap| {
+            let out = match range {
+                Some(r) => reference.forward_span(tokens, r.span(residual.clone()), tap),
+                None => reference.forward(tokens, tap),
+            };
+            out.map(|_| ())
+        },
         |side, c| cmp.on_tap(side, c),
     );
     e.result?;
@@ -890,6 +964,7 @@ pub fn run_diff_candidate(plan: &DiffPlan, dump: &crate::dump::Dump) -> anyhow::
     };
     let mut run = finish(plan, &reference, cmp, sides)?;
     run.missing = missing;
+    run.layer_range = range.map(LayerRange::info);
     if let Some(cfg) = tp_config {
         crate::layout::apply(&mut run, dump, &reference, plan.file, &plan.tolerances, dtype, cfg)?;
     }
@@ -1045,6 +1120,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
         baselines: plan.tolerances.baseline_names().to_vec(),
         coverage_warnings: cmp.config.coverage_warnings(tokens.len()),
         tp_layout: None,
+        layer_range: None,
     })
 }
 

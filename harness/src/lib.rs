@@ -15,6 +15,7 @@ pub mod golden;
 pub mod junit;
 pub mod kernel_trace;
 pub mod kld_verdict;
+pub mod layer_range;
 pub mod layout;
 pub mod local_rows;
 pub mod logprobs;

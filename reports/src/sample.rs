@@ -192,5 +192,6 @@ pub fn diverged_run(n_layers: u32, tp: u32, fault_layer: u32) -> DiffRun {
         baselines: Vec::new(),
         coverage_warnings: Vec::new(),
         tp_layout: None,
+        layer_range: None,
     }
 }

@@ -244,6 +244,21 @@ pub struct DiffRun {
     /// A format 2 (tensor-parallel) candidate dump: what its declared layouts made comparable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_layout: Option<TpLayoutReport>,
+    /// A `--layers A..B` run: both sides ran only layers A..B from one residual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_range: Option<LayerRangeInfo>,
+}
+
+/// What a `--layers A..B` run ran: layers `start..end` (end excluded) from the residual of
+/// `residual_from` (reference, engine, or a dump's path; "embeddings" when start is 0), and
+/// whether the output norm and head ran (only when `end` is the model's last layer; otherwise
+/// the verdict is on the range's layer taps).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerRangeInfo {
+    pub start: usize,
+    pub end: usize,
+    pub residual_from: String,
+    pub head: bool,
 }
 
 /// What a tensor-parallel candidate dump's declared layouts made comparable, and what the

@@ -36,6 +36,7 @@ fn diff(name: &str) -> DiffRun {
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
+        full_weights: false,
         repro: String::new(),
     };
     run_diff_candidate(&plan, &dump).unwrap()

@@ -4,8 +4,9 @@
 use crate::cli::{BackendArg, DiffLayersArgs};
 use crate::commands::logits::input_tokens;
 use crate::compare::{ActDtype, Baseline, Tolerances};
-use crate::diff::{run_diff, run_diff_candidate, DiffPlan};
+use crate::diff::{run_diff, run_diff_candidate, run_diff_candidate_range, run_diff_range, DiffPlan};
 use crate::dump::Dump;
+use crate::layer_range::{parse_range, LayerRange, ResidualFrom};
 use crate::output::{open_model, shell_quote, term, write_atomic};
 use anyhow::{bail, Context};
 use reports::DiffRun;
@@ -41,8 +42,38 @@ pub fn run(a: &DiffLayersArgs) -> anyhow::Result<ExitCode> {
         decode_steps: a.decode_steps,
         repro: repro(a, &tokens, &file.header.allow_unknown),
     };
-    let run = run_diff(&plan)?;
+    let run = match layer_range(a, &file, ResidualFrom::Reference)? {
+        Some(range) => run_diff_range(&plan, &range)?,
+        None => run_diff(&plan)?,
+    };
     emit(a, &run)
+}
+
+/// `--layers A..B` and `--residual-from`, checked against the model (`default`: the source when
+/// --residual-from is not given).
+fn layer_range(
+    a: &DiffLayersArgs,
+    file: &references::GgufFile,
+    default: ResidualFrom,
+) -> anyhow::Result<Option<LayerRange>> {
+    let Some(s) = &a.layers else { return Ok(None) };
+    let total = references::config::ModelConfig::from_header(&file.header)?.n_layers;
+    let layers = parse_range(s, total).map_err(|e| anyhow::anyhow!(e))?;
+    let from = match &a.residual_from {
+        Some(f) => ResidualFrom::parse(f).map_err(|e| anyhow::anyhow!(e))?,
+        None => default,
+    };
+    Ok(Some(LayerRange { layers, total, from }))
+}
+
+/// The repro command's `--layers` and `--residual-from`.
+fn push_layers(repro: &mut String, a: &DiffLayersArgs) {
+    if let Some(l) = &a.layers {
+        repro.push_str(&format!(" --layers {}", shell_quote(l)));
+    }
+    if let Some(f) = &a.residual_from {
+        repro.push_str(&format!(" --residual-from {}", shell_quote(f)));
+    }
 }
 
 /// `--n-layers`, checked against the model: 1 to its layer count.
@@ -168,6 +199,7 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
     if a.full_weights {
         repro.push_str(" --full-weights");
     }
+    push_layers(&mut repro, a);
     push_allow_unknown(&mut repro, &file.header.allow_unknown);
     let plan = DiffPlan {
         file,
@@ -185,7 +217,10 @@ fn run_candidate(a: &DiffLayersArgs, file: &references::GgufFile) -> anyhow::Res
         decode_steps: 0,
         repro,
     };
-    let run = run_diff_candidate(&plan, &dump)?;
+    let run = match layer_range(a, file, ResidualFrom::Candidate)? {
+        Some(range) => run_diff_candidate_range(&plan, &dump, &range)?,
+        None => run_diff_candidate(&plan, &dump)?,
+    };
     emit(a, &run)
 }
 
@@ -255,6 +290,7 @@ fn repro(a: &DiffLayersArgs, tokens: &[u32], allow_unknown: &[String]) -> String
     if a.full_weights {
         s.push_str(" --full-weights");
     }
+    push_layers(&mut s, a);
     push_allow_unknown(&mut s, allow_unknown);
     s
 }
@@ -291,6 +327,19 @@ pub fn print_summary(run: &DiffRun) {
         Some(i) => (i.saturating_sub(6)..(i + 4).min(run.taps.len())).collect(),
         None => (run.taps.len().saturating_sub(6)..run.taps.len()).collect(),
     };
+    if let Some(r) = &run.layer_range {
+        println!(
+            "  layers {}..{} only, from the residual of {}; {}",
+            r.start,
+            r.end,
+            term(&r.residual_from),
+            if r.head {
+                "then the output norm and head"
+            } else {
+                "no output norm or head (the verdict is on the range's layer taps)"
+            }
+        );
+    }
     if let Some(d) = &run.dtype {
         println!(
             "  compute dtype {} ({}): local errors held to {} × u × rho, u = {:.1e}",

@@ -46,6 +46,18 @@ pub enum ForwardError {
     TokenOutOfRange { id: u32, pos: usize, vocab: usize },
     #[error("no tokens given")]
     Empty,
+    #[error("layer span: {0}")]
+    Span(String),
+}
+
+/// Which layers a pass runs ([`Reference::forward_span`]): `layers` (A..B, Rust range), from
+/// `residual` (`[n, d]`, the input of layer A; None: the embeddings, and A must be 0); the output
+/// norm and head run when `head`.
+#[derive(Clone, Debug)]
+pub struct Span {
+    pub layers: std::ops::Range<usize>,
+    pub residual: Option<Vec<f32>>,
+    pub head: bool,
 }
 
 /// A weight matrix in torch layout `[rows, cols]` (`rows` = out features).
@@ -166,6 +178,18 @@ impl<'a> Reference<'a> {
 
     /// Runs `tokens` (one sequence, positions 0..n) and returns logits `[n, vocab]` row-major.
     pub fn forward(&self, tokens: &[u32], tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
+        let span = Span {
+            layers: 0..self.config.n_layers,
+            residual: None,
+            head: true,
+        };
+        self.forward_span(tokens, span, tap)
+    }
+
+    /// Runs the layers of `span` over `tokens` (positions 0..n): from the embeddings or the given
+    /// residual, then the head when asked. Returns logits `[n, vocab]`, or without the head the
+    /// residual `[n, d]` after the last layer run. No weight of a layer outside the span is read.
+    pub fn forward_span(&self, tokens: &[u32], span: Span, tap: &mut dyn Tap) -> Result<Vec<f32>, ForwardError> {
         if tokens.is_empty() {
             return Err(ForwardError::Empty);
         }
@@ -180,15 +204,51 @@ impl<'a> Reference<'a> {
             }
         }
         let n = tokens.len();
-        let mut x = self.embed(tokens)?;
-        if c.arch.is_gemma() {
-            // Gemma scales the embeddings by √d_model (the embed tap shows the scaled rows).
-            let s = (c.d_model as f64).sqrt();
-            x.iter_mut().for_each(|v| *v = (*v as f64 * s) as f32);
+        let layers = span.layers.clone();
+        if layers.start > layers.end || layers.end > c.n_layers {
+            return Err(ForwardError::Span(format!(
+                "layers {}..{} of a {}-layer model",
+                layers.start, layers.end, c.n_layers
+            )));
+        }
+        let mut x = match span.residual {
+            Some(r) if r.len() == n * c.d_model => r,
+            Some(r) => {
+                return Err(ForwardError::Span(format!(
+                    "the residual at layer {} has {} values, not {n} tokens × d_model {}",
+                    layers.start,
+                    r.len(),
+                    c.d_model
+                )))
+            }
+            None if layers.start > 0 => {
+                return Err(ForwardError::Span(format!(
+                    "starting at layer {} needs the residual there",
+                    layers.start
+                )))
+            }
+            None => {
+                let mut x = self.embed(tokens)?;
+                if c.arch.is_gemma() {
+                    // Gemma scales the embeddings by √d_model (the embed tap shows the scaled rows).
+                    let s = (c.d_model as f64).sqrt();
+                    x.iter_mut().for_each(|v| *v = (*v as f64 * s) as f32);
+                }
+                emit(tap, TapKey::global(Site::Embed), &x, n);
+                x
+            }
+        };
+        if let Some(ix) = &c.indexer {
+            // A DSA `shared` layer reuses the selection of the `full` layer before it.
+            if layers.start > 0 && !ix.full.get(layers.start).copied().unwrap_or(true) {
+                return Err(ForwardError::Span(format!(
+                    "layer {} reuses an earlier layer's DSA selection: start the range at a layer that scores its own (indexer `full`)",
+                    layers.start
+                )));
+            }
         }
         let mut dsa_state = dsa::DsaState::default();
-        emit(tap, TapKey::global(Site::Embed), &x, n);
-        for layer_idx in 0..c.n_layers {
+        for layer_idx in layers.clone() {
             x = match c.arch {
                 Arch::Llama => llama::layer(self, layer_idx, x, n, tap)?,
                 Arch::Deepseek2 => deepseek2::layer(self, layer_idx, x, n, tap, None)?,
@@ -208,6 +268,9 @@ impl<'a> Reference<'a> {
                 // The tap's owner has its answer: no logits (an empty result).
                 return Ok(Vec::new());
             }
+        }
+        if !span.head {
+            return Ok(x);
         }
         let h = ops::rms_norm(&x, c.d_model, &self.vector("output_norm.weight", c.d_model)?, c.rms_eps);
         emit(tap, TapKey::global(Site::OutputNorm), &h, n);
