@@ -16,6 +16,9 @@
 #   diff8b   `diff-layers --backend cuda` on the 8B shape, 58 tokens, kernels cached; wall, CPU,
 #            peak RSS, the run document's stage timings (old, new, new, old)
 #   stop     the same with --stop-at-first and --n-layers 4 (new only)
+#   layers   --layers A..B on CUDA (new only): the 8B shape at TP 1 and 2 with rope-neox inside the
+#            range (same tap and class as the whole run) and before it (agrees from the reference's
+#            residual, named at the entry tap from the engine's), healthy deepseek-v3-mini at TP 2
 #   matmul   the reference matmul bench (BENCH) against the f64 FMA peak, physical cores vs threads
 #   glm5     a synthetic deepseek2 layer at GLM-5's width (hidden 6144, 64 heads, MLA, 256 experts
 #            top-8, expert FFN 2048, one shared expert; Q4_K), diff-layers at 16 and 256 tokens:
@@ -27,7 +30,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 NEW=${LLMDIFF:-$PWD/target/release/llmdiff}
 OLD=${OLD:-}
 OUT=${OUT:?OUT=the folder to write to}
-STEPS=" ${STEPS:-ref cold diff8b stop matmul glm5} "
+STEPS=" ${STEPS:-ref cold diff8b stop layers matmul glm5} "
 W=/tmp/perf49; M=$W/models; mkdir -p $M "$OUT"
 LOG=$OUT/summary.txt; RUNS=$OUT/runs.tsv; T0=$(date +%s)
 say() { echo "== $* (t=$(($(date +%s) - T0)) s)" | tee -a $LOG; }
@@ -61,7 +64,10 @@ keys = ["engine", "engine_capture", "engine_wait", "reference", "reference_captu
         "compare", "replay", "compare_wait", "total"]
 s = " ".join(f"{k}={t[k]:.2f}" for k in keys if k in t)
 gb = t.get("reference_weight_bytes", 0) / 1e9
-print(f"{d['verdict']} taps={len(d['taps'])} {s} ref_read={gb:.3f}GB ({gb / max(1, len(d['tokens'])):.4f} GB/token)")
+f = d.get("first_divergence") or {}
+cls = (d.get("diagnosis") or {}).get("class", "")
+at = f" at {f.get('tap')} {cls}" if f else ""
+print(f"{d['verdict']}{at} taps={len(d['taps'])} {s} ref_read={gb:.3f}GB ({gb / max(1, len(d['tokens'])):.4f} GB/token)")
 EOF
 }
 bins() { echo new $NEW; [ -n "$OLD" ] && echo old $OLD; }
@@ -114,6 +120,22 @@ if on stop; then
   echo "  rope-neox@3 --stop-at-first: $(stages $W/stop.json)" | tee -a $LOG
   timed diff8b-nostop new $NEW diff-layers $M/8b.gguf --tokens $TOK58 --backend cuda --inject rope-neox@3 --json-out $W/nostop.json
   echo "  rope-neox@3 whole model: $(stages $W/nostop.json)" | tee -a $LOG
+fi
+
+if on layers; then
+  say "layer ranges on CUDA (new)"
+  [ -f $M/dsv3.gguf ] || $NEW synth --preset deepseek-v3-mini --quant Q4_K -o $M/dsv3.gguf >/dev/null 2>&1
+  for tp in 1 2; do
+    for c in "8..16 reference rope-neox@10" "8..16 reference rope-neox@4" "8..16 engine rope-neox@4" "24..32 reference -"; do
+      set -- $c; inj=""; [ "$3" != - ] && inj="--inject $3"
+      timed layers-$1-$2-$3-tp$tp new $NEW diff-layers $M/8b.gguf --tokens $TOK58 --backend cuda --tp $tp \
+        --layers $1 --residual-from $2 $inj --json-out $W/lr.json
+      echo "  --layers $1 --residual-from $2 $3 tp$tp: $(stages $W/lr.json)" | tee -a $LOG
+    done
+  done
+  timed layers-dsv3 new $NEW diff-layers $M/dsv3.gguf --tokens 1,2,3,4,5,6,7,8,9,10 --backend cuda --tp 2 --layers 1..3 \
+    --json-out $W/lr.json
+  echo "  deepseek-v3-mini --layers 1..3 tp2: $(stages $W/lr.json)" | tee -a $LOG
 fi
 
 if on matmul && [ -n "${BENCH:-}" ]; then
