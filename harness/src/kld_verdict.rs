@@ -19,8 +19,8 @@
 //!
 //! Named causes ([`Cause`]) come from the profile: a one-token shift in the server's
 //! `usage.prompt_tokens` with disagreement from position 0 (BOS added or dropped), KLD growing
-//! with position or raised on the repeats of a repeated-span probe ([`RepeatProbe`]: RoPE base
-//! or scale, KV cache, context handling), flat or degenerate
+//! with position, or raised on the repeats of a repeated-span probe ([`RepeatProbe`]) while the
+//! prompts still rise (RoPE base or scale, context handling) or rise evenly (the KV cache), flat or degenerate
 //! distributions (norm or numeric faults), a uniform rise across positions (a weight or layer
 //! fault, or precision). Each carries its evidence; [`Cause::Unknown`] is allowed.
 
@@ -46,10 +46,19 @@ pub struct BandThresholds {
     /// the fault is named position-dependent ([`RepeatProbe`]).
     #[serde(default = "default_repeat_ratio")]
     pub repeat_ratio: f64,
+    /// With the probe over `repeat_ratio`: the prompts' late/early ratio at or over which the
+    /// cause is RoPE (position-dependent); under it, the prompts rise evenly while the repeats
+    /// degrade: the KV cache ([`Cause::KvCache`]).
+    #[serde(default = "default_rope_growth")]
+    pub rope_growth: f64,
 }
 
 fn default_repeat_ratio() -> f64 {
-    1.5
+    2.0
+}
+
+fn default_rope_growth() -> f64 {
+    1.25
 }
 
 /// The repeated-span probe, sent by the client besides the prompts: random word tokens, one span
@@ -165,6 +174,7 @@ impl Calibration {
             ("broken_p95", t.broken_p95),
             ("growth_ratio", t.growth_ratio),
             ("repeat_ratio", t.repeat_ratio),
+            ("rope_growth", t.rope_growth),
             ("floor.mean", f.mean),
             ("floor.p95", f.p95),
             ("floor.p99", f.p99),
@@ -237,6 +247,7 @@ pub enum Cause {
     BosAdded,
     BosDropped,
     GrowsWithPosition,
+    KvCache,
     FlatOrDegenerate,
     UniformShift,
     Unknown,
@@ -250,6 +261,9 @@ impl Cause {
             Cause::BosDropped => "BOS dropped (the server omits the BOS token the model expects)",
             Cause::GrowsWithPosition => {
                 "position-dependent (KLD clean at position 0, growing with position, or raised on a repeated span): RoPE frequency base or scale, the KV cache, or context handling"
+            }
+            Cause::KvCache => {
+                "the recall of earlier tokens degraded while the prompts rise evenly: the KV cache (a quantized or faulty cache)"
             }
             Cause::FlatOrDegenerate => "flat or degenerate distributions: a norm (epsilon) or numeric fault",
             Cause::UniformShift => {
@@ -415,10 +429,23 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
                 profile.entropy_verdicts.len()
             ));
         } else if let Some(r) = probe.filter(|r| r.ratio.is_finite() && r.ratio >= t.repeat_ratio) {
-            cause = Cause::GrowsWithPosition;
+            // The repeats degrade more than the first copy: attention's recall of earlier tokens
+            // is hit (RoPE's relative positions, or the cached keys and values). Prompts whose KLD
+            // still rises with position point to RoPE; prompts raised evenly to the cache.
+            let rope = g.is_finite() && g >= t.rope_growth;
+            cause = if rope { Cause::GrowsWithPosition } else { Cause::KvCache };
             evidence.push(format!(
-                "on the repeated-span probe ({} sequences of a {}-token random span × {}) mean KLD on the repeats is {:.1}× that on the first copy ({:.4} vs {:.4}; {:.1}× or more points to relative positions: RoPE; a weight or KV-cache fault raises both alike); prompts: last third {g:.1}× the first",
-                r.sequences, r.span, r.copies, r.ratio, r.repeat_mean, r.first_mean, t.repeat_ratio
+                "on the repeated-span probe ({} sequences of a {}-token random span × {}) mean KLD on the repeats is {:.1}× that on the first copy ({:.4} vs {:.4}; {:.1}× or more: the recall of earlier tokens is hit, which a weight fault does not single out), and on the prompts the last third is {g:.1}× the first ({} {:.2}×: {})",
+                r.sequences,
+                r.span,
+                r.copies,
+                r.ratio,
+                r.repeat_mean,
+                r.first_mean,
+                t.repeat_ratio,
+                if rope { "at or over" } else { "under" },
+                t.rope_growth,
+                if rope { "rising with position, RoPE" } else { "even, the KV cache" }
             ));
         } else if g.is_finite() {
             cause = Cause::UniformShift;
@@ -663,11 +690,19 @@ mod tests {
             ..Profile::default()
         };
         let pos = make(20, 20, |p, i| spread(m, p, i));
+        // Even prompts, repeats degraded: the KV cache, a trade-off by size (precision loss).
         let v = judge(&pos, &prof, &c);
-        assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
-        assert_eq!(v.band, Band::Broken);
+        assert_eq!(v.cause, Cause::KvCache, "{:?}", v.evidence);
+        assert_eq!(v.band, Band::PrecisionLoss);
         assert!(v.evidence[1].contains("repeated-span probe"), "{:?}", v.evidence);
         assert!(v.repeat_probe.is_some());
+        // Prompts rising (under growth_ratio, over rope_growth), repeats degraded: RoPE, broken.
+        let k = (c.thresholds.rope_growth + c.thresholds.growth_ratio) / 2.0;
+        let rising = make(20, 20, |p, i| spread(m, p, i) * if i >= 14 { k } else { 1.0 });
+        let v = judge(&rising, &prof, &c);
+        assert!(v.growth < c.thresholds.growth_ratio && v.growth >= c.thresholds.rope_growth, "{}", v.growth);
+        assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
+        assert_eq!(v.band, Band::Broken);
         // Repeats raised like the first copy: a uniform shift, the probe's ratio in the evidence.
         prof.repeat_probe = Some(probe(4, 12, 3, 0.01, 0.0105));
         let v = judge(&pos, &prof, &c);

@@ -126,6 +126,25 @@ def run_llmdiff(cmd):
     return r.returncode, r.stdout, r.stderr, time.time() - t0
 
 
+def merge(path, row, note):
+    """Replaces (or appends) `row`'s case in the committed rows file; fields the new row lacks are
+    kept from the old one."""
+    doc = json.load(open(path))
+    cases = [r["case"] for r in doc["rows"]]
+    if row["case"] in cases:
+        i = cases.index(row["case"])
+        merged = dict(doc["rows"][i])
+        merged.update(row)
+        doc["rows"][i] = merged
+    else:
+        doc["rows"].append(row)
+    if note and note not in doc["what"]:
+        doc["what"] = doc["what"].rstrip() + " " + note
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llmdiff", required=True)
@@ -213,23 +232,10 @@ def main():
             srv.wait(timeout=30)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if a.merge_into:
+            merge(a.merge_into, row, a.note if len(rows) == 1 else None)
     if a.json_out:
         json.dump(rows, open(a.json_out, "w"), indent=1)
-    if a.merge_into:
-        doc = json.load(open(a.merge_into))
-        old = {r["case"]: r for r in doc["rows"]}
-        for r in rows:
-            merged = dict(old.get(r["case"], {}))
-            merged.update(r)
-            if r["case"] in old:
-                doc["rows"][doc["rows"].index(old[r["case"]])] = merged
-            else:
-                doc["rows"].append(merged)
-        if a.note:
-            doc["what"] = doc["what"].rstrip() + " " + a.note
-        with open(a.merge_into, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
     shutil.rmtree(tmp, ignore_errors=True)
 
 
