@@ -700,7 +700,11 @@ mod tests {
         let k = (c.thresholds.rope_growth + c.thresholds.growth_ratio) / 2.0;
         let rising = make(20, 20, |p, i| spread(m, p, i) * if i >= 14 { k } else { 1.0 });
         let v = judge(&rising, &prof, &c);
-        assert!(v.growth < c.thresholds.growth_ratio && v.growth >= c.thresholds.rope_growth, "{}", v.growth);
+        assert!(
+            v.growth < c.thresholds.growth_ratio && v.growth >= c.thresholds.rope_growth,
+            "{}",
+            v.growth
+        );
         assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
         assert_eq!(v.band, Band::Broken);
         // Repeats raised like the first copy: a uniform shift, the probe's ratio in the evidence.

@@ -429,13 +429,7 @@ pub fn probe_sequences(tok: &Tokenizer, space: &TokenSpace) -> Vec<Vec<u32>> {
         let seq = span.repeat(PROBE_COPIES);
         // Sent as text (llama-cpp-python's server takes no token-id prompts): it must tokenize
         // back to these very ids.
-        if tok
-            .decode(&seq)
-            .ok()
-            .and_then(|t| tok.encode(&t, false).ok())
-            .as_ref()
-            == Some(&seq)
-        {
+        if tok.decode(&seq).ok().and_then(|t| tok.encode(&t, false).ok()).as_ref() == Some(&seq) {
             out.push(seq);
         }
     }
@@ -472,7 +466,10 @@ fn repeat_probe(
     let mut pos = Vec::new();
     for (si, (seq, c)) in seqs.iter().zip(&comps).enumerate() {
         let echo_ok = c.entries.len() >= seq.len()
-            && c.entries.iter().zip(seq).all(|(e, &id)| space.model_id(&e.token) == Some(id));
+            && c.entries
+                .iter()
+                .zip(seq)
+                .all(|(e, &id)| space.model_id(&e.token) == Some(id));
         if !echo_ok {
             bail!("sequence {}: the server's echo is not the probe's tokens", si + 1);
         }
