@@ -708,10 +708,10 @@ mod tests {
         assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
         assert_eq!(v.band, Band::Broken);
         // Repeats raised like the first copy: a uniform shift, the probe's ratio in the evidence.
-        prof.repeat_probe = Some(probe(4, 12, 3, 0.01, 0.0105));
+        prof.repeat_probe = Some(probe(4, 12, 3, 0.01, 0.012));
         let v = judge(&pos, &prof, &c);
         assert_eq!(v.cause, Cause::UniformShift, "{:?}", v.evidence);
-        assert!(v.evidence[1].contains("repeats 1.1×"), "{:?}", v.evidence);
+        assert!(v.evidence[1].contains("repeats 1.2×"), "{:?}", v.evidence);
         // Within noise: the probe is not read.
         prof.repeat_probe = Some(probe(4, 12, 3, 0.001, 0.01));
         let v = judge(&make(20, 20, |p, i| spread(c.floor.mean * 0.5, p, i)), &prof, &c);
