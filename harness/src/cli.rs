@@ -723,6 +723,11 @@ pub struct EntropyArgs {
     /// (rendered here) and its answer's logprobs against the reference.
     #[arg(long, requires = "against_reference")]
     pub chat: bool,
+    /// With --server --against-reference: when to send the repeated-span probe that tells a RoPE
+    /// fault from a uniform one (docs/entropy.md): `auto` only when the prompts read as a uniform
+    /// rise, `always` (its figures are then reported even for a healthy server), `never`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
+    pub repeat_probe: String,
     /// Write an HTML report (entropy per position, KLD histogram).
     #[arg(long)]
     pub html: Option<PathBuf>,

@@ -19,7 +19,8 @@
 //!
 //! Named causes ([`Cause`]) come from the profile: a one-token shift in the server's
 //! `usage.prompt_tokens` with disagreement from position 0 (BOS added or dropped), KLD growing
-//! with position (RoPE base or scale, KV cache, context handling), flat or degenerate
+//! with position, or raised on the repeats of a repeated-span probe ([`RepeatProbe`]) while the
+//! prompts still rise (RoPE base or scale, context handling) or rise evenly (the KV cache), flat or degenerate
 //! distributions (norm or numeric faults), a uniform rise across positions (a weight or layer
 //! fault, or precision). Each carries its evidence; [`Cause::Unknown`] is allowed.
 
@@ -41,6 +42,76 @@ pub struct BandThresholds {
     /// Late/early mean KLD ratio (positions in the last third of each prompt against those in the
     /// first third, past the first two) over which KLD "grows with position".
     pub growth_ratio: f64,
+    /// Repeated-span probe: mean KLD on the repeats over that on the first copy, at or over which
+    /// the fault is named position-dependent ([`RepeatProbe`]).
+    #[serde(default = "default_repeat_ratio")]
+    pub repeat_ratio: f64,
+    /// With the probe over `repeat_ratio`: the prompts' late/early ratio at or over which the
+    /// cause is RoPE (position-dependent); under it, the prompts rise evenly while the repeats
+    /// degrade: the KV cache ([`Cause::KvCache`]).
+    #[serde(default = "default_rope_growth")]
+    pub rope_growth: f64,
+}
+
+fn default_repeat_ratio() -> f64 {
+    2.0
+}
+
+fn default_rope_growth() -> f64 {
+    1.25
+}
+
+/// The repeated-span probe, sent by the client besides the prompts: random word tokens, one span
+/// repeated. A correct model predicts the repeats from the first copy (induction, which needs
+/// the right relative positions: attend to the token after the earlier occurrence), so a RoPE
+/// base or scale fault raises KLD on the repeats more than on the first copy; a weight or KV
+/// cache fault raises both alike. Measured on a real llama.cpp server (docs/entropy.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RepeatProbe {
+    pub sequences: usize,
+    pub span: usize,
+    pub copies: usize,
+    /// Mean top-k KLD on the first copy's positions (past the first) and on the repeats'.
+    pub first_mean: f64,
+    pub repeat_mean: f64,
+    pub first_n: usize,
+    pub repeat_n: usize,
+    /// `repeat_mean / first_mean`.
+    pub ratio: f64,
+}
+
+impl RepeatProbe {
+    /// From the probe's per-position KLDs (`pos`: the index in the sequence of the last token
+    /// seen): the first copy's positions 1..span−1 (predicting random tokens) against the repeats'
+    /// span..copies·span−1 (predicting a repeat from its second token on).
+    pub fn from_positions(pos: &[PosKld], sequences: usize, span: usize, copies: usize) -> RepeatProbe {
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let first: Vec<f64> = pos
+            .iter()
+            .filter(|p| p.pos >= 1 && p.pos + 1 < span)
+            .map(|p| p.kld)
+            .collect();
+        let repeat: Vec<f64> = pos
+            .iter()
+            .filter(|p| p.pos >= span && p.pos + 1 < copies * span)
+            .map(|p| p.kld)
+            .collect();
+        let (f, r) = (mean(&first), mean(&repeat));
+        RepeatProbe {
+            sequences,
+            span,
+            copies,
+            first_mean: f,
+            repeat_mean: r,
+            first_n: first.len(),
+            repeat_n: repeat.len(),
+            ratio: if first.is_empty() || repeat.is_empty() {
+                f64::NAN
+            } else {
+                r / f.max(1e-12)
+            },
+        }
+    }
 }
 
 /// A healthy floor: the statistics of per-position top-k KLD on healthy numerics.
@@ -102,6 +173,8 @@ impl Calibration {
             ("broken_mean", t.broken_mean),
             ("broken_p95", t.broken_p95),
             ("growth_ratio", t.growth_ratio),
+            ("repeat_ratio", t.repeat_ratio),
+            ("rope_growth", t.rope_growth),
             ("floor.mean", f.mean),
             ("floor.p95", f.p95),
             ("floor.p99", f.p99),
@@ -143,6 +216,8 @@ pub struct Profile {
     pub entropy_verdicts: Vec<String>,
     /// The reference given is the deployed file itself: metadata faults are on both sides.
     pub reference_is_deployed_file: bool,
+    /// The repeated-span probe, when it was sent (`entropy --server --against-reference`).
+    pub repeat_probe: Option<RepeatProbe>,
 }
 
 /// The severity band.
@@ -172,6 +247,7 @@ pub enum Cause {
     BosAdded,
     BosDropped,
     GrowsWithPosition,
+    KvCache,
     FlatOrDegenerate,
     UniformShift,
     Unknown,
@@ -184,7 +260,10 @@ impl Cause {
             Cause::BosAdded => "BOS added (the server prepends a BOS token the model does not expect)",
             Cause::BosDropped => "BOS dropped (the server omits the BOS token the model expects)",
             Cause::GrowsWithPosition => {
-                "position-dependent (KLD clean at position 0 or growing with position): RoPE frequency base or scale, the KV cache, or context handling"
+                "position-dependent (KLD clean at position 0, growing with position, or raised on a repeated span): RoPE frequency base or scale, the KV cache, or context handling"
+            }
+            Cause::KvCache => {
+                "the recall of earlier tokens degraded while the prompts rise evenly: the KV cache (a quantized or faulty cache)"
             }
             Cause::FlatOrDegenerate => "flat or degenerate distributions: a norm (epsilon) or numeric fault",
             Cause::UniformShift => {
@@ -224,6 +303,9 @@ pub struct Verdict {
     /// What the check cannot see in this setup (a reference that is the deployed file itself).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blind_spot: Option<String>,
+    /// The repeated-span probe's figures, when it was sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeat_probe: Option<RepeatProbe>,
 }
 
 /// The `q` quantile of sorted values (linear interpolation).
@@ -312,6 +394,7 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
         .into_iter()
         .find(|&s| !shifts.is_empty() && shifts.iter().filter(|&&x| x == s).count() * 10 >= shifts.len() * 8);
     let degenerate = profile.entropy_verdicts.iter().filter(|v| *v != "healthy").count();
+    let probe = profile.repeat_probe.as_ref();
     let mut cause = Cause::None;
     if let Some(s) = bos_shift {
         cause = if s > 0 { Cause::BosAdded } else { Cause::BosDropped };
@@ -345,11 +428,34 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
                 "{degenerate} of {} prompts flat or degenerate on the server (entropy check)",
                 profile.entropy_verdicts.len()
             ));
+        } else if let Some(r) = probe.filter(|r| r.ratio.is_finite() && r.ratio >= t.repeat_ratio) {
+            // The repeats degrade more than the first copy: attention's recall of earlier tokens
+            // is hit (RoPE's relative positions, or the cached keys and values). Prompts whose KLD
+            // still rises with position point to RoPE; prompts raised evenly to the cache.
+            let rope = g.is_finite() && g >= t.rope_growth;
+            cause = if rope { Cause::GrowsWithPosition } else { Cause::KvCache };
+            evidence.push(format!(
+                "on the repeated-span probe ({} sequences of a {}-token random span × {}) mean KLD on the repeats is {:.1}× that on the first copy ({:.4} vs {:.4}; {:.1}× or more: the recall of earlier tokens is hit, which a weight fault does not single out), and on the prompts the last third is {g:.1}× the first ({} {:.2}×: {})",
+                r.sequences,
+                r.span,
+                r.copies,
+                r.ratio,
+                r.repeat_mean,
+                r.first_mean,
+                t.repeat_ratio,
+                if rope { "at or over" } else { "under" },
+                t.rope_growth,
+                if rope { "rising with position, RoPE" } else { "even, the KV cache" }
+            ));
         } else if g.is_finite() {
             cause = Cause::UniformShift;
             evidence.push(format!(
-                "KLD raised evenly across positions: last third {g:.1}× the first (under {:.1}×)",
-                t.growth_ratio
+                "KLD raised evenly across positions: last third {g:.1}× the first (under {:.1}×){}",
+                t.growth_ratio,
+                probe.map_or(String::new(), |r| format!(
+                    "; repeated-span probe: repeats {:.1}× the first copy (under {:.1}×)",
+                    r.ratio, t.repeat_ratio
+                ))
             ));
         } else {
             cause = Cause::Unknown;
@@ -418,6 +524,7 @@ pub fn judge(pos: &[PosKld], profile: &Profile, cal: &Calibration) -> Verdict {
         thresholds: t.clone(),
         headline,
         blind_spot,
+        repeat_probe: profile.repeat_probe.clone(),
     }
 }
 
@@ -551,6 +658,64 @@ mod tests {
         let v = judge(&make(2, 20, |p, i| spread(m, p, i)), &prof, &c);
         assert_eq!(v.cause, Cause::FlatOrDegenerate, "{:?}", v.evidence);
         assert_eq!(v.band, Band::Broken);
+    }
+
+    /// The probe's positions: `seqs` sequences of `copies` × `span`, KLD `first` on the first
+    /// copy and `repeat` on the repeats.
+    fn probe(seqs: usize, span: usize, copies: usize, first: f64, repeat: f64) -> RepeatProbe {
+        let pos: Vec<PosKld> = (0..seqs)
+            .flat_map(|s| {
+                (1..span * copies).map(move |i| PosKld {
+                    prompt: s,
+                    pos: i,
+                    len: span * copies,
+                    kld: if i + 1 < span { first } else { repeat },
+                    same_top1: true,
+                })
+            })
+            .collect();
+        RepeatProbe::from_positions(&pos, seqs, span, copies)
+    }
+
+    #[test]
+    fn repeat_probe_ratio_names_position_or_uniform() {
+        let p = probe(4, 12, 3, 0.01, 0.03);
+        assert_eq!((p.first_n, p.repeat_n), (4 * 10, 4 * 23));
+        assert!((p.ratio - 3.0).abs() < 1e-9, "{p:?}");
+        let c = cal();
+        let m = c.floor.mean * c.thresholds.noise_mean * 4.0;
+        // Even prompts (no growth), a probe whose repeats are raised: position-dependent, broken.
+        let mut prof = Profile {
+            repeat_probe: Some(probe(4, 12, 3, 0.01, 0.01 * (c.thresholds.repeat_ratio + 0.5))),
+            ..Profile::default()
+        };
+        let pos = make(20, 20, |p, i| spread(m, p, i));
+        // Even prompts, repeats degraded: the KV cache, a trade-off by size (precision loss).
+        let v = judge(&pos, &prof, &c);
+        assert_eq!(v.cause, Cause::KvCache, "{:?}", v.evidence);
+        assert_eq!(v.band, Band::PrecisionLoss);
+        assert!(v.evidence[1].contains("repeated-span probe"), "{:?}", v.evidence);
+        assert!(v.repeat_probe.is_some());
+        // Prompts rising (under growth_ratio, over rope_growth), repeats degraded: RoPE, broken.
+        let k = (c.thresholds.rope_growth + c.thresholds.growth_ratio) / 2.0;
+        let rising = make(20, 20, |p, i| spread(m, p, i) * if i >= 14 { k } else { 1.0 });
+        let v = judge(&rising, &prof, &c);
+        assert!(
+            v.growth < c.thresholds.growth_ratio && v.growth >= c.thresholds.rope_growth,
+            "{}",
+            v.growth
+        );
+        assert_eq!(v.cause, Cause::GrowsWithPosition, "{:?}", v.evidence);
+        assert_eq!(v.band, Band::Broken);
+        // Repeats raised like the first copy: a uniform shift, the probe's ratio in the evidence.
+        prof.repeat_probe = Some(probe(4, 12, 3, 0.01, 0.012));
+        let v = judge(&pos, &prof, &c);
+        assert_eq!(v.cause, Cause::UniformShift, "{:?}", v.evidence);
+        assert!(v.evidence[1].contains("repeats 1.2×"), "{:?}", v.evidence);
+        // Within noise: the probe is not read.
+        prof.repeat_probe = Some(probe(4, 12, 3, 0.001, 0.01));
+        let v = judge(&make(20, 20, |p, i| spread(c.floor.mean * 0.5, p, i)), &prof, &c);
+        assert_eq!((v.band, v.cause), (Band::WithinNoise, Cause::None));
     }
 
     #[test]

@@ -15,7 +15,7 @@ Needs a Python with llama-cpp-python[server] and numpy (the venv of docs/entropy
 
   server_faults.py --llmdiff target/release/llmdiff --model SmolLM2.gguf \
       --prompts golden/prompts-20.txt --cases healthy,rope-base-div10,... [--json-out F]
-  server_faults.py ... --calibrate   # healthy runs only: the floor figures
+  server_faults.py ... --merge-into golden/kld-faults-smollm2.json   # update those cases' rows
 
 Cases: healthy, healthy-f32kv, rope-scale-0.5, rope-base-div10, norm-eps-1e-2, kv-q4_0, kv-q8_0,
 bos-added, chat-template-wrong, attn-out-x1.1-L<N>.
@@ -126,6 +126,25 @@ def run_llmdiff(cmd):
     return r.returncode, r.stdout, r.stderr, time.time() - t0
 
 
+def merge(path, row, note):
+    """Replaces (or appends) `row`'s case in the committed rows file; fields the new row lacks are
+    kept from the old one."""
+    doc = json.load(open(path))
+    cases = [r["case"] for r in doc["rows"]]
+    if row["case"] in cases:
+        i = cases.index(row["case"])
+        merged = dict(doc["rows"][i])
+        merged.update(row)
+        doc["rows"][i] = merged
+    else:
+        doc["rows"].append(row)
+    if note and note not in doc["what"]:
+        doc["what"] = doc["what"].rstrip() + " " + note
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llmdiff", required=True)
@@ -142,6 +161,12 @@ def main():
     ap.add_argument("--no-chat", action="store_true", help="skip --chat")
     ap.add_argument("--top-logprobs", type=int, default=20)
     ap.add_argument("--keep", help="keep each case's entropy JSON (per-position KLD) in this folder")
+    ap.add_argument("--merge-into", help="a committed rows file ({what, rows}): replace the rows of the cases run "
+                    "(fields this run did not measure, e.g. gate or chat without --golden / with --no-chat, are kept "
+                    "from the old row) and write it back")
+    ap.add_argument("--entropy-args", default="", help="more arguments for `llmdiff entropy`, space-separated "
+                    "(e.g. --repeat-probe always)")
+    ap.add_argument("--note", help="with --merge-into: appended to the file's `what`")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="llmdiff-faults-")
     keep = a.keep or tmp
@@ -165,7 +190,7 @@ def main():
             code, so, se, secs = run_llmdiff([a.llmdiff, "entropy", model, "--server", url, "--prompts", a.prompts,
                                               "--max-new-tokens", str(a.max_new_tokens), "--against-reference",
                                               "--concurrency", "1", "--top-logprobs", str(a.top_logprobs),
-                                              "--json-out", out] + trusted + chat + cal)
+                                              "--json-out", out] + trusted + chat + cal + a.entropy_args.split())
             row = {"case": case, "entropy_exit": code, "entropy_seconds": round(secs, 1)}
             if os.path.exists(out):
                 doc = json.load(open(out))
@@ -178,12 +203,14 @@ def main():
                     "p95": v.get("p95"), "p99": v.get("p99"), "max": v.get("max"),
                     "mean_x_floor": v.get("mean_x_floor"), "p99_x_floor": v.get("p99_x_floor"),
                     "growth": v.get("growth"), "evidence": v.get("evidence"),
+                    "repeat_probe": v.get("repeat_probe"),
                     "same_top1_pct": doc["kld"]["same_top1_pct"] if doc.get("kld") else None,
                     "warnings": doc.get("warnings", []),
                     "metadata_differences": v.get("metadata_differences"),
-                    "chat": [p["finding"] for p in (doc.get("chat") or {}).get("prompts", [])],
-                    "chat_verdict": ((doc.get("chat") or {}).get("verdict") or {}).get("headline"),
                 })
+                if doc.get("chat"):
+                    row["chat"] = [p["finding"] for p in doc["chat"].get("prompts", [])]
+                    row["chat_verdict"] = (doc["chat"].get("verdict") or {}).get("headline")
             else:
                 row["error"] = se.strip().splitlines()[-1:] if se.strip() else so[-300:]
             if a.golden:
@@ -205,6 +232,8 @@ def main():
             srv.wait(timeout=30)
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if a.merge_into:
+            merge(a.merge_into, row, a.note if len(rows) == 1 else None)
     if a.json_out:
         json.dump(rows, open(a.json_out, "w"), indent=1)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -401,15 +401,76 @@ fn live_llama_cpp_server() {
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(r.unwrap(), ExitCode::SUCCESS);
-    let doc: reports::EntropyRun = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let text = std::fs::read_to_string(&out).unwrap();
+    let doc: reports::EntropyRun = serde_json::from_str(&text).unwrap();
     assert_eq!(doc.verdict, "healthy");
     assert!(doc.overlap.unwrap().overlap_at_k > 0.8);
+    // The calibrated verdict: a healthy server is within numeric noise, whatever one position does.
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["kld_verdict"]["band"], "within_noise", "{}", v["kld_verdict"]);
     assert_eq!(
         g.unwrap(),
         ExitCode::SUCCESS,
         "gate --server on the healthy live server"
     );
     assert_eq!(junit_failures(&junit).0, 0);
+}
+
+/// Opt-in (`LLMDIFF_LIVE_SERVER=1`): a llama.cpp server told RoPE frequency base 10000 where
+/// SmolLM2 was trained with 1e5, checked with the model file itself as the reference (so the
+/// metadata cannot give it away): the verdict names a position-dependent cause from the
+/// distributions alone, with the repeated-span probe's figures.
+#[test]
+fn live_llama_cpp_server_rope_fault_is_named_position_dependent() {
+    if std::env::var("LLMDIFF_LIVE_SERVER").ok().as_deref() != Some("1") {
+        eprintln!("LLMDIFF_LIVE_SERVER=1 not set: live llama.cpp server test skipped");
+        return;
+    }
+    let model = llmdiff_tests::fixtures::smollm2();
+    let port = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let mut child = std::process::Command::new("python3")
+        .args(["-m", "llama_cpp.server", "--model"])
+        .arg(model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--logits_all", "true", "--rope_freq_base", "10000"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("python3 -m llama_cpp.server");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../golden/prompts-20.txt");
+    let out = dir.path().join("run.json");
+    let r = run(&[
+        "entropy".into(),
+        model.display().to_string(),
+        "--server".into(),
+        format!("http://127.0.0.1:{port}"),
+        "--prompts".into(),
+        prompts.display().to_string(),
+        "--max-new-tokens".into(),
+        "16".into(),
+        "--against-reference".into(),
+        "--concurrency".into(),
+        "1".into(),
+        "--json-out".into(),
+        out.display().to_string(),
+    ]);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(r.unwrap(), ExitCode::from(1));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let v = &doc["kld_verdict"];
+    assert_eq!(v["cause"], "grows_with_position", "{v}");
+    assert_eq!(v["band"], "broken", "{v}");
+    let ratio = v["repeat_probe"]["ratio"].as_f64().expect("the probe was sent");
+    assert!(ratio >= v["thresholds"]["repeat_ratio"].as_f64().unwrap(), "{v}");
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -7,10 +7,10 @@
 use super::shared::{finish, print_summary, print_verdict, thresholds, Extra};
 use crate::cli::EntropyArgs;
 use crate::entropy::{kld_stats, overall, read_prompts, KldPosition, PromptInput};
-use crate::kld_verdict::{judge, Band, PosKld, Profile};
+use crate::kld_verdict::{judge, Band, Cause, PosKld, Profile, RepeatProbe};
 use crate::logprobs::{log_softmax, top_k};
 use crate::output::open_model;
-use crate::server::{complete_all, PromptBody};
+use crate::server::{complete_all, PromptBody, ServerOptions};
 use crate::server_view::{prompt_entries, prompt_entropy, topk_signals, Alignment, TokenSpace};
 use crate::topk::{overlap, row_logprob, topk_kld};
 use anyhow::{bail, Context};
@@ -279,7 +279,32 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
     }
     let kld = reference.as_ref().map(|_| kld_stats(&all_kld, thresholds.kld_position));
     // The calibrated verdict: the distribution of per-position KLD against the healthy floor.
-    let verdict = reference.as_ref().map(|_| judge(&pos_kld, &profile, &calibration));
+    let mut verdict = reference.as_ref().map(|_| judge(&pos_kld, &profile, &calibration));
+    // The repeated-span probe tells a RoPE fault from a uniform one when the server gives no
+    // position 0: by default sent only when it can change the cause (a rise the prompts read as
+    // uniform), so a healthy server sees no extra request. A probe that cannot be run (no word tokens, an
+    // echo that is not ours, a request that fails) is skipped with a note.
+    if let (Some(v), Some(r), Some(tok)) = (&verdict, &reference, &tokenizer) {
+        let wanted = match a.repeat_probe.as_str() {
+            "always" => true,
+            "never" => false,
+            _ => v.cause == Cause::UniformShift,
+        };
+        if wanted {
+            let has_bos = bos.is_some() && !shifted;
+            match repeat_probe(&opts, r, tok, &mut space, bos.filter(|_| has_bos), align, vocab, k) {
+                Ok(p) => {
+                    eprintln!(
+                        "repeated-span probe: {} sequences, mean KLD on the repeats {:.4}, on the first copy {:.4} ({:.2}×)",
+                        p.sequences, p.repeat_mean, p.first_mean, p.ratio
+                    );
+                    profile.repeat_probe = Some(p);
+                    verdict = Some(judge(&pos_kld, &profile, &calibration));
+                }
+                Err(e) => eprintln!("note: the repeated-span probe was skipped: {e:#}"),
+            }
+        }
+    }
     if let Some(v) = &verdict {
         extra.set_verdict(v, a.verdict.precision_loss_exit)?;
         if !metadata_diff.is_empty() {
@@ -354,6 +379,135 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
             }
         }
     })
+}
+
+/// The repeated-span probe's shape: sequences, span length, copies of the span.
+const PROBE_SEQUENCES: usize = 8;
+const PROBE_SPAN: usize = 12;
+const PROBE_COPIES: usize = 3;
+
+/// The probe's token sequences: distinct random word tokens (a space, then three or more ASCII
+/// lowercase letters: text that decodes and re-encodes to the token alone and names it
+/// unambiguously in the server's echo), a fixed draw, each span repeated [`PROBE_COPIES`] times,
+/// kept when the whole sequence's text tokenizes back to it (it is sent as text). Empty when the
+/// vocabulary has too few such tokens.
+pub fn probe_sequences(tok: &Tokenizer, space: &TokenSpace) -> Vec<Vec<u32>> {
+    let n = tok.vocab_size() as u64;
+    let mut state: u64 = 0x5EED_0045;
+    // splitmix64: the same draw on every run and platform.
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut out = Vec::new();
+    let mut used = std::collections::HashSet::new();
+    let mut tries = 0;
+    while out.len() < PROBE_SEQUENCES && n > 0 {
+        let mut span = Vec::with_capacity(PROBE_SPAN);
+        while span.len() < PROBE_SPAN {
+            tries += 1;
+            if tries > 200_000 {
+                return Vec::new();
+            }
+            let id = (next() % n) as u32;
+            let Ok(s) = tok.decode(&[id]) else { continue };
+            let word = s
+                .strip_prefix(' ')
+                .is_some_and(|w| w.len() >= 3 && w.chars().all(|c| c.is_ascii_lowercase()));
+            if word
+                && !used.contains(&id)
+                && space.model_id(&s) == Some(id)
+                && tok.encode(&s, false).ok().as_deref() == Some(&[id][..])
+            {
+                used.insert(id);
+                span.push(id);
+            }
+        }
+        let seq = span.repeat(PROBE_COPIES);
+        // Sent as text (llama-cpp-python's server takes no token-id prompts): it must tokenize
+        // back to these very ids.
+        if tok.decode(&seq).ok().and_then(|t| tok.encode(&t, false).ok()).as_ref() == Some(&seq) {
+            out.push(seq);
+        }
+    }
+    out
+}
+
+/// Sends the repeated-span probe (one greedy token each) and compares the server's top-k with the
+/// reference on the probe's tokens: [`RepeatProbe`].
+#[allow(clippy::too_many_arguments)]
+fn repeat_probe(
+    opts: &ServerOptions,
+    r: &Reference,
+    tok: &Tokenizer,
+    space: &mut TokenSpace,
+    bos: Option<u32>,
+    align: Alignment,
+    vocab: usize,
+    k: usize,
+) -> anyhow::Result<RepeatProbe> {
+    let seqs = probe_sequences(tok, space);
+    if seqs.is_empty() {
+        bail!("the vocabulary has too few plain word tokens for it");
+    }
+    let mut o = opts.clone();
+    o.max_tokens = 1;
+    // An auxiliary check: one retry at most.
+    o.retries = o.retries.min(1);
+    let bodies: Vec<PromptBody> = seqs
+        .iter()
+        .map(|s| tok.decode(s).map(PromptBody::Text))
+        .collect::<Result<_, _>>()?;
+    let comps = complete_all(&o, &bodies)?;
+    let off = usize::from(bos.is_some());
+    let mut pos = Vec::new();
+    for (si, (seq, c)) in seqs.iter().zip(&comps).enumerate() {
+        let echo_ok = c.entries.len() >= seq.len()
+            && c.entries
+                .iter()
+                .zip(seq)
+                .all(|(e, &id)| space.model_id(&e.token) == Some(id));
+        if !echo_ok {
+            bail!("sequence {}: the server's echo is not the probe's tokens", si + 1);
+        }
+        let mut full: Vec<u32> = bos.into_iter().collect();
+        full.extend_from_slice(seq);
+        let logits = r.forward(&full, &mut NoTap)?;
+        for (i, e) in c.entries.iter().enumerate().take(seq.len()) {
+            let Some(top) = &e.top else { continue };
+            let Some(row) = (align.context(i) + off).checked_sub(1) else {
+                continue;
+            };
+            if row < off || row >= full.len() {
+                continue;
+            }
+            let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
+            let (mut set, mut lps) = (Vec::new(), Vec::new());
+            for (s, lp) in top.iter().take(k) {
+                if let Some(id) = space.listed_id(s) {
+                    if !set.contains(&id) {
+                        set.push(id);
+                        lps.push(*lp);
+                    }
+                }
+            }
+            if set.is_empty() {
+                continue;
+            }
+            let same = top_k(&lr, 1).first().map(|t| t.0) == Some(set[0]);
+            pos.push(PosKld {
+                prompt: si,
+                pos: row - off,
+                len: seq.len(),
+                kld: topk_kld(&set, &lps, row_logprob(&lr)),
+                same_top1: same,
+            });
+        }
+    }
+    Ok(RepeatProbe::from_positions(&pos, seqs.len(), PROBE_SPAN, PROBE_COPIES))
 }
 
 /// The scalar metadata keys whose values differ between the deployed file and the trusted one
