@@ -14,8 +14,16 @@
 //!   is a `head-permutation` naming the ranks and heads (a swapped or duplicated weight shard,
 //!   found from activations alone).
 //!
+//! - **vocab-parallel embedding** (`embed@rN#partial`, `partial(A:B)` over the vocabulary): the
+//!   reference's rows of the rank's tokens in A:B, zeros elsewhere; a shifted slice is named;
+//! - **expert parallelism** (`ffn_out@rN#partial`, `experts(ids)`): the sum over the declared
+//!   experts of each routed token's weight × the expert's output, routed by the rank's own
+//!   `moe_logits`; an expert computed with another's weights, or an undeclared expert computed,
+//!   is `expert-misplaced`.
+//!
 //! Classes these checks add to `diagnose`'s: `rank-disagreement` (a replicated tap's copies
-//! differ across ranks), `wrong-partial` (a partial no weight shard explains) and, from
+//! differ across ranks), `wrong-partial` (a partial no weight shard explains), `expert-misplaced`
+//! and, from
 //! [`crate::fingerprint`], `weight-mismatch`; a shard found on the wrong rank, or a weight loaded
 //! whole, is `head-permutation`, as in the engine's own diagnosis.
 //!
