@@ -401,8 +401,8 @@ fn expert_partials(
         };
         let mut ys: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         let mut y = |x: usize| -> anyhow::Result<Vec<f32>> {
-            if !ys.contains_key(&x) {
-                ys.insert(x, reference.expert_ffn(l, x, &h, n)?);
+            if let std::collections::btree_map::Entry::Vacant(v) = ys.entry(x) {
+                v.insert(reference.expert_ffn(l, x, &h, n)?);
             }
             Ok(ys[&x].clone())
         };

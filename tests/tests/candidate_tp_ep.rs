@@ -24,6 +24,9 @@ use std::path::{Path, PathBuf};
 const MODEL: &str = "qwen3moe-tiny.f32.gguf";
 const TP: usize = 2;
 
+/// One rank file's tensors: name, shape, values.
+type Tensors = Vec<(String, [usize; 2], Vec<f32>)>;
+
 #[derive(Default)]
 struct Collect(Vec<(TapKey, [usize; 2], Vec<f32>)>);
 
@@ -63,7 +66,7 @@ fn ids(r: usize, f: &Fault) -> Vec<u32> {
     }
 }
 
-fn write(path: &Path, meta: serde_json::Value, tensors: &[(String, [usize; 2], Vec<f32>)]) {
+fn write(path: &Path, meta: serde_json::Value, tensors: &Tensors) {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), meta);
     let mut data = Vec::new();
@@ -105,7 +108,7 @@ fn dump(dir: &Path, name: &str, f: &Fault) -> Vec<PathBuf> {
     let mut taps = Collect::default();
     reference.forward(&tokens, &mut taps).unwrap();
     let taps: BTreeMap<TapKey, ([usize; 2], Vec<f32>)> = taps.0.into_iter().map(|(k, s, v)| (k, (s, v))).collect();
-    let mut files: Vec<Vec<(String, [usize; 2], Vec<f32>)>> = vec![Vec::new(); TP];
+    let mut files: Vec<Tensors> = vec![Vec::new(); TP];
     let ranked = [Site::Embed, Site::FfnNorm, Site::MoeLogits, Site::FfnOut, Site::Logits];
     for (key, (shape, v)) in &taps {
         if !ranked.contains(&key.site) {
@@ -118,7 +121,7 @@ fn dump(dir: &Path, name: &str, f: &Fault) -> Vec<PathBuf> {
             .map(|i| parts.iter().map(|p| p[i] as f64).sum::<f64>() as f32)
             .collect()
     };
-    let put = |files: &mut Vec<Vec<(String, [usize; 2], Vec<f32>)>>, r: usize, k: TapKey, suffix: &str, v: Vec<f32>| {
+    let put = |files: &mut Vec<Tensors>, r: usize, k: TapKey, suffix: &str, v: Vec<f32>| {
         let w = v.len() / n;
         let key = TapKey {
             rank: Some(r as u32),
