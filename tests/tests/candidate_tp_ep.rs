@@ -9,6 +9,8 @@
 //! Healthy agrees with every tensor compared; a rank computing with the wrong expert, a
 //! shifted vocabulary slice and a logits slice at the wrong columns are each found at their
 //! rank; expert ids that do not partition the experts are refused.
+//! The same EP layout from HF transformers' own expert parallelism (tests/peers/hf_ep_dump.py,
+//! golden/candidate-qwen3moe-ep2/) agrees, and a rank holding the wrong expert's weights is named.
 
 use harness::compare::{ActDtype, Tolerances};
 use harness::diff::{run_diff_candidate, DiffPlan};
@@ -363,4 +365,53 @@ fn expert_ids_that_do_not_partition_the_experts_are_refused() {
         let e = format!("{:#}", diff(&dump(dir.path(), "ids", &f)).expect_err("refused"));
         assert!(e.contains(needle), "{ids:?}: {e}");
     }
+}
+
+/// The real thing: HF transformers' own expert parallelism (TP 2 / EP 2, `AllReduceEP`, CPU,
+/// gloo, fp32 compute) on the bf16 tiny Qwen3-MoE, dumped by tests/peers/hf_ep_dump.py
+/// (golden/candidate-qwen3moe-ep2/): each rank's pre-reduce MoE output, `experts(ids)`.
+fn hf_ep(name: &str) -> DiffRun {
+    let dir = golden("candidate-qwen3moe-ep2");
+    let file = GgufFile::open(golden("hf/qwen3moe-bf16.gguf")).unwrap();
+    let paths: Vec<PathBuf> = (0..TP)
+        .map(|r| dir.join(format!("{name}.rank{r}.safetensors")))
+        .collect();
+    let dump = Dump::open(&paths).unwrap();
+    let plan = DiffPlan {
+        file: &file,
+        model_name: "hf-ep".into(),
+        tokens: dump.tokens.clone(),
+        engine: engine::EngineOptions {
+            tp: dump.tp,
+            ..engine::EngineOptions::default()
+        },
+        tolerances: Tolerances::default(),
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        decode_steps: 0,
+        repro: String::new(),
+    };
+    run_diff_candidate(&plan, &dump).unwrap()
+}
+
+#[test]
+fn hf_expert_parallel_partials_agree_and_a_misplaced_expert_is_named() {
+    let run = hf_ep("healthy");
+    assert_eq!(run.verdict, "agree", "{:?}", run.diagnosis);
+    let tl = run.tp_layout.as_ref().expect("tp_layout");
+    assert_eq!(tl.compared.get("partial"), Some(&4), "{:?}", tl.compared);
+    assert_eq!(
+        run.taps.len() + tl.compared.get("replica").copied().unwrap_or(0),
+        tl.tensors,
+        "none skipped: {:?}",
+        tl.compared
+    );
+    assert_eq!(tl.layouts["ffn_out#partial"], ["experts(0,1)", "experts(2,3)"]);
+    let run = hf_ep("expert-slot-r1");
+    found(
+        &run,
+        "blk.0.ffn_out@r1",
+        "expert-misplaced",
+        &["expert 3's", "expert 2's weights", "rank 1"],
+    );
 }
