@@ -87,6 +87,8 @@ pub struct Dump {
     pub declared_slices: BTreeMap<TapKey, std::ops::Range<usize>>,
     /// Format 2: a partial's declared input range (the columns of the row-parallel weight).
     pub partial_ranges: BTreeMap<TapKey, std::ops::Range<usize>>,
+    /// Format 2: an expert-parallel partial's (`ffn_out@rN#partial`, `experts(ids)`) expert ids.
+    pub expert_ids: BTreeMap<TapKey, Vec<u32>>,
     /// Tensors in the files (each is compared or is an error; see [`crate::layout`]); a tap's
     /// decode-step parts count as one tensor with it.
     pub n_tensors: usize,
@@ -124,6 +126,7 @@ impl Dump {
             copies: BTreeMap::new(),
             declared_slices: BTreeMap::new(),
             partial_ranges: BTreeMap::new(),
+            expert_ids: BTreeMap::new(),
             n_tensors: 0,
             n_prefill: None,
         };
@@ -409,11 +412,14 @@ impl Dump {
                         }
                         self.declared_slices.insert(key, range.clone());
                     }
-                    TpLayout::Partial { range } if matches!(key.site, Site::AttnProj | Site::FfnOut) => {
+                    TpLayout::Partial { range } if partial && matches!(key.site, Site::AttnProj | Site::FfnOut | Site::Embed) => {
                         self.partial_ranges.insert(key, range.clone());
                     }
+                    TpLayout::Experts(ids) if partial && key.site == Site::FfnOut => {
+                        self.expert_ids.insert(key, ids.clone());
+                    }
                     other => bail!(
-                        "{}: tensor {name}: layout {other} cannot be compared here (sharded on dim 1 only; partial at attn_proj/ffn_out only; experts not compared by this build)",
+                        "{}: tensor {name}: layout {other} cannot be compared here (sharded on dim 1 only; partial(A:B) at attn_proj/ffn_out/embed#partial only; experts(ids) at ffn_out#partial only)",
                         p.display()
                     ),
                 }
@@ -519,6 +525,7 @@ impl Dump {
                 );
             }
         }
+        crate::tp_meta::check_expert_ids(&self.expert_ids, c, self.tp).map_err(|e| anyhow::anyhow!("{}: {e}", at()))?;
         for (key, range) in &self.partial_ranges {
             let full = crate::tp_meta::partial_input_width(c, key.site);
             if full.is_none_or(|w| range.end > w) {

@@ -14,8 +14,16 @@
 //!   is a `head-permutation` naming the ranks and heads (a swapped or duplicated weight shard,
 //!   found from activations alone).
 //!
+//! - **vocab-parallel embedding** (`embed@rN#partial`, `partial(A:B)` over the vocabulary): the
+//!   reference's rows of the rank's tokens in A:B, zeros elsewhere; a shifted slice is named;
+//! - **expert parallelism** (`ffn_out@rN#partial`, `experts(ids)`): the sum over the declared
+//!   experts of each routed token's weight × the expert's output, routed by the rank's own
+//!   `moe_logits`; an expert computed with another's weights, or an undeclared expert computed,
+//!   is `expert-misplaced`.
+//!
 //! Classes these checks add to `diagnose`'s: `rank-disagreement` (a replicated tap's copies
-//! differ across ranks), `wrong-partial` (a partial no weight shard explains) and, from
+//! differ across ranks), `wrong-partial` (a partial no weight shard explains), `expert-misplaced`
+//! and, from
 //! [`crate::fingerprint`], `weight-mismatch`; a shard found on the wrong rank, or a weight loaded
 //! whole, is `head-permutation`, as in the engine's own diagnosis.
 //!
@@ -217,6 +225,264 @@ fn order(key: &TapKey) -> (u64, TapKey, bool) {
     (progress(key), key.unranked(), key.rank.is_none())
 }
 
+/// Where the per-rank partial checks put what they find.
+struct Checks<'a> {
+    run: &'a mut DiffRun,
+    compared: &'a mut BTreeMap<String, usize>,
+    findings: &'a mut Vec<Finding>,
+    lines: &'a mut Vec<String>,
+}
+
+impl Checks<'_> {
+    /// Compares a partial with the reference's: its row in `taps`; `true` when over.
+    fn compare(&mut self, key: &TapKey, got: &Captured, want: &[f32], thr: f64) -> anyhow::Result<bool> {
+        if want.len() != got.data.len() {
+            bail!(
+                "{key}#partial is {:?} where the reference's partial is {} values",
+                got.shape,
+                want.len()
+            );
+        }
+        *self.compared.entry("partial".to_string()).or_default() += 1;
+        let m = metrics(&got.data, want);
+        let over = m.rel_l2.is_nan() || m.rel_l2 > thr || m.nonfinite > 0;
+        self.run.taps.push(row(key, got.shape, m, thr, over));
+        Ok(over)
+    }
+
+    fn find(&mut self, key: TapKey, class: &'static str, confidence: &'static str, explanation: String) {
+        self.lines.push(format!("{class}: {explanation}"));
+        self.findings.push(Finding {
+            key,
+            class,
+            confidence,
+            explanation,
+        });
+    }
+}
+
+/// The shifts of a vocabulary slice tried when a rank's embedding partial misses its own:
+/// every other rank's slice, then up to this many rows either way.
+const EMBED_SHIFTS: i64 = 64;
+
+/// Vocab-parallel embedding partials (`embed@rN#partial`, `partial(A:B)` over the vocabulary):
+/// rank N looks up only the tokens of its slice A:B, zeros elsewhere. Compared with the
+/// reference's rows for the same tokens; a miss is tried against shifted slices (another rank's,
+/// or off by a few rows): a match is a `head-permutation` naming the rows the rank really holds.
+fn embed_partials(
+    ch: &mut Checks,
+    dump: &Dump,
+    reference: &Reference,
+    tolerances: &Tolerances,
+    dtype: ActDtype,
+) -> anyhow::Result<()> {
+    let c = &reference.config;
+    let d = c.d_model;
+    let embeds: Vec<(TapKey, Range<usize>)> = dump
+        .partial_ranges
+        .iter()
+        .filter(|(k, _)| k.site == Site::Embed)
+        .map(|(k, r)| (*k, r.clone()))
+        .collect();
+    if embeds.is_empty() {
+        return Ok(());
+    }
+    let toks = &dump.tokens;
+    // The rows of the tokens of `range` as a table holding vocabulary rows shifted by `s` gives them.
+    let partial = |range: &Range<usize>, s: i64| -> anyhow::Result<Vec<f32>> {
+        let ids: Vec<u32> = toks
+            .iter()
+            .map(|&t| (t as i64 + s).clamp(0, c.vocab as i64 - 1) as u32)
+            .collect();
+        let mut x = reference.embedding(&ids)?;
+        for (i, &t) in toks.iter().enumerate() {
+            let v = t as i64 + s;
+            if !range.contains(&(t as usize)) || v < 0 || v >= c.vocab as i64 {
+                x[i * d..(i + 1) * d].iter_mut().for_each(|v| *v = 0.0);
+            }
+        }
+        Ok(x)
+    };
+    for (key, range) in &embeds {
+        let rank = key.rank.expect("partials are ranked");
+        let got = dump.tensor(key, c)?;
+        let thr = tolerances.threshold(key, dtype);
+        let want = partial(range, 0)?;
+        if !ch.compare(key, &got, &want, thr)? {
+            continue;
+        }
+        let n_in = toks.iter().filter(|&&t| range.contains(&(t as usize))).count();
+        let mut shifts: Vec<(i64, Option<u32>)> = embeds
+            .iter()
+            .filter(|(k, r)| k != key && r.len() == range.len())
+            .map(|(k, r)| (r.start as i64 - range.start as i64, k.rank))
+            .collect();
+        shifts.extend((-EMBED_SHIFTS..=EMBED_SHIFTS).filter(|&s| s != 0).map(|s| (s, None)));
+        let mut explained = None;
+        for (s, other) in shifts {
+            let p = partial(range, s)?;
+            if metrics(&got.data, &p).rel_l2 <= thr {
+                let held = format!("{}:{}", range.start as i64 + s, range.end as i64 + s);
+                explained = Some(match other {
+                    Some(o) => format!(
+                        "{key} (rank {rank}'s vocab-parallel embedding partial) looks its tokens up in vocabulary rows {held} (rank {o}'s slice), not its declared {}:{}: rank {rank} holds rank {o}'s embedding shard",
+                        range.start, range.end
+                    ),
+                    None => format!(
+                        "{key} (rank {rank}'s vocab-parallel embedding partial) looks its tokens up in vocabulary rows {held}, its declared slice {}:{} shifted by {s}: each of its tokens gets the row of token id + {s}",
+                        range.start, range.end
+                    ),
+                });
+                break;
+            }
+        }
+        match explained {
+            Some(x) => ch.find(*key, "head-permutation", "high", x),
+            None => {
+                let m = metrics(&got.data, &want);
+                ch.find(
+                    *key,
+                    "wrong-partial",
+                    "low",
+                    format!(
+                        "{key} (rank {rank}'s vocab-parallel embedding partial, vocabulary {}:{}, {n_in} of {} tokens in it) differs from the reference's rows for those tokens (zeros elsewhere), rel_l2 {:.2e}; no shifted slice explains it",
+                        range.start,
+                        range.end,
+                        toks.len(),
+                        m.rel_l2
+                    ),
+                )
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A rank's own copy of a replicated tap (else the unranked tap), or None.
+fn rank_input(dump: &Dump, c: &ModelConfig, key: TapKey, rank: usize) -> anyhow::Result<Option<Vec<f32>>> {
+    if let Some((_, t)) = dump.copies(&key, c)?.into_iter().find(|(r, _)| *r == rank) {
+        return Ok(Some(t.data));
+    }
+    if dump.keys().any(|k| *k == key) {
+        return Ok(Some(dump.tensor(&key, c)?.data));
+    }
+    Ok(None)
+}
+
+/// Expert-parallel partials (`ffn_out@rN#partial`, `experts(ids)`): rank N's MoE output before
+/// the reduce is the sum over the experts it holds of each routed token's weight times the
+/// expert's output. The reference rebuilds it from the rank's own `ffn_norm` and `moe_logits`
+/// (its routing) and the declared ids. A miss is tried with one expert's weights replaced by
+/// any other expert's (the tokens routed to e computed with x's weights), then with one held
+/// expert replaced by one the rank does not declare (tokens and weights): a match is
+/// `expert-misplaced`, naming the rank and the experts. Shared experts are not part of it.
+fn expert_partials(
+    ch: &mut Checks,
+    dump: &Dump,
+    reference: &Reference,
+    tolerances: &Tolerances,
+    dtype: ActDtype,
+) -> anyhow::Result<()> {
+    let c = &reference.config;
+    let (n, d) = (dump.tokens.len(), c.d_model);
+    for (key, ids) in &dump.expert_ids {
+        let (rank, l) = (key.rank.expect("ranked") as usize, key.layer.expect("layer") as usize);
+        let h = rank_input(dump, c, TapKey::layer(l, Site::FfnNorm), rank)?;
+        let z = rank_input(dump, c, TapKey::layer(l, Site::MoeLogits), rank)?;
+        let (Some(h), Some(z)) = (h.filter(|h| h.len() == n * d), z) else {
+            ch.lines.push(format!(
+                "{key}#partial: not compared (the rank's ffn_norm and moe_logits, its routing inputs, are not in the dump)"
+            ));
+            *ch.compared.entry("partial-unchecked".to_string()).or_default() += 1;
+            continue;
+        };
+        let Some(parts) = reference.expert_routes(l, &z, n)? else {
+            bail!("{key}#partial: the rank's moe_logits are not [n_tokens, n_experts] router logits of a routed MoE layer");
+        };
+        let mut ys: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+        let mut y = |x: usize| -> anyhow::Result<Vec<f32>> {
+            if let std::collections::btree_map::Entry::Vacant(v) = ys.entry(x) {
+                v.insert(reference.expert_ffn(l, x, &h, n)?);
+            }
+            Ok(ys[&x].clone())
+        };
+        // Expert slot e's tokens, weighted, through expert x's weights.
+        let mut contrib = |e: usize, x: usize, acc: &mut [f64], sign: f64| -> anyhow::Result<()> {
+            let yx = y(x)?;
+            for (t, rt) in parts.routes.iter().enumerate() {
+                if let Some(i) = rt.experts.iter().position(|&v| v == e) {
+                    let w = sign * rt.weights[i];
+                    for j in 0..d {
+                        acc[t * d + j] += w * yx[t * d + j] as f64;
+                    }
+                }
+            }
+            Ok(())
+        };
+        let mut want = vec![0f64; n * d];
+        for &e in ids {
+            contrib(e as usize, e as usize, &mut want, 1.0)?;
+        }
+        let to32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<f32>>();
+        let got = dump.tensor(key, c)?;
+        let thr = tolerances.threshold(key, dtype);
+        if !ch.compare(key, &got, &to32(&want), thr)? {
+            continue;
+        }
+        let n_exp = c.moe.as_ref().map_or(0, |m| m.n_experts);
+        let routed = |e: usize| parts.routes.iter().filter(|rt| rt.experts.contains(&e)).count();
+        let held: Vec<String> = ids.iter().map(|e| e.to_string()).collect();
+        let held = held.join(",");
+        let mut explained = None;
+        'search: for &e in ids {
+            let e = e as usize;
+            for (swap_tokens, x) in (0..n_exp)
+                .filter(|&x| x != e)
+                .map(|x| (false, x))
+                .chain((0..n_exp).filter(|x| !ids.contains(&(*x as u32))).map(|x| (true, x)))
+            {
+                let mut cand = want.clone();
+                contrib(e, e, &mut cand, -1.0)?;
+                if swap_tokens {
+                    contrib(x, x, &mut cand, 1.0)?;
+                } else {
+                    contrib(e, x, &mut cand, 1.0)?;
+                }
+                if metrics(&got.data, &to32(&cand)).rel_l2 <= thr {
+                    explained = Some(if swap_tokens {
+                        format!(
+                            "{key} (rank {rank}'s expert-parallel partial, declared experts({held})) is the sum over experts {held} with expert {x} (its {} routed tokens and weights) in expert {e}'s place: rank {rank} computes expert {x}, which it does not declare, and not expert {e}",
+                            routed(x)
+                        )
+                    } else {
+                        format!(
+                            "{key} (rank {rank}'s expert-parallel partial, declared experts({held})) computes expert {e}'s {} routed tokens with expert {x}'s weights: rank {rank} holds expert {x}'s weights in expert {e}'s slot",
+                            routed(e)
+                        )
+                    });
+                    break 'search;
+                }
+            }
+        }
+        match explained {
+            Some(x) => ch.find(*key, "expert-misplaced", "high", x),
+            None => {
+                let m = metrics(&got.data, &to32(&want));
+                ch.find(
+                    *key,
+                    "wrong-partial",
+                    "low",
+                    format!(
+                        "{key} (rank {rank}'s expert-parallel partial) differs from the reference's sum over its declared experts({held}) on the rank's own routing, rel_l2 {:.2e}; no single misplaced expert explains it",
+                        m.rel_l2
+                    ),
+                )
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What the TP checks found, to be merged into the run.
 struct Finding {
     key: TapKey,
@@ -267,7 +533,7 @@ pub fn apply(
                 rank: Some(*r as u32),
                 ..key
             };
-            if dump.partial_ranges.contains_key(&pk) {
+            if dump.partial_ranges.contains_key(&pk) || dump.expert_ids.contains_key(&pk) {
                 let p = dump.tensor(&pk, c)?;
                 if p.data.len() == copy.data.len() && metrics(&copy.data, &p.data).rel_l2 < 1e-6 {
                     unreduced.push(*r);
@@ -318,7 +584,20 @@ pub fn apply(
     }
     // Partials: against the reference's per-rank partial from the same weight shard.
     let mut partial_lines = Vec::new();
-    let partials: Vec<(TapKey, Range<usize>)> = dump.partial_ranges.iter().map(|(k, r)| (*k, r.clone())).collect();
+    let partials: Vec<(TapKey, Range<usize>)> = dump
+        .partial_ranges
+        .iter()
+        .filter(|(k, _)| k.site != Site::Embed)
+        .map(|(k, r)| (*k, r.clone()))
+        .collect();
+    let mut checks = Checks {
+        run: &mut *run,
+        compared: &mut compared,
+        findings: &mut findings,
+        lines: &mut partial_lines,
+    };
+    embed_partials(&mut checks, dump, reference, tolerances, dtype)?;
+    expert_partials(&mut checks, dump, reference, tolerances, dtype)?;
     for (key, range) in &partials {
         let rank = key.rank.expect("partials are ranked");
         let e = dump.tensor(key, c)?;

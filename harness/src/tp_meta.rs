@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Context};
 use references::config::ModelConfig;
-use references::tap::Site;
+use references::tap::{Site, TapKey};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::ops::Range;
@@ -177,8 +177,64 @@ pub fn partial_inputs(site: Site) -> &'static [Site] {
 }
 
 /// The width of the input a partial's range indexes (o_proj's: the heads; down's: the FFN).
+/// For a vocab-parallel embedding (`embed@rN#partial`), the vocabulary.
 pub fn partial_input_width(c: &ModelConfig, site: Site) -> Option<usize> {
+    if site == Site::Embed {
+        return Some(c.vocab);
+    }
     full_width(c, *partial_inputs(site).first()?)
+}
+
+/// Expert parallelism's declaration checks: every expert-parallel partial at a layer with
+/// routed experts, and in every such layer the ranks' ids a partition of the experts (each
+/// expert on exactly one rank; every rank of the run declaring some). A gap or an overlap is
+/// refused, not reported as a finding: the ids are the adapter's record of the engine's
+/// placement, so a declaration that places an expert twice or nowhere cannot be compared
+/// against any per-rank partial (the reduced `ffn_out` still shows a real dropped expert).
+pub fn check_expert_ids(ids: &BTreeMap<TapKey, Vec<u32>>, c: &ModelConfig, tp: usize) -> Result<(), String> {
+    let mut layers: BTreeMap<u32, BTreeMap<u32, &Vec<u32>>> = BTreeMap::new();
+    for (key, e) in ids {
+        let l = key.layer.unwrap_or(0);
+        let n_exp = c
+            .moe
+            .as_ref()
+            .filter(|_| c.is_moe_layer(l as usize) && c.arch != references::config::Arch::GptOss)
+            .map(|m| m.n_experts)
+            .ok_or_else(|| format!("tensor {key}#partial: experts(ids) declared where the layer has no routed experts llmdiff's MoE block computes"))?;
+        if let Some(bad) = e.iter().find(|&&x| x as usize >= n_exp) {
+            return Err(format!(
+                "tensor {key}#partial: expert id {bad} is outside the layer's {n_exp} experts"
+            ));
+        }
+        layers.entry(l).or_default().insert(key.rank.unwrap_or(0), e);
+    }
+    for (l, ranks) in layers {
+        let n_exp = c.moe.as_ref().map_or(0, |m| m.n_experts);
+        let mut owner: Vec<Vec<u32>> = vec![Vec::new(); n_exp];
+        for (&r, e) in &ranks {
+            for &x in *e {
+                owner[x as usize].push(r);
+            }
+        }
+        if let Some((x, rs)) = owner.iter().enumerate().find(|(_, rs)| rs.len() > 1) {
+            return Err(format!(
+                "blk.{l}.ffn_out#partial: expert {x} is declared on ranks {rs:?}; experts(ids) must place each expert on one rank"
+            ));
+        }
+        let missing: Vec<usize> = owner
+            .iter()
+            .enumerate()
+            .filter(|(_, rs)| rs.is_empty())
+            .map(|(x, _)| x)
+            .collect();
+        if !missing.is_empty() || ranks.len() != tp {
+            return Err(format!(
+                "blk.{l}.ffn_out#partial: the ranks' experts(ids) do not cover every expert ({} of {tp} ranks declare them; experts {missing:?} on none)",
+                ranks.len()
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -287,13 +287,13 @@ fn a_ranked_tensor_the_layouts_do_not_explain_is_refused() {
     let e = err(&[paths[0].clone(), p]);
     assert!(e.contains("declared range 0:8"), "{e}");
 
-    // Expert-parallel layouts are parsed but not compared by this build: refused, not skipped.
+    // An expert-parallel layout anywhere but a MoE block's partial (`ffn_out#partial`): refused.
     let p = dir.path().join("experts.rank1.safetensors");
     with_meta(&paths[1], &p, |m| {
         edit_layout(m, |l| l["attn_out"] = "experts(0,1)".into())
     });
     let e = err(&[paths[0].clone(), p]);
-    assert!(e.contains("experts"), "{e}");
+    assert!(e.contains("experts(ids) at ffn_out#partial only"), "{e}");
 
     // A rank's file missing.
     paths.pop();

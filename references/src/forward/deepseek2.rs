@@ -290,6 +290,50 @@ impl Reference<'_> {
     }
 }
 
+/// Expert parallelism's per-rank partial, in pieces: each token's routed experts and weights,
+/// and any expert's SwiGLU output on every token, so a rank's partial (the sum over the experts
+/// it holds of `weight × expert(token)` for the tokens routed there) can be rebuilt for any
+/// expert placement, including a wrong one.
+pub struct ExpertParts {
+    /// Per token: its routed experts (ascending) and their weights.
+    pub routes: Vec<Routing>,
+}
+
+impl Reference<'_> {
+    /// Layer `l`'s routing from router logits `z` (`[n, n_experts]`, the `moe_logits` tap), as
+    /// the MoE block routes: `None` where the layer has no routed experts of this kind (dense,
+    /// gpt-oss) or `z` has the wrong size.
+    pub fn expert_routes(&self, l: usize, z: &[f32], n: usize) -> Result<Option<ExpertParts>, ForwardError> {
+        let c = &self.config;
+        let Some(m) = c.moe.as_ref().filter(|_| c.is_moe_layer(l)) else {
+            return Ok(None);
+        };
+        if c.arch == crate::config::Arch::GptOss || m.n_experts == 0 || z.len() != n * m.n_experts {
+            return Ok(None);
+        }
+        let bias_name = format!("blk.{l}.exp_probs_b.bias");
+        let bias = match self.file.tensor(&bias_name) {
+            Some(_) => Some(self.load(&bias_name, &[m.n_experts])?),
+            None => None,
+        };
+        Ok(Some(ExpertParts {
+            routes: z.chunks(m.n_experts).map(|zt| route(zt, m, bias.as_deref())).collect(),
+        }))
+    }
+
+    /// Routed expert `e` of layer `l` (its SwiGLU, unweighted) on every row of `h` (`[n, d]`,
+    /// the ffn_norm output).
+    pub fn expert_ffn(&self, l: usize, e: usize, h: &[f32], n: usize) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let m = c.moe.as_ref().ok_or_else(|| ForwardError::BadTensor {
+            name: format!("blk.{l}.ffn_gate_exps.weight"),
+            msg: "not a MoE model".into(),
+        })?;
+        let [gate, up, down] = expert(self, l, e, c.d_model, m.expert_ffn)?;
+        Ok(swiglu_ffn(h, n, &gate, &up, &down).2)
+    }
+}
+
 /// One expert's SwiGLU matrices, sliced out of the stacked `*_exps` tensors.
 fn expert<'a>(r: &Reference<'a>, l: usize, e: usize, d: usize, eff: usize) -> Result<[Mat<'a>; 3], ForwardError> {
     let slice = |s: &str, rows: usize, cols: usize| -> Result<Mat<'a>, ForwardError> {

@@ -26,7 +26,7 @@ pub mod replay;
 pub mod yarn;
 
 /// kv_b reassembled from llama.cpp's k_b/v_b split (weight fingerprints compare shards of it).
-pub use deepseek2::reassemble_kv_b;
+pub use deepseek2::{reassemble_kv_b, ExpertParts, Routing};
 
 use crate::config::{Arch, ModelConfig};
 use crate::dequant::{dequantize, dequantize_to_vec};
@@ -380,6 +380,17 @@ impl<'a> Reference<'a> {
 
     pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ForwardError> {
         self.load(name, &[len])
+    }
+
+    /// The embedding rows of `tokens` as the `embed` tap holds them (Gemma's √d_model scale
+    /// applied): a vocab-parallel rank's partial is these rows for the tokens of its slice.
+    pub fn embedding(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let mut x = self.embed(tokens)?;
+        if self.config.arch.is_gemma() {
+            let s = (self.config.d_model as f64).sqrt();
+            x.iter_mut().for_each(|v| *v = (*v as f64 * s) as f32);
+        }
+        Ok(x)
     }
 
     fn embed(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
