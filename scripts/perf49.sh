@@ -60,7 +60,7 @@ try:
 except Exception as e:
     print("no run document:", e); sys.exit()
 t = d.get("timings_s", {})
-keys = ["engine", "engine_capture", "engine_wait", "reference", "reference_capture", "reference_wait",
+keys = ["engine", "engine_load", "engine_capture", "engine_wait", "reference", "reference_capture", "reference_wait",
         "compare", "replay", "compare_wait", "total"]
 s = " ".join(f"{k}={t[k]:.2f}" for k in keys if k in t)
 gb = t.get("reference_weight_bytes", 0) / 1e9

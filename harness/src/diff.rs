@@ -763,12 +763,6 @@ fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerR
         None => Default::default(),
     };
     let opts = range.map_or_else(|| plan.engine.clone(), |r| r.engine_options(&plan.engine));
-    let mut engine = Engine::load(engine_file, opts)?;
-    if engine.backend_name() != "cpu" {
-        // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU); stderr, so
-        // that --json output stays one document.
-        eprintln!("backend: {}", engine.backend_description());
-    }
     let config = reference.config.clone();
     let tokens = &plan.tokens;
     // The engine's --compute-dtype names the dtype; a plan's explicit one wins.
@@ -793,21 +787,31 @@ fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerR
     let sampling = weight_sampling(plan, &config);
     let (e, r, d) = lockstep(
         &sampling,
-        |tap| -> Result<(), engine::EngineError> {
+        // The engine loads on its own thread while the reference is already running (its taps
+        // wait in the comparator for the engine's); it comes back for the diagnosis.
+        |tap| -> Result<(Engine, f64), engine::EngineError> {
+            let t_load = Instant::now();
+            let mut engine = Engine::load(engine_file, opts)?;
+            let load_s = t_load.elapsed().as_secs_f64();
+            if engine.backend_name() != "cpu" {
+                // Which cuda mode ran (real ranks over NCCL or simulated ranks on one GPU);
+                // stderr, so that --json output stays one document.
+                eprintln!("backend: {}", engine.backend_description());
+            }
             if let Some(res) = &residuals.engine {
                 residuals.record_entry(tap, Some(res), tokens.len());
-                return engine.prefill_from(tokens, res, tap).map(|_| ());
+                engine.prefill_from(tokens, res, tap)?;
+            } else if n_prefill == tokens.len() {
+                engine.prefill(tokens, tap)?;
+            } else {
+                let mut stitch = StitchTap::new(Some(sampling.clone()));
+                engine.prefill(&tokens[..n_prefill], &mut stitch)?;
+                for &t in &tokens[n_prefill..] {
+                    engine.decode(t, &mut stitch)?;
+                }
+                stitch.replay(tap);
             }
-            if n_prefill == tokens.len() {
-                return engine.prefill(tokens, tap).map(|_| ());
-            }
-            let mut stitch = StitchTap::new(Some(sampling.clone()));
-            engine.prefill(&tokens[..n_prefill], &mut stitch)?;
-            for &t in &tokens[n_prefill..] {
-                engine.decode(t, &mut stitch)?;
-            }
-            stitch.replay(tap);
-            Ok(())
+            Ok((engine, load_s))
         },
         // The K/V cache each decode step read, as a correct cache holds it.
         |tap| {
@@ -821,7 +825,7 @@ fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerR
         },
         |side, c| cmp.on_tap(side, c),
     );
-    e.result?;
+    let (engine, engine_load_s) = e.result?;
     r.result?;
     // Every row's verdict before asking the engine for its config at the divergence.
     cmp.settle_all();
@@ -841,6 +845,7 @@ fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerR
         backend: engine.backend_name().to_string(),
         engine_config,
         engine: (e.seconds, e.capture_s, e.wait_s),
+        engine_load_s,
         reference: (r.seconds, r.capture_s, r.wait_s),
         compare_wait_s: d.wait_s,
         bytes0,
@@ -954,6 +959,7 @@ fn run_diff_candidate_inner(
         backend: "candidate".to_string(),
         engine_config: Some(config.clone()),
         engine: (e.seconds, e.capture_s, e.wait_s),
+        engine_load_s: 0.0,
         reference: (r.seconds, r.capture_s, r.wait_s),
         compare_wait_s: d.wait_s,
         bytes0,
@@ -987,6 +993,8 @@ struct Sides {
     engine_config: Option<ModelConfig>,
     /// Each side's (seconds, capture seconds, wait seconds).
     engine: (f64, f64, f64),
+    /// Of the engine's seconds: its load.
+    engine_load_s: f64,
     reference: (f64, f64, f64),
     compare_wait_s: f64,
     /// [`references::forward::weight_bytes_read`] at the start.
@@ -1105,6 +1113,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
             total: sides.t0.elapsed().as_secs_f64(),
             engine_capture: sides.engine.1,
             engine_wait: sides.engine.2,
+            engine_load: sides.engine_load_s,
             reference_capture: sides.reference.1,
             reference_wait: sides.reference.2,
             compare_wait: sides.compare_wait_s,

@@ -362,7 +362,7 @@ pub struct RoutingAgreement {
 /// run at once (lockstep), so the stages overlap and do not add up to `total`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Timings {
-    /// The engine side, start to last tap.
+    /// The engine side, start to last tap (its load included: the reference runs meanwhile).
     pub engine: f64,
     /// The reference side, start to last tap.
     pub reference: f64,
@@ -375,6 +375,9 @@ pub struct Timings {
     /// Of `engine`: seconds blocked handing taps to the comparator (it was behind).
     #[serde(default)]
     pub engine_wait: f64,
+    /// Of `engine`: loading the model (reading, dequantizing or uploading its weights).
+    #[serde(default)]
+    pub engine_load: f64,
     /// Of `engine`: seconds spent copying its taps out (what capture cost it).
     #[serde(default)]
     pub engine_capture: f64,

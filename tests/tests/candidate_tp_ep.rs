@@ -250,6 +250,7 @@ fn diff(paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
+        full_weights: false,
         repro: String::new(),
     };
     run_diff_candidate(&plan, &dump)
@@ -389,6 +390,7 @@ fn hf_ep(name: &str) -> DiffRun {
         dtype: ActDtype::F32,
         stop_at_first: false,
         decode_steps: 0,
+        full_weights: false,
         repro: String::new(),
     };
     run_diff_candidate(&plan, &dump).unwrap()

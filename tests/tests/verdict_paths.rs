@@ -118,6 +118,7 @@ fn run_document_times_each_stage() {
     let run = run_diff(&plan(&file, tokens(512, 9), 2, Vec::new(), 0)).expect("diff");
     let t = &run.timings_s;
     for (name, part, whole) in [
+        ("engine load", t.engine_load, t.engine),
         ("engine capture", t.engine_capture, t.engine),
         ("engine wait", t.engine_wait, t.engine),
         ("reference capture", t.reference_capture, t.reference),

@@ -468,8 +468,8 @@ pub fn print_summary(run: &DiffRun) {
     println!("\n  reproduce: {}", term(&run.repro));
     let t = &run.timings_s;
     println!(
-        "  time: engine {:.2}s (capture {:.2}s, waited {:.2}s), reference {:.2}s (capture {:.2}s, waited {:.2}s), compare {:.2}s (replays {:.2}s, waited {:.2}s), total {:.2}s",
-        t.engine, t.engine_capture, t.engine_wait, t.reference, t.reference_capture, t.reference_wait, t.compare,
+        "  time: engine {:.2}s (load {:.2}s, capture {:.2}s, waited {:.2}s), reference {:.2}s (capture {:.2}s, waited {:.2}s), compare {:.2}s (replays {:.2}s, waited {:.2}s), total {:.2}s",
+        t.engine, t.engine_load, t.engine_capture, t.engine_wait, t.reference, t.reference_capture, t.reference_wait, t.compare,
         t.replay, t.compare_wait, t.total
     );
     if t.reference_weight_bytes > 0 {
