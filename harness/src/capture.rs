@@ -1,7 +1,9 @@
 //! Lockstep capture: the engine and the reference run in their own threads and send each tap
 //! they record over a bounded channel; the comparator joins them on the key as they arrive.
 //! The side that is ahead blocks once it is more than a layer ahead, so memory stays about two
-//! layers of taps, whatever the model size.
+//! layers of taps, whatever the model size. One exception: while the engine loads its weights
+//! (before its first tap) the reference runs ahead, up to 1 GiB of taps held by the comparator,
+//! so the load overlaps the reference's pass.
 //!
 //! A weight tap carries the rows it holds when the diff asked for a sample of them
 //! ([`crate::weight_rows`]). [`StitchTap`] joins an engine's prefill and decode-step taps into
@@ -227,6 +229,10 @@ where
     })
 }
 
+/// How many bytes of the reference's taps the comparator may hold while the engine has not
+/// sent its first tap (its load overlaps the reference's pass up to this much).
+const READ_AHEAD_BYTES: usize = 1 << 30;
+
 fn drain(
     erx: &Receiver<Captured>,
     rrx: &Receiver<Captured>,
@@ -236,12 +242,16 @@ fn drain(
     let mut waited = Duration::ZERO;
     let (mut e_done, mut r_done) = (false, false);
     let (mut e_at, mut r_at) = (0u64, 0u64);
+    // Until the engine's first tap (it is loading its weights) the reference may run ahead, its
+    // taps held by the comparator, up to READ_AHEAD_BYTES; then the two go in lockstep.
+    let (mut e_started, mut ahead) = (false, 0usize);
     let tick = Duration::from_millis(2);
     while !(e_done && r_done) {
-        // Read the side that is behind; when level, poll both.
+        let loading = !e_done && !e_started && ahead < READ_AHEAD_BYTES;
+        // Read the side that is behind; when level (or the engine is still loading), poll both.
         let order: &[Side] = if !r_done && (e_done || e_at > r_at.saturating_add(1)) {
             &[Side::Reference]
-        } else if !e_done && (r_done || r_at > e_at.saturating_add(1)) {
+        } else if !e_done && !loading && (r_done || r_at > e_at.saturating_add(1)) {
             &[Side::Engine]
         } else {
             &[Side::Reference, Side::Engine]
@@ -264,6 +274,11 @@ fn drain(
             match got {
                 Ok(c) => {
                     *at = (*at).max(progress(&c.key));
+                    match side {
+                        Side::Engine => e_started = true,
+                        Side::Reference if !e_started => ahead += c.data.len() * 4,
+                        Side::Reference => {}
+                    }
                     if !on_tap(side, c) {
                         stop.store(true, Ordering::Relaxed);
                         // Keep draining so the producers never block, but stop calling back.
