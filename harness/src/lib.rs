@@ -12,6 +12,7 @@ pub mod dump;
 pub mod entropy;
 pub mod fingerprint;
 pub mod golden;
+pub mod isolate;
 pub mod junit;
 pub mod kernel_trace;
 pub mod kld_verdict;

@@ -1,10 +1,12 @@
 //! Joining the two sides' taps under tensor parallelism: which part of the reference's full
 //! tensor a rank's tap corresponds to ([`reference_slice`]), and the engine's full tensor put back
-//! together from its rank slices ([`engine_full`]). Used by the diff and by the diagnosis.
+//! together from its rank slices ([`engine_full`]), and a divergent weight's sampled taps put
+//! back whole for the diagnosis ([`unsample`]). Used by the diff and by the diagnosis.
 
 use crate::capture::Captured;
 use crate::compare::columns;
 use references::config::ModelConfig;
+use references::forward::Reference;
 use references::tap::{rank_columns, weight_in_columns, Site, TapKey};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -141,4 +143,37 @@ pub fn reference_weight_rows(
         out.extend_from_slice(&full.data[at * width + cols.start..at * width + cols.end]);
     }
     Some(out)
+}
+
+/// Puts the divergent weight `key`'s kept taps back whole where they hold a sample of rows (the
+/// reference's read from the file again, each engine rank's from `engine`), so that the
+/// diagnosis (a transpose, another rank's shard, the head matrix) reads whole weights, as it
+/// does under `--full-weights`. Only the one weight is decoded whole.
+pub fn unsample(
+    key: &TapKey,
+    reference: &Reference,
+    eng: &mut Store,
+    refs: &mut Store,
+    engine: &dyn Fn(&TapKey) -> Option<Captured>,
+) {
+    let (Some(layer), Site::Weight(kind)) = (key.layer, key.site) else {
+        return;
+    };
+    let full = key.unranked();
+    if refs.get(&full).is_some_and(|c| c.rows.is_some()) {
+        if let Ok(Some(m)) = reference.weight(layer as usize, kind) {
+            let shape = [m.rows, m.cols];
+            refs.insert(full, Captured::whole(full, shape, m.to_f32()));
+        }
+    }
+    let sampled: Vec<TapKey> = eng
+        .iter()
+        .filter(|(k, c)| k.unranked() == full && c.rows.is_some())
+        .map(|(k, _)| *k)
+        .collect();
+    for k in sampled {
+        if let Some(c) = engine(&k) {
+            eng.insert(k, c);
+        }
+    }
 }

@@ -17,10 +17,7 @@
 //! activations that read those rows and shows there, one tap later; `--full-weights` compares
 //! every row and names the weight.
 
-use crate::capture::Captured;
-use crate::slice::Store;
 use references::config::ModelConfig;
-use references::forward::Reference;
 use references::tap::{rank_columns, Site, TapKey};
 
 /// Rows sampled per shard range (plus the range's first and last row).
@@ -85,39 +82,6 @@ impl WeightSampling {
             }
         };
         (rows.len() < n).then_some(rows)
-    }
-}
-
-/// Puts the divergent weight `key`'s kept taps back whole where they hold a sample of rows (the
-/// reference's read from the file again, each engine rank's from `engine`), so that the
-/// diagnosis (a transpose, another rank's shard, the head matrix) reads whole weights, as it
-/// does under `--full-weights`. Only the one weight is decoded whole.
-pub fn unsample(
-    key: &TapKey,
-    reference: &Reference,
-    eng: &mut Store,
-    refs: &mut Store,
-    engine: &dyn Fn(&TapKey) -> Option<Captured>,
-) {
-    let (Some(layer), Site::Weight(kind)) = (key.layer, key.site) else {
-        return;
-    };
-    let full = key.unranked();
-    if refs.get(&full).is_some_and(|c| c.rows.is_some()) {
-        if let Ok(Some(m)) = reference.weight(layer as usize, kind) {
-            let shape = [m.rows, m.cols];
-            refs.insert(full, Captured::whole(full, shape, m.to_f32()));
-        }
-    }
-    let sampled: Vec<TapKey> = eng
-        .iter()
-        .filter(|(k, c)| k.unranked() == full && c.rows.is_some())
-        .map(|(k, _)| *k)
-        .collect();
-    for k in sampled {
-        if let Some(c) = engine(&k) {
-            eng.insert(k, c);
-        }
     }
 }
 
