@@ -4,9 +4,11 @@
 
 use engine::FaultSpec;
 use harness::compare::{ActDtype, Tolerances};
-use harness::diff::DiffPlan;
+use harness::diff::{run_diff_candidate, DiffPlan};
+use harness::dump::Dump;
 use references::synth::{preset, write_model, SynthSpec};
 use references::{GgmlType, GgufFile};
+use reports::DiffRun;
 use std::path::Path;
 
 /// The spec of `preset_name`, cut to `n_layers` (when given) and with its 2-D weights in
@@ -60,4 +62,25 @@ pub fn plan<'a>(
         decode_steps,
         repro: String::new(),
     }
+}
+
+/// `diff-layers MODEL --candidate DUMP` with the defaults: the dump's tokens and TP degree,
+/// default tolerances, f32 activations.
+pub fn diff_dump(file: &GgufFile, dump: &Dump) -> anyhow::Result<DiffRun> {
+    let plan = DiffPlan {
+        file,
+        model_name: file.path.display().to_string(),
+        tokens: dump.tokens.clone(),
+        engine: engine::EngineOptions {
+            tp: dump.tp,
+            ..engine::EngineOptions::default()
+        },
+        tolerances: Tolerances::default(),
+        dtype: ActDtype::F32,
+        stop_at_first: false,
+        full_weights: false,
+        decode_steps: 0,
+        repro: String::new(),
+    };
+    run_diff_candidate(&plan, dump)
 }

@@ -4,8 +4,6 @@
 //! fail with one clean error while NaNs are reported as data.
 
 use clap::Parser;
-use harness::compare::{ActDtype, Tolerances};
-use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use llmdiff_tests::fixtures::{golden, smollm2};
 use references::GgufFile;
@@ -19,22 +17,7 @@ fn dump_path(name: &str) -> PathBuf {
 fn diff(paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
     let file = GgufFile::open(smollm2())?;
     let dump = Dump::open(paths)?;
-    let plan = DiffPlan {
-        file: &file,
-        model_name: "smollm2".into(),
-        tokens: dump.tokens.clone(),
-        engine: engine::EngineOptions {
-            tp: dump.tp,
-            ..engine::EngineOptions::default()
-        },
-        tolerances: Tolerances::default(),
-        dtype: ActDtype::F32,
-        stop_at_first: false,
-        full_weights: false,
-        decode_steps: 0,
-        repro: String::new(),
-    };
-    run_diff_candidate(&plan, &dump)
+    llmdiff_tests::models::diff_dump(&file, &dump)
 }
 
 #[test]

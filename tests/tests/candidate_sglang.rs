@@ -8,8 +8,6 @@
 //! rank; ranks 0 and 1 swapping o_proj shards is named from the partials SGLang's dims
 //! annotation declared (`t h[tp:partial]`).
 
-use harness::compare::{ActDtype, Tolerances};
-use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use llmdiff_tests::fixtures::{golden, smollm2};
 use references::GgufFile;
@@ -24,22 +22,7 @@ fn diff(name: &str) -> DiffRun {
         .collect();
     let file = GgufFile::open(smollm2()).unwrap();
     let dump = Dump::open(&paths).unwrap();
-    let plan = DiffPlan {
-        file: &file,
-        model_name: "sglang".into(),
-        tokens: dump.tokens.clone(),
-        engine: engine::EngineOptions {
-            tp: dump.tp,
-            ..engine::EngineOptions::default()
-        },
-        tolerances: Tolerances::default(),
-        dtype: ActDtype::F32,
-        stop_at_first: false,
-        decode_steps: 0,
-        full_weights: false,
-        repro: String::new(),
-    };
-    run_diff_candidate(&plan, &dump).unwrap()
+    llmdiff_tests::models::diff_dump(&file, &dump).unwrap()
 }
 
 #[test]

@@ -6,8 +6,6 @@
 //! found at its tap and rank with its class named; a dump whose layouts do not explain a ranked
 //! tensor is refused.
 
-use harness::compare::{ActDtype, Tolerances};
-use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use llmdiff_tests::fixtures::{golden, smollm2};
 use references::GgufFile;
@@ -52,22 +50,7 @@ fn files(c: &Case, name: &str) -> Vec<PathBuf> {
 fn diff_paths(model: &Path, paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
     let file = GgufFile::open(model)?;
     let dump = Dump::open(paths)?;
-    let plan = DiffPlan {
-        file: &file,
-        model_name: "tp".into(),
-        tokens: dump.tokens.clone(),
-        engine: engine::EngineOptions {
-            tp: dump.tp,
-            ..engine::EngineOptions::default()
-        },
-        tolerances: Tolerances::default(),
-        dtype: ActDtype::F32,
-        stop_at_first: false,
-        full_weights: false,
-        decode_steps: 0,
-        repro: String::new(),
-    };
-    run_diff_candidate(&plan, &dump)
+    llmdiff_tests::models::diff_dump(&file, &dump)
 }
 
 fn diff(c: &Case, name: &str) -> DiffRun {

@@ -12,8 +12,6 @@
 //! The same EP layout from HF transformers' own expert parallelism (tests/peers/hf_ep_dump.py,
 //! golden/candidate-qwen3moe-ep2/) agrees, and a rank holding the wrong expert's weights is named.
 
-use harness::compare::{ActDtype, Tolerances};
-use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use llmdiff_tests::fixtures::golden;
 use references::forward::Reference;
@@ -238,22 +236,7 @@ fn dump(dir: &Path, name: &str, f: &Fault) -> Vec<PathBuf> {
 fn diff(paths: &[PathBuf]) -> anyhow::Result<DiffRun> {
     let file = GgufFile::open(golden(MODEL))?;
     let dump = Dump::open(paths)?;
-    let plan = DiffPlan {
-        file: &file,
-        model_name: "ep".into(),
-        tokens: dump.tokens.clone(),
-        engine: engine::EngineOptions {
-            tp: dump.tp,
-            ..engine::EngineOptions::default()
-        },
-        tolerances: Tolerances::default(),
-        dtype: ActDtype::F32,
-        stop_at_first: false,
-        decode_steps: 0,
-        full_weights: false,
-        repro: String::new(),
-    };
-    run_diff_candidate(&plan, &dump)
+    llmdiff_tests::models::diff_dump(&file, &dump)
 }
 
 fn found(run: &DiffRun, tap: &str, class: &str, needles: &[&str]) {
@@ -378,22 +361,7 @@ fn hf_ep(name: &str) -> DiffRun {
         .map(|r| dir.join(format!("{name}.rank{r}.safetensors")))
         .collect();
     let dump = Dump::open(&paths).unwrap();
-    let plan = DiffPlan {
-        file: &file,
-        model_name: "hf-ep".into(),
-        tokens: dump.tokens.clone(),
-        engine: engine::EngineOptions {
-            tp: dump.tp,
-            ..engine::EngineOptions::default()
-        },
-        tolerances: Tolerances::default(),
-        dtype: ActDtype::F32,
-        stop_at_first: false,
-        decode_steps: 0,
-        full_weights: false,
-        repro: String::new(),
-    };
-    run_diff_candidate(&plan, &dump).unwrap()
+    llmdiff_tests::models::diff_dump(&file, &dump).unwrap()
 }
 
 #[test]
