@@ -85,6 +85,21 @@ impl TokenSpace {
         self.model_id(s)
     }
 
+    /// The model ids of a server's first `k` top-k keys that [`TokenSpace::listed_id`] trusts,
+    /// each once, in the server's order, with their logprobs.
+    pub fn listed_set(&self, top: &[(String, f64)], k: usize) -> (Vec<u32>, Vec<f64>) {
+        let (mut set, mut lps) = (Vec::new(), Vec::new());
+        for (s, lp) in top.iter().take(k) {
+            if let Some(id) = self.listed_id(s) {
+                if !set.contains(&id) {
+                    set.push(id);
+                    lps.push(*lp);
+                }
+            }
+        }
+        (set, lps)
+    }
+
     /// A model id, or an interned one.
     pub fn id(&mut self, s: &str) -> u32 {
         if let Some(id) = self.model_id(s) {

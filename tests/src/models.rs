@@ -7,6 +7,7 @@ use harness::compare::{ActDtype, Tolerances};
 use harness::diff::{run_diff_candidate, DiffPlan};
 use harness::dump::Dump;
 use references::synth::{preset, write_model, SynthSpec};
+use references::writer::{GgufWriter, TensorSpec};
 use references::{GgmlType, GgufFile};
 use reports::DiffRun;
 use std::path::Path;
@@ -83,4 +84,41 @@ pub fn diff_dump(file: &GgufFile, dump: &Dump) -> anyhow::Result<DiffRun> {
         repro: String::new(),
     };
     run_diff_candidate(&plan, dump)
+}
+
+/// `src` written to `path` with the rows `rows` selects of the F32 tensor `name` mapped through
+/// `f` (every other tensor copied byte for byte): an engine's copy with a planted weight change.
+pub fn with_rows_changed(
+    src: &GgufFile,
+    path: &Path,
+    name: &str,
+    rows: impl Fn(usize) -> bool,
+    f: impl Fn(f32) -> f32,
+) -> GgufFile {
+    let specs = src
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
+        .collect();
+    let w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut gw = GgufWriter::new(w, src.metadata(), specs).unwrap();
+    for t in src.tensors() {
+        let bytes = src.tensor_data(t);
+        if t.name != name {
+            gw.write_tensor(bytes).unwrap();
+            continue;
+        }
+        assert_eq!(t.ty, GgmlType::F32, "{name} must be F32 to change it exactly");
+        let d = t.ne[0] as usize;
+        let mut out = bytes.to_vec();
+        for (i, chunk) in out.chunks_exact_mut(4).enumerate() {
+            if rows(i / d) {
+                let x = f32::from_le_bytes(chunk.try_into().unwrap());
+                chunk.copy_from_slice(&f(x).to_le_bytes());
+            }
+        }
+        gw.write_tensor(&out).unwrap();
+    }
+    gw.finish().unwrap();
+    GgufFile::open(path).unwrap()
 }

@@ -5,8 +5,7 @@
 //! taps switched off (`w.q=1e9`), so only the activations can localize it (at `blk.L.q@rR`).
 
 use harness::diff::run_diff_against;
-use llmdiff_tests::models::{plan, spec, synth, tokens};
-use references::writer::{GgufWriter, TensorSpec};
+use llmdiff_tests::models::{plan, spec, synth, tokens, with_rows_changed};
 use references::{GgmlType, GgufFile};
 use std::path::Path;
 
@@ -16,34 +15,15 @@ const TP: usize = 2;
 
 /// Writes `src` to `path` with head `HEAD`'s rows of `blk.LAYER.attn_q` scaled by (1+eps).
 fn perturbed(src: &GgufFile, path: &Path, head_dim: usize, eps: f64) -> GgufFile {
+    let rows = HEAD * head_dim..(HEAD + 1) * head_dim;
     let target = format!("blk.{LAYER}.attn_q.weight");
-    let specs = src
-        .tensors()
-        .iter()
-        .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
-        .collect();
-    let w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
-    let mut gw = GgufWriter::new(w, src.metadata(), specs).unwrap();
-    for t in src.tensors() {
-        let bytes = src.tensor_data(t);
-        if t.name != target {
-            gw.write_tensor(bytes).unwrap();
-            continue;
-        }
-        assert_eq!(t.ty, GgmlType::F32, "{target} must be F32 to scale it exactly");
-        let d = t.ne[0] as usize;
-        let rows = HEAD * head_dim..(HEAD + 1) * head_dim;
-        let mut out = bytes.to_vec();
-        for (i, chunk) in out.chunks_exact_mut(4).enumerate() {
-            if rows.contains(&(i / d)) {
-                let x = f32::from_le_bytes(chunk.try_into().unwrap());
-                chunk.copy_from_slice(&((x as f64 * (1.0 + eps)) as f32).to_le_bytes());
-            }
-        }
-        gw.write_tensor(&out).unwrap();
-    }
-    gw.finish().unwrap();
-    GgufFile::open(path).unwrap()
+    with_rows_changed(
+        src,
+        path,
+        &target,
+        |r| rows.contains(&r),
+        |x| (x as f64 * (1.0 + eps)) as f32,
+    )
 }
 
 /// The divergence a perturbation of size `eps` gives: (first tap, localized right?).

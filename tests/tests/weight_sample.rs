@@ -6,8 +6,7 @@
 
 use harness::diff::run_diff_against;
 use harness::weight_rows::spread;
-use llmdiff_tests::models::{plan, spec, synth, tokens};
-use references::writer::{GgufWriter, TensorSpec};
+use llmdiff_tests::models::{plan, spec, synth, tokens, with_rows_changed};
 use references::{GgmlType, GgufFile};
 use std::path::Path;
 
@@ -15,32 +14,7 @@ const TARGET: &str = "blk.0.attn_q.weight";
 
 /// `src` written to `path` with rows `rows` of [`TARGET`] (F32) scaled by `scale`.
 fn perturbed(src: &GgufFile, path: &Path, rows: &[usize], scale: f32) -> GgufFile {
-    let specs = src
-        .tensors()
-        .iter()
-        .map(|t| TensorSpec::new(&t.name, t.ty, &t.ne))
-        .collect();
-    let w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
-    let mut gw = GgufWriter::new(w, src.metadata(), specs).unwrap();
-    for t in src.tensors() {
-        let bytes = src.tensor_data(t);
-        if t.name != TARGET {
-            gw.write_tensor(bytes).unwrap();
-            continue;
-        }
-        assert_eq!(t.ty, GgmlType::F32);
-        let d = t.ne[0] as usize;
-        let mut out = bytes.to_vec();
-        for (i, chunk) in out.chunks_exact_mut(4).enumerate() {
-            if rows.contains(&(i / d)) {
-                let x = f32::from_le_bytes(chunk.try_into().unwrap());
-                chunk.copy_from_slice(&(x * scale).to_le_bytes());
-            }
-        }
-        gw.write_tensor(&out).unwrap();
-    }
-    gw.finish().unwrap();
-    GgufFile::open(path).unwrap()
+    with_rows_changed(src, path, TARGET, |r| rows.contains(&r), |x| x * scale)
 }
 
 /// (the first divergence's site in layer 0, else its tap; the `blk.0.w.q@r0` row's rel_l2) of

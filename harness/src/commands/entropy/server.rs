@@ -191,16 +191,7 @@ pub fn run(a: &EntropyArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
                 let lr = log_softmax(&ref_logits[row * vocab..(row + 1) * vocab]);
-                let mut set = Vec::new();
-                let mut lps = Vec::new();
-                for (s, lp) in top.iter().take(k) {
-                    if let Some(id) = space.listed_id(s) {
-                        if !set.contains(&id) {
-                            set.push(id);
-                            lps.push(*lp);
-                        }
-                    }
-                }
+                let (set, lps) = space.listed_set(top, k);
                 if set.is_empty() {
                     continue;
                 }
@@ -485,15 +476,7 @@ fn repeat_probe(
                 continue;
             }
             let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
-            let (mut set, mut lps) = (Vec::new(), Vec::new());
-            for (s, lp) in top.iter().take(k) {
-                if let Some(id) = space.listed_id(s) {
-                    if !set.contains(&id) {
-                        set.push(id);
-                        lps.push(*lp);
-                    }
-                }
-            }
+            let (set, lps) = space.listed_set(top, k);
             if set.is_empty() {
                 continue;
             }
@@ -608,15 +591,7 @@ fn chat_check(
                 break;
             }
             let lr = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
-            let (mut set, mut lps) = (Vec::new(), Vec::new());
-            for (t, lp) in top.iter().take(k) {
-                if let Some(id) = space.listed_id(t) {
-                    if !set.contains(&id) {
-                        set.push(id);
-                        lps.push(*lp);
-                    }
-                }
-            }
+            let (set, lps) = space.listed_set(top, k);
             if set.is_empty() {
                 continue;
             }
