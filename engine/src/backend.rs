@@ -16,6 +16,7 @@
 //! code from these primitives; their output-buffer contract lives there, not here.
 
 use crate::cpu_ops::{self, GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
+use crate::dsa::{self, IndexShape};
 use crate::moe_route::{route, Route};
 use crate::options::ComputeDtype;
 use half::f16;
@@ -266,6 +267,45 @@ pub trait Backend: Send + Sync {
     /// Causal MLA attention over an expanded cache into `out` `[n, H·v]`.
     #[allow(clippy::too_many_arguments)]
     fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);
+    /// MLA attention of each query over only its selected cache rows (the DSA indexer's keys):
+    /// row t of `keys` (`[n, top_k]`, positions as f32, −1 padding) lists query t's keys. Writes
+    /// `out` `[n, H·v]`. Default: on the host ([`dsa::mla_attention_sparse`]).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_sparse(
+        &self,
+        q: &Buf,
+        k_nope: &Buf,
+        k_pe: &Buf,
+        v: &Buf,
+        shape: MlaShape,
+        keys: &Buf,
+        top_k: usize,
+        out: &mut Buf,
+    ) {
+        let [q, kn, kp, v, keys] = [q, k_nope, k_pe, v, keys].map(|b| self.download(b));
+        let mut o = vec![0f32; out.len()];
+        dsa::mla_attention_sparse(&q, &kn, &kp, &v, shape, &keys, top_k, &mut o);
+        let u = self.upload(&o);
+        self.copy(&u, 0, out, 0, o.len());
+    }
+    /// LayerNorm over rows of `weight.len()` with a bias (the DSA indexer's key norm). Default: on
+    /// the host.
+    fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf) {
+        let xs = self.download(x);
+        host_round_trip(self, out, |o| dsa::layer_norm(&xs, weight, bias, eps, o));
+    }
+    /// The DSA indexer's scores `out` `[n, pos0+n]` of roped queries `q` `[n, H·D]` over the key
+    /// cache `k` `[T, D]` with head weights `w` `[n, H]` ([`dsa::index_scores`]). Default: on the
+    /// host.
+    fn index_scores(&self, q: &Buf, k: &Buf, w: &Buf, pos0: usize, shape: IndexShape, out: &mut Buf) {
+        let [q, k, w] = [q, k, w].map(|b| self.download(b));
+        host_round_trip(self, out, |o| dsa::index_scores(&q, &k, &w, pos0, shape, o));
+    }
+    /// fp8 e4m3 rounding in groups of 128 of each row of `width` ([`dsa::fp8_groups`]: the
+    /// indexer's q and keys as production stores them). Default: on the host.
+    fn fp8_groups(&self, x: &mut Buf, width: usize) {
+        host_round_trip(self, x, |v| dsa::fp8_groups(v, width));
+    }
     /// Sum all-reduce of the ranks' partials in fixed order: rank 0 + rank 1 + .... Returns the
     /// sum once per device holding ranks: one buffer when every rank shares a device, one per
     /// rank (on that rank's device) otherwise; rank r reads `sums[r.min(sums.len() - 1)]`.
@@ -505,6 +545,28 @@ impl Backend for CpuBackend {
     }
     fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
         cpu_ops::mla_attention(h(q), h(k_nope), h(k_pe), h(v), pos0, shape, hm(out))
+    }
+    fn mla_attention_sparse(
+        &self,
+        q: &Buf,
+        k_nope: &Buf,
+        k_pe: &Buf,
+        v: &Buf,
+        shape: MlaShape,
+        keys: &Buf,
+        top_k: usize,
+        out: &mut Buf,
+    ) {
+        dsa::mla_attention_sparse(h(q), h(k_nope), h(k_pe), h(v), shape, h(keys), top_k, hm(out))
+    }
+    fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf) {
+        dsa::layer_norm(h(x), weight, bias, eps, hm(out))
+    }
+    fn index_scores(&self, q: &Buf, k: &Buf, w: &Buf, pos0: usize, shape: IndexShape, out: &mut Buf) {
+        dsa::index_scores(h(q), h(k), h(w), pos0, shape, hm(out))
+    }
+    fn fp8_groups(&self, x: &mut Buf, width: usize) {
+        dsa::fp8_groups(hm(x), width)
     }
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let parts: Vec<&[f32]> = partials.iter().map(|p| h(p)).collect();

@@ -16,6 +16,7 @@ pub mod cpu_ops;
 pub mod cuda;
 pub mod cuda_kernels;
 pub mod dequant;
+pub mod dsa;
 #[cfg(feature = "cuda")]
 pub mod device_buf;
 pub mod engine;

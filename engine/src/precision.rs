@@ -60,6 +60,7 @@
 
 use crate::backend::{Backend, BlockTrace, Buf, CommStats, StepGraph};
 use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
+use crate::dsa::IndexShape;
 use crate::moe_route::Route;
 use crate::options::ComputeDtype;
 #[cfg(test)]
@@ -236,6 +237,31 @@ impl Backend for DtypeBackend {
     fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf) {
         self.inner.mla_attention(q, k_nope, k_pe, v, pos0, shape, out);
         self.r(out);
+    }
+    fn mla_attention_sparse(
+        &self,
+        q: &Buf,
+        k_nope: &Buf,
+        k_pe: &Buf,
+        v: &Buf,
+        shape: MlaShape,
+        keys: &Buf,
+        top_k: usize,
+        out: &mut Buf,
+    ) {
+        self.inner.mla_attention_sparse(q, k_nope, k_pe, v, shape, keys, top_k, out);
+        self.r(out);
+    }
+    fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf) {
+        self.inner.layer_norm(x, weight, bias, eps, out);
+        self.r(out);
+    }
+    // The indexer's scores stay f32 (production scores fp8 or bf16 inputs into f32 sums).
+    fn index_scores(&self, q: &Buf, k: &Buf, w: &Buf, pos0: usize, shape: IndexShape, out: &mut Buf) {
+        self.inner.index_scores(q, k, w, pos0, shape, out);
+    }
+    fn fp8_groups(&self, x: &mut Buf, width: usize) {
+        self.inner.fp8_groups(x, width);
     }
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {
         let mut sums = self.inner.all_reduce(partials);
