@@ -172,7 +172,10 @@ mod tests {
     #[test]
     fn scores_drop_negative_head_products_and_future_keys() {
         // One key dim, two heads: q products 2·k and −3·k; weights 1 and 10.
-        let s = IndexShape { n_heads: 2, head_dim: 1 };
+        let s = IndexShape {
+            n_heads: 2,
+            head_dim: 1,
+        };
         let (q, k, w) = ([2.0, -3.0, 1.0, 1.0], [1.0, 2.0], [1.0, 10.0, 1.0, 1.0]);
         let mut out = vec![9f32; 4];
         index_scores(&q, &k, &w, 0, s, &mut out);

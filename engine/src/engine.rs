@@ -62,6 +62,9 @@ pub struct EngineOptions {
     /// last layer; otherwise a step's result is the residual after layer B-1 (`[n, d]`). Decode
     /// is refused (the K/V cache of the range would need the prefill from A). Not with `n_layers`.
     pub layers: Option<std::ops::Range<usize>>,
+    /// The DSA indexer (glm-dsa, deepseek32) stores its q and key cache in fp8 e4m3 (groups of
+    /// 128 with a per-group scale), as vLLM's does; false: f32 (or the compute dtype).
+    pub indexer_fp8: bool,
 }
 
 impl Default for EngineOptions {
@@ -75,6 +78,7 @@ impl Default for EngineOptions {
             compute_dtype: ComputeDtype::F32,
             n_layers: None,
             layers: None,
+            indexer_fp8: false,
         }
     }
 }
@@ -102,6 +106,8 @@ pub struct Engine {
     /// Whether a step ends with the output norm and head (false: a range ending before the last
     /// layer, whose result is the residual).
     head: bool,
+    /// [`EngineOptions::indexer_fp8`].
+    indexer_fp8: bool,
 }
 
 /// A recorded decode step (layers and head; the embedding runs before it) and the ranks' logits
@@ -176,6 +182,8 @@ fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
             | Arch::Glm4Moe
             | Arch::Gemma2
             | Arch::Gemma3
+            | Arch::Deepseek32
+            | Arch::GlmDsa
     ) {
         return Ok(());
     }
@@ -316,6 +324,13 @@ impl Engine {
                         r.start, r.end
                     )));
                 }
+                let shared_start = config.indexer.as_ref().is_some_and(|ix| !ix.full[r.start]);
+                if shared_start {
+                    return Err(EngineError::Options(format!(
+                        "layers {}..{}: layer {} is a `shared` DSA indexer layer (it reuses an earlier layer's selection); start the range at a layer with its own indexer",
+                        r.start, r.end, r.start
+                    )));
+                }
                 config.n_layers = r.end;
                 (r.start, r.end == total)
             }
@@ -374,6 +389,7 @@ impl Engine {
             graph: None,
             first_layer,
             head,
+            indexer_fp8: opts.indexer_fp8,
             config,
         })
     }
@@ -600,6 +616,7 @@ impl Engine {
             n_tokens: tokens.len(),
             is_decode,
             last_only,
+            indexer_fp8: self.indexer_fp8,
         };
         let (n, d) = (tokens.len(), c.d_model);
         // A plain decode step: nothing tapped, no fault, no host round trip mid-step (MoE

@@ -16,9 +16,9 @@ pub mod cpu_ops;
 pub mod cuda;
 pub mod cuda_kernels;
 pub mod dequant;
-pub mod dsa;
 #[cfg(feature = "cuda")]
 pub mod device_buf;
+pub mod dsa;
 pub mod engine;
 mod error;
 pub mod fault;

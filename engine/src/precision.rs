@@ -249,7 +249,8 @@ impl Backend for DtypeBackend {
         top_k: usize,
         out: &mut Buf,
     ) {
-        self.inner.mla_attention_sparse(q, k_nope, k_pe, v, shape, keys, top_k, out);
+        self.inner
+            .mla_attention_sparse(q, k_nope, k_pe, v, shape, keys, top_k, out);
         self.r(out);
     }
     fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf) {

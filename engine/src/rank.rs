@@ -11,10 +11,12 @@
 
 use crate::backend::{Backend, Buf};
 use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle};
+use crate::dsa::{key_table, select_top_k, IndexShape};
 use crate::fault::{Fault, FaultSet};
 use crate::moe_route::Route;
 use crate::taps::{Emit, RankTaps, TapPlan};
-use crate::weights::{AttnShard, FfnShard, MlpShard, MoeShard, RankShard};
+use crate::weights::{AttnShard, FfnShard, IndexerShard, MlpShard, MoeShard, RankShard};
+use references::config::IndexerConfig;
 use references::tap::{canary, Site};
 use references::ModelConfig;
 
@@ -68,6 +70,9 @@ pub struct StepCtx<'a> {
     pub is_decode: bool,
     /// Only the last token's logits are wanted (lm_head on one row; no taps).
     pub last_only: bool,
+    /// The DSA indexer's q and key cache rounded to fp8 e4m3 (groups of 128), as production
+    /// indexers store them.
+    pub indexer_fp8: bool,
 }
 
 impl StepCtx<'_> {
@@ -100,6 +105,14 @@ pub struct LayerCache {
     pub k: Buf,
     pub k_pe: Buf,
     pub v: Buf,
+    /// The DSA indexer's roped (and, with `indexer_fp8`, fp8-rounded) keys `[T, D]`.
+    pub idx_k: Buf,
+}
+
+impl LayerCache {
+    fn bufs(&mut self) -> [&mut Buf; 4] {
+        [&mut self.k, &mut self.k_pe, &mut self.v, &mut self.idx_k]
+    }
 }
 
 /// Appends the rows of `new` (`[n, width]`) to `cache` at position `pos0`. Under
@@ -147,6 +160,9 @@ pub struct Rank {
     /// The next block's normed input, made with the residual add (`add_residual`), and which
     /// block it is for; the block takes it instead of normalizing x itself.
     pub(crate) normed: Option<(NormAt, Buf)>,
+    /// The DSA selection of the step's last layer with its own indexer, for the `shared`
+    /// indexer layers after it.
+    dsa_prev: Option<Vec<Vec<usize>>>,
 }
 
 /// Which block an input RMSNorm belongs to.
@@ -232,6 +248,90 @@ fn gqa_rope_shape<'f>(
     (rope, shape)
 }
 
+/// What a layer's DSA indexer step reads: the file's indexer config, the layer's replicated
+/// indexer weights (`None` on a `shared` layer) and the RoPE frequency factors.
+struct DsaIn<'a> {
+    ix: &'a IndexerConfig,
+    shard: Option<&'a IndexerShard>,
+    freqs: Option<&'a [f32]>,
+}
+
+impl DsaIn<'_> {
+    /// The step's selection as the sparse attention's key table `[n, top_k]` on the backend, and
+    /// top_k. A layer with its own indexer scores every causal key of each query from `h` (the
+    /// attn_norm output) and `qr` (the normed q_a), appending the step's keys to `idx_cache`, and
+    /// takes the top-k on the host; a `shared` layer reuses `prev` (the last such layer's).
+    #[allow(clippy::too_many_arguments)]
+    fn keys(
+        &self,
+        ctx: &StepCtx<'_>,
+        hy: &Hyper,
+        h: &Buf,
+        qr: &Buf,
+        idx_cache: &mut Buf,
+        prev: &mut Option<Vec<Vec<usize>>>,
+        taps: &mut RankTaps<'_>,
+    ) -> (Buf, usize) {
+        let be = ctx.backend;
+        let (n, ix) = (ctx.n_tokens, self.ix);
+        let (heads, dh, rope) = (ix.n_heads, ix.head_dim, ctx.config.rope_dim);
+        let sel = match self.shard {
+            Some(w) => {
+                let mut q = be.alloc(n * heads * dh);
+                be.linear(qr, n, w.q_b.view(), &mut q);
+                let mut k_raw = be.alloc(n * dh);
+                be.linear(h, n, w.k.view(), &mut k_raw);
+                let mut k = be.alloc(n * dh);
+                be.layer_norm(&k_raw, &w.k_norm.0, &w.k_norm.1, ix.k_norm_eps, &mut k);
+                let layout = |n_heads| RopeLayout {
+                    n_heads,
+                    head_stride: dh,
+                    offset: 0,
+                    rope_dim: rope,
+                };
+                let style = if ix.rope_neox { RopeStyle::Neox } else { RopeStyle::Norm };
+                let freqs = RopeFreqs {
+                    divisor: 1.0,
+                    factors: self.freqs,
+                };
+                be.rope_qk(
+                    &mut q,
+                    layout(heads),
+                    &mut k,
+                    layout(1),
+                    ctx.pos0,
+                    hy.rope_base,
+                    style,
+                    freqs,
+                );
+                if ctx.indexer_fp8 {
+                    be.fp8_groups(&mut q, dh);
+                    be.fp8_groups(&mut k, dh);
+                }
+                be.kv_write(idx_cache, &k, dh, ctx.pos0, ctx.pos0);
+                let mut w_heads = be.alloc(n * heads);
+                be.linear(h, n, w.proj.view(), &mut w_heads);
+                be.scale(&mut w_heads, (1.0 / ((dh * heads) as f64).sqrt()) as f32);
+                let width = ctx.pos0 + n;
+                let mut scores = be.alloc(n * width);
+                let shape = IndexShape {
+                    n_heads: heads,
+                    head_dim: dh,
+                };
+                be.index_scores(&q, idx_cache, &w_heads, ctx.pos0, shape, &mut scores);
+                taps.emit_buf(be, Site::IndexerScore, &scores, width, Emit::Replicated);
+                select_top_k(&be.download(&scores), n, ctx.pos0, ix.top_k)
+            }
+            // Engine::new refuses a layer range that starts at a `shared` layer.
+            None => prev.clone().expect("a shared indexer layer follows a full one"),
+        };
+        let table = be.upload(&key_table(&sel, ix.top_k));
+        taps.emit_buf(be, Site::IndexerTopk, &table, ix.top_k, Emit::Replicated);
+        *prev = Some(sel);
+        (table, ix.top_k)
+    }
+}
+
 /// A rank's result from one phase: a partial sum (or slice) and its tap copies.
 pub struct PhaseOut<'p> {
     pub data: Buf,
@@ -248,6 +348,7 @@ impl Rank {
             attn_out: [Buf::default(), Buf::default()],
             ffn_out: Buf::default(),
             normed: None,
+            dsa_prev: None,
         }
     }
 
@@ -257,6 +358,7 @@ impl Rank {
         }
         self.x = Buf::default();
         self.normed = None;
+        self.dsa_prev = None;
     }
 
     /// Adds a block's reduced output into the residual and makes the next block's normed input
@@ -288,7 +390,7 @@ impl Rank {
     /// decode graph wrote them): each cache's length goes from `pos0` rows to `pos0 + n`.
     pub fn cache_appended(&mut self, pos0: usize, n: usize) {
         for c in &mut self.cache {
-            for b in [&mut c.k, &mut c.k_pe, &mut c.v] {
+            for b in c.bufs() {
                 if pos0 > 0 && !b.is_empty() {
                     let width = b.len() / pos0;
                     b.set_len((pos0 + n) * width);
@@ -301,7 +403,7 @@ impl Rank {
     /// step allocates nothing and its buffers stay where they are).
     pub fn cache_fits(&self, pos0: usize, n: usize) -> bool {
         self.cache.iter().all(|c| {
-            [&c.k, &c.k_pe, &c.v]
+            [&c.k, &c.k_pe, &c.v, &c.idx_k]
                 .iter()
                 .all(|b| b.is_empty() || pos0 == 0 || (pos0 + n) * (b.len() / pos0) <= b.capacity())
         })
@@ -420,6 +522,7 @@ impl Rank {
                 kv_a_norm,
                 kv_b,
                 kv_b_rows_used,
+                indexer,
             } => {
                 let m = c.mla.as_ref().expect("MLA weights on a non-MLA config");
                 let (nope, rope, vd, kvl) = (m.qk_nope, m.qk_rope, m.v_head_dim, m.kv_lora_rank);
@@ -438,6 +541,14 @@ impl Rank {
                     }
                     None => &h,
                 };
+                let keys = c.indexer.as_ref().map(|ix| {
+                    let dsa = DsaIn {
+                        ix,
+                        shard: indexer.as_ref(),
+                        freqs: self.shard.rope_freqs.as_deref().map(Vec::as_slice),
+                    };
+                    dsa.keys(ctx, &hy, &h, q_in, &mut cache.idx_k, &mut self.dsa_prev, &mut taps)
+                });
                 let mut qv = be.alloc(n * q.rows);
                 be.linear(q_in, n, q.view(), &mut qv);
                 let mut ckv = be.alloc(n * kv_a.rows);
@@ -506,7 +617,12 @@ impl Rank {
                     prepare_out(be, buf, n * out_width, false);
                 }
                 prepare_out(be, &mut self.attn_out[write_idx], n * out_width, canary_fill);
-                let op = |out: &mut Buf| be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out);
+                let op = |out: &mut Buf| match &keys {
+                    Some((table, top_k)) => {
+                        be.mla_attention_sparse(&qv, &cache.k, &cache.k_pe, &cache.v, shape, table, *top_k, out)
+                    }
+                    None => be.mla_attention(&qv, &cache.k, &cache.k_pe, &cache.v, ctx.pos0, shape, out),
+                };
                 if phantom {
                     let mut scratch = be.alloc(n * out_width);
                     op(&mut scratch);

@@ -174,7 +174,23 @@ pub enum AttnShard {
         kv_b: Linear,
         /// Rows of `kv_b` the rank computes with: `H_r·(nope+v)`.
         kv_b_rows_used: usize,
+        /// The DSA indexer of a layer that runs its own (glm-dsa, deepseek32); `None` for
+        /// deepseek2 and for a `shared` indexer layer (it reuses the previous one's selection).
+        indexer: Option<IndexerShard>,
     },
+}
+
+/// A layer's DSA lightning indexer, replicated on every rank (vLLM's `Indexer`: every projection
+/// a `ReplicatedLinear`).
+pub struct IndexerShard {
+    /// `indexer.attn_q_b` `[H·D, q_lora]`, on the normed q_a.
+    pub q_b: Linear,
+    /// `indexer.attn_k` `[D, d]`, on the attn_norm output.
+    pub k: Linear,
+    /// `indexer.k_norm` weight and bias `[D]` (a LayerNorm).
+    pub k_norm: (Arc<Vec<f32>>, Arc<Vec<f32>>),
+    /// `indexer.proj` `[H, d]`: the per-head weights of the scores.
+    pub proj: Linear,
 }
 
 /// A GQA layer's extras beyond llama's (qwen2/3, qwen3moe, glm4moe, gemma2/3); each `None` where
@@ -758,6 +774,7 @@ impl<'a> Loader<'a> {
                     kv_a_norm,
                     kv_b,
                     kv_b_rows_used: h_r * (m.qk_nope + m.v_head_dim),
+                    indexer: self.indexer(layer_idx, bad)?,
                 };
                 let vw = h * m.v_head_dim;
                 (
@@ -785,6 +802,35 @@ impl<'a> Loader<'a> {
             ffn,
             extras,
         })
+    }
+
+    /// Layer `layer_idx`'s DSA indexer, replicated: `None` without one (deepseek2) or on a
+    /// `shared` indexer layer.
+    fn indexer(&self, layer_idx: usize, bad: bool) -> Result<Option<IndexerShard>, EngineError> {
+        let c = self.config;
+        let Some(ix) = c
+            .indexer
+            .as_ref()
+            .filter(|ix| ix.full.get(layer_idx).copied().unwrap_or(true))
+        else {
+            return Ok(None);
+        };
+        let ql = c
+            .mla
+            .as_ref()
+            .and_then(|m| m.q_lora_rank)
+            .ok_or_else(|| EngineError::Unsupported("the DSA indexer needs q_a (q_lora_rank)".into()))?;
+        let (d, h, dh) = (c.d_model, ix.n_heads, ix.head_dim);
+        let b = |s: &str| format!("blk.{layer_idx}.indexer.{s}");
+        Ok(Some(IndexerShard {
+            q_b: self.replicated_linear(&b("attn_q_b.weight"), ql, h * dh, bad)?,
+            k: self.replicated_linear(&b("attn_k.weight"), d, dh, bad)?,
+            k_norm: (
+                self.replicated(&b("k_norm.weight"), &[dh], false)?,
+                self.replicated(&b("k_norm.bias"), &[dh], false)?,
+            ),
+            proj: self.replicated_linear(&b("proj.weight"), d, h, bad)?,
+        }))
     }
 
     /// Layer `layer_idx`'s [`GqaExtras`] on rank `rank_idx`: the biases and q/k norms where the

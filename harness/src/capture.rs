@@ -312,6 +312,17 @@ impl Tap for StitchTap {
     fn record(&mut self, key: &TapKey, data: &[f32], shape: [usize; 2]) {
         match self.taps.get_mut(key) {
             Some(_) if matches!(key.site, Site::Weight(_)) => {}
+            // DSA index scores are `[n, n]` (row t: keys 0..=t, zeros after): a decode step's row
+            // is one key wider than the rows before it, which are padded with zeros to its width.
+            Some(c) if key.site == Site::IndexerScore && shape[1] > c.shape[1] => {
+                let (old, w) = (std::mem::take(&mut c.data), c.shape[1]);
+                c.data = old
+                    .chunks(w.max(1))
+                    .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0.0, shape[1] - w)))
+                    .chain(data.iter().copied())
+                    .collect();
+                c.shape = [c.shape[0] + shape[0], shape[1]];
+            }
             Some(c) => {
                 c.data.extend_from_slice(data);
                 c.shape[0] += shape[0];

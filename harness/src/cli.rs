@@ -259,6 +259,11 @@ pub struct EngineArgs {
     /// keep their exact values). Engine backends only.
     #[arg(long, value_name = "f32|bf16|f16")]
     pub compute_dtype: Option<engine::ComputeDtype>,
+    /// DSA models (glm-dsa, deepseek32): the engine's indexer stores its q and key cache in fp8
+    /// e4m3 (groups of 128, per-group scale) as vLLM's does, so near-tie key choices may differ
+    /// from the reference's exact scores (judged by the selection margin rule). Engine backends only.
+    #[arg(long)]
+    pub indexer_fp8: bool,
 }
 
 impl EngineArgs {
@@ -296,6 +301,9 @@ impl EngineArgs {
             if !self.inject.is_empty() {
                 anyhow::bail!("--inject needs an engine backend (cpu, cuda): the reference has no faults");
             }
+            if self.indexer_fp8 {
+                anyhow::bail!("--indexer-fp8 applies to the engine backends (cpu, cuda): the reference scores exactly");
+            }
             if self.compute_dtype.is_some_and(|d| d != engine::ComputeDtype::F32) {
                 anyhow::bail!(
                     "--compute-dtype applies to the engine backends (cpu, cuda): the reference computes in f64"
@@ -310,6 +318,7 @@ impl EngineArgs {
             faults: self.inject.clone(),
             backend: kind.unwrap_or_default(),
             compute_dtype: self.compute_dtype.unwrap_or_default(),
+            indexer_fp8: self.indexer_fp8,
             ..engine::EngineOptions::default()
         };
         if backend == BackendArg::Cuda {

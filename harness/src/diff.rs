@@ -427,8 +427,9 @@ impl<'a> Comparator<'a> {
             }
         };
         let n = self.plan.tokens.len();
-        let e = self.eng.get(key).filter(|_| key.rank.is_none())?;
-        if scores.len() != n * n {
+        // A rank's copy is the whole selection (every rank runs the replicated indexer).
+        let e = self.eng.get(key)?;
+        if scores.len() != n * n || e.data.len() != n * top_k {
             return None;
         }
         let rule = Rule::default();
