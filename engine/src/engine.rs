@@ -168,8 +168,8 @@ fn check_tp(c: &ModelConfig, tp: usize) -> Result<(), EngineError> {
     Ok(())
 }
 
-/// Refuses the architectures the TP engine does not run yet (gpt-oss, and the DSA families
-/// deepseek32 and glm-dsa: they are in the reference only), naming what works instead.
+/// Refuses the architectures the TP engine does not run yet (gpt-oss: it is in the reference
+/// only), naming what works instead.
 fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     use references::config::Arch;
     if matches!(
@@ -187,13 +187,8 @@ fn check_arch(c: &ModelConfig) -> Result<(), EngineError> {
     ) {
         return Ok(());
     }
-    let what = if c.indexer.is_some() {
-        " (DSA sparse attention)"
-    } else {
-        ""
-    };
     Err(EngineError::Unsupported(format!(
-        "the TP engine does not run {}{what} yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
+        "the TP engine does not run {} yet; what works: `diff-layers --backend reference`, `diff-layers --candidate DUMP` (your engine's dump), `entropy --server URL`",
         c.arch.name()
     )))
 }

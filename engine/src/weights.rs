@@ -9,7 +9,8 @@
 //! - Row-parallel (rank r holds input columns `r·in/N ..`, output reduced by a sum all-reduce):
 //!   `attn_output` (o_proj) and FFN `down`.
 //! - Replicated (every rank computes the same thing): the norms, MLA `attn_q_a`, `attn_kv_a_mqa`,
-//!   the MoE router `ffn_gate_inp` and its `exp_probs_b` bias.
+//!   the MoE router `ffn_gate_inp` and its `exp_probs_b` bias, and the DSA indexer (`indexer.*`:
+//!   vLLM builds its projections as `ReplicatedLinear`).
 //! - Vocab-parallel: `token_embd` and `output` (lm_head) split by vocab rows, `ceil(V/N)` per rank
 //!   (the last rank may hold fewer). The embedding lookup is masked to the rank's rows and
 //!   all-reduced; the logits are gathered (concatenated) in rank order.
