@@ -60,8 +60,9 @@ impl TypeMix {
 }
 
 /// GLM-5's weights in a mix like unsloth's UD quants: Q4_K embeddings and q projections, Q6_K
-/// output and attn_v_b, Q8_0 for the small latent projections, the shared expert and the indexer,
-/// Q5_K attn_output and expert down, IQ4_XS expert gate/up and dense down, F16 indexer proj.
+/// output and attn_v_b, Q8_0 for the small latent projections, the shared expert and the indexer's
+/// q_b and proj (vLLM expects proj in float: a quantized one must be dequantized at load), Q5_K
+/// attn_output and expert down, IQ4_XS expert gate/up and dense down, F16 indexer attn_k.
 /// Norms, the router, the routing bias and the indexer's k_norm stay F32.
 pub const GLM5_UD_MIX: &[(&str, GgmlType)] = &[
     ("token_embd.weight", GgmlType::Q4K),
@@ -82,8 +83,8 @@ pub const GLM5_UD_MIX: &[(&str, GgmlType)] = &[
     ("ffn_up_shexp.weight", GgmlType::Q8_0),
     ("ffn_down_shexp.weight", GgmlType::Q8_0),
     ("indexer.attn_q_b.weight", GgmlType::Q8_0),
-    ("indexer.attn_k.weight", GgmlType::Q8_0),
-    ("indexer.proj.weight", GgmlType::F16),
+    ("indexer.attn_k.weight", GgmlType::F16),
+    ("indexer.proj.weight", GgmlType::Q8_0),
     ("nextn.eh_proj.weight", GgmlType::Q8_0),
 ];
 
@@ -890,8 +891,8 @@ mod tests {
             ("blk.1.exp_probs_b.bias", F32),
             ("blk.1.attn_q_a_norm.weight", F32),
             ("blk.1.indexer.attn_q_b.weight", Q8_0),
-            ("blk.1.indexer.attn_k.weight", Q8_0),
-            ("blk.1.indexer.proj.weight", F16),
+            ("blk.1.indexer.attn_k.weight", F16),
+            ("blk.1.indexer.proj.weight", Q8_0),
             ("blk.1.indexer.k_norm.weight", F32),
             ("blk.1.indexer.k_norm.bias", F32),
             ("blk.3.nextn.eh_proj.weight", Q8_0),
