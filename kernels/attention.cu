@@ -3,7 +3,8 @@
 // Two NVRTC modules (about equal compile times): LLMDIFF_ATTN_PART 1 builds the per-(token, head)
 // and split entry points, 2 the tiled ones (undefined: all).
 //
-// - `gqa_attention`, `gqa_attention_dpos`, `mla_attention`: one block per (token, query head) of
+// - `gqa_attention`, `gqa_attention_dpos`, `mla_attention`, `mla_attention_sparse` (MLA over each
+//   query's selected keys, DSA): one block per (token, query head) of
 //   256 threads, or 1024 when there are fewer blocks than SMs (decode; see `attn_threads` in
 //   crate::cuda): scores in shared memory, max-subtracted softmax with the sum in f64, then the
 //   weighted sum of V. Serve MLA, and GQA where the split kernel below does not take it (off with
@@ -67,9 +68,13 @@ __device__ __forceinline__ float attn_softmax(float* p, int n_ctx, float mx_loca
     return (float)(1.0 / sum);
 }
 
-// o[i] = inv · Σ_j p[j] · v[j·stride + i] for i < width; `part` is G·width floats of shared memory.
-__device__ __forceinline__ void attn_weighted_sum(const float* p, const float* __restrict__ v, size_t stride,
-                                                  int width, int n_ctx, float inv, float* part, float* o) {
+// o[i] = inv · Σ_j p[j] · v[r_j·stride + i] for i < width, r_j = rows[j] (rows null: r_j = j, the
+// causal forms; the sparse MLA's compacted key list otherwise); `part` is G·width floats of shared
+// memory.
+__device__ __forceinline__ void attn_weighted_sum_rows(const float* p, const int* rows, const float* __restrict__ v,
+                                                       size_t stride, int width, int n_ctx, float inv, float* part,
+                                                       float* o) {
+#define ATTN_ROW(j) ((size_t)(rows ? rows[j] : (j)))
     int G = blockDim.x >= width ? blockDim.x / width : 1;
     for (int t = threadIdx.x; t < G * width; t += blockDim.x) {
         int g = t / width, i = t % width;
@@ -79,17 +84,24 @@ __device__ __forceinline__ void attn_weighted_sum(const float* p, const float* _
         int j = g;
         for (; j + 7 * G < n_ctx; j += 8 * G) {
 #pragma unroll
-            for (int u = 0; u < 8; u++) a[u] = fmaf(p[j + u * G], v[(size_t)(j + u * G) * stride + i], a[u]);
+            for (int u = 0; u < 8; u++) a[u] = fmaf(p[j + u * G], v[ATTN_ROW(j + u * G) * stride + i], a[u]);
         }
-        for (; j < n_ctx; j += G) a[0] = fmaf(p[j], v[(size_t)j * stride + i], a[0]);
+        for (; j < n_ctx; j += G) a[0] = fmaf(p[j], v[ATTN_ROW(j) * stride + i], a[0]);
         part[t] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
     }
+#undef ATTN_ROW
     __syncthreads();
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
         float acc = 0.0f;
         for (int g = 0; g < G; g++) acc += part[g * width + i];
         o[i] = acc * inv;
     }
+}
+
+// attn_weighted_sum_rows over positions 0 .. n_ctx − 1.
+__device__ __forceinline__ void attn_weighted_sum(const float* p, const float* __restrict__ v, size_t stride,
+                                                  int width, int n_ctx, float inv, float* part, float* o) {
+    attn_weighted_sum_rows(p, nullptr, v, stride, width, n_ctx, inv, part, o);
 }
 
 // GQA: q [n, H·hd], k/v [T, KV·hd]; query head h reads kv head h / (H/KV); out [n, H·hd].
@@ -198,6 +210,73 @@ extern "C" __global__ void __launch_bounds__(1024) mla_attention(const float* __
     }
     float inv = attn_softmax(p, n_ctx, mx, red, red64);
     attn_weighted_sum(p, v + (size_t)head * vd, vw, vd, n_ctx, inv, part, out + (size_t)tok * vw + (size_t)head * vd);
+}
+
+// MLA over only the cache rows each query selected (DSA, the indexer's top-k; the CPU engine's
+// dsa::mla_attention_sparse): `mla_attention` with row t's keys listed in keys[t·top_k ..][..top_k]
+// (positions as floats, −1 padding) instead of 0 ..= pos0 + t. The block first compacts the
+// list in order into shared memory (`sel`): an entry is kept where it is ≥ 0 and below `rows`,
+// the rows every cache holds (padding, NaN and a position past the caches are dropped, so no
+// row outside the caches is read), truncated to an integer as the CPU's `as usize`. Then scores,
+// softmax (f64 sum) and the weighted sum over the kept keys, as mla_attention over positions.
+// A row with no key writes zeros (the CPU's empty sum). Dynamic shared memory: (q width +
+// 2·top_k + G·vd) floats: q, the scores, the kept positions (ints), the partial rows.
+extern "C" __global__ void __launch_bounds__(1024) mla_attention_sparse(
+    const float* __restrict__ q, const float* __restrict__ k_nope, const float* __restrict__ k_pe,
+    const float* __restrict__ v, const float* __restrict__ keys, float* __restrict__ out, int top_k, int rows,
+    int n_heads, int nope, int rope, int vd, float scale) {
+    extern __shared__ float mla_sparse_sm[];
+    __shared__ float red[32];
+    __shared__ double red64[32];
+    __shared__ int warp_kept[32];
+    int slot = blockIdx.x, tok = slot / n_heads, head = slot % n_heads;
+    int qw = nope + rope, kw = n_heads * nope, vw = n_heads * vd;
+    float* qs = mla_sparse_sm;
+    float* p = qs + qw;
+    int* sel = (int*)(p + top_k);
+    float* part = (float*)(sel + top_k);
+    for (int i = threadIdx.x; i < qw; i += blockDim.x) qs[i] = q[(size_t)slot * qw + i];
+    // Stable compaction of the key list: per pass of blockDim entries, a ballot per warp, the
+    // warps' counts in order through shared memory.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const float* kr = keys + (size_t)tok * top_k;
+    int n_ctx = 0;
+    for (int j0 = 0; j0 < top_k; j0 += blockDim.x) {
+        int j = j0 + threadIdx.x, pos = -1;
+        if (j < top_k) {
+            float f = kr[j];
+            if (f >= 0.0f && f < (float)rows) pos = (int)f;
+        }
+        unsigned kept = __ballot_sync(0xffffffffu, pos >= 0);
+        if (lane == 0) warp_kept[warp] = __popc(kept);
+        __syncthreads();
+        int at = n_ctx, pass = 0;
+        for (int w = 0; w < n_warps; w++) {
+            int c = warp_kept[w];
+            at += w < warp ? c : 0;
+            pass += c;
+        }
+        if (pos >= 0) sel[at + __popc(kept & ((1u << lane) - 1u))] = pos;
+        n_ctx += pass;
+        __syncthreads();  // sel and qs complete; warp_kept free for the next pass
+    }
+    float* o = out + (size_t)tok * vw + (size_t)head * vd;
+    if (n_ctx == 0) {  // block-uniform
+        for (int i = threadIdx.x; i < vd; i += blockDim.x) o[i] = 0.0f;
+        return;
+    }
+    bool vec_n = (nope % 4 == 0) && (kw % 4 == 0), vec_r = rope % 4 == 0;
+    float mx = -__int_as_float(0x7f800000);
+    for (int j = threadIdx.x; j < n_ctx; j += blockDim.x) {
+        size_t key = (size_t)sel[j];
+        float a = attn_dot(qs, k_nope + key * kw + (size_t)head * nope, nope, vec_n);
+        float b = attn_dot(qs + nope, k_pe + key * rope, rope, vec_r);
+        float s = (a + b) * scale;
+        p[j] = s;
+        mx = fmaxf(mx, s);
+    }
+    float inv = attn_softmax(p, n_ctx, mx, red, red64);
+    attn_weighted_sum_rows(p, sel, v + (size_t)head * vd, vw, vd, n_ctx, inv, part, o);
 }
 #endif
 

@@ -15,10 +15,12 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelId {
     /// RMSNorm, RoPE, SwiGLU, GeGLU, soft-cap, scale, bias add, all-reduce sum, the data movement
-    /// of device-resident activations, and the integer GEMV's x pre-pass (`kernels/ops.cu`).
+    /// of device-resident activations, and the integer GEMV's x pre-pass (`kernels/ops.cu`); the
+    /// DSA indexer's LayerNorm, scores and fp8 group rounding (`kernels/dsa.cu`).
     Ops,
-    /// GQA and MLA attention over a KV cache per (token, head), and GQA decode split over the
-    /// context (`kernels/attention.cu` with `LLMDIFF_ATTN_PART` 1).
+    /// GQA and MLA attention over a KV cache per (token, head), MLA over each query's selected
+    /// keys (DSA), and GQA decode split over the context (`kernels/attention.cu` with
+    /// `LLMDIFF_ATTN_PART` 1).
     Attention,
     /// GQA prefill attention, tiled on CUDA cores and on tensor cores (`kernels/attention.cu` with
     /// `LLMDIFF_ATTN_PART` 2).
@@ -107,7 +109,10 @@ impl KernelId {
                 ("gemv.cu", include_str!("../../kernels/gemv.cu")),
                 ("gemv_rows.cu", include_str!("../../kernels/gemv_rows.cu")),
             ],
-            KernelId::Ops => &[("ops.cu", include_str!("../../kernels/ops.cu"))],
+            KernelId::Ops => &[
+                ("ops.cu", include_str!("../../kernels/ops.cu")),
+                ("dsa.cu", include_str!("../../kernels/dsa.cu")),
+            ],
             KernelId::Attention | KernelId::AttentionTiled => {
                 &[("attention.cu", include_str!("../../kernels/attention.cu"))]
             }
@@ -194,6 +199,9 @@ impl KernelId {
                 "nop",
                 "moe_route",
                 "gemv_x_limbs",
+                "layer_norm",
+                "index_scores",
+                "fp8_groups",
             ]
             .map(String::from)
             .to_vec(),
@@ -202,6 +210,7 @@ impl KernelId {
                 "gqa_attention_dpos",
                 "gqa_attention_masked",
                 "mla_attention",
+                "mla_attention_sparse",
                 "gqa_split_128",
                 "gqa_split_128_dpos",
                 "gqa_split_256",
@@ -650,7 +659,7 @@ mod tests {
         }
         assert_eq!(
             seen.len(),
-            14 * 3 + GEMV_VARIANTS.len() + 22 + 1 + 12 + 5 + 5 * 2 + 4 + 3 + 1
+            14 * 3 + GEMV_VARIANTS.len() + 22 + 1 + 3 + 12 + 1 + 5 + 5 * 2 + 4 + 3 + 1
         );
     }
 

@@ -192,7 +192,7 @@ impl CudaBackend {
     /// windowed and soft-capped attention), GQA and MLA attention in prefill and decode (GQA prefill in both kernels:
     /// per (token, head) and tiled, `ATTN_GQA_TILED` cases), the all-reduce, and the data
     /// movement ops (fill, column copy, residual add with and without f16 rounding, KV-cache
-    /// writes, row gather and scaled scatter-add).
+    /// writes, row gather and scaled scatter-add), and the DSA ops (`dsa.rs`).
     pub fn self_check(&self) -> Vec<KernelCheck> {
         Self::CHECKS.iter().flat_map(|(_, cases)| cases(self)).collect()
     }
@@ -214,7 +214,7 @@ impl CudaBackend {
     /// The check families in the order `self_check` runs them: (op, cases). Each case runs the
     /// GPU kernel and the CPU engine's on the same inputs and names itself by its parameters.
     #[allow(clippy::type_complexity)]
-    const CHECKS: [(&'static str, fn(&CudaBackend) -> Vec<KernelCheck>); 24] = [
+    const CHECKS: [(&'static str, fn(&CudaBackend) -> Vec<KernelCheck>); 28] = [
         ("MUL_MAT", CudaBackend::check_mul_mat_get_rows),
         ("GEMV", CudaBackend::check_gemv_xs),
         ("GEMV", CudaBackend::check_gemv_rows),
@@ -239,6 +239,10 @@ impl CudaBackend {
         ("ATTN_GQA_TILED", CudaBackend::attn_tiled_checks),
         ("ATTN_GQA_SPLIT", CudaBackend::attn_split_checks),
         ("DECODE_GRAPH", CudaBackend::check_decode_graph_cases),
+        ("ATTN_MLA_SPARSE", CudaBackend::check_mla_sparse),
+        ("LAYER_NORM", CudaBackend::check_layer_norm),
+        ("INDEX_SCORES", CudaBackend::check_index_scores),
+        ("FP8_GROUPS", CudaBackend::check_fp8_groups),
     ];
 
     /// Matmul/matvec and the embedding gather for every GPU weight type (`MUL_MAT` cases).

@@ -213,10 +213,14 @@ impl CudaBackend {
                 let func = module
                     .load_function(&f)
                     .map_err(drv(&format!("kernel {f} in {}", id.file())))?;
-                // Dynamic shared memory: the whole opt-in limit for the kernels that stage in it.
-                let smem =
-                    (f.starts_with("gqa_attn_tiled_") || f.starts_with("gqa_attn_tc_") || f.starts_with("gemm2_q"))
-                        .then_some(smem_max);
+                // Dynamic shared memory: the whole opt-in limit for the kernels that stage in it
+                // (the DSA kernels only past 48 KB: top_k over ~5000, or indexer q rows over 46 KB).
+                let smem = (f.starts_with("gqa_attn_tiled_")
+                    || f.starts_with("gqa_attn_tc_")
+                    || f.starts_with("gemm2_q")
+                    || f == "mla_attention_sparse"
+                    || f == "index_scores")
+                    .then_some(smem_max);
                 if let Some(bytes) = smem {
                     // Static shared memory (the kernel trace's word, where compiled in) counts
                     // against the same limit.

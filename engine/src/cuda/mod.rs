@@ -5,8 +5,9 @@
 //!
 //! Files: `mod.rs` (this: the backend, its start-up, launches and the [`Backend`] ops), `gemv.rs`
 //! (device weights and repacking, GEMV variant choice and launches), `gemm.rs` (the prefill GEMM),
-//! `attn.rs` (tiled prefill and split decode attention), `ops.rs` (norm, RoPE, KV-cache, routing
-//! and gather helpers), `buffers.rs` (buffer accessors, pooled allocation, staged downloads),
+//! `attn.rs` (tiled prefill and split decode attention), `dsa.rs` (DSA: the sparse MLA attention
+//! and the lightning indexer's LayerNorm, scores and fp8 rounding), `ops.rs` (norm, RoPE, KV-cache,
+//! routing and gather helpers), `buffers.rs` (buffer accessors, pooled allocation, staged downloads),
 //! `graph.rs` (decode graphs), `compile.rs` (NVRTC, in parallel, and the on-disk module cache),
 //! `nccl.rs` (real ranks), `trace.rs` (the kernel trace), `check.rs`,
 //! `check_gemv.rs` (`kernels --check`) and `bench.rs` (`kernels --bench`).
@@ -35,7 +36,8 @@
 //!   or run of chunks on long contexts, and KV head, the last block of a KV head combining the
 //!   splits in a fixed order and writing
 //!   the row's limbs for the o-projection; `LLMDIFF_CUDA_DISABLE=attn-split` turns it off);
-//!   MLA and the shapes neither takes keep a block per (token, head).
+//!   MLA and the shapes neither takes keep a block per (token, head). DSA's sparse MLA attention
+//!   is that MLA kernel over each query's listed keys (`mla_attention_sparse`; `dsa.rs`).
 //! - Activations, custom-op output buffers and the KV cache are device buffers ([`DevBuf`] inside
 //!   a [`Buf`]); nothing crosses to the host between ops. Host traffic per step: the token ids
 //!   (a prefill's row ids; a decode step's token as a kernel argument, or with its position in
@@ -92,6 +94,7 @@ mod buffers;
 mod check;
 mod check_gemv;
 mod compile;
+mod dsa;
 mod gemm;
 mod gemv;
 mod graph;
@@ -989,6 +992,32 @@ impl Backend for CudaBackend {
         };
         // SAFETY: matches mla_attention in kernels/attention.cu.
         ok(unsafe { b.launch(cfg) });
+    }
+
+    fn mla_attention_sparse(
+        &self,
+        q: &Buf,
+        k_nope: &Buf,
+        k_pe: &Buf,
+        v: &Buf,
+        shape: MlaShape,
+        keys: &Buf,
+        top_k: usize,
+        out: &mut Buf,
+    ) {
+        self.dsa_mla_sparse(q, k_nope, k_pe, v, shape, keys, top_k, out)
+    }
+
+    fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf) {
+        self.dsa_layer_norm(x, weight, bias, eps, out)
+    }
+
+    fn index_scores(&self, q: &Buf, k: &Buf, w: &Buf, pos0: usize, shape: crate::dsa::IndexShape, out: &mut Buf) {
+        self.dsa_index_scores(q, k, w, pos0, shape, out)
+    }
+
+    fn fp8_groups(&self, x: &mut Buf, width: usize) {
+        self.dsa_fp8_groups(x, width)
     }
 
     fn all_reduce(&self, partials: &[&Buf]) -> Vec<Buf> {

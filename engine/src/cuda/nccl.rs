@@ -26,6 +26,7 @@
 use super::CudaBackend;
 use crate::backend::{current_rank, Backend, Buf, CommClock, CommStats};
 use crate::cpu_ops::{GqaShape, MlaShape, QkRope, RopeFreqs, RopeLayout, RopeStyle, WeightRef};
+use crate::dsa::IndexShape;
 use crate::moe_route::Route;
 use crate::options::{ComputeDtype, CudaOptions, RankMode};
 use crate::EngineError;
@@ -202,6 +203,10 @@ impl Backend for NcclBackend {
         fn softcap(&self, x: &mut Buf, cap: f32);
         fn gqa_attention(&self, q: &Buf, k: &Buf, v: &Buf, pos0: usize, shape: GqaShape, out: &mut Buf);
         fn mla_attention(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, pos0: usize, shape: MlaShape, out: &mut Buf);
+        fn mla_attention_sparse(&self, q: &Buf, k_nope: &Buf, k_pe: &Buf, v: &Buf, shape: MlaShape, keys: &Buf, top_k: usize, out: &mut Buf);
+        fn layer_norm(&self, x: &Buf, weight: &[f32], bias: &[f32], eps: f32, out: &mut Buf);
+        fn index_scores(&self, q: &Buf, k: &Buf, w: &Buf, pos0: usize, shape: IndexShape, out: &mut Buf);
+        fn fp8_groups(&self, x: &mut Buf, width: usize);
         fn embed_rows(&self, w: WeightRef<'_>, rows: &[Option<usize>], out: &mut Buf);
         fn embed_token(&self, w: WeightRef<'_>, token: u32, vocab_start: usize, out: &mut Buf);
     }
