@@ -132,7 +132,7 @@ __device__ __forceinline__ float round_fp8_e4m3(float x) {
     const float a = fminf(fabsf(x), 448.0f);
     const int e = max((int)((__float_as_uint(a) >> 23) & 0xffu) - 127, -6);
     const float quantum = __int_as_float((e - 3 + 127) << 23);  // 2^(e − 3), a normal float
-    const float r = fminf(__fmul_rn(roundf(__fdiv_rn(a, quantum)), quantum), 448.0f);
+    const float r = fminf(__fmul_rn(rintf(__fdiv_rn(a, quantum)), quantum), 448.0f);
     return copysignf(r, x);
 }
 

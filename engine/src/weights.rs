@@ -293,7 +293,8 @@ pub fn vocab_range(vocab: usize, tp: usize, rank_idx: usize) -> Range<usize> {
     (rank_idx * per).min(vocab)..((rank_idx + 1) * per).min(vocab)
 }
 
-/// Rounds to the nearest FP8 E4M3 value (3 mantissa bits, max 448), as a router stored in FP8.
+/// Rounds to the nearest FP8 E4M3 value (3 mantissa bits, max 448; ties to even, as torch's and
+/// CUDA's conversions round), as a router stored in FP8.
 pub fn round_fp8_e4m3(x: f32) -> f32 {
     if x == 0.0 || !x.is_finite() {
         return x;
@@ -301,7 +302,7 @@ pub fn round_fp8_e4m3(x: f32) -> f32 {
     let a = x.abs().min(448.0);
     let e = a.log2().floor().max(-6.0);
     let quantum = (e - 3.0).exp2();
-    ((a / quantum).round() * quantum).min(448.0).copysign(x)
+    ((a / quantum).round_ties_even() * quantum).min(448.0).copysign(x)
 }
 
 /// Replicated tensors by (name, faulty-Q4_K decode).

@@ -432,8 +432,7 @@ impl CudaBackend {
                     x[384 + 7] = f32::NAN;
                     x[512 + 9] = -0.0;
                     x[512 + 10] = 448.0;
-                    // Scale 1: a tie (17 between 16 and 18; weights::round_fp8_e4m3 rounds it
-                    // away from zero) and a plain value.
+                    // Scale 1: a tie (17 between 16 and 18: to even, 16) and a plain value.
                     x[512 + 11] = -17.0;
                     x[512 + 12] = 0.3;
                 }

@@ -91,7 +91,8 @@ fn flatten_scores(scores: &[Vec<f64>], n: usize) -> Vec<f32> {
     flat
 }
 
-/// Rounds to fp8 e4m3 (3 mantissa bits, subnormals below 2⁻⁶, saturating at ±448).
+/// Rounds to fp8 e4m3 (3 mantissa bits, subnormals below 2⁻⁶, saturating at ±448; ties to even,
+/// as torch's and CUDA's conversions round).
 pub fn round_e4m3(x: f64) -> f64 {
     if x == 0.0 || !x.is_finite() {
         return x;
@@ -99,7 +100,7 @@ pub fn round_e4m3(x: f64) -> f64 {
     let a = x.abs().min(448.0);
     let e = a.log2().floor().max(-6.0);
     let step = 2f64.powf(e - 3.0);
-    ((a / step).round() * step).min(448.0).copysign(x)
+    ((a / step).round_ties_even() * step).min(448.0).copysign(x)
 }
 
 /// Quantizes `row` to fp8 e4m3 in groups of 128 with a per-group scale amax/448, as vLLM stores
