@@ -108,7 +108,7 @@ fn glm5_mini_runs_on_the_reference_whole_and_split() {
         .collect();
     assert_eq!(topk.len(), 3);
     assert_eq!(topk[0].shape, [24, 16]);
-    assert!(topk[0].data.iter().all(|&x| x >= -1.0 && x < 24.0));
+    assert!(topk[0].data.iter().all(|x| (-1.0..24.0).contains(x)));
     assert_ne!(topk[0].data, topk[1].data, "layers 0 and 1 have their own indexers");
     assert_eq!(topk[1].data, topk[2].data, "layer 2 reuses layer 1's selection");
 }
