@@ -282,12 +282,7 @@ fn check_fault(
         Fault::MoeGateRounded if !layers.iter().any(|&layer_idx| c.is_moe_layer(layer_idx)) => {
             refuse("needs an MoE layer in its scope".into())
         }
-        Fault::IndexerRawQuant
-        | Fault::IndexerWrongDtype
-        | Fault::IndexerTopkDrift
-        | Fault::IndexerRopeDrift
-        | Fault::IndexerWrongLayer
-        | Fault::IndexerStaleCache => check_indexer_fault(spec, file, c, &layers).map_or(Ok(()), refuse),
+        f if f.is_indexer() => check_indexer_fault(spec, file, c, &layers).map_or(Ok(()), refuse),
         Fault::DequantQ4kScaleMin => {
             let in_scope = |name: &str| match spec.layer {
                 Some(layer_idx) => name.starts_with(&format!("blk.{layer_idx}.")),
@@ -351,6 +346,25 @@ fn check_indexer_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, layer
         }
         _ => None,
     }
+}
+
+/// Refuses the faults of `opts` that do not apply to `file` (what [`Engine::load`] checks before
+/// it reads a weight), without loading anything: a caller can say so before other work starts.
+pub fn check_faults(file: &GgufFile, opts: &EngineOptions) -> Result<(), EngineError> {
+    let mut config = ModelConfig::from_header(&file.header)?;
+    // The layers the engine would run (Engine::load refuses bad counts and ranges itself).
+    let n = match (&opts.n_layers, &opts.layers) {
+        (Some(n), _) => *n,
+        (None, Some(r)) => r.end,
+        (None, None) => config.n_layers,
+    };
+    if (1..=config.n_layers).contains(&n) {
+        config.n_layers = n;
+    }
+    for spec in &opts.faults {
+        check_fault(spec, file, &config, opts.tp, opts.compute_dtype)?;
+    }
+    Ok(())
 }
 
 impl Engine {

@@ -100,6 +100,19 @@ impl Fault {
         }
     }
 
+    /// True for the faults of the DSA lightning indexer (glm-dsa, deepseek32 only).
+    pub fn is_indexer(self) -> bool {
+        matches!(
+            self,
+            Fault::IndexerRawQuant
+                | Fault::IndexerWrongDtype
+                | Fault::IndexerTopkDrift
+                | Fault::IndexerRopeDrift
+                | Fault::IndexerWrongLayer
+                | Fault::IndexerStaleCache
+        )
+    }
+
     pub fn from_name(name: &str) -> Option<Fault> {
         Fault::ALL.into_iter().find(|f| f.name() == name)
     }

@@ -759,6 +759,8 @@ pub fn run_diff_range(plan: &DiffPlan, range: &LayerRange) -> anyhow::Result<Dif
 
 fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerRange>) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
+    // A fault that does not apply is refused before the reference runs.
+    engine::check_faults(engine_file, &plan.engine)?;
     let reference = truncated_reference(plan, range)?;
     if range.is_some() && plan.decode_steps > 0 {
         bail!("--decode-steps with --layers is not supported: the range's K/V cache would need the prefill from its first layer; diff the prefill");
