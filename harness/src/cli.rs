@@ -23,7 +23,7 @@ pub struct Cli {
 pub enum Command {
     /// Show a GGUF file's metadata, tensor table and parsed model config.
     Inspect(InspectArgs),
-    /// Write a deterministic random-weight GGUF model (llama or deepseek2) from a preset or dims.
+    /// Write a deterministic random-weight GGUF model (llama, deepseek2, glm-dsa, qwen3, qwen3moe) from a preset or dims.
     #[command(after_help = "Examples:\n  llmdiff synth --preset smollm2-135m -o smol.gguf\n\n  \
         # the 8B shape of the GPU benchmarks (4.07 GB):\n  \
         llmdiff synth --arch llama --n-layers 32 --d-model 4096 --n-heads 32 --n-kv-heads 8 \\\n      \
@@ -131,6 +131,11 @@ pub struct SynthArgs {
     /// .. (gguf-split's names and keys); open the first.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub split_max_tensors: Option<u64>,
+    /// Write a split model, at most SIZE bytes of tensor data a file (a tensor larger than that
+    /// gets a file of its own): a byte count or with K, M or G (10³, 10⁶, 10⁹, as gguf-split
+    /// reads it), e.g. 4G; the files are named as for --split-max-tensors.
+    #[arg(long, value_name = "SIZE", conflicts_with = "split_max_tensors")]
+    pub split_max_size: Option<String>,
     #[command(flatten)]
     pub dims: DimArgs,
     /// Print the result as JSON on stdout (logs stay on stderr).

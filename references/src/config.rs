@@ -211,6 +211,9 @@ pub struct ModelConfig {
     pub family: FamilyExtras,
     /// The DSA indexer (deepseek32, glm-dsa); `None` for the other families.
     pub indexer: Option<IndexerConfig>,
+    /// MTP/nextn blocks the file appends after the `n_layers` model layers
+    /// (`nextn_predict_layers`): a speculative-decoding head, never run.
+    pub nextn_layers: usize,
 }
 
 struct Meta<'a> {
@@ -494,6 +497,7 @@ impl ModelConfig {
             rope_scaling,
             family,
             indexer,
+            nextn_layers: nextn,
         })
     }
 

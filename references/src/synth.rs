@@ -1,13 +1,15 @@
-//! Deterministic random-weight GGUF models (`llmdiff synth`), for llama, deepseek2, qwen3 and
-//! qwen3moe in the llama.cpp tensor layout (deepseek2 with the attn_k_b/attn_v_b split; qwen3 with
-//! its per-head q/k norms; qwen3moe's metadata only the keys its allowlist takes), in any
-//! supported type.
+//! Deterministic random-weight GGUF models (`llmdiff synth`), for llama, deepseek2, glm-dsa,
+//! qwen3 and qwen3moe in the llama.cpp tensor layout (deepseek2 and glm-dsa with the
+//! attn_k_b/attn_v_b split; glm-dsa with the DSA indexer on its `full` layers and the MTP/nextn
+//! block the converter appends; qwen3 with its per-head q/k norms; qwen3moe's metadata only the
+//! keys its allowlist takes), in any supported type or a preset's per-tensor mix ([`TypeMix`]).
 //!
 //! Every tensor's values come from its own RNG stream, seeded by (seed, tensor name, chunk), so
-//! the bytes do not depend on thread count or tensor order. Weights are scaled to keep activations
-//! near unit variance and the logits peaked (std ≈ 4), so outputs are not flat.
+//! the bytes do not depend on thread count or tensor order; a tensor is generated and written a
+//! group of chunks at a time, so memory stays bounded whatever its size. Weights are scaled to
+//! keep activations near unit variance and the logits peaked (std ≈ 4), so outputs are not flat.
 
-use crate::config::{Arch, Gating, MlaConfig, ModelConfig, MoeConfig};
+use crate::config::{Arch, Gating, IndexerConfig, MlaConfig, ModelConfig, MoeConfig};
 use crate::ggml_type::GgmlType;
 use crate::gguf::{value_type, MetaValue};
 use crate::quant::{quantize, QuantError};
@@ -24,11 +26,66 @@ pub struct SynthSpec {
     pub weight_type: GgmlType,
     /// Type of token_embd.
     pub embd_type: GgmlType,
+    /// A per-tensor type mix over `weight_type` (the field is named for the first kind, the
+    /// `_K_M` mixes): see [`TypeMix`]. None: every weight is `weight_type` (token_embd
+    /// `embd_type`); `synth --quant` sets it so.
+    pub more_bits: Option<TypeMix>,
+}
+
+/// Per-tensor weight types beyond a spec's `weight_type`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum TypeMix {
     /// llama.cpp's `_K_M` mixes (`--quant Q4_K_M`, `Q5_K_M`): this type (Q6_K) for the output
     /// matrix (token_embd when tied), and for attn_v and ffn_down in the layers
-    /// [`use_more_bits`] picks; None: every weight is `weight_type`.
-    pub more_bits: Option<GgmlType>,
+    /// [`use_more_bits`] picks.
+    KM(GgmlType),
+    /// A preset's rule table, like unsloth's UD quants: `(name, type)`, the name without its
+    /// `blk.N.` prefix (`attn_v_b.weight`, `indexer.proj.weight`, `token_embd.weight`); the
+    /// first rule naming a tensor gives its type, a tensor no rule names keeps the default.
+    /// A type whose blocks do not fit the rows falls back as llama.cpp's quantizer does.
+    Rules(&'static [(&'static str, GgmlType)]),
 }
+
+impl TypeMix {
+    /// The rule table's type for tensor `name` (None for `KM` and for names it does not list).
+    pub fn rule_for(&self, name: &str) -> Option<GgmlType> {
+        let TypeMix::Rules(rules) = self else { return None };
+        let tail = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .filter(|(idx, _)| idx.parse::<usize>().is_ok())
+            .map_or(name, |(_, t)| t);
+        rules.iter().find(|(n, _)| *n == tail).map(|(_, t)| *t)
+    }
+}
+
+/// GLM-5's weights in a mix like unsloth's UD quants: Q4_K embeddings and q projections, Q6_K
+/// output and attn_v_b, Q8_0 for the small latent projections, the shared expert and the indexer,
+/// Q5_K attn_output and expert down, IQ4_XS expert gate/up and dense down, F16 indexer proj.
+/// Norms, the router, the routing bias and the indexer's k_norm stay F32.
+pub const GLM5_UD_MIX: &[(&str, GgmlType)] = &[
+    ("token_embd.weight", GgmlType::Q4K),
+    ("output.weight", GgmlType::Q6K),
+    ("attn_q_a.weight", GgmlType::Q4K),
+    ("attn_q_b.weight", GgmlType::Q4K),
+    ("attn_kv_a_mqa.weight", GgmlType::Q8_0),
+    ("attn_k_b.weight", GgmlType::Q8_0),
+    ("attn_v_b.weight", GgmlType::Q6K),
+    ("attn_output.weight", GgmlType::Q5K),
+    ("ffn_gate.weight", GgmlType::Q4K),
+    ("ffn_up.weight", GgmlType::Q4K),
+    ("ffn_down.weight", GgmlType::IQ4XS),
+    ("ffn_gate_exps.weight", GgmlType::IQ4XS),
+    ("ffn_up_exps.weight", GgmlType::IQ4XS),
+    ("ffn_down_exps.weight", GgmlType::Q5K),
+    ("ffn_gate_shexp.weight", GgmlType::Q8_0),
+    ("ffn_up_shexp.weight", GgmlType::Q8_0),
+    ("ffn_down_shexp.weight", GgmlType::Q8_0),
+    ("indexer.attn_q_b.weight", GgmlType::Q8_0),
+    ("indexer.attn_k.weight", GgmlType::Q8_0),
+    ("indexer.proj.weight", GgmlType::F16),
+    ("nextn.eh_proj.weight", GgmlType::Q8_0),
+];
 
 /// The `_K_M` mix names `synth --quant` takes beyond the plain types: (name, weight type), the
 /// promoted tensors in Q6_K (see [`SynthSpec::more_bits`]).
@@ -46,7 +103,8 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("llama-tiny", "llama, 2 layers, d 256, 8/4 heads, vocab 512, Q8_0 (about 1.5 MB)"),
     ("smollm2-135m", "SmolLM2-135M's exact shapes and types: 30 layers, d 576, 9/3 heads, vocab 49152, Q4_1 + Q8_0 embd"),
     ("deepseek-v3-mini", "deepseek2 MLA + MoE: 3 layers (1 dense), 8 heads, 8 experts in 4 groups, shared expert, sigmoid"),
-    ("glm5-mini", "the seed story's shape: 64 heads, qk_nope 192, rope 64, v 256, kv_lora 512 (kv_b [28672, 512]), 2 layers, 4 experts"),
+    ("glm5-mini", "glm-dsa (GLM-5): 64 heads, qk_nope 192, rope 64, v 256, kv_lora 512 (kv_b [28672, 512]), d 512, 3 layers (1 dense) + MTP block, 8 experts, DSA indexer 32x128 with top_k 16 (GLM-5: 2048; prompts over 16 tokens exercise the selection), UD-style quant mix"),
+    ("glm5-1layer", "glm-dsa at GLM-5's full width for cost measurements: d 6144, 64 heads, q_lora 2048, one MoE layer of 256 experts (top 8, ffn 2048), indexer 32x128 top_k 2048, vocab 32000, UD-style mix (about 6 GB)"),
     ("qwen3-mini", "qwen3 (q/k RMSNorm, NeoX RoPE): 4 layers, d 512, 8/4 heads of 64, ffn 1024, vocab 1024, Q8_0"),
     ("qwen3moe-mini", "qwen3moe: as qwen3-mini with 8 softmax-routed experts (top 2, renormalised) of ffn 256 in every layer"),
 ];
@@ -81,6 +139,7 @@ fn qwen3(
         rope_scaling: Default::default(),
         family: Default::default(),
         indexer: None,
+        nextn_layers: 0,
     }
 }
 
@@ -105,6 +164,7 @@ fn llama(name: &str, n_layers: usize, d: usize, heads: usize, kv: usize, ffn: us
         rope_scaling: Default::default(),
         family: Default::default(),
         indexer: None,
+        nextn_layers: 0,
     }
 }
 
@@ -144,21 +204,14 @@ pub fn preset(name: &str) -> Option<SynthSpec> {
             GgmlType::Q8_0,
         ),
         "glm5-mini" => (
-            deepseek2(
-                2,
+            glm_dsa(
+                3,
                 512,
-                64,
                 1024,
                 512,
-                MlaConfig {
-                    q_lora_rank: Some(256),
-                    kv_lora_rank: 512,
-                    qk_nope: 192,
-                    qk_rope: 64,
-                    v_head_dim: 256,
-                },
+                Some(256),
                 MoeConfig {
-                    n_experts: 4,
+                    n_experts: 8,
                     n_used: 2,
                     n_shared: 1,
                     expert_ffn: 256,
@@ -166,9 +219,36 @@ pub fn preset(name: &str) -> Option<SynthSpec> {
                     weights_scale: 2.5,
                     weights_norm: true,
                     gating: Gating::Sigmoid,
-                    n_groups: 2,
+                    n_groups: 4,
+                    n_groups_used: 2,
+                },
+                (16, vec![true, true, false]),
+                1,
+            ),
+            GgmlType::Q8_0,
+            GgmlType::Q8_0,
+        ),
+        "glm5-1layer" => (
+            glm_dsa(
+                1,
+                6144,
+                12288,
+                32000,
+                Some(2048),
+                MoeConfig {
+                    n_experts: 256,
+                    n_used: 8,
+                    n_shared: 1,
+                    expert_ffn: 2048,
+                    n_dense_lead: 0,
+                    weights_scale: 2.5,
+                    weights_norm: true,
+                    gating: Gating::Sigmoid,
+                    n_groups: 1,
                     n_groups_used: 1,
                 },
+                (2048, vec![true]),
+                0,
             ),
             GgmlType::Q8_0,
             GgmlType::Q8_0,
@@ -200,13 +280,55 @@ pub fn preset(name: &str) -> Option<SynthSpec> {
         ),
         _ => return None,
     };
+    // The GLM-5 presets carry a UD-style per-tensor mix; `synth --quant` replaces it.
+    let more_bits = match name {
+        "glm5-mini" | "glm5-1layer" => Some(TypeMix::Rules(GLM5_UD_MIX)),
+        _ => None,
+    };
     Some(SynthSpec {
         name: name.to_string(),
         config,
         weight_type,
         embd_type,
-        more_bits: None,
+        more_bits,
     })
+}
+
+/// A glm-dsa (GLM-5, HF `GlmMoeDsa`) config with GLM-5's attention: 64 heads, MLA with kv_lora
+/// 512, qk_nope 192, rope 64, v 256 (q_lora as given), rms eps 1e-5, and its DSA indexer of 32
+/// heads of 128 with `(top_k, per-layer full/shared)`; `nextn` MTP blocks follow the layers.
+#[allow(clippy::too_many_arguments)]
+fn glm_dsa(
+    n_layers: usize,
+    d: usize,
+    ffn: usize,
+    vocab: usize,
+    q_lora_rank: Option<usize>,
+    moe: MoeConfig,
+    (top_k, full): (usize, Vec<bool>),
+    nextn: usize,
+) -> ModelConfig {
+    let mla = MlaConfig {
+        q_lora_rank,
+        kv_lora_rank: 512,
+        qk_nope: 192,
+        qk_rope: 64,
+        v_head_dim: 256,
+    };
+    ModelConfig {
+        arch: Arch::GlmDsa,
+        rms_eps: 1e-5,
+        indexer: Some(IndexerConfig {
+            n_heads: 32,
+            head_dim: 128,
+            top_k,
+            full,
+            rope_neox: false,
+            k_norm_eps: 1e-6,
+        }),
+        nextn_layers: nextn,
+        ..deepseek2(n_layers, d, 64, ffn, vocab, mla, moe)
+    }
 }
 
 /// A deepseek2 config in the llama.cpp MLA layout (head_count_kv = 1).
@@ -239,6 +361,7 @@ pub fn deepseek2(
         rope_scaling: Default::default(),
         family: Default::default(),
         indexer: None,
+        nextn_layers: 0,
     }
 }
 
@@ -270,7 +393,9 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
     let c = &spec.config;
     let (d, vocab) = (c.d_model as u64, c.vocab as u64);
     let mut out = Vec::new();
+    let mix = spec.more_bits;
     let mut push = |name: String, ty: GgmlType, ne: &[u64], init: Init| {
+        let ty = mix.and_then(|m| m.rule_for(&name)).unwrap_or(ty);
         let ty = if ty == GgmlType::F32 { ty } else { pick_type(ty, ne[0]) };
         out.push(Planned {
             spec: TensorSpec::new(name, ty, ne),
@@ -278,17 +403,22 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
         });
     };
     let w = spec.weight_type;
-    let tied_more = spec.more_bits.filter(|_| c.tied_embeddings);
+    let more_bits = match spec.more_bits {
+        Some(TypeMix::KM(t)) => Some(t),
+        _ => None,
+    };
+    let tied_more = more_bits.filter(|_| c.tied_embeddings);
     push(
         "token_embd.weight".into(),
         tied_more.unwrap_or(spec.embd_type),
         &[d, vocab],
         Init::Normal(1.0),
     );
-    for l in 0..c.n_layers {
+    // The MTP/nextn blocks follow the model's layers: each a full MoE layer plus its nextn tensors.
+    for l in 0..c.n_layers + c.nextn_layers {
         let b = |s: &str| format!("blk.{l}.{s}.weight");
         // attn_v and ffn_down (dense, expert and shared) of the layers a `_K_M` mix promotes.
-        let wm = spec.more_bits.filter(|_| use_more_bits(l, c.n_layers)).unwrap_or(w);
+        let wm = more_bits.filter(|_| use_more_bits(l, c.n_layers)).unwrap_or(w);
         push(b("attn_norm"), GgmlType::F32, &[d], Init::Norm);
         match &c.mla {
             None => {
@@ -330,6 +460,22 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
                 );
                 push(b("attn_v_b"), w, &[kvl, v, h], Init::Linear(1.0));
                 push(b("attn_output"), w, &[h * v, d], Init::Linear(1.0));
+                // The DSA indexer: on `full` layers (and the MTP block); `shared` ones carry none.
+                if let (Some(ix), Some(ql)) = (&c.indexer, m.q_lora_rank) {
+                    if l >= c.n_layers || ix.full.get(l).copied().unwrap_or(true) {
+                        let (ih, id) = (ix.n_heads as u64, ix.head_dim as u64);
+                        push(b("indexer.k_norm"), GgmlType::F32, &[id], Init::Norm);
+                        push(
+                            format!("blk.{l}.indexer.k_norm.bias"),
+                            GgmlType::F32,
+                            &[id],
+                            Init::Normal(0.05),
+                        );
+                        push(b("indexer.proj"), w, &[d, ih], Init::Linear(1.0));
+                        push(b("indexer.attn_k"), w, &[d, id], Init::Linear(1.0));
+                        push(b("indexer.attn_q_b"), w, &[ql as u64, ih * id], Init::Linear(1.0));
+                    }
+                }
             }
         }
         push(b("ffn_norm"), GgmlType::F32, &[d], Init::Norm);
@@ -362,12 +508,21 @@ fn plan(spec: &SynthSpec) -> Vec<Planned> {
                 push(b("ffn_down"), wm, &[f, d], Init::Linear(1.0));
             }
         }
+        if l >= c.n_layers {
+            // The nextn tensors llama.cpp's converter writes for GLM's MTP block (the checkpoint
+            // shares the trunk's embeddings and lm_head, so no nextn.embed_tokens or
+            // nextn.shared_head_head).
+            push(b("nextn.eh_proj"), w, &[2 * d, d], Init::Linear(1.0));
+            push(b("nextn.enorm"), GgmlType::F32, &[d], Init::Norm);
+            push(b("nextn.hnorm"), GgmlType::F32, &[d], Init::Norm);
+            push(b("nextn.shared_head_norm"), GgmlType::F32, &[d], Init::Norm);
+        }
     }
     push("output_norm.weight".into(), GgmlType::F32, &[d], Init::Norm);
     if !c.tied_embeddings {
         push(
             "output.weight".into(),
-            spec.more_bits.unwrap_or(w),
+            more_bits.unwrap_or(w),
             &[d, vocab],
             Init::Linear(4.0),
         );
@@ -384,7 +539,7 @@ pub fn metadata(spec: &SynthSpec) -> Vec<(String, MetaValue)> {
         meta_str("general.architecture", a),
         meta_str("general.name", &format!("llmdiff-synth {}", spec.name)),
         meta_u32("general.alignment", 32),
-        meta_u32(&k("block_count"), c.n_layers as u32),
+        meta_u32(&k("block_count"), (c.n_layers + c.nextn_layers) as u32),
         meta_u32(&k("context_length"), c.context_length as u32),
         meta_u32(&k("embedding_length"), c.d_model as u32),
         meta_u32(&k("feed_forward_length"), c.ffn_dim as u32),
@@ -411,6 +566,22 @@ pub fn metadata(spec: &SynthSpec) -> Vec<(String, MetaValue)> {
             (mla.qk_nope + mla.qk_rope) as u32,
         ));
         m.push(meta_u32(&k("attention.value_length_mla"), mla.v_head_dim as u32));
+    }
+    if let Some(ix) = &c.indexer {
+        m.push(meta_u32(&k("attention.indexer.head_count"), ix.n_heads as u32));
+        m.push(meta_u32(&k("attention.indexer.key_length"), ix.head_dim as u32));
+        m.push(meta_u32(&k("attention.indexer.top_k"), ix.top_k as u32));
+        let full = (0..c.n_layers).map(|l| MetaValue::Bool(ix.full.get(l).copied().unwrap_or(true)));
+        m.push((
+            k("attention.indexer.types"),
+            MetaValue::Array {
+                elem_type: value_type::BOOL,
+                items: full.collect(),
+            },
+        ));
+    }
+    if c.nextn_layers > 0 {
+        m.push(meta_u32(&k("nextn_predict_layers"), c.nextn_layers as u32));
     }
     if let Some(moe) = c.moe.as_ref().filter(|_| c.arch == Arch::Qwen3Moe) {
         // qwen3moe's keys: softmax routing and the renormalisation are the architecture's own.
@@ -496,8 +667,9 @@ pub enum SynthError {
     VocabTooSmall(usize),
 }
 
-/// Writes the model to `w`, one tensor at a time, calling `progress(done, total)` in tensor-data
-/// bytes after each. Returns the number of bytes of tensor data.
+/// Writes the model to `w`, one tensor at a time (a group of RNG chunks at a time within it),
+/// calling `progress(done, total)` in tensor-data bytes as it goes. Returns the number of bytes
+/// of tensor data.
 pub fn write_model<W: Write>(
     spec: &SynthSpec,
     seed: u64,
@@ -513,10 +685,23 @@ pub fn write_model<W: Write>(
     let mut gw = GgufWriter::new(w, &metadata(spec), specs)?;
     let mut done = 0;
     for p in &planned {
-        let data = tensor_bytes(p, seed)?;
-        done += data.len() as u64;
-        gw.write_tensor(&data)?;
-        progress(done, total);
+        let n = p.spec.ne.iter().product::<u64>() as usize;
+        let n_chunks = n.div_ceil(CHUNK);
+        gw.write_tensor_with(|out| -> Result<(), SynthError> {
+            for group in (0..n_chunks).step_by(GROUP) {
+                let parts: Vec<Result<Vec<u8>, QuantError>> = (group..(group + GROUP).min(n_chunks))
+                    .into_par_iter()
+                    .map(|ci| chunk_bytes(p, seed, ci, CHUNK.min(n - ci * CHUNK)))
+                    .collect();
+                for part in parts {
+                    let part = part?;
+                    out.write_all(&part)?;
+                    done += part.len() as u64;
+                }
+                progress(done, total);
+            }
+            Ok(())
+        })?;
     }
     gw.finish()?;
     Ok(total)
@@ -524,34 +709,25 @@ pub fn write_model<W: Write>(
 
 /// Elements per RNG chunk (a multiple of every block size).
 const CHUNK: usize = 1 << 16;
+/// Chunks generated (in parallel) before they are written: 4 Mi elements, about 16 MiB of f32.
+const GROUP: usize = 64;
 
-fn tensor_bytes(p: &Planned, seed: u64) -> Result<Vec<u8>, QuantError> {
-    let n: usize = p.spec.ne.iter().product::<u64>() as usize;
+/// Chunk `ci` (of `len` elements) of tensor `p`, quantized.
+fn chunk_bytes(p: &Planned, seed: u64, ci: usize, len: usize) -> Result<Vec<u8>, QuantError> {
     let fan_in = p.spec.ne[0] as f32;
     let base = seed ^ fnv1a(p.spec.name.as_bytes());
-    let chunks: Vec<Result<Vec<u8>, QuantError>> = (0..n.div_ceil(CHUNK))
-        .into_par_iter()
-        .map(|ci| {
-            let len = CHUNK.min(n - ci * CHUNK);
-            let mut rng = Rng::new(base.wrapping_add((ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
-            let vals: Vec<f32> = (0..len)
-                .map(|_| {
-                    let z = rng.normal();
-                    match p.init {
-                        Init::Linear(gain) => z * gain / fan_in.sqrt(),
-                        Init::Norm => 1.0 + 0.1 * z,
-                        Init::Normal(s) => z * s,
-                    }
-                })
-                .collect();
-            quantize(p.spec.ty, &vals)
+    let mut rng = Rng::new(base.wrapping_add((ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)));
+    let vals: Vec<f32> = (0..len)
+        .map(|_| {
+            let z = rng.normal();
+            match p.init {
+                Init::Linear(gain) => z * gain / fan_in.sqrt(),
+                Init::Norm => 1.0 + 0.1 * z,
+                Init::Normal(s) => z * s,
+            }
         })
         .collect();
-    let mut out = Vec::with_capacity(p.spec.n_bytes() as usize);
-    for c in chunks {
-        out.extend_from_slice(&c?);
-    }
-    Ok(out)
+    quantize(p.spec.ty, &vals)
 }
 
 fn fnv1a(b: &[u8]) -> u64 {
@@ -657,6 +833,114 @@ mod tests {
     }
 
     #[test]
+    fn glm5_mini_reads_back_as_glm_dsa_with_its_mix() {
+        let spec = preset("glm5-mini").unwrap();
+        let mut bytes = Vec::new();
+        write_model(&spec, 0, &mut bytes, |_, _| {}).unwrap();
+        let path = std::env::temp_dir().join(format!("llmdiff-synth-glm5-mini-{}.gguf", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let file = crate::GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        let got = ModelConfig::from_header(&file.header).unwrap();
+        assert_eq!(got, spec.config);
+        assert_eq!(
+            (got.arch, got.n_layers, got.nextn_layers, got.rms_eps),
+            (Arch::GlmDsa, 3, 1, 1e-5)
+        );
+        let ix = got.indexer.as_ref().unwrap();
+        assert_eq!(
+            (ix.n_heads, ix.head_dim, ix.top_k, ix.full.as_slice()),
+            (32, 128, 16, &[true, true, false][..])
+        );
+        // Every tensor is one the reference uses, except the MTP block's, which it skips.
+        let (blocks, layers) = crate::allowlist::layer_counts(&file.header, got.arch);
+        assert_eq!((blocks, layers), (4, 3));
+        for t in file.tensors() {
+            let role = crate::allowlist::classify_tensor(got.arch, blocks, layers, &t.name);
+            match t.name.starts_with("blk.3.") {
+                true => assert!(
+                    matches!(role, crate::allowlist::Role::Skipped(_)),
+                    "{}: {role:?}",
+                    t.name
+                ),
+                false => assert_eq!(role, crate::allowlist::Role::Used, "{}", t.name),
+            }
+        }
+        let ty = |name: &str| file.tensor(name).unwrap_or_else(|| panic!("no {name}")).ty;
+        use GgmlType::*;
+        for (name, want) in [
+            ("token_embd.weight", Q4K),
+            ("output.weight", Q6K),
+            ("output_norm.weight", F32),
+            ("blk.0.attn_q_a.weight", Q4K),
+            ("blk.0.attn_q_b.weight", Q4K),
+            ("blk.0.attn_kv_a_mqa.weight", Q8_0),
+            ("blk.0.attn_k_b.weight", Q8_0),
+            ("blk.0.attn_v_b.weight", Q6K),
+            ("blk.0.attn_output.weight", Q5K),
+            ("blk.0.ffn_gate.weight", Q4K),
+            ("blk.0.ffn_up.weight", Q4K),
+            ("blk.0.ffn_down.weight", IQ4XS),
+            ("blk.1.ffn_gate_exps.weight", IQ4XS),
+            ("blk.1.ffn_up_exps.weight", IQ4XS),
+            ("blk.1.ffn_down_exps.weight", Q5K),
+            ("blk.1.ffn_gate_shexp.weight", Q8_0),
+            ("blk.1.ffn_down_shexp.weight", Q8_0),
+            ("blk.1.ffn_gate_inp.weight", F32),
+            ("blk.1.exp_probs_b.bias", F32),
+            ("blk.1.attn_q_a_norm.weight", F32),
+            ("blk.1.indexer.attn_q_b.weight", Q8_0),
+            ("blk.1.indexer.attn_k.weight", Q8_0),
+            ("blk.1.indexer.proj.weight", F16),
+            ("blk.1.indexer.k_norm.weight", F32),
+            ("blk.1.indexer.k_norm.bias", F32),
+            ("blk.3.nextn.eh_proj.weight", Q8_0),
+            ("blk.3.nextn.enorm.weight", F32),
+            ("blk.3.nextn.hnorm.weight", F32),
+            ("blk.3.nextn.shared_head_norm.weight", F32),
+            ("blk.3.ffn_down_exps.weight", Q5K),
+        ] {
+            assert_eq!(ty(name), want, "{name}");
+        }
+        assert_eq!(file.tensor("blk.1.attn_k_b.weight").unwrap().ne, [192, 512, 64]);
+        assert_eq!(
+            file.tensor("blk.0.indexer.attn_q_b.weight").unwrap().ne,
+            [256, 32 * 128]
+        );
+        assert_eq!(file.tensor("blk.3.nextn.eh_proj.weight").unwrap().ne, [1024, 512]);
+        // Layer 2 is `shared`: it reuses layer 1's selection and carries no indexer.
+        assert!(file.tensors().iter().all(|t| !t.name.starts_with("blk.2.indexer.")));
+        // `--quant` (more_bits None) puts every weight in one type again.
+        let mut plain = spec.clone();
+        plain.more_bits = None;
+        let p = plan(&plain);
+        let ty = |name: &str| p.iter().find(|t| t.spec.name == name).unwrap().spec.ty;
+        assert_eq!(ty("blk.1.ffn_gate_exps.weight"), Q8_0);
+        assert_eq!(ty("blk.0.indexer.proj.weight"), Q8_0);
+        assert_eq!(ty("blk.0.attn_norm.weight"), F32);
+    }
+
+    #[test]
+    fn glm5_1layer_is_glm5_s_width() {
+        let s = preset("glm5-1layer").unwrap();
+        let c = &s.config;
+        let moe = c.moe.as_ref().unwrap();
+        let ix = c.indexer.as_ref().unwrap();
+        assert_eq!(
+            (c.arch, c.n_layers, c.nextn_layers, c.d_model, c.vocab),
+            (Arch::GlmDsa, 1, 0, 6144, 32000)
+        );
+        assert_eq!(
+            (moe.n_experts, moe.n_used, moe.expert_ffn, moe.n_dense_lead),
+            (256, 8, 2048, 0)
+        );
+        assert_eq!((ix.top_k, ix.full.as_slice()), (2048, &[true][..]));
+        let p = plan(&s);
+        let total: u64 = p.iter().map(|t| t.spec.n_bytes()).sum();
+        assert!((5 << 30..8 << 30).contains(&total), "{total} bytes");
+    }
+
+    #[test]
     fn k_m_mix_promotes_llama_cpp_s_layers() {
         // llama.cpp's use_more_bits over 32 layers: 0..4, 28..32 and 6, 9, .., 27.
         let picked: Vec<usize> = (0..32).filter(|&l| use_more_bits(l, 32)).collect();
@@ -668,7 +952,7 @@ mod tests {
         s.config.rope_dim = 64;
         s.weight_type = GgmlType::Q4K;
         s.embd_type = GgmlType::Q4K;
-        s.more_bits = Some(GgmlType::Q6K);
+        s.more_bits = Some(TypeMix::KM(GgmlType::Q6K));
         let ty = |name: &str| plan(&s).into_iter().find(|p| p.spec.name == name).unwrap().spec.ty;
         assert_eq!(ty("output.weight"), GgmlType::Q6K);
         assert_eq!(ty("token_embd.weight"), GgmlType::Q4K);

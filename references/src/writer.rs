@@ -105,6 +105,31 @@ impl<W: Write> GgufWriter<W> {
         Ok(())
     }
 
+    /// Writes the next tensor's bytes in pieces: `fill` gets the sink and must write exactly the
+    /// tensor's byte count (checked), so a tensor larger than memory never has to be held whole.
+    pub fn write_tensor_with<E: From<io::Error>>(
+        &mut self,
+        fill: impl FnOnce(&mut dyn Write) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let spec = self
+            .specs
+            .get(self.n_written)
+            .ok_or_else(|| io::Error::other("more tensors written than the directory lists"))?;
+        let (name, want) = (spec.name.clone(), spec.n_bytes());
+        let mut counted = Counting { w: &mut self.w, n: 0 };
+        fill(&mut counted)?;
+        let got = counted.n;
+        if got != want {
+            return Err(io::Error::other(format!("tensor {name}: {got} bytes written, {want} expected")).into());
+        }
+        let end = self.pos + got;
+        let padded = align_up(end, self.alignment);
+        self.w.write_all(&vec![0u8; (padded - end) as usize])?;
+        self.pos = padded;
+        self.n_written += 1;
+        Ok(())
+    }
+
     pub fn finish(mut self) -> io::Result<W> {
         if self.n_written != self.specs.len() {
             return Err(io::Error::other(format!(
@@ -115,6 +140,23 @@ impl<W: Write> GgufWriter<W> {
         }
         self.w.flush()?;
         Ok(self.w)
+    }
+}
+
+/// A writer that counts what passes through it.
+struct Counting<'a, W: Write> {
+    w: &'a mut W,
+    n: u64,
+}
+
+impl<W: Write> Write for Counting<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let k = self.w.write(buf)?;
+        self.n += k as u64;
+        Ok(k)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.w.flush()
     }
 }
 
@@ -150,18 +192,59 @@ pub fn split_path(prefix: &Path, i: usize, n: usize) -> PathBuf {
     PathBuf::from(s)
 }
 
-/// Writes `src` as a split model, at most `max_tensors` tensors a shard, to
-/// [`split_path`]`(prefix, i, N)`, in gguf-split's layout: the first shard carries all the
-/// metadata, every shard `split.no` (u16), `split.count` (u16) and `split.tensors.count` (i32).
-/// Returns the paths written.
-pub fn write_split(src: &GgufFile, max_tensors: usize, prefix: &Path) -> io::Result<Vec<PathBuf>> {
+/// How [`write_split`] cuts a model into shards (gguf-split's `--split-max-tensors` and
+/// `--split-max-size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitLimit {
+    /// At most this many tensors a shard.
+    Tensors(usize),
+    /// At most this many bytes of tensor data a shard (each tensor padded to the alignment, as
+    /// gguf-split counts them); a tensor larger than the limit gets a shard of its own.
+    Bytes(u64),
+}
+
+impl SplitLimit {
+    /// The tensor ranges of each shard for tensors of these (padded) sizes: never empty.
+    pub fn shards(self, sizes: &[u64]) -> Vec<std::ops::Range<usize>> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let mut bytes = 0u64;
+        for (i, &n) in sizes.iter().enumerate() {
+            let full = match self {
+                SplitLimit::Tensors(max) => i - start >= max.max(1),
+                SplitLimit::Bytes(max) => i > start && bytes + n > max,
+            };
+            if full {
+                out.push(start..i);
+                start = i;
+                bytes = 0;
+            }
+            bytes += n;
+        }
+        out.push(start..sizes.len());
+        out
+    }
+}
+
+/// Writes `src` as a split model cut by `limit`, to [`split_path`]`(prefix, i, N)`, in
+/// gguf-split's layout: the first shard carries all the metadata, every shard `split.no` (u16),
+/// `split.count` (u16) and `split.tensors.count` (i32). Returns the paths written.
+pub fn write_split(src: &GgufFile, limit: SplitLimit, prefix: &Path) -> io::Result<Vec<PathBuf>> {
     use crate::gguf::split_key;
-    let max_tensors = max_tensors.max(1);
     let tensors = src.tensors();
-    let n = tensors.len().div_ceil(max_tensors).max(1);
+    let alignment = match src.metadata().iter().find(|(k, _)| k == "general.alignment") {
+        Some((_, MetaValue::U32(a))) => *a as u64,
+        _ => DEFAULT_ALIGNMENT,
+    };
+    let sizes: Vec<u64> = tensors
+        .iter()
+        .map(|t| align_up(TensorSpec::new(&t.name, t.ty, &t.ne).n_bytes(), alignment))
+        .collect();
+    let shards = limit.shards(&sizes);
+    let n = shards.len();
     if n > u16::MAX as usize || tensors.len() > i32::MAX as usize {
         return Err(io::Error::other(format!(
-            "{} tensors cannot be split {max_tensors} a shard",
+            "{} tensors cannot be split into {n} shards (gguf-split's limit is 65535)",
             tensors.len()
         )));
     }
@@ -176,8 +259,8 @@ pub fn write_split(src: &GgufFile, max_tensors: usize, prefix: &Path) -> io::Res
         ]
     };
     let mut paths = Vec::with_capacity(n);
-    for i in 0..n {
-        let chunk = &tensors[(i * max_tensors).min(tensors.len())..((i + 1) * max_tensors).min(tensors.len())];
+    for (i, range) in shards.into_iter().enumerate() {
+        let chunk = &tensors[range];
         let mut meta: Vec<(String, MetaValue)> = Vec::new();
         if i == 0 {
             meta.extend(src.metadata().iter().filter(|(k, _)| !k.starts_with("split.")).cloned());
@@ -196,6 +279,27 @@ pub fn write_split(src: &GgufFile, max_tensors: usize, prefix: &Path) -> io::Res
         paths.push(path);
     }
     Ok(paths)
+}
+
+/// A gguf-split size: a byte count, or with a suffix K, M or G (decimal: 10³, 10⁶, 10⁹, as
+/// gguf-split reads `--split-max-size`), or Ki, Mi, Gi (binary); a trailing B is allowed.
+/// None when it is not a positive size.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let upper = s.trim().to_ascii_uppercase();
+    let u = upper.strip_suffix('B').unwrap_or(&upper);
+    let units: [(&str, u64); 6] = [
+        ("KI", 1 << 10),
+        ("MI", 1 << 20),
+        ("GI", 1 << 30),
+        ("K", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+    ];
+    let (num, mult) = units
+        .iter()
+        .find_map(|(suffix, m)| u.strip_suffix(suffix).map(|n| (n, *m)))
+        .unwrap_or((u, 1));
+    num.trim().parse::<u64>().ok()?.checked_mul(mult).filter(|&n| n > 0)
 }
 
 fn put_str(b: &mut Vec<u8>, s: &str) {
@@ -261,4 +365,30 @@ pub fn meta_i32_array(k: &str, v: &[i32]) -> (String, MetaValue) {
             items,
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_as_gguf_split_reads_them() {
+        assert_eq!(parse_size("4G"), Some(4_000_000_000));
+        assert_eq!(parse_size("500M"), Some(500_000_000));
+        assert_eq!(parse_size("2k"), Some(2_000));
+        assert_eq!(parse_size("3GiB"), Some(3 << 30));
+        assert_eq!(parse_size("1234"), Some(1234));
+        for bad in ["", "0", "G", "4X", "-1M", "1.5G"] {
+            assert_eq!(parse_size(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn byte_limits_cut_before_the_tensor_that_overflows() {
+        let sizes = [10, 10, 10, 50, 5, 5];
+        assert_eq!(SplitLimit::Bytes(25).shards(&sizes), [0..2, 2..3, 3..4, 4..6]);
+        assert_eq!(SplitLimit::Bytes(1000).shards(&sizes), [0..6]);
+        assert_eq!(SplitLimit::Tensors(4).shards(&sizes), [0..4, 4..6]);
+        assert_eq!(SplitLimit::Tensors(4).shards(&[]), [0..0]);
+    }
 }

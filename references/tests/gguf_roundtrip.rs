@@ -25,7 +25,7 @@ fn rewrite_bytes(bytes: &[u8]) -> Vec<u8> {
 fn presets_read_back_with_their_config_and_rewrite_identically() {
     for (name, _) in PRESETS
         .iter()
-        .filter(|(n, _)| *n != "glm5-mini" && *n != "smollm2-135m")
+        .filter(|(n, _)| !["glm5-mini", "glm5-1layer", "smollm2-135m"].contains(n))
     {
         let mut spec = preset(name).unwrap();
         spec.weight_type = GgmlType::F16;

@@ -5,7 +5,7 @@
 
 use references::gguf::{split_key, GgufFile, MetaValue};
 use references::synth::{preset, write_model};
-use references::writer::{split_path, write_split, GgufWriter, TensorSpec};
+use references::writer::{split_path, write_split, GgufWriter, SplitLimit, TensorSpec};
 use std::path::{Path, PathBuf};
 
 /// llama-tiny (2 layers, 21 tensors) written whole to `dir/whole.gguf`, and split 8 tensors a
@@ -21,7 +21,7 @@ fn setup(dir: &Path) -> (GgufFile, Vec<PathBuf>) {
     )
     .unwrap();
     let file = GgufFile::open(&whole).unwrap();
-    let paths = write_split(&file, 8, &dir.join("split")).unwrap();
+    let paths = write_split(&file, SplitLimit::Tensors(8), &dir.join("split")).unwrap();
     (file, paths)
 }
 

@@ -13,7 +13,8 @@ use reports::DiffRun;
 use std::path::Path;
 
 /// The spec of `preset_name`, cut to `n_layers` (when given) and with its 2-D weights in
-/// `weight_type` (when given; rows that do not fit the type's blocks fall back as in `synth`).
+/// `weight_type` (when given, replacing a preset's per-tensor mix as `synth --quant` does; rows
+/// that do not fit the type's blocks fall back as in `synth`).
 pub fn spec(preset_name: &str, n_layers: Option<usize>, weight_type: Option<GgmlType>) -> SynthSpec {
     let mut s = preset(preset_name).unwrap_or_else(|| panic!("no preset {preset_name}"));
     if let Some(n) = n_layers {
@@ -21,6 +22,7 @@ pub fn spec(preset_name: &str, n_layers: Option<usize>, weight_type: Option<Ggml
     }
     if let Some(t) = weight_type {
         s.weight_type = t;
+        s.more_bits = None;
     }
     s
 }

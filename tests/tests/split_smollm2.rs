@@ -6,14 +6,14 @@ use llmdiff_tests::fixtures::smollm2;
 use references::forward::Reference;
 use references::tap::NoTap;
 use references::tokenizer::Tokenizer;
-use references::writer::write_split;
+use references::writer::{write_split, SplitLimit};
 use references::GgufFile;
 
 #[test]
 fn split_smollm2_logits_are_bit_identical() {
     let whole = GgufFile::open(smollm2()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let paths = write_split(&whole, 100, &dir.path().join("smollm2")).unwrap();
+    let paths = write_split(&whole, SplitLimit::Tensors(100), &dir.path().join("smollm2")).unwrap();
     assert_eq!(paths.len(), whole.tensors().len().div_ceil(100));
     let split = GgufFile::open(&paths[0]).unwrap();
     assert_eq!(split.n_shards(), paths.len());

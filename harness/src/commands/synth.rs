@@ -3,7 +3,8 @@
 use crate::cli::{DimArgs, SynthArgs};
 use crate::output::{config_json, write_spec};
 use anyhow::{bail, Context};
-use references::synth::{preset, SynthSpec, K_M_MIXES, PRESETS};
+use references::synth::{preset, SynthSpec, TypeMix, K_M_MIXES, PRESETS};
+use references::writer::{parse_size, SplitLimit};
 use references::GgmlType;
 use serde_json::json;
 use std::process::ExitCode;
@@ -19,9 +20,16 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
     let Some(out) = &a.output else {
         bail!("synth needs -o OUT.gguf")
     };
+    let split = match (a.split_max_tensors, &a.split_max_size) {
+        (Some(n), _) => Some(SplitLimit::Tensors(n as usize)),
+        (None, Some(s)) => Some(SplitLimit::Bytes(parse_size(s).with_context(|| {
+            format!("--split-max-size {s:?}: expected a positive byte count, optionally with K, M or G (e.g. 4G)")
+        })?)),
+        (None, None) => None,
+    };
     let bytes = write_spec(&spec, a.seed, out, !a.json)?;
-    let out = &match a.split_max_tensors {
-        Some(n) => split_output(out, n as usize)?,
+    let out = &match split {
+        Some(limit) => split_output(out, limit)?,
         None => out.clone(),
     };
     if a.json {
@@ -41,22 +49,23 @@ pub fn run(a: &SynthArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Splits the model just written at `out` into shards of at most `max_tensors` tensors beside it
-/// (`out` less `.gguf` is the prefix), removes `out`, and returns the first shard's path.
-fn split_output(out: &std::path::Path, max_tensors: usize) -> anyhow::Result<std::path::PathBuf> {
+/// Splits the model just written at `out` into shards cut by `limit` beside it (`out` less
+/// `.gguf` is the prefix), removes `out`, and returns the first shard's path.
+fn split_output(out: &std::path::Path, limit: SplitLimit) -> anyhow::Result<std::path::PathBuf> {
     let file = references::GgufFile::open(out).with_context(|| format!("reading back {}", out.display()))?;
     let prefix = out.with_extension("");
-    let paths = references::writer::write_split(&file, max_tensors, &prefix)
+    let paths = references::writer::write_split(&file, limit, &prefix)
         .with_context(|| format!("writing the shards of {}", out.display()))?;
     drop(file);
     std::fs::remove_file(out).with_context(|| format!("removing {}", out.display()))?;
     Ok(paths[0].clone())
 }
 
-/// The spec's weight type, or its `_K_M` mix name.
+/// The spec's weight type, its `_K_M` mix name, or `mix` for a preset's per-tensor mix.
 fn quant_name(spec: &SynthSpec) -> String {
     match spec.more_bits {
-        Some(_) => format!("{}_M", spec.weight_type.name()),
+        Some(TypeMix::KM(_)) => format!("{}_M", spec.weight_type.name()),
+        Some(TypeMix::Rules(_)) => "mix".to_string(),
         None => spec.weight_type.name().to_string(),
     }
 }
@@ -98,7 +107,8 @@ pub fn plan(a: &SynthArgs) -> anyhow::Result<SynthSpec> {
         }
         spec.weight_type = ty;
         spec.embd_type = ty;
-        spec.more_bits = mix.map(|_| GgmlType::Q6K);
+        // Every weight in `ty` (or the `_K_M` mix): a preset's own per-tensor mix is dropped.
+        spec.more_bits = mix.map(|_| TypeMix::KM(GgmlType::Q6K));
     }
     Ok(spec)
 }
@@ -107,6 +117,11 @@ fn apply_dims(mut s: SynthSpec, d: &DimArgs) -> anyhow::Result<SynthSpec> {
     let c = &mut s.config;
     if let Some(v) = d.n_layers {
         c.n_layers = v;
+        // The indexer's full/shared pattern repeats over the new layer count.
+        if let Some(ix) = c.indexer.as_mut().filter(|ix| !ix.full.is_empty()) {
+            let pattern = ix.full.clone();
+            ix.full = (0..v).map(|l| pattern[l % pattern.len()]).collect();
+        }
     }
     if let Some(v) = d.d_model {
         c.d_model = v;
