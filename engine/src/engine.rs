@@ -304,7 +304,7 @@ fn check_fault(
 
 /// Why a DSA indexer fault does not apply to `layers` (its scope) of this model, or `None` when
 /// it does: the model must have an indexer, a layer in scope its own (not a `shared` layer), and
-/// the fault's weight a type it acts on (a Q8_0 `indexer.proj`, an F16/BF16 `indexer.attn_k`) or
+/// the fault's weight a type it acts on (a Q8_0 `indexer.proj`, an F16/BF16 indexer weight) or
 /// another indexer layer to be confused with.
 fn check_indexer_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, layers: &[usize]) -> Option<String> {
     let Some(ix) = &c.indexer else {
@@ -337,7 +337,12 @@ fn check_indexer_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, layer
     };
     match spec.fault {
         Fault::IndexerRawQuant => typed("proj", &[GgmlType::Q8_0], "Q8_0 (the raw-blocks path supports Q8_0)"),
-        Fault::IndexerWrongDtype => typed("attn_k", &[GgmlType::F16, GgmlType::BF16], "F16 or BF16"),
+        Fault::IndexerWrongDtype if own.iter().all(|&l| crate::weights::indexer_float_weight(file, l).is_none()) => {
+            Some(format!(
+                "no indexer weight of layer {} (attn_k, proj, attn_q_b) is F16 or BF16: nothing to read as the other 16-bit float",
+                own[0]
+            ))
+        }
         Fault::IndexerTopkDrift if ix.top_k < 2 => {
             Some(format!("the indexer's top_k is {}: half of it keeps nothing", ix.top_k))
         }

@@ -92,7 +92,7 @@ impl Fault {
             Fault::ConfigDrift => "the engine reads a different rms eps, rope base and expert weights scale than the file gives",
             Fault::KvSlotOffByOne => "decode writes the new token's K/V one cache slot early (slot mapping off by one): prefill is unaffected",
             Fault::IndexerRawQuant => "the DSA indexer's weights_proj (`indexer.proj`, Q8_0) is handed its quantized blocks un-dequantized: the int8 values without their block scales (vLLM builds it unquantized)",
-            Fault::IndexerWrongDtype => "the DSA indexer's `indexer.attn_k` is decoded as the other 16-bit float: F16 bytes read as BF16 (or BF16 as F16)",
+            Fault::IndexerWrongDtype => "the DSA indexer's 16-bit float weight (the first F16/BF16 of attn_k, proj, attn_q_b) is decoded as the other 16-bit float: F16 bytes read as BF16 (or BF16 as F16)",
             Fault::IndexerTopkDrift => "the DSA indexer keeps half the file's top_k (a rank that read a default instead of `attention.indexer.top_k`)",
             Fault::IndexerRopeDrift => "the DSA indexer rotates its q and key with the other RoPE pair layout (NEOX halves for interleaved pairs, or the reverse), as llama.cpp versions differed on glm-dsa",
             Fault::IndexerWrongLayer => "the DSA indexer's weights are loaded from the nearest other layer with an indexer (a layer index slip in the loader)",

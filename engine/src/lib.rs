@@ -35,4 +35,4 @@ pub use engine::{argmax, check_faults, valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};
 pub use options::{ComputeDtype, CudaDisable, CudaOptions, RankMode};
-pub use weights::WeightStorage;
+pub use weights::{indexer_float_weight, WeightStorage};

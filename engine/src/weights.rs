@@ -327,6 +327,15 @@ pub fn indexer_stand_in(c: &ModelConfig, layer_idx: usize) -> Option<usize> {
     })
 }
 
+/// The indexer weight of layer `layer_idx` that `indexer-wrong-dtype` decodes as the other
+/// 16-bit float: the first of `attn_k`, `proj`, `attn_q_b` stored F16 or BF16, if any.
+pub fn indexer_float_weight(file: &GgufFile, layer_idx: usize) -> Option<&'static str> {
+    ["attn_k", "proj", "attn_q_b"].into_iter().find(|w| {
+        file.tensor(&format!("blk.{layer_idx}.indexer.{w}.weight"))
+            .is_some_and(|t| matches!(t.ty, GgmlType::F16 | GgmlType::BF16))
+    })
+}
+
 /// Replicated tensors by (name, faulty-Q4_K decode).
 type ReplicatedCache = HashMap<(String, bool), Arc<Vec<f32>>>;
 
@@ -830,8 +839,9 @@ impl<'a> Loader<'a> {
 
     /// Layer `layer_idx`'s DSA indexer, replicated: `None` without one (deepseek2) or on a
     /// `shared` indexer layer. The loader's indexer faults on rank `rank_idx`: the tensors of
-    /// another layer (`indexer-wrong-layer`), `attn_k` decoded as the other 16-bit float
-    /// (`indexer-wrong-dtype`), `proj`'s Q8_0 integers without their scales (`indexer-raw-quant`).
+    /// another layer (`indexer-wrong-layer`), its 16-bit float weight decoded as the other one
+    /// (`indexer-wrong-dtype`, [`indexer_float_weight`]), `proj`'s Q8_0 integers without their
+    /// scales (`indexer-raw-quant`).
     fn indexer(&self, layer_idx: usize, rank_idx: usize, bad: bool) -> Result<Option<IndexerShard>, EngineError> {
         let c = self.config;
         let Some(ix) = c
@@ -853,18 +863,24 @@ impl<'a> Loader<'a> {
             _ => layer_idx,
         };
         let b = |s: &str| format!("blk.{src}.indexer.{s}");
-        let k = if active(Fault::IndexerWrongDtype) {
-            self.misread_float(&b("attn_k.weight"), d, dh)?
-        } else {
-            self.replicated_linear(&b("attn_k.weight"), d, dh, bad)?
+        let misread = active(Fault::IndexerWrongDtype)
+            .then(|| indexer_float_weight(self.file, src))
+            .flatten();
+        let load = |w: &str, n_in: usize, n_out: usize| {
+            if misread == Some(w) {
+                self.misread_float(&b(&format!("{w}.weight")), n_in, n_out)
+            } else {
+                self.replicated_linear(&b(&format!("{w}.weight")), n_in, n_out, bad)
+            }
         };
+        let k = load("attn_k", d, dh)?;
         let proj = if active(Fault::IndexerRawQuant) {
             self.raw_q8_0(&b("proj.weight"), d, h)?
         } else {
-            self.replicated_linear(&b("proj.weight"), d, h, bad)?
+            load("proj", d, h)?
         };
         Ok(Some(IndexerShard {
-            q_b: self.replicated_linear(&b("attn_q_b.weight"), ql, h * dh, bad)?,
+            q_b: load("attn_q_b", ql, h * dh)?,
             k,
             k_norm: (
                 self.replicated(&b("k_norm.weight"), &[dh], false)?,

@@ -65,6 +65,9 @@ fn weight_is_float(m: &Model, layer: u32, kind: WeightKind) -> bool {
         WeightKind::Up => "ffn_up",
         WeightKind::Down => "ffn_down",
         WeightKind::Router => "ffn_gate_inp",
+        WeightKind::IdxQB => "indexer.attn_q_b",
+        WeightKind::IdxK => "indexer.attn_k",
+        WeightKind::IdxProj => "indexer.proj",
     };
     let ty = m
         .file

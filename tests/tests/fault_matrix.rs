@@ -132,15 +132,16 @@ fn expect(m: &Model, s: &FaultSpec, tp: usize) -> Expect {
         // The DSA indexer's loader faults show at its weight taps on the rank they hit; its
         // config drifts at the rank's first indexer tap, named by the engine's config; the stale
         // key cache at a decode step's scores.
-        Fault::IndexerRawQuant | Fault::IndexerWrongDtype => (
-            one(if s.fault == Fault::IndexerRawQuant {
-                "w.idx_proj"
-            } else {
-                "w.idx_k"
-            }),
-            rank,
-            vec!["dequantization"],
-        ),
+        Fault::IndexerRawQuant => (one("w.idx_proj"), rank, vec!["dequantization"]),
+        Fault::IndexerWrongDtype => {
+            let w = engine::indexer_float_weight(&m.file, layer).expect("an F16/BF16 indexer weight");
+            let site = match w {
+                "attn_k" => "w.idx_k",
+                "proj" => "w.idx_proj",
+                _ => "w.idx_q_b",
+            };
+            (one(site), rank, vec!["dequantization"])
+        }
         Fault::IndexerWrongLayer => (one("w.idx_q_b"), rank, vec!["wrong-layer"]),
         Fault::IndexerTopkDrift => (one("indexer_topk"), rank, vec!["config-drift"]),
         Fault::IndexerRopeDrift => (one("indexer_score"), rank, vec!["config-drift"]),

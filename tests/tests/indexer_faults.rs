@@ -83,9 +83,10 @@ fn indexer_faults_that_do_not_apply_are_refused() {
         );
         assert!(!msg.contains('\n'), "{spec}: one line: {msg}");
     };
-    // The fixture's indexer weights are F32: nothing quantized to hand over raw, no 16-bit float.
+    // The fixture's indexer weights are F32: nothing quantized to hand over raw, no 16-bit float
+    // to misread.
     refused(&f32_file, "indexer-raw-quant", "not Q8_0");
-    refused(&f32_file, "indexer-wrong-dtype@2", "not F16 or BF16");
+    refused(&f32_file, "indexer-wrong-dtype@2", "is F16 or BF16");
     // Layer 1 is a `shared` indexer layer.
     refused(&f32_file, "indexer-stale-cache@1", "shared");
     for fault in [Fault::IndexerTopkDrift, Fault::IndexerWrongLayer] {
