@@ -5,7 +5,7 @@
 //! all F32, and those faults act on those types). The faults that do not apply are refused with
 //! one line, and the catalog's older faults that reach the DSA layers keep their classes there.
 
-use engine::{EngineError, Fault, FaultSpec};
+use engine::{ComputeDtype, EngineError, Fault, FaultSpec};
 use harness::diff::run_diff;
 use llmdiff_tests::fixtures::golden;
 use llmdiff_tests::models::{plan, with_types};
@@ -31,15 +31,30 @@ fn typed(dir: &std::path::Path) -> GgufFile {
     })
 }
 
-/// Runs `spec` at TP 2 and checks the first divergence and its class.
+/// Runs `spec` at TP 2 and checks the first divergence and its class (at f32).
 fn check(file: &GgufFile, spec: &str, decode_steps: usize, site: &str, rank: u32, classes: &[&str]) {
+    check_at(file, spec, decode_steps, site, rank, classes, ComputeDtype::F32)
+}
+
+/// [`check`] with the engine computing in `dtype`.
+fn check_at(
+    file: &GgufFile,
+    spec: &str,
+    decode_steps: usize,
+    site: &str,
+    rank: u32,
+    classes: &[&str],
+    dtype: ComputeDtype,
+) {
     let s: FaultSpec = spec.parse().unwrap();
-    let run = run_diff(&plan(file, tokens(), 2, vec![s], decode_steps)).unwrap_or_else(|e| panic!("{spec}: {e:#}"));
+    let mut p = plan(file, tokens(), 2, vec![s], decode_steps);
+    p.engine.compute_dtype = dtype;
+    let run = run_diff(&p).unwrap_or_else(|e| panic!("{spec}: {e:#}"));
     let (Some(first), Some(diag)) = (&run.first_divergence, &run.diagnosis) else {
         panic!("{spec}: no divergence found (verdict {})", run.verdict);
     };
     let what = format!(
-        "{spec}: at {} class {} ({}): {}",
+        "{spec} {dtype:?}: at {} class {} ({}): {}",
         first.tap, diag.class, diag.confidence, diag.explanation
     );
     eprintln!("{what}");
@@ -53,12 +68,18 @@ fn check(file: &GgufFile, spec: &str, decode_steps: usize, site: &str, rank: u32
 fn each_indexer_fault_is_localized_and_classified_at_tp2() {
     let dir = tempfile::tempdir().unwrap();
     let f = typed(dir.path());
-    check(&f, "indexer-raw-quant@2:1", 0, "w.idx_proj", 1, &["dequantization"]);
-    check(&f, "indexer-wrong-dtype@0", 0, "w.idx_k", 0, &["dequantization"]);
-    check(&f, "indexer-wrong-layer@2:1", 0, "w.idx_q_b", 1, &["wrong-layer"]);
-    check(&f, "indexer-topk-drift@2:1", 0, "indexer_topk", 1, &["config-drift"]);
-    check(&f, "indexer-rope-drift@0", 0, "indexer_score", 0, &["config-drift"]);
-    check(&f, "indexer-stale-cache@2:1", 3, "indexer_score", 1, &["kv-cache"]);
+    // At bf16 too: the loader rounds the other layer's weights, and the scores carry bf16 noise.
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        let check = |spec, decode_steps, site, rank, classes: &[&str]| {
+            check_at(&f, spec, decode_steps, site, rank, classes, dtype)
+        };
+        check("indexer-raw-quant@2:1", 0, "w.idx_proj", 1, &["dequantization"]);
+        check("indexer-wrong-dtype@0", 0, "w.idx_k", 0, &["dequantization"]);
+        check("indexer-wrong-layer@2:1", 0, "w.idx_q_b", 1, &["wrong-layer"]);
+        check("indexer-topk-drift@2:1", 0, "indexer_topk", 1, &["config-drift"]);
+        check("indexer-rope-drift@0", 0, "indexer_score", 0, &["config-drift"]);
+        check("indexer-stale-cache@2:1", 3, "indexer_score", 1, &["kv-cache"]);
+    }
 }
 
 #[test]
@@ -102,11 +123,11 @@ fn healthy_dsa_runs_agree_with_the_scores_held_to_the_engine_dtype() {
     for name in ["glm-dsa-tiny.f32.gguf", "deepseek32-tiny.f32.gguf"] {
         let f = GgufFile::open(golden(name)).unwrap();
         for (tp, dtype, fp8) in [
-            (1, engine::ComputeDtype::F32, false),
-            (2, engine::ComputeDtype::F32, false),
-            (4, engine::ComputeDtype::F32, false),
-            (2, engine::ComputeDtype::Bf16, false),
-            (2, engine::ComputeDtype::F32, true),
+            (1, ComputeDtype::F32, false),
+            (2, ComputeDtype::F32, false),
+            (4, ComputeDtype::F32, false),
+            (2, ComputeDtype::Bf16, false),
+            (2, ComputeDtype::F32, true),
         ] {
             for decode_steps in [0, 3] {
                 let mut p = plan(&f, tokens(), tp, vec![], decode_steps);
