@@ -150,3 +150,36 @@ fn healthy_dsa_runs_agree_with_the_scores_held_to_the_engine_dtype() {
         }
     }
 }
+
+/// glm5-mini (the synth's glm-dsa: indexer 32×128, top_k 16) healthy over 24 tokens, more than
+/// top_k, at TP 1 and 8 (and 8 at bf16), prefill and 3 decode steps, with `indexer_score` held
+/// to the compute dtype's bound.
+#[test]
+fn healthy_glm5_mini_agrees_over_more_tokens_than_top_k() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = llmdiff_tests::models::spec("glm5-mini", None, None);
+    let f = llmdiff_tests::models::synth(dir.path(), "glm5-mini", &s);
+    let toks = llmdiff_tests::models::tokens(s.config.vocab, 24);
+    for (tp, dtype) in [(1, ComputeDtype::F32), (8, ComputeDtype::F32), (8, ComputeDtype::Bf16)] {
+        for decode_steps in [0, 3] {
+            let mut p = plan(&f, toks.clone(), tp, vec![], decode_steps);
+            p.engine.compute_dtype = dtype;
+            let run = run_diff(&p).unwrap();
+            let worst = run
+                .taps
+                .iter()
+                .filter(|t| t.site == "indexer_score")
+                .filter_map(|t| t.local.as_ref().map(|l| l.rel_l2 / l.bound))
+                .fold(0f64, f64::max);
+            eprintln!(
+                "glm5-mini tp{tp} {dtype:?} decode {decode_steps}: {} (worst indexer_score local/bound {worst:.3})",
+                run.verdict
+            );
+            assert!(
+                run.first_divergence.is_none(),
+                "glm5-mini tp{tp} {dtype:?} decode {decode_steps}: {:?}",
+                run.first_divergence.map(|f| f.tap)
+            );
+        }
+    }
+}
