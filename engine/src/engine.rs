@@ -277,6 +277,7 @@ fn check_fault(
         Fault::MoeGateRounded if !layers.iter().any(|&layer_idx| c.is_moe_layer(layer_idx)) => {
             refuse("needs an MoE layer in its scope".into())
         }
+        f if f.is_indexer() => check_indexer_fault(spec, file, c, &layers).map_or(Ok(()), refuse),
         Fault::DequantQ4kScaleMin => {
             let in_scope = |name: &str| match spec.layer {
                 Some(layer_idx) => name.starts_with(&format!("blk.{layer_idx}.")),
@@ -294,6 +295,76 @@ fn check_fault(
         }
         _ => Ok(()),
     }
+}
+
+/// Why a DSA indexer fault does not apply to `layers` (its scope) of this model, or `None` when
+/// it does: the model must have an indexer, a layer in scope its own (not a `shared` layer), and
+/// the fault's weight a type it acts on (a Q8_0 `indexer.proj`, an F16/BF16 indexer weight) or
+/// another indexer layer to be confused with.
+fn check_indexer_fault(spec: &FaultSpec, file: &GgufFile, c: &ModelConfig, layers: &[usize]) -> Option<String> {
+    let Some(ix) = &c.indexer else {
+        return Some(format!(
+            "needs a DSA model (glm-dsa, deepseek32) with an indexer; this is {}",
+            c.arch.name()
+        ));
+    };
+    let own: Vec<usize> = layers
+        .iter()
+        .copied()
+        .filter(|&l| ix.full.get(l).copied().unwrap_or(true))
+        .collect();
+    if own.is_empty() {
+        return Some(format!(
+            "layer {} is a `shared` indexer layer: it has no indexer of its own (it reuses the previous full layer's selection)",
+            layers.first().copied().unwrap_or(0)
+        ));
+    }
+    let ty = |l: usize, w: &str| file.tensor(&format!("blk.{l}.indexer.{w}.weight")).map(|t| t.ty);
+    let typed = |w: &str, ok: &[GgmlType], what: &str| {
+        if own.iter().any(|&l| ty(l, w).is_some_and(|t| ok.contains(&t))) {
+            return None;
+        }
+        let found = ty(own[0], w).map_or("missing", |t| t.name());
+        Some(format!(
+            "blk.{}.indexer.{w}.weight is {found}, not {what}: the fault has nothing to act on",
+            own[0]
+        ))
+    };
+    match spec.fault {
+        Fault::IndexerRawQuant => typed("proj", &[GgmlType::Q8_0], "Q8_0 (the raw-blocks path supports Q8_0)"),
+        Fault::IndexerWrongDtype if own.iter().all(|&l| crate::weights::indexer_float_weight(file, l).is_none()) => {
+            Some(format!(
+                "no indexer weight of layer {} (attn_k, proj, attn_q_b) is F16 or BF16: nothing to read as the other 16-bit float",
+                own[0]
+            ))
+        }
+        Fault::IndexerTopkDrift if ix.top_k < 2 => {
+            Some(format!("the indexer's top_k is {}: half of it keeps nothing", ix.top_k))
+        }
+        Fault::IndexerWrongLayer if own.iter().all(|&l| crate::weights::indexer_stand_in(c, l).is_none()) => {
+            Some("the model has one indexer layer: no other layer's indexer to load instead".into())
+        }
+        _ => None,
+    }
+}
+
+/// Refuses the faults of `opts` that do not apply to `file` (what [`Engine::load`] checks before
+/// it reads a weight), without loading anything: a caller can say so before other work starts.
+pub fn check_faults(file: &GgufFile, opts: &EngineOptions) -> Result<(), EngineError> {
+    let mut config = ModelConfig::from_header(&file.header)?;
+    // The layers the engine would run (Engine::load refuses bad counts and ranges itself).
+    let n = match (&opts.n_layers, &opts.layers) {
+        (Some(n), _) => *n,
+        (None, Some(r)) => r.end,
+        (None, None) => config.n_layers,
+    };
+    if (1..=config.n_layers).contains(&n) {
+        config.n_layers = n;
+    }
+    for spec in &opts.faults {
+        check_fault(spec, file, &config, opts.tp, opts.compute_dtype)?;
+    }
+    Ok(())
 }
 
 impl Engine {
@@ -408,6 +479,9 @@ impl Engine {
         c.rope_base = h.rope_base;
         if let Some(m) = c.moe.as_mut() {
             m.weights_scale = h.expert_scale;
+        }
+        if let Some(ix) = c.indexer.as_mut() {
+            (ix.top_k, ix.rope_neox) = crate::rank::indexer_hyper(ix, &self.faults, layer_idx, rank_idx);
         }
         c
     }

@@ -22,10 +22,16 @@ pub enum Fault {
     StaleAttnOut,
     ConfigDrift,
     KvSlotOffByOne,
+    IndexerRawQuant,
+    IndexerWrongDtype,
+    IndexerTopkDrift,
+    IndexerRopeDrift,
+    IndexerWrongLayer,
+    IndexerStaleCache,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 18] = [
         Fault::PhantomAttnOut,
         Fault::KvBUnsharded,
         Fault::KvBShardSwap,
@@ -38,6 +44,12 @@ impl Fault {
         Fault::StaleAttnOut,
         Fault::ConfigDrift,
         Fault::KvSlotOffByOne,
+        Fault::IndexerRawQuant,
+        Fault::IndexerWrongDtype,
+        Fault::IndexerTopkDrift,
+        Fault::IndexerRopeDrift,
+        Fault::IndexerWrongLayer,
+        Fault::IndexerStaleCache,
     ];
 
     /// The name used on the command line.
@@ -55,6 +67,12 @@ impl Fault {
             Fault::StaleAttnOut => "stale-attn-out",
             Fault::ConfigDrift => "config-drift",
             Fault::KvSlotOffByOne => "kv-slot-off-by-one",
+            Fault::IndexerRawQuant => "indexer-raw-quant",
+            Fault::IndexerWrongDtype => "indexer-wrong-dtype",
+            Fault::IndexerTopkDrift => "indexer-topk-drift",
+            Fault::IndexerRopeDrift => "indexer-rope-drift",
+            Fault::IndexerWrongLayer => "indexer-wrong-layer",
+            Fault::IndexerStaleCache => "indexer-stale-cache",
         }
     }
 
@@ -73,7 +91,26 @@ impl Fault {
             Fault::StaleAttnOut => "the caller reads the other buffer of its double-buffered attention output: the previous layer's values",
             Fault::ConfigDrift => "the engine reads a different rms eps, rope base and expert weights scale than the file gives",
             Fault::KvSlotOffByOne => "decode writes the new token's K/V one cache slot early (slot mapping off by one): prefill is unaffected",
+            Fault::IndexerRawQuant => "the DSA indexer's weights_proj (`indexer.proj`, Q8_0) is handed its quantized blocks un-dequantized: the int8 values without their block scales (vLLM builds it unquantized)",
+            Fault::IndexerWrongDtype => "the DSA indexer's 16-bit float weight (the first F16/BF16 of attn_k, proj, attn_q_b) is decoded as the other 16-bit float: F16 bytes read as BF16 (or BF16 as F16)",
+            Fault::IndexerTopkDrift => "the DSA indexer keeps half the file's top_k (a rank that read a default instead of `attention.indexer.top_k`)",
+            Fault::IndexerRopeDrift => "the DSA indexer rotates its q and key with the other RoPE pair layout (NEOX halves for interleaved pairs, or the reverse), as llama.cpp versions differed on glm-dsa",
+            Fault::IndexerWrongLayer => "the DSA indexer's weights are loaded from the nearest other layer with an indexer (a layer index slip in the loader)",
+            Fault::IndexerStaleCache => "decode scores its keys against the indexer's key cache before writing the step's own key (that slot still zeros), then writes it: prefill is unaffected",
         }
+    }
+
+    /// True for the faults of the DSA lightning indexer (glm-dsa, deepseek32 only).
+    pub fn is_indexer(self) -> bool {
+        matches!(
+            self,
+            Fault::IndexerRawQuant
+                | Fault::IndexerWrongDtype
+                | Fault::IndexerTopkDrift
+                | Fault::IndexerRopeDrift
+                | Fault::IndexerWrongLayer
+                | Fault::IndexerStaleCache
+        )
     }
 
     pub fn from_name(name: &str) -> Option<Fault> {

@@ -2,6 +2,10 @@
 //! the same block walk as the normal path, but `get_scale_min_k4`'s scale and min can be read
 //! swapped, as a kernel that unpacks the 6-bit fields in the wrong order would. Only tensors the
 //! fault is scoped to go through here; everything else uses [`crate::dequant`].
+//!
+//! Also the `indexer-raw-quant` path: Q8_0 blocks read as their integers without the block
+//! scales ([`q8_0_raw_ints`]), what a layer built for float weights (vLLM's indexer `weights_proj`,
+//! `quant_config=None`) computes with when a loader hands it the GGUF's blocks un-dequantized.
 
 use half::f16;
 
@@ -59,6 +63,24 @@ pub fn dequantize_q4k(src: &[u8], dst: &mut [f32], order: ScaleMinOrder) -> bool
     true
 }
 
+/// Bytes per Q8_0 block (f16 d, 32 × i8) and elements per block.
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+pub const QK8_0: usize = 32;
+
+/// The int8 values of whole Q8_0 blocks of `src` as f32, their scales `d` ignored. Returns
+/// `false` when the lengths do not match whole blocks.
+pub fn q8_0_raw_ints(src: &[u8], dst: &mut [f32]) -> bool {
+    if !dst.len().is_multiple_of(QK8_0) || src.len() != dst.len() / QK8_0 * Q8_0_BLOCK_BYTES {
+        return false;
+    }
+    for (b, y) in src.chunks_exact(Q8_0_BLOCK_BYTES).zip(dst.chunks_exact_mut(QK8_0)) {
+        for (o, &q) in y.iter_mut().zip(&b[2..]) {
+            *o = q as i8 as f32;
+        }
+    }
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,5 +115,18 @@ mod tests {
         assert!(dequantize_q4k(&src, &mut mine, ScaleMinOrder::Swapped));
         assert_ne!(mine, fast);
         assert!(!dequantize_q4k(&src[1..], &mut mine, ScaleMinOrder::Swapped));
+    }
+
+    #[test]
+    fn q8_0_raw_ints_drop_the_block_scale() {
+        let src = references::quant::quantize(GgmlType::Q8_0, &[0.5f32, -1.0].repeat(32)).unwrap();
+        let mut raw = vec![0f32; 64];
+        assert!(q8_0_raw_ints(&src, &mut raw));
+        let mut fast = vec![0f32; 64];
+        crate::dequant::dequantize(GgmlType::Q8_0, &src, &mut fast).unwrap();
+        // Each block's values are its integers times its scale d = amax / 127.
+        assert_eq!(&raw[..2], &[64.0, -127.0]);
+        assert!(raw.iter().zip(&fast).all(|(r, f)| (r / 127.0 - f).abs() < 1e-2));
+        assert!(!q8_0_raw_ints(&src[1..], &mut raw));
     }
 }

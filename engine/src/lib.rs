@@ -31,8 +31,8 @@ pub mod taps;
 pub mod weights;
 
 pub use backend::{Backend, BackendKind, BlockTrace, CommStats, CpuBackend};
-pub use engine::{argmax, valid_tp_degrees, Engine, EngineOptions};
+pub use engine::{argmax, check_faults, valid_tp_degrees, Engine, EngineOptions};
 pub use error::EngineError;
 pub use fault::{Fault, FaultSpec};
 pub use options::{ComputeDtype, CudaDisable, CudaOptions, RankMode};
-pub use weights::WeightStorage;
+pub use weights::{indexer_float_weight, WeightStorage};

@@ -248,12 +248,27 @@ fn gqa_rope_shape<'f>(
     (rope, shape)
 }
 
+/// The DSA indexer's top_k and RoPE pair layout (NEOX halves when true) that rank `rank_idx`
+/// uses in layer `layer_idx`: the file's, or under `indexer-topk-drift` half its top_k and under
+/// `indexer-rope-drift` the other pair layout.
+pub fn indexer_hyper(ix: &IndexerConfig, faults: &FaultSet, layer_idx: usize, rank_idx: usize) -> (usize, bool) {
+    let mut top_k = ix.top_k;
+    if faults.active(Fault::IndexerTopkDrift, layer_idx, rank_idx) {
+        top_k = (top_k / 2).max(1);
+    }
+    let neox = ix.rope_neox != faults.active(Fault::IndexerRopeDrift, layer_idx, rank_idx);
+    (top_k, neox)
+}
+
 /// What a layer's DSA indexer step reads: the file's indexer config, the layer's replicated
-/// indexer weights (`None` on a `shared` layer) and the RoPE frequency factors.
+/// indexer weights (`None` on a `shared` layer), the RoPE frequency factors, and where it runs
+/// (for the indexer faults).
 struct DsaIn<'a> {
     ix: &'a IndexerConfig,
     shard: Option<&'a IndexerShard>,
     freqs: Option<&'a [f32]>,
+    layer_idx: usize,
+    rank_idx: usize,
 }
 
 impl DsaIn<'_> {
@@ -275,6 +290,7 @@ impl DsaIn<'_> {
         let be = ctx.backend;
         let (n, ix) = (ctx.n_tokens, self.ix);
         let (heads, dh, rope) = (ix.n_heads, ix.head_dim, ctx.config.rope_dim);
+        let (top_k, rope_neox) = indexer_hyper(ix, ctx.faults, self.layer_idx, self.rank_idx);
         let sel = match self.shard {
             Some(w) => {
                 let mut q = be.alloc(n * heads * dh);
@@ -289,7 +305,7 @@ impl DsaIn<'_> {
                     offset: 0,
                     rope_dim: rope,
                 };
-                let style = if ix.rope_neox { RopeStyle::Neox } else { RopeStyle::Norm };
+                let style = if rope_neox { RopeStyle::Neox } else { RopeStyle::Norm };
                 let freqs = RopeFreqs {
                     divisor: 1.0,
                     factors: self.freqs,
@@ -308,7 +324,17 @@ impl DsaIn<'_> {
                     be.fp8_groups(&mut q, dh);
                     be.fp8_groups(&mut k, dh);
                 }
-                be.kv_write(idx_cache, &k, dh, ctx.pos0, ctx.pos0);
+                // `indexer-stale-cache`: a decode step scores before its own key is written (a
+                // placeholder row of zeros holds the slot: the op reads pos0+n rows), then writes it.
+                let stale = ctx.is_decode
+                    && ctx
+                        .faults
+                        .active(Fault::IndexerStaleCache, self.layer_idx, self.rank_idx);
+                if stale {
+                    be.kv_write(idx_cache, &be.zeros(n * dh), dh, ctx.pos0, ctx.pos0);
+                } else {
+                    be.kv_write(idx_cache, &k, dh, ctx.pos0, ctx.pos0);
+                }
                 let mut w_heads = be.alloc(n * heads);
                 be.linear(h, n, w.proj.view(), &mut w_heads);
                 be.scale(&mut w_heads, (1.0 / ((dh * heads) as f64).sqrt()) as f32);
@@ -319,16 +345,20 @@ impl DsaIn<'_> {
                     head_dim: dh,
                 };
                 be.index_scores(&q, idx_cache, &w_heads, ctx.pos0, shape, &mut scores);
+                if stale {
+                    be.kv_write(idx_cache, &k, dh, ctx.pos0, ctx.pos0);
+                }
+
                 taps.emit_buf(be, Site::IndexerScore, &scores, width, Emit::Replicated);
-                select_top_k(&be.download(&scores), n, ctx.pos0, ix.top_k)
+                select_top_k(&be.download(&scores), n, ctx.pos0, top_k)
             }
             // Engine::new refuses a layer range that starts at a `shared` layer.
             None => prev.clone().expect("a shared indexer layer follows a full one"),
         };
-        let table = be.upload(&key_table(&sel, ix.top_k));
-        taps.emit_buf(be, Site::IndexerTopk, &table, ix.top_k, Emit::Replicated);
+        let table = be.upload(&key_table(&sel, top_k));
+        taps.emit_buf(be, Site::IndexerTopk, &table, top_k, Emit::Replicated);
         *prev = Some(sel);
-        (table, ix.top_k)
+        (table, top_k)
     }
 }
 
@@ -546,6 +576,8 @@ impl Rank {
                         ix,
                         shard: indexer.as_ref(),
                         freqs: self.shard.rope_freqs.as_deref().map(Vec::as_slice),
+                        layer_idx,
+                        rank_idx: self.idx,
                     };
                     dsa.keys(ctx, &hy, &h, q_in, &mut cache.idx_k, &mut self.dsa_prev, &mut taps)
                 });

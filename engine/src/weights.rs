@@ -22,8 +22,10 @@
 //! kv_b is reassembled from `attn_k_b` (ne `[nope, kv_lora, H]`, k_b stored transposed per head)
 //! and `attn_v_b` (ne `[kv_lora, v, H]`): `kv_b = cat([k_bᵀ, v_b], dim=1).reshape(H·(nope+v), kv_lora)`,
 //! then sharded by head. The loader faults (`kv-b-unsharded`, `kv-b-shard-swap`,
-//! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`) live here as the alternative
-//! paths they are in a real loader.
+//! `k-b-untransposed`, `dequant-q4k-scale-min`, `moe-gate-rounded`, and the DSA indexer's
+//! `indexer-wrong-layer`, `indexer-wrong-dtype`, `indexer-raw-quant`) live here as the
+//! alternative paths they are in a real loader. The indexer's three matrices are weight taps
+//! (`w.idx_q_b`, `w.idx_k`, `w.idx_proj`), replicated like the indexer.
 //!
 //! The GQA families' extras ([`GqaExtras`]): q/k/v biases (qwen2, glm4moe) are column-parallel,
 //! sliced with their weight's rows; per-head q/k norms (qwen3, qwen3moe, gemma3) and gemma's
@@ -233,6 +235,13 @@ impl LayerShard {
                 v.extend([(WeightKind::KvA, kv_a), (WeightKind::KvB, kv_b)]);
             }
         }
+        if let AttnShard::Mla { indexer: Some(ix), .. } = &self.attn {
+            v.extend([
+                (WeightKind::IdxQB, &ix.q_b),
+                (WeightKind::IdxK, &ix.k),
+                (WeightKind::IdxProj, &ix.proj),
+            ]);
+        }
         v.push((WeightKind::O, &self.o));
         match &self.ffn {
             FfnShard::Dense(m) => v.extend([
@@ -303,6 +312,30 @@ pub fn round_fp8_e4m3(x: f32) -> f32 {
     let e = a.log2().floor().max(-6.0);
     let quantum = (e - 3.0).exp2();
     ((a / quantum).round_ties_even() * quantum).min(448.0).copysign(x)
+}
+
+/// The layer whose DSA indexer `indexer-wrong-layer` loads in place of layer `layer_idx`'s: the
+/// nearest other layer with an indexer of its own (the earlier one on a tie), `None` when there
+/// is none.
+pub fn indexer_stand_in(c: &ModelConfig, layer_idx: usize) -> Option<usize> {
+    let ix = c.indexer.as_ref()?;
+    let full = |l: usize| ix.full.get(l).copied().unwrap_or(true);
+    let n = ix.full.len().max(c.n_layers);
+    (1..n).find_map(|dist| {
+        [layer_idx.checked_sub(dist), Some(layer_idx + dist).filter(|&l| l < n)]
+            .into_iter()
+            .flatten()
+            .find(|&l| full(l))
+    })
+}
+
+/// The indexer weight of layer `layer_idx` that `indexer-wrong-dtype` decodes as the other
+/// 16-bit float: the first of `attn_k`, `proj`, `attn_q_b` stored F16 or BF16, if any.
+pub fn indexer_float_weight(file: &GgufFile, layer_idx: usize) -> Option<&'static str> {
+    ["attn_k", "proj", "attn_q_b"].into_iter().find(|w| {
+        file.tensor(&format!("blk.{layer_idx}.indexer.{w}.weight"))
+            .is_some_and(|t| matches!(t.ty, GgmlType::F16 | GgmlType::BF16))
+    })
 }
 
 /// Replicated tensors by (name, faulty-Q4_K decode).
@@ -776,7 +809,7 @@ impl<'a> Loader<'a> {
                     kv_a_norm,
                     kv_b,
                     kv_b_rows_used: h_r * (m.qk_nope + m.v_head_dim),
-                    indexer: self.indexer(layer_idx, bad)?,
+                    indexer: self.indexer(layer_idx, rank_idx, bad)?,
                 };
                 let vw = h * m.v_head_dim;
                 (
@@ -807,8 +840,11 @@ impl<'a> Loader<'a> {
     }
 
     /// Layer `layer_idx`'s DSA indexer, replicated: `None` without one (deepseek2) or on a
-    /// `shared` indexer layer.
-    fn indexer(&self, layer_idx: usize, bad: bool) -> Result<Option<IndexerShard>, EngineError> {
+    /// `shared` indexer layer. The loader's indexer faults on rank `rank_idx`: the tensors of
+    /// another layer (`indexer-wrong-layer`), its 16-bit float weight decoded as the other one
+    /// (`indexer-wrong-dtype`, [`indexer_float_weight`]), `proj`'s Q8_0 integers without their
+    /// scales (`indexer-raw-quant`).
+    fn indexer(&self, layer_idx: usize, rank_idx: usize, bad: bool) -> Result<Option<IndexerShard>, EngineError> {
         let c = self.config;
         let Some(ix) = c
             .indexer
@@ -823,16 +859,69 @@ impl<'a> Loader<'a> {
             .and_then(|m| m.q_lora_rank)
             .ok_or_else(|| EngineError::Unsupported("the DSA indexer needs q_a (q_lora_rank)".into()))?;
         let (d, h, dh) = (c.d_model, ix.n_heads, ix.head_dim);
-        let b = |s: &str| format!("blk.{layer_idx}.indexer.{s}");
+        let active = |f: Fault| self.faults.active(f, layer_idx, rank_idx);
+        let src = match indexer_stand_in(c, layer_idx) {
+            Some(other) if active(Fault::IndexerWrongLayer) => other,
+            _ => layer_idx,
+        };
+        let b = |s: &str| format!("blk.{src}.indexer.{s}");
+        let misread = active(Fault::IndexerWrongDtype)
+            .then(|| indexer_float_weight(self.file, src))
+            .flatten();
+        let load = |w: &str, n_in: usize, n_out: usize| {
+            if misread == Some(w) {
+                self.misread_float(&b(&format!("{w}.weight")), n_in, n_out)
+            } else {
+                self.replicated_linear(&b(&format!("{w}.weight")), n_in, n_out, bad)
+            }
+        };
+        let k = load("attn_k", d, dh)?;
+        let proj = if active(Fault::IndexerRawQuant) {
+            self.raw_q8_0(&b("proj.weight"), d, h)?
+        } else {
+            load("proj", d, h)?
+        };
         Ok(Some(IndexerShard {
-            q_b: self.replicated_linear(&b("attn_q_b.weight"), ql, h * dh, bad)?,
-            k: self.replicated_linear(&b("attn_k.weight"), d, dh, bad)?,
+            q_b: load("attn_q_b", ql, h * dh)?,
+            k,
             k_norm: (
                 self.replicated(&b("k_norm.weight"), &[dh], false)?,
                 self.replicated(&b("k_norm.bias"), &[dh], false)?,
             ),
-            proj: self.replicated_linear(&b("proj.weight"), d, h, bad)?,
+            proj,
         }))
+    }
+
+    /// `indexer-wrong-dtype`: an F16 weight `[n_out, n_in]` decoded as BF16, or a BF16 one as
+    /// F16 (any other type is read as it is: `check_fault` refuses the fault there).
+    fn misread_float(&self, name: &str, n_in: usize, n_out: usize) -> Result<Linear, EngineError> {
+        let t = self.checked(name, &[n_in, n_out])?;
+        let as_ty = match t.ty {
+            GgmlType::F16 => GgmlType::BF16,
+            GgmlType::BF16 => GgmlType::F16,
+            _ => return self.replicated_linear(name, n_in, n_out, false),
+        };
+        let mut out = vec![0f32; n_in * n_out];
+        self.dequant(name, as_ty, self.file.tensor_data(t), &mut out, false, false)?;
+        Ok(Linear::f32(n_out, n_in, out))
+    }
+
+    /// `indexer-raw-quant`: a Q8_0 weight `[n_out, n_in]` as its blocks' int8 values, the block
+    /// scales never applied (any other type is read as it is: `check_fault` refuses the fault
+    /// there).
+    fn raw_q8_0(&self, name: &str, n_in: usize, n_out: usize) -> Result<Linear, EngineError> {
+        let t = self.checked(name, &[n_in, n_out])?;
+        if t.ty != GgmlType::Q8_0 {
+            return self.replicated_linear(name, n_in, n_out, false);
+        }
+        let mut out = vec![0f32; n_in * n_out];
+        if !crate::fault_dequant::q8_0_raw_ints(self.file.tensor_data(t), &mut out) {
+            return Err(EngineError::Dequant {
+                name: name.to_string(),
+                msg: "Q8_0 data is not whole blocks".into(),
+            });
+        }
+        Ok(Linear::f32(n_out, n_in, out))
     }
 
     /// Layer `layer_idx`'s [`GqaExtras`] on rank `rank_idx`: the biases and q/k norms where the

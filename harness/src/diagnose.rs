@@ -5,14 +5,18 @@
 //! value belongs), `stale-output` (a buffer from an earlier op or step), `routing-flip` (MoE
 //! experts chosen differently), `kv-cache` (a decode step's KV cache slot holds the wrong entry), `head-permutation` (heads in the wrong order), `transposed-weight`,
 //! `scale-mismatch` (a constant factor off), `rope` (positions rotated wrongly), `precision`
-//! (small relative error, cosine near 1), `dequantization` (a quantized weight decoded wrongly)
-//! and `unknown`. Checks run from the most specific evidence to the least;
+//! (small relative error, cosine near 1), `dequantization` (a weight decoded wrongly: a wrong
+//! dequantizer, a quantized weight's integers without their scales, a 16-bit float read as the
+//! other one), `wrong-layer` (a weight loaded from another layer's tensors), `selection-mismatch`
+//! (a DSA indexer's keys the scores rule out) and `unknown`. A decode step's DSA indexer scoring
+//! its own key from a stale key-cache slot is `kv-cache` too. Checks run from the most specific evidence to the least;
 //! the first that holds decides, and `unknown` is said rather than a confident guess.
 
 use crate::compare::ActDtype;
 use crate::compare::{cosine, metrics};
 use crate::slice::{engine_full, reference_slice, Store};
 use references::config::ModelConfig;
+use references::forward::Reference;
 use references::tap::{rank_columns, Site, TapKey, WeightKind};
 use reports::{Diagnosis, HeadProfile, TapRow};
 
@@ -33,6 +37,9 @@ pub struct DiagContext<'a> {
     pub head_profile: Option<&'a HeadProfile>,
     /// The candidate's compute dtype.
     pub dtype: ActDtype,
+    /// The reference, for the weights of other layers (a weight loaded from the wrong layer);
+    /// `None` where there is none to ask.
+    pub reference: Option<&'a Reference<'a>>,
 }
 
 impl DiagContext<'_> {
@@ -87,6 +94,18 @@ fn config_drift(a: &ModelConfig, b: &ModelConfig) -> Vec<String> {
     };
     check("moe routing", format!("{:?}", rest(a)), format!("{:?}", rest(b)));
     check("mla", format!("{:?}", a.mla), format!("{:?}", b.mla));
+    let top_k = |c: &ModelConfig| c.indexer.as_ref().map_or("none".to_string(), |ix| ix.top_k.to_string());
+    check("indexer top_k", top_k(a), top_k(b));
+    let layout = |c: &ModelConfig| {
+        c.indexer.as_ref().map_or("none", |ix| {
+            if ix.rope_neox {
+                "NEOX halves"
+            } else {
+                "interleaved pairs"
+            }
+        })
+    };
+    check("indexer rope layout", layout(a).into(), layout(b).into());
     check("yarn", format!("{:?}", a.yarn), format!("{:?}", b.yarn));
     out
 }
@@ -165,6 +184,11 @@ pub fn diagnose(ctx: &DiagContext, key: &TapKey, row: &TapRow) -> Diagnosis {
                 e.data[idx]
             ),
         );
+    }
+    if key.site == Site::IndexerScore {
+        if let Some(d) = indexer_cache(ctx, key, &e.data, &want, e.shape[1], row.threshold) {
+            return d;
+        }
     }
     if matches!(key.site, Site::KvCacheK | Site::KvCacheV) {
         return kv_cache(ctx, key, &e.data, &want, e.shape[1], row.threshold);
@@ -406,6 +430,15 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
             ),
         );
     }
+    if let Some(d) = other_layer(ctx, key, kind, eng) {
+        return d;
+    }
+    if let Some(d) = raw_blocks(key, eng, &want, shape[1]) {
+        return d;
+    }
+    if let Some(d) = other_float(key, eng, &want) {
+        return d;
+    }
     let ratio = scale_ratio(eng, &want);
     if let Some(s) = ratio.filter(|s| (s - 1.0).abs() > 1e-3) {
         return found(
@@ -438,6 +471,156 @@ fn weight_diagnosis(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f3
         "high",
         format!("{key}: the engine's dequantized values differ from the reference's on the same bytes (rel_l2 {rel:.2e}, cosine {cos:.3}){ty}: the engine's dequantizer for this type is wrong"),
     )
+}
+
+/// The weight equals the reference's weight of the same kind in another layer (this rank's part
+/// of it): the loader read that layer's tensors. The nearest layers are tried first (at most 16).
+fn other_layer(ctx: &DiagContext, key: &TapKey, kind: WeightKind, eng: &[f32]) -> Option<Diagnosis> {
+    let (reference, layer) = (ctx.reference?, key.layer? as usize);
+    let n = ctx.config.n_layers;
+    let mut order: Vec<usize> = (0..n).filter(|&l| l != layer).collect();
+    order.sort_by_key(|&l| (l.abs_diff(layer), l));
+    for l in order.into_iter().take(16) {
+        let Ok(Some(w)) = reference.weight(l, kind) else {
+            continue;
+        };
+        if w.rows * w.cols < eng.len() {
+            continue;
+        }
+        let other_key = TapKey {
+            layer: Some(l as u32),
+            ..*key
+        };
+        let full = crate::capture::Captured::whole(other_key.unranked(), [w.rows, w.cols], w.to_f32());
+        let theirs = reference_slice(ctx.config, ctx.tp, &other_key, &full);
+        // Below f32 the loader rounds float weights to the compute dtype: equal up to that.
+        let tol = (2.0 * ctx.dtype.unit_roundoff()).max(1e-6);
+        let rel = (theirs.len() == eng.len()).then(|| metrics(eng, &theirs).rel_l2);
+        if let Some(rel) = rel.filter(|&r| r < tol) {
+            let on = key.rank.map_or(String::new(), |r| format!(" on rank {r}"));
+            return Some(found(
+                "wrong-layer",
+                "high",
+                format!(
+                    "{key} is the reference's {} (rel_l2 {rel:.1e}), not its own layer's: the loader read layer {l}'s tensors for layer {layer}{on} (a layer index slip)",
+                    TapKey::layer(l, key.site)
+                ),
+            ));
+        }
+    }
+    None
+}
+
+/// Every value is an integer in [−127, 127] and each block of 32 along a row is the reference's
+/// block times its own factor: a quantized weight's integers used without their block scales
+/// (Q8_0 blocks handed un-dequantized to a layer that expects float weights).
+fn raw_blocks(key: &TapKey, eng: &[f32], want: &[f32], cols: usize) -> Option<Diagnosis> {
+    const BLOCK: usize = 32;
+    let ints = eng.iter().all(|&x| x.fract() == 0.0 && x.abs() <= 127.0);
+    if !ints || !cols.is_multiple_of(BLOCK) || eng.iter().all(|&x| x == 0.0) || want.iter().all(|&x| x.fract() == 0.0) {
+        return None;
+    }
+    let mut factors = Vec::new();
+    for (e, w) in eng.chunks(BLOCK).zip(want.chunks(BLOCK)) {
+        if w.iter().all(|&x| x == 0.0) {
+            if e.iter().any(|&x| x != 0.0) {
+                return None;
+            }
+            continue;
+        }
+        let s = scale_ratio(e, w)?;
+        factors.push(s);
+    }
+    factors.sort_by(f64::total_cmp);
+    let (lo, hi) = (*factors.first()?, *factors.last()?);
+    Some(found(
+        "dequantization",
+        "high",
+        format!(
+            "{key} holds integers in [−127, 127], each block of {BLOCK} the reference's block times its own factor ({lo:.3e} to {hi:.3e} over {} blocks): the quantized blocks' integers were used without their block scales (Q8_0 handed un-dequantized to a layer built for float weights)",
+            factors.len()
+        ),
+    ))
+}
+
+/// The weight is the reference's 16-bit float values with their bits read as the other 16-bit
+/// float (F16 bits decoded as BF16, or BF16 as F16): a dtype slip in the loader.
+fn other_float(key: &TapKey, eng: &[f32], want: &[f32]) -> Option<Diagnosis> {
+    use half::{bf16, f16};
+    let f16_as_bf16 = |w: f32| {
+        let h = f16::from_f32(w);
+        (h.to_f32() == w).then(|| bf16::from_bits(h.to_bits()).to_f32())
+    };
+    let bf16_as_f16 = |w: f32| {
+        let b = bf16::from_f32(w);
+        (b.to_f32() == w).then(|| f16::from_bits(b.to_bits()).to_f32())
+    };
+    let same = |a: f32, b: Option<f32>| b.is_some_and(|b| a == b || (a.is_nan() && b.is_nan()));
+    let differs = eng.iter().zip(want).any(|(a, b)| a != b);
+    let (stored, read) = if !differs {
+        return None;
+    } else if eng.iter().zip(want).all(|(&a, &w)| same(a, f16_as_bf16(w))) {
+        ("F16", "BF16")
+    } else if eng.iter().zip(want).all(|(&a, &w)| same(a, bf16_as_f16(w))) {
+        ("BF16", "F16")
+    } else {
+        return None;
+    };
+    Some(found(
+        "dequantization",
+        "high",
+        format!(
+            "every value of {key} is the reference's {stored} value with its 16 bits read as {read}: the loader decoded an {stored} tensor as {read} (a dtype slip)"
+        ),
+    ))
+}
+
+/// A DSA `indexer_score` tap whose decode rows hold, in the entry of the step's own key, exactly
+/// 0 where the reference's is not, every other entry agreeing as well as the prefill rows do:
+/// the step scored its keys before writing its own key to the indexer's key cache (a stale slot
+/// holding zeros).
+fn indexer_cache(
+    ctx: &DiagContext,
+    key: &TapKey,
+    eng: &[f32],
+    want: &[f32],
+    width: usize,
+    threshold: f64,
+) -> Option<Diagnosis> {
+    let (p, n) = (ctx.n_prefill, eng.len() / width.max(1));
+    if p >= n || want.len() != eng.len() || width != n {
+        return None;
+    }
+    // The prefill rows' error is the noise level (end to end: below f32 it can exceed the tap's
+    // threshold while the tap is judged on its local error).
+    let prefill = metrics(&eng[..p * width], &want[..p * width]).rel_l2;
+    // A decode row is stale when its own key's score is exactly 0 where the reference's is not,
+    // while its other keys agree as well as the prefill rows do (within the threshold).
+    let noise = threshold.max(2.0 * prefill);
+    let mut stale = Vec::new();
+    for t in p..n {
+        let (e, w) = (&eng[t * width..t * width + t], &want[t * width..t * width + t]);
+        let (own_e, own_w) = (eng[t * width + t], want[t * width + t]);
+        let others = if t == 0 { 0.0 } else { metrics(e, w).rel_l2 };
+        if others > noise {
+            return None;
+        }
+        if own_e == 0.0 && own_w != 0.0 {
+            stale.push(t);
+        } else if (own_e - own_w).abs() as f64 > noise * own_w.abs().max(f32::MIN_POSITIVE) as f64 {
+            return None;
+        }
+    }
+    let first = *stale.first()?;
+    Some(found(
+        "kv-cache",
+        "high",
+        format!(
+            "at the decode step of position {first}, {key} scores the step's own key 0 where the reference scores {:.3e}; every other key's score agrees, and so do the {p} prefill rows (decode positions {} differ the same way): the step read the indexer's key cache before writing its own key to slot {first} (a stale slot holding zeros), so the indexer's cache write/read order is wrong",
+            want[first * width + first],
+            ranges(&stale)
+        ),
+    ))
 }
 
 /// "N of M tokens route to different experts" at the layer's moe_topk, if any flipped.

@@ -83,6 +83,10 @@ struct Comparator<'a> {
     ref_keys: Vec<TapKey>,
     /// Taps whose size differs from the reference's slice, as `key: engine [r, w] vs n values`.
     shape_errors: Vec<String>,
+    /// The candidate's DSA indexer scores in its activations' dtype (the engine without
+    /// `--indexer-fp8`): its `indexer_score` is held to that dtype's bound, not fp8's. False for
+    /// a foreign dump, whose indexer may score in fp8.
+    indexer_exact: bool,
     /// The last `full` DSA indexer layer's scores the selection rule read (a `shared` layer
     /// reuses them), and whether they were replayed on the candidate's inputs.
     indexer_scores: Option<(usize, Rc<Vec<f32>>, &'static str)>,
@@ -118,6 +122,7 @@ impl<'a> Comparator<'a> {
             indexer_scores: None,
             slices: BTreeMap::new(),
             kept_weights: Default::default(),
+            indexer_exact: false,
         }
     }
 
@@ -507,8 +512,9 @@ impl<'a> Comparator<'a> {
         let all_reduced = tp > 1 && matches!(key.site, Site::AttnProj | Site::FfnOut);
         let rho = rep.rho + if all_reduced { rep.rho_sum } else { 0.0 };
         let tol = &self.plan.tolerances;
-        // Production indexers score in fp8 whatever the activations' dtype.
-        let bound_dtype = if key.site == Site::IndexerScore {
+        // Production indexers score in fp8 whatever the activations' dtype (the engine only
+        // with --indexer-fp8).
+        let bound_dtype = if key.site == Site::IndexerScore && !self.indexer_exact {
             ActDtype::Fp8E4m3
         } else {
             self.dtype
@@ -753,6 +759,8 @@ pub fn run_diff_range(plan: &DiffPlan, range: &LayerRange) -> anyhow::Result<Dif
 
 fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerRange>) -> anyhow::Result<DiffRun> {
     let t0 = Instant::now();
+    // A fault that does not apply is refused before the reference runs.
+    engine::check_faults(engine_file, &plan.engine)?;
     let reference = truncated_reference(plan, range)?;
     if range.is_some() && plan.decode_steps > 0 {
         bail!("--decode-steps with --layers is not supported: the range's K/V cache would need the prefill from its first layer; diff the prefill");
@@ -785,6 +793,7 @@ fn run_diff_inner(plan: &DiffPlan, engine_file: &GgufFile, range: Option<&LayerR
             )
         })?;
     let mut cmp = Comparator::new(plan, &config, &reference, dtype);
+    cmp.indexer_exact = !plan.engine.indexer_fp8;
     let sampling = weight_sampling(plan, &config);
     let (e, r, d) = lockstep(
         &sampling,
@@ -1047,6 +1056,7 @@ fn finish(plan: &DiffPlan, reference: &Reference, mut cmp: Comparator, sides: Si
                 n_prefill: sides.n_prefill,
                 head_profile: head_profile.as_ref(),
                 dtype,
+                reference: Some(reference),
             };
             let mut row = rows
                 .iter()

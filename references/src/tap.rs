@@ -89,10 +89,16 @@ pub enum WeightKind {
     Up,
     Down,
     Router,
+    /// The DSA indexer's `indexer.attn_q_b` `[H·D, q_lora]` (replicated).
+    IdxQB,
+    /// The DSA indexer's `indexer.attn_k` `[D, d]` (replicated).
+    IdxK,
+    /// The DSA indexer's `indexer.proj` (vLLM's `weights_proj`) `[H, d]` (replicated).
+    IdxProj,
 }
 
 impl WeightKind {
-    pub const ALL: [WeightKind; 12] = [
+    pub const ALL: [WeightKind; 15] = [
         WeightKind::Q,
         WeightKind::K,
         WeightKind::V,
@@ -105,6 +111,9 @@ impl WeightKind {
         WeightKind::Up,
         WeightKind::Down,
         WeightKind::Router,
+        WeightKind::IdxQB,
+        WeightKind::IdxK,
+        WeightKind::IdxProj,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -120,6 +129,9 @@ impl WeightKind {
             WeightKind::Up => "up",
             WeightKind::Down => "down",
             WeightKind::Router => "router",
+            WeightKind::IdxQB => "idx_q_b",
+            WeightKind::IdxK => "idx_k",
+            WeightKind::IdxProj => "idx_proj",
         }
     }
 }

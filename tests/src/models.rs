@@ -124,3 +124,32 @@ pub fn with_rows_changed(
     gw.finish().unwrap();
     GgufFile::open(path).unwrap()
 }
+
+/// `src` written to `path` with the F32 tensors `retype` names re-encoded in the type it gives
+/// (`references::quant::quantize`; every other tensor copied byte for byte): an engine's copy
+/// with, say, a Q8_0 or F16 weight where the fixture has F32.
+pub fn with_types(src: &GgufFile, path: &Path, retype: impl Fn(&str) -> Option<GgmlType>) -> GgufFile {
+    let new_ty = |t: &references::TensorInfo| retype(&t.name).filter(|_| t.ty == GgmlType::F32);
+    let specs = src
+        .tensors()
+        .iter()
+        .map(|t| TensorSpec::new(&t.name, new_ty(t).unwrap_or(t.ty), &t.ne))
+        .collect();
+    let w = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    let mut gw = GgufWriter::new(w, src.metadata(), specs).unwrap();
+    for t in src.tensors() {
+        let bytes = src.tensor_data(t);
+        match new_ty(t) {
+            Some(ty) => {
+                let x: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                gw.write_tensor(&references::quant::quantize(ty, &x).unwrap()).unwrap();
+            }
+            None => gw.write_tensor(bytes).unwrap(),
+        }
+    }
+    gw.finish().unwrap();
+    GgufFile::open(path).unwrap()
+}

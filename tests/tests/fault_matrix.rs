@@ -62,6 +62,17 @@ fn weight_tensors(c: &ModelConfig, layer: usize) -> Vec<(&'static str, Vec<Strin
             ("w.down", vec![b("ffn_down")]),
         ]);
     }
+    if c.indexer
+        .as_ref()
+        .is_some_and(|ix| ix.full.get(layer).copied().unwrap_or(true))
+    {
+        let ix = |s: &str| format!("blk.{layer}.indexer.{s}.weight");
+        v.extend([
+            ("w.idx_q_b", vec![ix("attn_q_b")]),
+            ("w.idx_k", vec![ix("attn_k")]),
+            ("w.idx_proj", vec![ix("proj")]),
+        ]);
+    }
     v
 }
 
@@ -108,8 +119,9 @@ fn expect(m: &Model, s: &FaultSpec, tp: usize) -> Expect {
         // Classified routing-flip when an expert choice flipped, else precision (checked below).
         Fault::MoeGateRounded => (one("w.router"), rank, vec!["routing-flip", "precision"]),
         Fault::StaleAttnOut => (one("attn_out"), rank, vec!["stale-output"]),
+        // On a DSA layer the drifted rope base reaches the indexer's scores before q.
         Fault::ConfigDrift => (
-            vec!["attn_norm".into(), "q_a".into(), "q".into()],
+            vec!["attn_norm".into(), "q_a".into(), "indexer_score".into(), "q".into()],
             rank,
             vec!["config-drift"],
         ),
@@ -117,6 +129,23 @@ fn expect(m: &Model, s: &FaultSpec, tp: usize) -> Expect {
         // tapped: "unknown" at attn_out, with the decode-only evidence.
         Fault::KvSlotOffByOne if m.config.mla.is_none() => (one("kv_cache_k"), rank, vec!["kv-cache"]),
         Fault::KvSlotOffByOne => (one("attn_out"), rank, vec!["unknown"]),
+        // The DSA indexer's loader faults show at its weight taps on the rank they hit; its
+        // config drifts at the rank's first indexer tap, named by the engine's config; the stale
+        // key cache at a decode step's scores.
+        Fault::IndexerRawQuant => (one("w.idx_proj"), rank, vec!["dequantization"]),
+        Fault::IndexerWrongDtype => {
+            let w = engine::indexer_float_weight(&m.file, layer).expect("an F16/BF16 indexer weight");
+            let site = match w {
+                "attn_k" => "w.idx_k",
+                "proj" => "w.idx_proj",
+                _ => "w.idx_q_b",
+            };
+            (one(site), rank, vec!["dequantization"])
+        }
+        Fault::IndexerWrongLayer => (one("w.idx_q_b"), rank, vec!["wrong-layer"]),
+        Fault::IndexerTopkDrift => (one("indexer_topk"), rank, vec!["config-drift"]),
+        Fault::IndexerRopeDrift => (one("indexer_score"), rank, vec!["config-drift"]),
+        Fault::IndexerStaleCache => (one("indexer_score"), rank, vec!["kv-cache"]),
     };
     Expect { sites, rank, classes }
 }
@@ -181,7 +210,7 @@ fn every_fault_is_localized_and_classified() {
             } else {
                 &m.file
             };
-            let decode_steps = if fault == Fault::KvSlotOffByOne {
+            let decode_steps = if matches!(fault, Fault::KvSlotOffByOne | Fault::IndexerStaleCache) {
                 DECODE_STEPS
             } else {
                 0
@@ -237,7 +266,7 @@ fn every_fault_is_localized_and_classified() {
                             classes = vec![if flipped { "routing-flip" } else { "precision" }];
                         }
                         let mut class_ok = classes.contains(&diag.class.as_str());
-                        if fault == Fault::KvSlotOffByOne {
+                        if matches!(fault, Fault::KvSlotOffByOne | Fault::IndexerStaleCache) {
                             class_ok &= diag.explanation.contains("decode");
                         }
                         tally.classes.insert(diag.class.clone());

@@ -20,8 +20,8 @@
 //! A glm-dsa `shared` layer (GGUF `attention.indexer.types` false) has no indexer tensors and
 //! reuses the previous `full` layer's selection.
 
-use super::{emit, linear, ops, ForwardError, Reference};
-use crate::tap::{Site, Tap, TapKey};
+use super::{emit, emit_weight, linear, ops, ForwardError, Reference};
+use crate::tap::{Site, Tap, TapKey, WeightKind};
 
 /// The selection carried from a `full` indexer layer to the `shared` layers after it.
 #[derive(Default)]
@@ -223,6 +223,12 @@ pub(super) fn select(
     let c = &r.config;
     let ix = c.indexer.as_ref().expect("a DSA model has an indexer");
     let sel = if ix.full.get(l).copied().unwrap_or(true) {
+        // The indexer's weights (w.idx_q_b, w.idx_k, w.idx_proj), as every rank's replica holds them.
+        for kind in [WeightKind::IdxQB, WeightKind::IdxK, WeightKind::IdxProj] {
+            if let Some(w) = r.weight(l, kind)? {
+                emit_weight(tap, l, kind, &w);
+            }
+        }
         let (q, k, w) = indexer_qkw(r, l, x, qr, n)?;
         let scores = index_scores(&q, &k, &w, n, ix.n_heads, ix.head_dim);
         let key = TapKey::layer(l, Site::IndexerScore);

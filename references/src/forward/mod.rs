@@ -357,6 +357,9 @@ impl<'a> Reference<'a> {
             WeightKind::Up => "ffn_up",
             WeightKind::Down => "ffn_down",
             WeightKind::Router => "ffn_gate_inp",
+            WeightKind::IdxQB => "indexer.attn_q_b",
+            WeightKind::IdxK => "indexer.attn_k",
+            WeightKind::IdxProj => "indexer.proj",
             WeightKind::KvB => {
                 let c = &self.config;
                 let Some(m) = c.mla.as_ref() else { return Ok(None) };
