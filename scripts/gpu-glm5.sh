@@ -110,5 +110,5 @@ if on one; then
     echo "  $n tokens: $($S verdict $W/one$n.json)" | tee -a $LOG
   done
 fi
-column -t $RUNS >>$LOG 2>/dev/null
+column -t $RUNS 2>/dev/null | tee -a $LOG
 say "done"

@@ -4,7 +4,7 @@
 //! 17+ tokens against indexer top_k 4 (deepseek32) and 3 (glm-dsa, with `shared` indexer layers),
 //! so the sparse selection decides the attention; HF on the same weights with top_k above the
 //! sequence (`dense_positions`) shows the difference is the selection. Also: the indexer taps,
-//! the selection rule on the reference's own taps, and the engine's one-line refusal.
+//! the selection rule on the reference's own taps, and the TP engine (CPU, TP 2) against HF too.
 
 use harness::logprobs::log_softmax;
 use harness::selection::{compare_taps, Rule};
@@ -17,12 +17,17 @@ use serde_json::Value;
 /// Worst |Δlogprob| over HF's top-50 and top-1 agreement, against `field` of the golden file,
 /// with the indexer's top_k replaced by `top_k` when given.
 fn compare(model: &str, golden_file: &str, field: &str, top_k: Option<usize>) -> (f64, usize, usize) {
-    let doc: Value = serde_json::from_str(&std::fs::read_to_string(golden(golden_file)).unwrap()).unwrap();
     let file = GgufFile::open(golden(model)).unwrap();
     let mut r = Reference::new(&file).unwrap();
     if let Some(k) = top_k {
         r.config.indexer.as_mut().unwrap().top_k = k;
     }
+    compare_with(golden_file, field, |tokens| r.forward(tokens, &mut NoTap).unwrap())
+}
+
+/// [`compare`] for any forward pass `forward` (every position's logits).
+fn compare_with(golden_file: &str, field: &str, mut forward: impl FnMut(&[u32]) -> Vec<f32>) -> (f64, usize, usize) {
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(golden(golden_file)).unwrap()).unwrap();
     let (mut worst, mut same_top1, mut n_pos) = (0f64, 0, 0);
     for case in doc["cases"].as_array().unwrap() {
         let tokens: Vec<u32> = case["tokens"]
@@ -31,7 +36,7 @@ fn compare(model: &str, golden_file: &str, field: &str, top_k: Option<usize>) ->
             .iter()
             .map(|t| t.as_u64().unwrap() as u32)
             .collect();
-        let logits = r.forward(&tokens, &mut NoTap).unwrap();
+        let logits = forward(&tokens);
         let vocab = logits.len() / tokens.len();
         for (row, pos) in logits.chunks(vocab).zip(case[field].as_array().unwrap()) {
             let lp = log_softmax(row);
@@ -138,14 +143,21 @@ fn indexer_taps_and_the_selection_rule_on_them() {
 }
 
 #[test]
-fn the_engine_refuses_dsa_models_in_one_line_naming_what_works() {
-    let f = GgufFile::open(golden("glm-dsa-tiny.f32.gguf")).unwrap();
-    let err = match engine::engine::Engine::load(&f, engine::engine::EngineOptions::default()) {
-        Ok(_) => panic!("the engine loaded a glm-dsa model"),
-        Err(e) => e.to_string(),
-    };
-    assert!(!err.contains('\n'), "{err}");
-    for needle in ["glm-dsa", "--backend reference", "--candidate", "entropy --server"] {
-        assert!(err.contains(needle), "{err}");
+fn the_tp_engine_matches_hf_on_both_families() {
+    for name in ["glm-dsa", "deepseek32"] {
+        let f = GgufFile::open(golden(&format!("{name}-tiny.f32.gguf"))).unwrap();
+        let opts = engine::EngineOptions {
+            tp: 2,
+            ..engine::EngineOptions::default()
+        };
+        let mut e = engine::Engine::load(&f, opts).unwrap();
+        let json = format!("hf-{name}-tiny.json");
+        let (worst, same, n) = compare_with(&json, "positions", |t| e.prefill(t, &mut NoTap).unwrap());
+        eprintln!(
+            "{name} tiny, engine cpu TP 2 vs HF fp32: worst |dlogprob| {worst:.2e} over top-50, top-1 {same}/{n}"
+        );
+        assert!(n >= 16, "{n} positions");
+        assert_eq!(same, n, "{name}: top-1 agreement");
+        assert!(worst <= 2e-3, "{name}: worst |dlogprob| {worst}");
     }
 }

@@ -20,6 +20,8 @@ impl Model {
 
 pub fn spec(name: &str, weight_type: GgmlType, edit: impl FnOnce(&mut SynthSpec)) -> SynthSpec {
     let mut s = preset(name).unwrap_or_else(|| panic!("no preset {name}"));
+    // Every weight in `weight_type`, as `synth --quant` does (a preset's own mix dropped).
+    s.more_bits = None;
     s.weight_type = weight_type;
     if weight_type != GgmlType::Q8_0 {
         s.embd_type = weight_type;
