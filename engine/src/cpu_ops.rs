@@ -462,29 +462,46 @@ pub struct MlaShape {
 /// Causal MLA attention. `q` `[n, H·(nope+rope)]` per head `[q_nope | q_pe]`; caches `k_nope`
 /// `[T, H·nope]`, `k_pe` `[T, rope]` (shared by all heads), `v` `[T, H·v]`. Writes `out` `[n, H·v]`.
 pub fn mla_attention(q: &[f32], k_nope: &[f32], k_pe: &[f32], v: &[f32], pos0: usize, s: MlaShape, out: &mut [f32]) {
+    out.par_chunks_mut(s.v_dim).enumerate().for_each(|(slot_idx, o)| {
+        let keys = 0..pos0 + slot_idx / s.n_heads + 1;
+        mla_slot(q, k_nope, k_pe, v, s, slot_idx, keys, o);
+    });
+}
+
+/// One (token, head) slot of MLA attention (`slot_idx` = token·H + head) over the cache rows
+/// `keys`, in their order, into `o` `[v]`: causal attention reads rows `0..=p`, the DSA's sparse
+/// attention its selected rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn mla_slot(
+    q: &[f32],
+    k_nope: &[f32],
+    k_pe: &[f32],
+    v: &[f32],
+    s: MlaShape,
+    slot_idx: usize,
+    keys: impl Iterator<Item = usize> + Clone,
+    o: &mut [f32],
+) {
     let qw = s.nope + s.rope;
     let (kw, vw) = (s.n_heads * s.nope, s.n_heads * s.v_dim);
-    out.par_chunks_mut(s.v_dim).enumerate().for_each(|(slot_idx, o)| {
-        let (tok_idx, head_idx) = (slot_idx / s.n_heads, slot_idx % s.n_heads);
-        let qh = &q[slot_idx * qw..(slot_idx + 1) * qw];
-        let (q_nope, q_pe) = qh.split_at(s.nope);
-        let n_ctx = pos0 + tok_idx + 1;
-        let mut p: Vec<f32> = (0..n_ctx)
-            .map(|j| {
-                let kn = &k_nope[j * kw + head_idx * s.nope..j * kw + (head_idx + 1) * s.nope];
-                let kp = &k_pe[j * s.rope..(j + 1) * s.rope];
-                (dot(q_nope, kn) + dot(q_pe, kp)) * s.scale
-            })
-            .collect();
-        softmax(&mut p);
-        o.fill(0.0);
-        for (j, &pj) in p.iter().enumerate() {
-            let vr = &v[j * vw + head_idx * s.v_dim..j * vw + (head_idx + 1) * s.v_dim];
-            for (a, &b) in o.iter_mut().zip(vr) {
-                *a += pj * b;
-            }
+    let head_idx = slot_idx % s.n_heads;
+    let (q_nope, q_pe) = q[slot_idx * qw..(slot_idx + 1) * qw].split_at(s.nope);
+    let mut p: Vec<f32> = keys
+        .clone()
+        .map(|j| {
+            let kn = &k_nope[j * kw + head_idx * s.nope..j * kw + (head_idx + 1) * s.nope];
+            let kp = &k_pe[j * s.rope..(j + 1) * s.rope];
+            (dot(q_nope, kn) + dot(q_pe, kp)) * s.scale
+        })
+        .collect();
+    softmax(&mut p);
+    o.fill(0.0);
+    for (j, &pj) in keys.zip(&p) {
+        let vr = &v[j * vw + head_idx * s.v_dim..j * vw + (head_idx + 1) * s.v_dim];
+        for (a, &b) in o.iter_mut().zip(vr) {
+            *a += pj * b;
         }
-    });
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 //! attends to the `top_k` highest-scoring keys (every key while it has at most `top_k`), ties to the
 //! earlier key. The selection is taken on the host from the downloaded scores, like the MoE routes.
 
-use crate::cpu_ops::{dot, softmax, MlaShape};
+use crate::cpu_ops::{dot, mla_slot, MlaShape};
 use crate::weights::round_fp8_e4m3;
 use rayon::prelude::*;
 
@@ -117,33 +117,11 @@ pub fn mla_attention_sparse(
     top_k: usize,
     out: &mut [f32],
 ) {
-    let qw = s.nope + s.rope;
-    let (kw, vw) = (s.n_heads * s.nope, s.n_heads * s.v_dim);
     out.par_chunks_mut(s.v_dim).enumerate().for_each(|(slot_idx, o)| {
-        let (tok_idx, head_idx) = (slot_idx / s.n_heads, slot_idx % s.n_heads);
-        let qh = &q[slot_idx * qw..(slot_idx + 1) * qw];
-        let (q_nope, q_pe) = qh.split_at(s.nope);
-        let sel: Vec<usize> = keys[tok_idx * top_k..(tok_idx + 1) * top_k]
-            .iter()
-            .filter(|&&j| j >= 0.0)
-            .map(|&j| j as usize)
-            .collect();
-        let mut p: Vec<f32> = sel
-            .iter()
-            .map(|&j| {
-                let kn = &k_nope[j * kw + head_idx * s.nope..j * kw + (head_idx + 1) * s.nope];
-                let kp = &k_pe[j * s.rope..(j + 1) * s.rope];
-                (dot(q_nope, kn) + dot(q_pe, kp)) * s.scale
-            })
-            .collect();
-        softmax(&mut p);
-        o.fill(0.0);
-        for (&j, &pj) in sel.iter().zip(&p) {
-            let vr = &v[j * vw + head_idx * s.v_dim..j * vw + (head_idx + 1) * s.v_dim];
-            for (a, &b) in o.iter_mut().zip(vr) {
-                *a += pj * b;
-            }
-        }
+        let t = slot_idx / s.n_heads;
+        let row = &keys[t * top_k..(t + 1) * top_k];
+        let sel = row.iter().filter(|&&j| j >= 0.0).map(|&j| j as usize);
+        mla_slot(q, k_nope, k_pe, v, s, slot_idx, sel, o);
     });
 }
 
